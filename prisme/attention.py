@@ -1,0 +1,190 @@
+"""Attention, norms, rotary embeddings and the preallocated KV cache.
+
+Notation: B batch, C new tokens in this call (a chunk), T_max cache capacity, S keys attended (kv_len),
+nh query heads, nkv key/value heads, hd head dim, d model width.
+
+Positions: `input_pos` is either a shared `[C]` tensor (every row at the same offset: the fast path, written with
+slices) or a per-row `[B, C]` tensor (ragged batches: each row carries its own length). A query at position p sees
+cached keys 0..p of its own row.
+
+Speed: a CPU decode step of a small model is bound by per-call overhead (about 1 µs per aten op and 1.5 µs per
+`nn.Module.__call__`), not by FLOPs. So the backbone describes a chunk once per forward (`CacheStep`: positions,
+start, mask) and every layer reuses it; a shared-offset chunk is written with one `narrow().copy_()` per tensor;
+RoPE rotates q and k together with full-width tables (4 ops); projections are called in functional form.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin `[max_len, head_dim]` in float64, laid out for `apply_rope` (HF Llama's half-split convention).
+
+    With angles `a` `[max_len, hd/2]`: cos = [cos a, cos a] and sin = [-sin a, sin a], so that
+    rope(x) = x * cos + roll(x, hd/2) * sin = [x1 cos a - x2 sin a, x2 cos a + x1 sin a].
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))  # [hd/2]
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)  # [T_max, hd/2]
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)  # [T_max, hd] each
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x `[..., hd]` (e.g. `[B, C, heads, hd]`); cos/sin from `rope_tables`, broadcastable to x (`[C, 1, hd]`)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+
+
+def causal_mask(input_pos: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """Boolean attention mask: query at absolute position p sees keys j <= p.
+
+    input_pos `[C]` -> `[C, kv_len]`; `[B, C]` -> `[B, 1, C, kv_len]`.
+    """
+    keys = torch.arange(kv_len, device=input_pos.device)  # [S]
+    mask = keys <= input_pos.unsqueeze(-1)  # [..., C, S]
+    return mask if input_pos.dim() == 1 else mask.unsqueeze(1)
+
+
+def chunk_positions(lengths: list[int], n_tokens: int, device: torch.device) -> torch.Tensor:
+    """Absolute positions of a new chunk: shared `[C]` if every row has the same length, else `[B, C]`."""
+    if len(set(lengths)) == 1:
+        return torch.arange(lengths[0], lengths[0] + n_tokens, device=device)  # [C]
+    offsets = torch.arange(n_tokens, device=device)  # [C]
+    return torch.tensor(lengths, device=device).unsqueeze(1) + offsets  # [B, C]
+
+
+@dataclass(slots=True)
+class CacheStep:
+    """Where one chunk goes in the cache and what it attends to; built once per forward, shared by all layers."""
+
+    input_pos: torch.Tensor  # [C] shared or [B, C] per row
+    start: int | None  # the shared offset as a host int (slice writes), None for per-row positions
+    valid: torch.Tensor | None  # [B, C]: False marks right padding (not written); None = all real
+    kv_len: int  # keys attended: the first kv_len cached positions
+    mask: torch.Tensor | None  # [C, S] or [B, 1, C, S] bool; None = every query sees all kv_len keys
+
+
+class LayerKVCache:
+    """Preallocated keys/values of one layer, `[B, nkv, T_max, hd]`, written in place by position index."""
+
+    def __init__(self, batch_size: int, n_kv_head: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str | None = None):
+        shape = (batch_size, n_kv_head, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k, v `[B, nkv, C, hd]` at positions start..start+C-1 of every row."""
+        self.k.narrow(2, start, k.shape[2]).copy_(k)
+        self.v.narrow(2, start, v.shape[2]).copy_(v)
+
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               valid: torch.Tensor | None = None) -> None:
+        """Write k, v `[B, nkv, C, hd]` at `input_pos` (`[C]` shared or `[B, C]` per row).
+
+        Entries with `valid[b, c] == False` (right padding of a ragged chunk) are not written.
+        """
+        if input_pos.dim() == 1:
+            if input_pos.numel():
+                self.write(int(input_pos[0]), k, v)
+            return
+        B = k.shape[0]
+        rows = torch.arange(B, device=k.device).unsqueeze(1).expand_as(input_pos)  # [B, C]
+        k_rows, v_rows = k.transpose(1, 2), v.transpose(1, 2)  # [B, C, nkv, hd]
+        if valid is not None:
+            rows, pos, k_rows, v_rows = rows[valid], input_pos[valid], k_rows[valid], v_rows[valid]
+        else:
+            pos = input_pos
+        self.k[rows, :, pos] = k_rows
+        self.v[rows, :, pos] = v_rows
+
+    def reset(self) -> None:
+        self.k.zero_()
+        self.v.zero_()
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+
+class KVCache:
+    """The backbone's decode cache: one `LayerKVCache` per layer plus each row's length (host-side ints)."""
+
+    def __init__(self, n_layer: int, batch_size: int, n_kv_head: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+        self.layers = [LayerKVCache(batch_size, n_kv_head, max_len, head_dim, dtype, device) for _ in range(n_layer)]
+        self.batch_size = batch_size
+        self.max_len = max_len
+        self.lengths = [0] * batch_size
+
+    def reset(self) -> None:
+        """Forget every row's content (lengths to 0; buffers zeroed so stale keys can never leak)."""
+        self.lengths = [0] * self.batch_size
+        for layer in self.layers:
+            layer.reset()
+
+    @property
+    def nbytes(self) -> int:
+        """Exact K/V payload bytes of the preallocated buffers."""
+        return sum(layer.nbytes for layer in self.layers)
+
+    def bytes_per_token(self) -> int:
+        """K/V bytes one position of one row occupies, over all layers."""
+        return self.nbytes // (self.batch_size * self.max_len)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head attention with GQA (llama) or plain MHA with biases (gpt2); fused qkv projection."""
+
+    def __init__(self, d_model: int, n_head: int, n_kv_head: int, bias: bool, use_rope: bool):
+        super().__init__()
+        self.n_head, self.n_kv_head = n_head, n_kv_head
+        self.head_dim = d_model // n_head
+        self.use_rope = use_rope
+        self.wqkv = nn.Linear(d_model, (n_head + 2 * n_kv_head) * self.head_dim, bias=bias)
+        self.wo = nn.Linear(n_head * self.head_dim, d_model, bias=bias)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                cache: LayerKVCache | None = None, step: CacheStep | None = None) -> torch.Tensor:
+        """x `[B, C, d]` -> `[B, C, d]`.
+
+        Args:
+            rope: cos, sin from `rope_tables` at the chunk's positions, `[C, 1, hd]` or `[B, C, 1, hd]`; None = no
+                rotation (gpt2).
+            cache: None for causal attention within x (positions 0..C-1); else k, v are written where `step` says
+                and the queries attend to the first `step.kv_len` cached positions under `step.mask`.
+        """
+        B, C, _ = x.shape
+        nh, nkv, hd = self.n_head, self.n_kv_head, self.head_dim
+        qkv = F.linear(x, self.wqkv.weight, self.wqkv.bias).view(B, C, nh + 2 * nkv, hd)  # [B, C, nh + 2 nkv, hd]
+        if rope is not None:  # rotate q and k in one call
+            q, k = apply_rope(qkv[:, :, :nh + nkv], *rope).transpose(1, 2).split((nh, nkv), dim=1)
+            v = qkv[:, :, nh + nkv:].transpose(1, 2)  # [B, nkv, C, hd]
+        else:
+            q, k, v = qkv.transpose(1, 2).split((nh, nkv, nkv), dim=1)  # [B, nh | nkv, C, hd]
+        gqa = nh != nkv
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # [B, nh, C, hd]
+        else:
+            if step.start is not None:
+                cache.write(step.start, k, v)
+            else:
+                cache.update(step.input_pos, k, v, step.valid)
+            k_all, v_all = cache.k.narrow(2, 0, step.kv_len), cache.v.narrow(2, 0, step.kv_len)  # [B, nkv, S, hd]
+            y = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=step.mask, enable_gqa=gqa)
+        y = y.transpose(1, 2).reshape(B, C, nh * hd)  # [B, C, d]
+        return F.linear(y, self.wo.weight, self.wo.bias)

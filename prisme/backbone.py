@@ -1,0 +1,236 @@
+"""The transformer backbone: tokens -> residual stream H (before the final norm), and head(H) -> logits.
+
+Two families in one file, switched by `cfg.family`:
+  * llama (PRISME default): RMSNorm, RoPE, GQA, SwiGLU, no biases, head tied to the token embedding;
+  * gpt2 (seed 001's toy): LayerNorm with bias, learned absolute positions, biased linears, GELU MLP 4x, untied head.
+
+Notation: B batch, C tokens in this call, d width, V vocab, T_max positions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import attention as attn
+from .attention import CacheStep, CausalSelfAttention, KVCache, LayerKVCache, RMSNorm
+from .config import PrismeConfig
+
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
+
+
+def check_tokens(tokens: torch.Tensor, vocab_size: int, what: str = "tokens") -> None:
+    """ValueError unless `tokens` is a non-empty `[B, C]` integer tensor with ids in [0, vocab_size)."""
+    if not isinstance(tokens, torch.Tensor):
+        raise ValueError(f"{what} must be a torch.Tensor, got {type(tokens).__name__}")
+    if tokens.dtype not in _INT_DTYPES:
+        raise ValueError(f"{what} must be an integer tensor (torch.long), got dtype {tokens.dtype}")
+    if tokens.dim() != 2 or tokens.shape[0] == 0 or tokens.shape[1] == 0:
+        raise ValueError(f"{what} must have shape [B, T] with B, T >= 1, got {tuple(tokens.shape)}")
+    if tokens.numel() <= 1024:  # decode-sized: one host copy beats a reduction kernel and two syncs
+        rows = tokens.tolist()
+        lo, hi = min(map(min, rows)), max(map(max, rows))
+    else:
+        lo, hi = (int(t) for t in torch.aminmax(tokens))
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"{what} ids must lie in [0, {vocab_size}), got min {lo} and max {hi}")
+
+
+def make_norm(cfg: PrismeConfig, dim: int) -> nn.Module:
+    return nn.LayerNorm(dim, eps=cfg.norm_eps) if cfg.family == "gpt2" else RMSNorm(dim, cfg.norm_eps)
+
+
+def apply_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`norm(x)` in functional form (same kernel, without `nn.Module.__call__`'s overhead on the decode path)."""
+    if isinstance(norm, nn.LayerNorm):
+        return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+    return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps)
+
+
+class MLP(nn.Module):
+    """SwiGLU (llama, fused gate/up projection `w13`) or GELU 4x (gpt2)."""
+
+    def __init__(self, cfg: PrismeConfig):
+        super().__init__()
+        self.swiglu = cfg.family == "llama"
+        h = cfg.ffn_hidden
+        self.w13 = nn.Linear(cfg.d_model, 2 * h if self.swiglu else h, bias=cfg.use_bias)
+        self.w2 = nn.Linear(h, cfg.d_model, bias=cfg.use_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.linear(x, self.w13.weight, self.w13.bias)  # [B, C, 2h] or [B, C, h]
+        if self.swiglu:
+            a, b = h.chunk(2, dim=-1)
+            h = F.silu(a) * b  # [B, C, h]
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return F.linear(h, self.w2.weight, self.w2.bias)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: PrismeConfig):
+        super().__init__()
+        self.norm1 = make_norm(cfg, cfg.d_model)
+        self.attn = CausalSelfAttention(cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.use_bias, cfg.family == "llama")
+        self.norm2 = make_norm(cfg, cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                cache: LayerKVCache | None = None, step: CacheStep | None = None) -> torch.Tensor:
+        x = x + self.attn(apply_norm(self.norm1, x), rope, cache, step)
+        return x + self.mlp(apply_norm(self.norm2, x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: PrismeConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.family == "gpt2" else None
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = make_norm(cfg, cfg.d_model)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.family == "llama":
+            cos, sin = attn.rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+            self.register_buffer("rope_cos", cos.float(), persistent=False)  # [T_max, hd]
+            self.register_buffer("rope_sin", sin.float(), persistent=False)
+        else:
+            self.rope_cos = self.rope_sin = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = self.cfg.init_std
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                scale = 1 / math.sqrt(2 * self.cfg.n_layer) if name.endswith(("wo.weight", "w2.weight")) else 1.0
+                nn.init.normal_(p, std=std * scale)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+            else:
+                nn.init.ones_(p)
+
+    def _apply(self, fn, *args, **kwargs):  # keep RoPE tables exact when the model changes dtype
+        out = super()._apply(fn, *args, **kwargs)
+        if self.rope_cos is not None and self.rope_cos.dtype != torch.float32:
+            cos, sin = attn.rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+            self.rope_cos = cos.to(self.rope_cos.dtype).to(self.rope_cos.device)
+            self.rope_sin = sin.to(self.rope_sin.dtype).to(self.rope_sin.device)
+        return out
+
+    # ------------------------------------------------------------------ caches
+    def new_cache(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
+        """Allocate a `KVCache` for `batch_size` rows of up to `max_len` (default T_max) positions."""
+        max_len = self.cfg.max_seq_len if max_len is None else max_len
+        if not (1 <= max_len <= self.cfg.max_seq_len):
+            raise ValueError(f"cache max_len must be in [1, T_max={self.cfg.max_seq_len}], got {max_len}")
+        if batch_size < 1:
+            raise ValueError(f"cache batch_size must be >= 1, got {batch_size}")
+        p = self.tok_emb.weight
+        return KVCache(self.cfg.n_layer, batch_size, self.cfg.n_kv_head, max_len, self.cfg.head_dim,
+                       dtype=dtype or p.dtype, device=p.device)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None,
+                n_new: list[int] | None = None) -> torch.Tensor:
+        """Residual stream after the last block, before the final norm.
+
+        Args:
+            tokens: `[B, C]` token ids.
+            cache: None for a parallel pass over positions 0..C-1; else the chunk is appended after each row's
+                cached length, its K/V written into the cache, and the cache lengths advanced.
+            n_new: with a cache, how many of the C tokens of each row are real (right-padded ragged chunk);
+                default all C.
+        Returns:
+            H `[B, C, d]`.
+        """
+        check_tokens(tokens, self.cfg.vocab_size)
+        B, C = tokens.shape
+        T_max = self.cfg.max_seq_len
+        if cache is None:
+            if C > T_max:
+                raise ValueError(f"sequence of {C} tokens is longer than T_max={T_max}")
+            return self._blocks(tokens, 0)
+        valid, n_new = self._check_chunk(cache, B, C, n_new)
+        input_pos = attn.chunk_positions(cache.lengths, C, tokens.device)  # [C] or [B, C]
+        if valid is not None and input_pos.dim() == 1:
+            input_pos = input_pos.expand(B, C)
+        kv_len = min(max(cache.lengths) + C, cache.max_len)
+        if input_pos.dim() == 1:  # every row at the same offset: slice reads and writes
+            start = input_pos.tolist()[0]  # a host copy: cheaper than int(input_pos[0])
+            mask = None if C == 1 else attn.causal_mask(input_pos, kv_len)
+            H = self._blocks(tokens, start, cache, CacheStep(input_pos, start, None, kv_len, mask))
+        else:
+            step = CacheStep(input_pos, None, valid, kv_len, attn.causal_mask(input_pos, kv_len))
+            H = self._blocks(tokens, input_pos.clamp(max=T_max - 1), cache, step)  # padding may run past T_max
+        cache.lengths = [length + n for length, n in zip(cache.lengths, n_new)]
+        return H
+
+    def prefill(self, tokens: torch.Tensor, cache: KVCache, chunk_size: int | None = None) -> torch.Tensor:
+        """Append `tokens` `[B, T]` to `cache` in chunks of `chunk_size` (default: one chunk); returns H `[B, T, d]`.
+
+        Everything is checked before the first chunk is written: on a ValueError the cache is unchanged.
+        """
+        check_tokens(tokens, self.cfg.vocab_size)
+        B, T = tokens.shape
+        chunk_size = T if chunk_size is None else chunk_size
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        self._check_chunk(cache, B, T, None)
+        return torch.cat([self(tokens[:, i:i + chunk_size], cache) for i in range(0, T, chunk_size)], dim=1)
+
+    def _check_chunk(self, cache: KVCache, B: int, C: int, n_new: list[int] | None):
+        if B != cache.batch_size:
+            raise ValueError(f"batch of {B} rows does not match the cache's {cache.batch_size} rows")
+        if n_new is None:
+            n_new = [C] * B
+        n_new = [int(n) for n in n_new]
+        if len(n_new) != B or any(n < 0 or n > C for n in n_new):
+            raise ValueError(f"n_new must give, for each of the {B} rows, a count in [0, {C}], got {n_new}")
+        for b, (length, n) in enumerate(zip(cache.lengths, n_new)):
+            if length + n > cache.max_len:
+                raise ValueError(f"row {b}: {length} cached + {n} new tokens exceeds the cache capacity "
+                                 f"{cache.max_len} (T_max={self.cfg.max_seq_len})")
+        if all(n == C for n in n_new):
+            return None, n_new
+        device = cache.layers[0].k.device
+        valid = torch.arange(C, device=device) < torch.tensor(n_new, device=device).unsqueeze(1)  # [B, C]
+        return valid, n_new
+
+    def _blocks(self, tokens: torch.Tensor, pos: int | torch.Tensor, cache: KVCache | None = None,
+                step: CacheStep | None = None) -> torch.Tensor:
+        """Embed and run the blocks. `pos`: the shared offset of the chunk (int) or per-row positions `[B, C]`."""
+        C = tokens.shape[1]
+        x = F.embedding(tokens, self.tok_emb.weight)  # [B, C, d]
+        rope = None
+        if isinstance(pos, int):
+            if self.pos_emb is not None:
+                x = x + self.pos_emb.weight[pos:pos + C]  # [C, d] broadcast over rows
+            else:
+                rope = (self.rope_cos[pos:pos + C].unsqueeze(1), self.rope_sin[pos:pos + C].unsqueeze(1))  # [C, 1, hd]
+        elif self.pos_emb is not None:
+            x = x + F.embedding(pos, self.pos_emb.weight)  # [B, C, d]
+        else:
+            rope = (self.rope_cos[pos].unsqueeze(2), self.rope_sin[pos].unsqueeze(2))  # [B, C, 1, hd]
+        layers = [None] * len(self.blocks) if cache is None else cache.layers
+        for block, layer_cache in zip(self.blocks, layers):
+            x = block(x, rope, layer_cache, step)
+        return x
+
+    def head(self, H: torch.Tensor) -> torch.Tensor:
+        """logits `[..., V]` = lm_head(final_norm(H))."""
+        h = apply_norm(self.norm, H)
+        return F.linear(h, self.tok_emb.weight) if self.lm_head is None else self.lm_head(h)
+
+    def num_parameters(self, non_embedding: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.tok_emb.weight.numel()
+            if self.pos_emb is not None:
+                n -= self.pos_emb.weight.numel()
+            if self.lm_head is not None:
+                n -= self.lm_head.weight.numel()
+        return n

@@ -1,0 +1,193 @@
+"""Model configuration: one dataclass, derived sizes, validation and named presets.
+
+Notation (SPEC §2): V vocab, d backbone width, L layers, w workspace width, M slots per position,
+A = M + M/2 controller actions (M single slots, then M/2 disjoint pairs), STOP = A, DENSE = A + 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FAMILIES = ("llama", "gpt2")
+
+
+def round_up(x: float, multiple: int) -> int:
+    """Smallest multiple of `multiple` that is >= x."""
+    return int(-(-x // multiple) * multiple)
+
+
+@dataclass
+class PrismeConfig:
+    """Everything that defines a PRISME model's shapes. `None` fields are derived in `__post_init__`."""
+
+    name: str = "custom"
+    # --- backbone
+    family: str = "llama"  # "llama": RMSNorm, RoPE, GQA, SwiGLU, no biases, tied head; "gpt2": LN, learned pos, GELU
+    vocab_size: int = 256  # V
+    max_seq_len: int = 128  # T_max: positions the backbone (and its caches) can hold
+    d_model: int = 64  # d
+    n_layer: int = 2  # L
+    n_head: int = 4
+    n_kv_head: int | None = None  # GQA key/value heads (default: n_head)
+    ffn_hidden: int | None = None  # llama: round_up(8d/3, ffn_multiple_of); gpt2: 4d
+    ffn_multiple_of: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool | None = None  # default: True for llama, False for gpt2
+    init_std: float = 0.02
+    # --- workspace
+    use_workspace: bool = True  # False: a backbone-only model (e.g. seed001)
+    w: int = 64  # workspace width (bank K/V, z, slots)
+    n_slots: int = 4  # M (even)
+    n_edit_blocks: int = 2
+    editor_hidden: int | None = None  # h_e = round_up(8w/3, editor_multiple_of)
+    editor_multiple_of: int = 256
+    ws_head_dim: int = 64  # editor attention uses w / ws_head_dim heads
+    r_max: int = 8  # hard cap on actions per position
+    cost_context: int | None = None  # context T at which the controller's price vector is computed (default T_max)
+    gate_bias_init: float = 2.0  # editor gate bias at init (sigma(2) ~ 0.88: the path starts open)
+    lambda_cost: float = 0.0  # default price of compute for the controller
+    kappa_risk: float = 0.0  # default risk aversion for the controller
+    optimised: bool = True  # slot K/V cache in the editor, folded readout keys; False = every op seed 000 counts
+    z_norm: bool = True  # z = rms_normalise(P(norm(H))): keeps S0 at a fixed scale so edits stay visible
+    extra: dict[str, Any] = field(default_factory=dict)  # free-form metadata carried in checkpoints
+
+    def __post_init__(self) -> None:
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        if self.tie_embeddings is None:
+            self.tie_embeddings = self.family == "llama"
+        if self.ffn_hidden is None and isinstance(self.d_model, int) and isinstance(self.ffn_multiple_of, int):
+            if self.family == "gpt2":
+                self.ffn_hidden = 4 * self.d_model
+            elif self.ffn_multiple_of > 0:
+                self.ffn_hidden = round_up(8 * self.d_model / 3, self.ffn_multiple_of)
+        if self.editor_hidden is None and isinstance(self.w, int) and isinstance(self.editor_multiple_of, int):
+            if self.editor_multiple_of > 0:
+                self.editor_hidden = round_up(8 * self.w / 3, self.editor_multiple_of)
+        if self.cost_context is None:
+            self.cost_context = self.max_seq_len
+
+    # ------------------------------------------------------------------ derived sizes
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def n_actions(self) -> int:
+        """A: M single-slot actions followed by M/2 disjoint pairs."""
+        return self.n_slots + self.n_slots // 2
+
+    @property
+    def stop_action(self) -> int:
+        return self.n_actions
+
+    @property
+    def dense_action(self) -> int:
+        return self.n_actions + 1
+
+    @property
+    def n_ws_heads(self) -> int:
+        return self.w // self.ws_head_dim
+
+    @property
+    def controller_features(self) -> int:
+        """F = 4w + M + A + r_max + 1 (SPEC §3)."""
+        return 4 * self.w + self.n_slots + self.n_actions + self.r_max + 1
+
+    @property
+    def use_bias(self) -> bool:
+        return self.family == "gpt2"
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> PrismeConfig:
+        """Raise ValueError naming the field for every bad combination; returns self."""
+
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"PrismeConfig({self.name!r}): {msg}")
+
+        need(self.family in FAMILIES, f"family must be one of {FAMILIES}, got {self.family!r}")
+        for f in ("vocab_size", "max_seq_len", "d_model", "n_layer", "n_head", "n_kv_head", "ffn_hidden",
+                  "w", "n_slots", "n_edit_blocks", "editor_hidden", "ws_head_dim", "r_max", "cost_context"):
+            v = getattr(self, f)
+            need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{f} must be a positive int, got {v!r}")
+        need(self.d_model % self.n_head == 0, f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
+        need(self.n_head % self.n_kv_head == 0, f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}")
+        if self.family == "llama":
+            need(self.head_dim % 2 == 0, f"head_dim={self.head_dim} must be even for RoPE")
+        need(self.norm_eps > 0, f"norm_eps must be > 0, got {self.norm_eps}")
+        need(self.init_std > 0, f"init_std must be > 0, got {self.init_std}")
+        need(self.rope_theta > 0, f"rope_theta must be > 0, got {self.rope_theta}")
+        need(isinstance(self.tie_embeddings, bool), f"tie_embeddings must be a bool, got {self.tie_embeddings!r}")
+        need(isinstance(self.use_workspace, bool), f"use_workspace must be a bool, got {self.use_workspace!r}")
+        need(self.n_slots >= 2 and self.n_slots % 2 == 0, f"n_slots (M) must be even and >= 2, got {self.n_slots}")
+        need(self.w % self.ws_head_dim == 0, f"w={self.w} is not divisible by ws_head_dim={self.ws_head_dim}")
+        need(self.w % 2 == 0, f"w={self.w} must be even (value and risk heads split it in halves)")
+        need(self.lambda_cost >= 0, f"lambda_cost must be >= 0, got {self.lambda_cost}")
+        need(self.kappa_risk >= 0, f"kappa_risk must be >= 0, got {self.kappa_risk}")
+        return self
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PrismeConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown PrismeConfig field(s): {unknown}")
+        return cls(**d).validate()
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        s = json.dumps(self.to_dict(), indent=2, sort_keys=True)
+        if path is not None:
+            Path(path).write_text(s + "\n")
+        return s
+
+    @classmethod
+    def from_json(cls, s_or_path: str | Path) -> PrismeConfig:
+        p = Path(s_or_path) if not str(s_or_path).lstrip().startswith("{") else None
+        text = p.read_text() if p is not None else str(s_or_path)
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"config {p or 'string'} is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"config {p or 'string'} must hold a JSON object")
+        return cls.from_dict(d)
+
+    @classmethod
+    def from_name(cls, name: str, **overrides: Any) -> PrismeConfig:
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        d = dict(PRESETS[name])
+        d.update(overrides)
+        return cls.from_dict({"name": name, **d})
+
+    def replace(self, **changes: Any) -> PrismeConfig:
+        d = self.to_dict()
+        d.update(changes)
+        return PrismeConfig.from_dict(d)
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Test size: every code path in milliseconds.
+    "tiny": dict(vocab_size=64, max_seq_len=64, d_model=32, n_layer=2, n_head=4, n_kv_head=2, ffn_multiple_of=32,
+                 w=32, n_slots=4, ws_head_dim=16, editor_multiple_of=32, r_max=4),
+    # The CPU demo: byte-level Austen, trains all three stages in minutes on 2 cores.
+    "demo": dict(vocab_size=256, max_seq_len=256, d_model=128, n_layer=4, n_head=4, n_kv_head=2, ffn_multiple_of=64,
+                 w=64, n_slots=8, ws_head_dim=32, editor_multiple_of=64, r_max=8),
+    # Seed 001's toy backbone: gpt2-style, 145,280 parameters, no workspace.
+    "seed001": dict(family="gpt2", vocab_size=97, max_seq_len=512, d_model=64, n_layer=2, n_head=4,
+                    use_workspace=False),
+    "prisme_103m": dict(vocab_size=32768, max_seq_len=512, d_model=768, n_layer=12, n_head=12, n_kv_head=3,
+                        w=256, n_slots=16, n_edit_blocks=2, r_max=8, cost_context=512),
+    "prisme_459m": dict(vocab_size=32768, max_seq_len=4096, d_model=1536, n_layer=16, n_head=24, n_kv_head=6,
+                        w=512, n_slots=16, n_edit_blocks=2, r_max=8, cost_context=4096),
+}

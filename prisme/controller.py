@@ -1,0 +1,87 @@
+"""ValueController: prices each candidate action from target-free features, and `select` picks one or STOP.
+
+Notation: N positions, M slots, A actions, w width, F = 4w + M + A + r_max + 1 features.
+
+Per step, a shared state MLP `[F -> 2w -> w]` (SiLU) maps the features
+    f = [z, mean_m S, mean_m (S - S0), max_m S, slot_edits (M counts), taken (A, 0/1), one_hot(step, r_max),
+         remaining / budget]
+to phi `[w]`. One shared `w x w` projection W_act maps each action's slot summary (the mean of its slots' current
+states) to h_a `[w]`. Then, with no matmul:
+    value_a = <phi[:w/2], h_a[:w/2]> + b_v[a]             (predicted drop of this position's next-token loss)
+    risk_a  = softplus(<phi[w/2:], h_a[w/2:]> + b_r[a])   (predicted absolute error of value_a)
+
+The controller sees no target and never executes a candidate edit. With `cfg.optimised`, W_act projects the M
+slots once and the pair summaries are averaged afterwards (linearity): M w^2 instead of A w^2 per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import PrismeConfig
+
+
+def slot_summaries(X: torch.Tensor) -> torch.Tensor:
+    """`[..., M, w]` -> `[..., A, w]`: each action's mean slot (singles, then pairs (2j, 2j+1)); no matmul."""
+    return torch.cat([X, 0.5 * (X[..., 0::2, :] + X[..., 1::2, :])], dim=-2)
+
+
+@dataclass
+class ControllerOutput:
+    value: torch.Tensor  # [..., A]
+    risk: torch.Tensor  # [..., A], >= 0
+
+
+class ValueController(nn.Module):
+    def __init__(self, cfg: PrismeConfig):
+        super().__init__()
+        self.cfg = cfg
+        w = cfg.w
+        self.mlp = nn.Sequential(nn.Linear(cfg.controller_features, 2 * w), nn.SiLU(), nn.Linear(2 * w, w))
+        self.W_act = nn.Linear(w, w, bias=False)
+        self.b_v = nn.Parameter(torch.zeros(cfg.n_actions))
+        self.b_r = nn.Parameter(torch.zeros(cfg.n_actions))
+
+    def features(self, z: torch.Tensor, S: torch.Tensor, S0: torch.Tensor, edits: torch.Tensor,
+                 taken: torch.Tensor, step: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
+        """Target-free features `[..., F]`; remaining = budget - step - 1, as the editor defines it."""
+        remaining = (budget - step - 1).to(S.dtype) / budget.to(S.dtype)
+        return torch.cat([z, S.mean(-2), (S - S0).mean(-2), S.amax(-2), edits.to(S.dtype), taken.to(S.dtype),
+                          F.one_hot(step, self.cfg.r_max).to(S.dtype), remaining.unsqueeze(-1)], dim=-1)
+
+    def forward(self, z: torch.Tensor, S: torch.Tensor, S0: torch.Tensor, edits: torch.Tensor, taken: torch.Tensor,
+                step: torch.Tensor, budget: torch.Tensor) -> ControllerOutput:
+        """Score every action at every position.
+
+        Args:
+            z: `[..., w]`; S, S0: `[..., M, w]`; edits: `[..., M]` edit counts per slot; taken: `[..., A]` bool,
+            actions already taken at this position; step: `[...]` long in [0, r_max); budget: `[...]` long >= 1.
+        """
+        phi = self.mlp(self.features(z, S, S0, edits, taken, step, budget))  # [..., w]
+        if self.cfg.optimised:
+            h = slot_summaries(self.W_act(S))  # [..., A, w]
+        else:
+            h = self.W_act(slot_summaries(S))  # [..., A, w]
+        half = self.cfg.w // 2
+        phi = phi.unsqueeze(-2)  # [..., 1, w]
+        value = (h[..., :half] * phi[..., :half]).sum(-1) + self.b_v  # [..., A]
+        risk = F.softplus((h[..., half:] * phi[..., half:]).sum(-1) + self.b_r)
+        return ControllerOutput(value=value, risk=risk)
+
+    def select(self, preds: ControllerOutput, cost: torch.Tensor, lambda_cost: float | None = None,
+               kappa_risk: float | None = None) -> torch.Tensor:
+        """argmax_a value - lambda cost - kappa risk, or STOP when no score beats STOP's 0 (ties go to STOP).
+
+        cost `[A]` is the action's price (the cost model's `action_cost_proxy`). Returns `[...]` long.
+        """
+        lam = self.cfg.lambda_cost if lambda_cost is None else float(lambda_cost)
+        kap = self.cfg.kappa_risk if kappa_risk is None else float(kappa_risk)
+        if lam < 0 or kap < 0:
+            raise ValueError(f"lambda_cost and kappa_risk must be >= 0, got {lam} and {kap}")
+        score = preds.value - lam * cost - kap * preds.risk  # [..., A]
+        best, idx = score.max(dim=-1)
+        return torch.where(best > 0, idx, torch.full_like(idx, self.cfg.stop_action))

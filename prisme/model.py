@@ -1,0 +1,345 @@
+"""PrismeModel: backbone + causal source bank + ephemeral workspace + sparse editor + controller + readout.
+
+Wiring only; each component lives in its own module. Notation: B batch, T (Tq queries, Tb bank) positions,
+d backbone width, w workspace width, M slots, A actions, R forced steps.
+
+Contracts (each is a test in tests/test_contracts.py):
+  * explicit bypass: `actions=None`, zero-length actions or `max_budget == 0` return the backbone head without
+    touching the workspace; positions that never edit get logits bit-identical to `backbone.head(H)`;
+  * causality: the bank visible to position t is 0..t; nothing from t+1 onward reaches its workspace, its
+    controller decisions or its logits;
+  * locality: an action writes only its own slots (bitwise identity elsewhere);
+  * read-only inputs: the editor never modifies H, K, V, z or S0;
+  * target-free controller: it scores actions from target-free features and never executes candidate edits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .attention import RMSNorm
+from .backbone import Backbone, check_tokens
+from .config import PrismeConfig
+from .controller import ValueController
+from .editor import EditInfo, SlotKV, SparseEditor
+from .readout import DifferentialReadout
+from .workspace import absorb_stop, action_groups, check_actions, init_workspace
+
+
+@dataclass
+class EncodedContext:
+    """Everything the workspace needs for a batch of query positions. Read-only for the editor."""
+
+    H: torch.Tensor  # [B, Tq, d] backbone residual stream at the query positions
+    K: torch.Tensor  # [B, Tb, w] source bank keys
+    V: torch.Tensor  # [B, Tb, w] source bank values
+    z: torch.Tensor  # [B, Tq, w] query summary
+    bank_mask: torch.Tensor  # [B, Tq, Tb] bool: query t may read key j
+    S0: torch.Tensor  # [B, Tq, M, w] initial workspace
+
+
+@dataclass
+class Rollout:
+    """A workspace run over every query position of a context."""
+
+    S: torch.Tensor  # [B, Tq, M, w] final workspace
+    actions: torch.Tensor  # [B, Tq, R] actions applied (STOP-absorbed)
+    n_edits: torch.Tensor  # [B, Tq] non-STOP actions per position
+    controller_steps: torch.Tensor  # [B, Tq] controller evaluations per position (0 for forced runs)
+    infos: list[EditInfo]
+
+
+@dataclass
+class PrismeOutput:
+    logits: torch.Tensor  # [B, T, V]
+    H: torch.Tensor  # [B, T, d]
+    n_edits: torch.Tensor | None = None  # [B, T]; None on the bypass path
+    delta: torch.Tensor | None = None  # [B, T, d] readout correction (zero where not edited)
+    actions: torch.Tensor | None = None  # [B, T, R] applied actions (policy trace or STOP-absorbed forced)
+    controller_steps: torch.Tensor | None = None  # [B, T]
+    ctx: EncodedContext | None = None  # with return_state
+    S_final: torch.Tensor | None = None  # with return_state
+    infos: list[EditInfo] | None = None  # with return_state
+
+
+class PrismeModel(nn.Module):
+    def __init__(self, cfg: PrismeConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.backbone = Backbone(cfg)
+        if cfg.use_workspace:
+            from .costs import action_cost_proxy
+
+            self.bank_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+            self.W_K = nn.Linear(cfg.d_model, cfg.w, bias=False)
+            self.W_V = nn.Linear(cfg.d_model, cfg.w, bias=False)
+            self.P = nn.Linear(cfg.d_model, cfg.w, bias=False)
+            self.slot_embed = nn.Parameter(torch.randn(cfg.n_slots, cfg.w) * (1.0 if cfg.z_norm else cfg.init_std))
+            self.editor = SparseEditor(cfg)
+            self.readout = DifferentialReadout(cfg)
+            self.controller = ValueController(cfg)
+            for module in (self.W_K, self.W_V, self.P, self.editor, self.readout, self.controller):
+                for name, p in module.named_parameters():
+                    if p.dim() >= 2 and not name.startswith("U."):
+                        nn.init.normal_(p, std=cfg.init_std)
+            for block in self.editor.blocks:
+                nn.init.constant_(block.gate.bias, cfg.gate_bias_init)
+            _, slots, _ = action_groups(cfg)
+            slot_counts = torch.zeros(cfg.dense_action + 1, cfg.n_slots, dtype=torch.long)
+            slot_counts.scatter_add_(1, slots.clamp(min=0), (slots >= 0).long())
+            self.register_buffer("action_slot_counts", slot_counts, persistent=False)  # [A+2, M]
+            self.register_buffer("action_cost", torch.tensor(action_cost_proxy(cfg)), persistent=False)  # [A]
+
+    # ------------------------------------------------------------------ parameter groups
+    def backbone_parameters(self) -> list[nn.Parameter]:
+        return list(self.backbone.parameters())
+
+    def workspace_parameters(self) -> list[nn.Parameter]:
+        names = ("bank_norm", "W_K", "W_V", "P", "slot_embed", "editor", "readout")
+        return [p for n, p in self.named_parameters() if n.split(".")[0] in names]
+
+    def controller_parameters(self) -> list[nn.Parameter]:
+        return list(self.controller.parameters()) if self.cfg.use_workspace else []
+
+    # ------------------------------------------------------------------ encoding
+    def bank_entries(self, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bank keys and values `[B, T, w]` of positions with residual stream H `[B, T, d]`."""
+        h = self.bank_norm(H)
+        return self.W_K(h), self.W_V(h)
+
+    def query_state(self, H_query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """z `[B, Tq, w]` and S0 `[B, Tq, M, w]` of query positions."""
+        z = self.P(self.bank_norm(H_query))
+        if self.cfg.z_norm:
+            z = F.rms_norm(z, (self.cfg.w,), eps=self.cfg.norm_eps)
+        return z, init_workspace(self.slot_embed, z)
+
+    def encode(self, tokens: torch.Tensor) -> EncodedContext:
+        """Teacher-forced parallel encoding of all positions; the bank mask is causal (key j <= query t)."""
+        H = self.backbone(tokens)
+        return self.context_from_H(H, H)
+
+    def context_from_H(self, H_bank: torch.Tensor, H_query: torch.Tensor, query_pos: torch.Tensor | None = None,
+                       bank_len: torch.Tensor | None = None) -> EncodedContext:
+        """Args:
+            H_bank: `[B, Tb, d]` history, including the query positions.
+            H_query: `[B, Tq, d]`.
+            query_pos: `[B, Tq]` absolute positions of the queries inside the bank (default 0..Tq-1).
+            bank_len: `[B]` valid bank length per row (padded batches).
+        """
+        B, Tb, _ = H_bank.shape
+        Tq = H_query.shape[1]
+        K, V = self.bank_entries(H_bank)
+        z, S0 = self.query_state(H_query)
+        return EncodedContext(H=H_query, K=K, V=V, z=z, bank_mask=self.bank_mask(B, Tq, Tb, query_pos, bank_len,
+                                                                                  H_bank.device), S0=S0)
+
+    @staticmethod
+    def bank_mask(B: int, Tq: int, Tb: int, query_pos: torch.Tensor | None = None,
+                  bank_len: torch.Tensor | None = None, device: torch.device | None = None) -> torch.Tensor:
+        """`[B, Tq, Tb]` bool: key j is readable by the query at position p iff j <= p (and j < bank_len)."""
+        if query_pos is None:
+            query_pos = torch.arange(Tq, device=device).view(1, Tq).expand(B, Tq)
+        keys = torch.arange(Tb, device=device).view(1, 1, Tb)
+        mask = keys <= query_pos.unsqueeze(-1)
+        if bank_len is not None:
+            mask = mask & (keys < bank_len.view(B, 1, 1))
+        return mask
+
+    # ------------------------------------------------------------------ one action, readout
+    def new_slot_kv(self, S0: torch.Tensor) -> SlotKV | None:
+        """The editor's slot K/V cache for a fresh workspace (None on the reference path)."""
+        return SlotKV.empty(S0, self.cfg.n_edit_blocks) if self.cfg.optimised else None
+
+    def apply_action(self, S: torch.Tensor, ctx: EncodedContext, action: torch.Tensor, step: int | torch.Tensor,
+                     remaining: int | torch.Tensor, slot_kv: SlotKV | None = None) -> tuple[torch.Tensor, EditInfo]:
+        """Edit the slots of `action` `[B, Tq]` at every position; returns (S_new, info). S is not modified."""
+        B, Tq = action.shape
+        if not torch.is_tensor(step):
+            step = torch.full((B, Tq), int(step), device=S.device, dtype=torch.long)
+        if not torch.is_tensor(remaining):
+            remaining = torch.full((B, Tq), int(remaining), device=S.device, dtype=torch.long)
+        return self.editor(S, ctx.K, ctx.V, ctx.bank_mask, action, step, remaining, slot_kv)
+
+    def logits_from_state(self, S: torch.Tensor, ctx: EncodedContext,
+                          edited: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits = head(H + U(r(S) - r(S0))) at edited positions `[B, Tq]` and head(H) elsewhere (bitwise).
+
+        The readout runs only on edited positions. Returns (logits `[B, Tq, V]`, delta `[B, Tq, d]`).
+        """
+        if edited is None:
+            edited = torch.ones(S.shape[:2], dtype=torch.bool, device=S.device)
+        b, t = torch.nonzero(edited, as_tuple=True)
+        delta = ctx.H.new_zeros(ctx.H.shape)
+        if b.numel() == 0:
+            return self.backbone.head(ctx.H), delta
+        d = self.readout(S[b, t], ctx.S0[b, t], ctx.z[b, t])  # [N, d]
+        delta = delta.index_put((b, t), d)
+        H = ctx.H.index_put((b, t), ctx.H[b, t] + d)
+        return self.backbone.head(H), delta
+
+    # ------------------------------------------------------------------ rollouts (shared with decoding)
+    def rollout_forced(self, ctx: EncodedContext, actions: torch.Tensor,
+                       budget: torch.Tensor | None = None) -> Rollout:
+        """Apply forced actions `[B, Tq, R]` (STOP absorbing); budget `[B, Tq]` (default R) drives `remaining`."""
+        cfg = self.cfg
+        B, Tq, R = actions.shape
+        actions = absorb_stop(actions, cfg.stop_action)
+        if budget is None:
+            budget = torch.full((B, Tq), R, dtype=torch.long, device=actions.device)
+        S, slot_kv = ctx.S0, self.new_slot_kv(ctx.S0)
+        infos = []
+        for r in range(R):
+            a = actions[:, :, r]
+            S, info = self.apply_action(S, ctx, a, r, (budget - r - 1).clamp(min=0), slot_kv)
+            slot_kv = info.slot_kv
+            infos.append(info)
+        n_edits = (actions != cfg.stop_action).sum(-1)
+        return Rollout(S, actions, n_edits, torch.zeros_like(n_edits), infos)
+
+    def rollout_policy(self, ctx: EncodedContext, max_budget: int, cost: torch.Tensor,
+                       lambda_cost: float | None = None, kappa_risk: float | None = None,
+                       on_step: object | None = None) -> Rollout:
+        """Run the controller loop at every position in parallel: score, select, edit, until STOP or the budget."""
+        cfg = self.cfg
+        B, Tq = ctx.z.shape[:2]
+        dev = ctx.z.device
+        stop = cfg.stop_action
+        S, slot_kv = ctx.S0, self.new_slot_kv(ctx.S0)
+        stopped = torch.zeros(B, Tq, dtype=torch.bool, device=dev)
+        edits = torch.zeros(B, Tq, cfg.n_slots, dtype=torch.long, device=dev)
+        taken = torch.zeros(B, Tq, cfg.n_actions, dtype=torch.bool, device=dev)
+        trace = torch.full((B, Tq, max_budget), stop, dtype=torch.long, device=dev)
+        ctrl_steps = torch.zeros(B, Tq, dtype=torch.long, device=dev)
+        budget = torch.full((B, Tq), max_budget, dtype=torch.long, device=dev)
+        infos = []
+        for r in range(max_budget):
+            b, t = torch.nonzero(~stopped, as_tuple=True)  # only positions still deciding
+            if b.numel() == 0:
+                break
+            step = torch.full_like(b, r)
+            preds = self.controller(ctx.z[b, t], S[b, t], ctx.S0[b, t], edits[b, t], taken[b, t], step, budget[b, t])
+            chosen = self.controller.select(preds, cost, lambda_cost, kappa_risk)  # [N]
+            a = torch.full((B, Tq), stop, dtype=torch.long, device=dev).index_put((b, t), chosen)
+            trace[:, :, r] = a
+            ctrl_steps[b, t] += 1
+            stopped = stopped | (a == stop)
+            if on_step is not None:
+                on_step(r, a)
+            S, info = self.apply_action(S, ctx, a, r, max_budget - r - 1, slot_kv)
+            slot_kv = info.slot_kv
+            infos.append(info)
+            edits = edits + self.action_slot_counts[a]
+            taken = taken | F.one_hot(a, cfg.dense_action + 1)[..., : cfg.n_actions].bool()
+        n_edits = (trace != stop).sum(-1)
+        return Rollout(S, trace, n_edits, ctrl_steps, infos)
+
+    # ------------------------------------------------------------------ forward passes
+    def forward(self, tokens: torch.Tensor, actions: torch.Tensor | None = None,
+                budget: int | torch.Tensor | None = None, return_state: bool = False) -> PrismeOutput:
+        """Forced-action forward (training, fixed policies, tests).
+
+        Args:
+            tokens: `[B, T]` ids.
+            actions: `[B, T, R]` ids in [0, A+1] (STOP = A pads unused steps, absorbing; DENSE = A+1), R <= r_max;
+                None or R == 0 -> exact bypass (the backbone alone).
+            budget: each position's budget (int or `[B, T]`, in [1, r_max], default R); the editor's
+                `remaining = budget - step - 1`. Non-STOP actions at steps >= budget are an error.
+        """
+        cfg = self.cfg
+        if actions is None or not cfg.use_workspace or actions.shape[-1] == 0:
+            if actions is not None and not cfg.use_workspace and actions.shape[-1] > 0:
+                raise ValueError("this model has no workspace (use_workspace=False): actions must be None")
+            H = self.backbone(tokens)
+            return PrismeOutput(logits=self.backbone.head(H), H=H)
+        budget = self._check_forced(tokens, actions, budget)
+        ctx = self.encode(tokens)
+        roll = self.rollout_forced(ctx, actions, budget)
+        logits, delta = self.logits_from_state(roll.S, ctx, roll.n_edits > 0)
+        out = PrismeOutput(logits=logits, H=ctx.H, n_edits=roll.n_edits, delta=delta, actions=roll.actions,
+                           controller_steps=roll.controller_steps)
+        if return_state:
+            out.ctx, out.S_final, out.infos = ctx, roll.S, roll.infos
+        return out
+
+    @torch.no_grad()
+    def forward_policy(self, tokens: torch.Tensor, max_budget: int, cost: torch.Tensor | None = None,
+                       lambda_cost: float | None = None, kappa_risk: float | None = None,
+                       return_state: bool = False) -> PrismeOutput:
+        """Teacher-forced parallel rollout of the deployed controller at every position (evaluation only).
+
+        cost: `[A]` price per action (default: the cost model's proxy at `cfg.cost_context`).
+        Returns logits and the action trace `[B, T, max_budget]`.
+        """
+        cfg = self.cfg
+        if not isinstance(max_budget, int) or isinstance(max_budget, bool) or max_budget < 0:
+            raise ValueError(f"max_budget must be an int >= 0, got {max_budget!r}")
+        if max_budget > cfg.r_max:
+            raise ValueError(f"max_budget={max_budget} exceeds r_max={cfg.r_max}")
+        if max_budget > 0 and not cfg.use_workspace:
+            raise ValueError("this model has no workspace (use_workspace=False): max_budget must be 0")
+        if max_budget == 0:
+            H = self.backbone(tokens)
+            zeros = torch.zeros(tokens.shape, dtype=torch.long, device=tokens.device)
+            return PrismeOutput(logits=self.backbone.head(H), H=H, n_edits=zeros, controller_steps=zeros,
+                                actions=zeros.unsqueeze(-1)[..., :0])
+        cost = self._check_cost(cost)
+        ctx = self.encode(tokens)
+        roll = self.rollout_policy(ctx, max_budget, cost, lambda_cost, kappa_risk)
+        logits, delta = self.logits_from_state(roll.S, ctx, roll.n_edits > 0)
+        out = PrismeOutput(logits=logits, H=ctx.H, n_edits=roll.n_edits, delta=delta, actions=roll.actions,
+                           controller_steps=roll.controller_steps)
+        if return_state:
+            out.ctx, out.S_final, out.infos = ctx, roll.S, roll.infos
+        return out
+
+    # ------------------------------------------------------------------ validation helpers
+    def _check_forced(self, tokens: torch.Tensor, actions: torch.Tensor, budget: int | torch.Tensor | None):
+        cfg = self.cfg
+        check_tokens(tokens, cfg.vocab_size)
+        check_actions(actions, cfg, allow_dense=True)
+        if actions.dim() != 3 or actions.shape[:2] != tokens.shape:
+            raise ValueError(f"actions must have shape [B, T, R] = [{tokens.shape[0]}, {tokens.shape[1]}, R], "
+                             f"got {tuple(actions.shape)}")
+        R = actions.shape[-1]
+        if R > cfg.r_max:
+            raise ValueError(f"{R} forced steps exceed the hard cap r_max={cfg.r_max}")
+        if budget is None:
+            budget = R
+        if not torch.is_tensor(budget):
+            budget = torch.full(tokens.shape, int(budget), dtype=torch.long, device=tokens.device)
+        if budget.shape != tokens.shape:
+            raise ValueError(f"budget must be an int or a [B, T] tensor, got shape {tuple(budget.shape)}")
+        if int(budget.min()) < 1 or int(budget.max()) > cfg.r_max:
+            raise ValueError(f"budget must lie in [1, r_max={cfg.r_max}], got [{int(budget.min())}, "
+                             f"{int(budget.max())}]")
+        steps = torch.arange(R, device=tokens.device)
+        late = (absorb_stop(actions, cfg.stop_action) != cfg.stop_action) & (steps >= budget.unsqueeze(-1))
+        if bool(late.any()):
+            raise ValueError("a forced action is scheduled at a step >= its position's budget")
+        return budget.long()
+
+    def _check_cost(self, cost: torch.Tensor | None) -> torch.Tensor:
+        if cost is None:
+            return self.action_cost
+        cost = torch.as_tensor(cost, dtype=self.action_cost.dtype, device=self.action_cost.device)
+        if cost.shape != (self.cfg.n_actions,):
+            raise ValueError(f"cost must have shape [A] = [{self.cfg.n_actions}], got {tuple(cost.shape)}")
+        return cost
+
+    def num_parameters(self) -> dict[str, int]:
+        """Parameter counts per group."""
+        groups = {"backbone": self.backbone_parameters(), "workspace": self.workspace_parameters(),
+                  "controller": self.controller_parameters()}
+        return {k: sum(p.numel() for p in v) for k, v in groups.items()}
+
+    def parameter_groups(self) -> Iterator[tuple[str, list[nn.Parameter]]]:
+        yield "backbone", self.backbone_parameters()
+        yield "workspace", self.workspace_parameters()
+        yield "controller", self.controller_parameters()

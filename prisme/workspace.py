@@ -1,0 +1,78 @@
+"""Workspace bookkeeping: action ids, their slots, slot initialisation and STOP semantics. Pure functions.
+
+Action ids (SPEC §3), with M slots and A = M + M/2:
+  * 0 .. M-1        edit slot i                       (k = 1)
+  * M .. A-1        edit the pair (2j, 2j+1), j = a - M  (k = 2)
+  * A   = STOP      absorbing: once a position stops, every later step is STOP
+  * A+1 = DENSE     edit all M slots (forced runs only: the dense baseline; the controller never picks it)
+Actions may repeat.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import PrismeConfig
+
+
+def action_table(cfg: PrismeConfig) -> torch.Tensor:
+    """`[A, 2]` slot ids of each controller action; the second entry is -1 for single-slot actions."""
+    M = cfg.n_slots
+    singles = torch.stack([torch.arange(M), torch.full((M,), -1)], dim=1)  # [M, 2]
+    pairs = torch.arange(M).view(M // 2, 2)  # [M/2, 2]
+    return torch.cat([singles, pairs]).long()
+
+
+def action_group_size(cfg: PrismeConfig) -> torch.Tensor:
+    """`[A]` number of slots each controller action edits (1 or 2)."""
+    return (action_table(cfg) >= 0).sum(dim=1)
+
+
+def action_groups(cfg: PrismeConfig) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]:
+    """Every action id by group: singles (k=1), pairs (k=2), DENSE (k=M).
+
+    Returns (group `[A+2]`: 0, 1 or 2, and -1 for STOP; slots `[A+2, M]`: the action's slots, -1 padded;
+    sizes: the k of each group).
+    """
+    A, M = cfg.n_actions, cfg.n_slots
+    table, size = action_table(cfg), action_group_size(cfg)
+    group = torch.full((A + 2,), -1, dtype=torch.long)
+    slots = torch.full((A + 2, M), -1, dtype=torch.long)
+    group[:A] = size - 1
+    slots[:A, :2] = table
+    group[cfg.dense_action] = 2
+    slots[cfg.dense_action] = torch.arange(M)
+    return group, slots, (1, 2, M)
+
+
+def slots_of_action(cfg: PrismeConfig, action: int) -> list[int]:
+    """The slots an action id edits ([] for STOP)."""
+    if action == cfg.stop_action:
+        return []
+    if action == cfg.dense_action:
+        return list(range(cfg.n_slots))
+    return [int(s) for s in action_table(cfg)[action] if s >= 0]
+
+
+def init_workspace(slot_embed: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """S0 `[..., M, w]` = slot_embed `[M, w]` + z `[..., w]` broadcast over slots."""
+    return slot_embed + z.unsqueeze(-2)
+
+
+def absorb_stop(actions: torch.Tensor, stop: int) -> torch.Tensor:
+    """`[..., R]` actions with every step after the first STOP also STOP."""
+    stopped = torch.cumsum((actions == stop).long(), dim=-1) > 0
+    return torch.where(stopped, torch.full_like(actions, stop), actions)
+
+
+def check_actions(actions: torch.Tensor, cfg: PrismeConfig, allow_dense: bool = True) -> None:
+    """ValueError unless `actions` is an integer tensor of ids in [0, A] (or [0, A+1] with DENSE)."""
+    if not isinstance(actions, torch.Tensor) or actions.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"actions must be an integer torch.Tensor, got {getattr(actions, 'dtype', type(actions))}")
+    if actions.numel() == 0:
+        return
+    hi = cfg.dense_action if allow_dense else cfg.stop_action
+    lo_v, hi_v = int(actions.min()), int(actions.max())
+    if lo_v < 0 or hi_v > hi:
+        what = "[0, A+1] (A+1 = DENSE)" if allow_dense else "[0, A] (DENSE is for forced runs only)"
+        raise ValueError(f"action ids must lie in {what} with A={cfg.n_actions}; got min {lo_v}, max {hi_v}")
