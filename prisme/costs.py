@@ -1,27 +1,37 @@
 """Analytic cost model: operations per generated token, one named term per component (seed 000, SPEC §6).
 
+Notation: d backbone width, L layers, V vocab, T context (keys the new token attends to), w workspace width,
+M slots, A = M + M/2 actions, B_e editor blocks, h_e editor hidden, F controller features, n actions of k slots.
+
 Conventions (the seed's):
   * one multiply-add = 2 ops; softmax, norms and activations are ignored (O(dim), not O(dim^2)), except that norm
     gains count in `backbone_linear` (2 ops per gain) because that term is 2 x non-embedding parameters;
   * decode step: the backbone attends over the whole context T (KV cache); the LM head is included;
   * the source bank is incremental: K, V and z of the new position only (3 projections d -> w);
   * the editor reads the whole bank (T keys) for every edited slot in every block (`editor_source_attn`);
-  * seed accounting (`optimised=False`): every block refreshes the K/V of all M slots of the position for every
-    action; the controller projects all A action summaries; the readout projects the M slots of both states;
+  * seed accounting (`optimised=False`, what `cfg.optimised=False` models run): every block refreshes the K/V of
+    all M slots of the position for every action; the controller projects all A action summaries; the readout
+    projects the M slots of both states with W_r;
   * optimised accounting (`optimised=True`, what `cfg.optimised` models run): slot K/V are computed once per edited
-    position (all M slots, every block), then only for the slots an action changes (its k slots in blocks >= 1,
-    and a refresh of its k slots in every block after it; DENSE actions keep the seed's path); the controller
-    projects the M slots and averages pairs (M w^2 instead of A w^2); the readout folds W_r into its query
-    (2 w^2 once instead of 2 M w^2 per state).
+    position (all M slots, every block: the first sparse action pays it), then only for the slots an action changes
+    (its k slots in blocks >= 1, and a refresh of its k slots in every block after it); DENSE actions keep the
+    seed's path and leave the position without a slot K/V cache; the controller projects the M slots and averages
+    pairs (M w^2 instead of A w^2); the readout folds W_r into its query (2 w^2 once instead of 2 M w^2 per state).
 
-Sources: seed 000 (cost table for prisme_103m at T = 512); SPEC §6. `tests/test_costs.py` checks every integer of
-the seed, ties each term to FLOPs counted on the real modules, and parameter counts to `numel`.
+Sources: seed 000 (cost table for prisme_103m at T = 512); SPEC §6. docs/costs.md derives every term;
+tests/test_costs.py checks every integer of the seed, ties each term to the matmul FLOPs that
+`torch.utils.flop_counter.FlopCounterMode` counts on the real modules (`OpsCounter`), and parameter counts to `numel`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import argparse
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
 
 from .config import PrismeConfig
 
@@ -35,20 +45,51 @@ SEED_ROWS = {  # name: (n actions, k slots per action); k = 0 means no workspace
     "8_actions_k2": (8, 2),
     "8_actions_dense16": (8, 16),
 }
+# Seed 000's `assumptions`, verbatim: it describes the seed column (`optimised=False`).
+SEED_ASSUMPTIONS = (
+    'Analytic operation counts (2 x multiply-adds = "ops") per generated token at context length T.\n\n'
+    "This is an ARITHMETIC model of the reference implementation, not a hardware timing model. Conventions:\n"
+    "  * one multiply-add = 2 ops; softmax/normalisation/activation costs are ignored "
+    "(they are O(dim), not O(dim^2));\n"
+    "  * decode-step accounting: the backbone attends over the whole context T (KV cache), the LM head is included;\n"
+    "  * source-bank projections are incremental (only the new position is projected);\n"
+    "  * the editor re-reads the full bank (T keys) for every active query of every block, and refreshes the slot K/V\n"
+    "    of all M slots in every block (reference implementation; an optimised kernel could cache unchanged slots);\n"
+    "  * controller: one shared state MLP per step + one w x w projection per candidate action (A = M + M/2);\n"
+    "  * readout: two attention reads (final and initial state) + the U projection.\n"
+)
+ASSUMPTIONS = SEED_ASSUMPTIONS
+OPTIMISED_ASSUMPTIONS = (
+    "Same conventions as the seed column, for the modules `cfg.optimised=True` runs:\n"
+    "  * slot K/V cache: the first sparse action of a position projects all M slots in every block; each sparse\n"
+    "    action then projects only its own k slots (blocks >= 1 at their input, and every block after the action);\n"
+    "    DENSE actions keep the seed's path and invalidate the cache;\n"
+    "  * controller: W_act projects the M slots once per step; pair summaries are means of projected slots;\n"
+    "  * readout: W_r is folded into the query (q' = W_r^T W_q z), so slots are never projected.\n"
+)
 
 
 # ---------------------------------------------------------------------- parameter counts
+def _backbone_matmul_params(cfg: PrismeConfig) -> int:
+    """Weights of the backbone's per-layer linears (qkv, o, MLP), all layers."""
+    d, f = cfg.d_model, cfg.ffn_hidden
+    qkv_out = (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim
+    mlp = 3 * d * f if cfg.family == "llama" else 2 * d * f
+    return cfg.n_layer * (d * qkv_out + cfg.n_head * cfg.head_dim * d + mlp)
+
+
 def backbone_params(cfg: PrismeConfig, non_embedding: bool = False) -> int:
-    """Backbone parameters from the config alone (tied head counted once)."""
-    d, L, hd, f = cfg.d_model, cfg.n_layer, cfg.head_dim, cfg.ffn_hidden
-    qkv_out = (cfg.n_head + 2 * cfg.n_kv_head) * hd
-    if cfg.family == "llama":
-        per_layer = d * qkv_out + cfg.n_head * hd * d + 3 * d * f + 2 * d
-        final_norm = d
-    else:  # biased linears, LayerNorm with bias
-        per_layer = (d * qkv_out + qkv_out) + (d * d + d) + (d * f + f) + (f * d + d) + 4 * d
-        final_norm = 2 * d
-    n = L * per_layer + final_norm
+    """Backbone parameters from the config alone (tied head counted once).
+
+    non_embedding: exclude the token/position embeddings and an untied head (the seed's `backbone_linear` basis).
+    """
+    d, L = cfg.d_model, cfg.n_layer
+    qkv_out = (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim
+    if cfg.family == "llama":  # two RMSNorm gains per layer, one final
+        extra = L * 2 * d + d
+    else:  # biases of qkv, o and the MLP; two LayerNorms (weight + bias) per layer, one final
+        extra = L * (qkv_out + d + cfg.ffn_hidden + d + 4 * d) + 2 * d
+    n = _backbone_matmul_params(cfg) + extra
     if non_embedding:
         return n
     n += cfg.vocab_size * d
@@ -59,8 +100,14 @@ def backbone_params(cfg: PrismeConfig, non_embedding: bool = False) -> int:
     return n
 
 
+def backbone_linear_allowance(cfg: PrismeConfig) -> int:
+    """Ops in `backbone_linear` that are not matmul FLOPs: 2 per norm gain (llama), 2 per norm weight/bias and
+    linear bias (gpt2). `FlopCounterMode` counts exactly `backbone_linear - allowance` for the backbone's linears."""
+    return 2 * (backbone_params(cfg, non_embedding=True) - _backbone_matmul_params(cfg))
+
+
 def workspace_params(cfg: PrismeConfig) -> dict[str, int]:
-    """Parameters of the workspace modules by group, from the config alone."""
+    """Parameters of the workspace modules by group (`PrismeModel.num_parameters` minus the backbone)."""
     if not cfg.use_workspace:
         return {"workspace": 0, "controller": 0}
     d, w, M, h = cfg.d_model, cfg.w, cfg.n_slots, cfg.editor_hidden
@@ -78,24 +125,35 @@ def workspace_params(cfg: PrismeConfig) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------- per-token ops
-def action_editor_ops(cfg: PrismeConfig, k: int, T: int, optimised: bool = False,
-                      slot_kv_ready: bool = True) -> dict[str, int]:
+def _check_T(cfg: PrismeConfig, T: int) -> int:
+    if isinstance(T, bool) or int(T) != T or not 1 <= T <= cfg.max_seq_len:
+        raise ValueError(f"context T must be an int in [1, T_max={cfg.max_seq_len}] for {cfg.name!r}, got {T!r}")
+    return int(T)
+
+
+def action_editor_ops(cfg: PrismeConfig, k: int, T: int, optimised: bool = False, slot_kv_ready: bool = True,
+                      dense: bool | None = None) -> dict[str, int]:
     """Editor ops of one action of k slots at context T.
 
-    Optimised: a sparse action whose position has no slot K/V cache yet (`slot_kv_ready=False`) first computes all
-    M slots' K/V in every block; DENSE (k = M) always takes the seed's path.
+    Args:
+        k: slots the action edits (1 single, 2 pair, M DENSE).
+        optimised: the optimised column (slot K/V cache). A sparse action whose position has no slot K/V cache yet
+            (`slot_kv_ready=False`: its first sparse action, or the first after a DENSE one) projects all M slots in
+            every block first; DENSE actions always take the seed's path.
+        dense: whether this is the DENSE action (default: k == M; pass it explicitly when M == 2).
     """
     w, M, B_e = cfg.w, cfg.n_slots, cfg.n_edit_blocks
+    dense = k == M if dense is None else dense
     per_slot_kv = 4 * w * w  # K and V projections of one slot
-    if optimised and k < M:
+    if optimised and not dense:  # blocks >= 1 project the action's slots at their input; all blocks refresh after
         slot_kv = ((B_e - 1) * k + B_e * k + (0 if slot_kv_ready else B_e * M)) * per_slot_kv
-    else:
+    else:  # every block projects all M slots
         slot_kv = B_e * M * per_slot_kv
     return {
-        "editor_source_attn": k * B_e * (4 * w * w + 4 * T * w),
-        "editor_slot_attn": slot_kv + k * B_e * (4 * w * w + 4 * M * w),
-        "editor_ffn": k * B_e * 6 * w * cfg.editor_hidden,
-        "editor_gate": k * B_e * 2 * w,
+        "editor_source_attn": k * B_e * (4 * w * w + 4 * T * w),  # q, o (w x w) + QK^T and AV over T keys
+        "editor_slot_attn": slot_kv + k * B_e * (4 * w * w + 4 * M * w),  # + q, o + QK^T and AV over M slots
+        "editor_ffn": k * B_e * 6 * w * cfg.editor_hidden,  # SwiGLU w -> 2 h_e, h_e -> w
+        "editor_gate": k * B_e * 2 * w,  # w -> 1
     }
 
 
@@ -107,17 +165,23 @@ def controller_step_ops(cfg: PrismeConfig, optimised: bool = False) -> int:
 
 
 def readout_ops(cfg: PrismeConfig, optimised: bool = False) -> int:
-    """W_q z, attention reads of S and S0 over M slots, and U."""
+    """W_q z, attention reads of S and S0 over M slots (keys W_r S, or folded into the query), and U."""
     w, M = cfg.w, cfg.n_slots
     if optimised:
         return 2 * w * w + 2 * w * w + 2 * (4 * M * w) + 2 * w * cfg.d_model
     return 2 * w * w + 2 * (2 * M * w * w + 4 * M * w) + 2 * w * cfg.d_model
 
 
+def bank_projection_ops(cfg: PrismeConfig) -> int:
+    """K, V and z of the new position: three d -> w projections."""
+    return 3 * 2 * cfg.d_model * cfg.w
+
+
 def backbone_ops(cfg: PrismeConfig, T: int) -> dict[str, int]:
+    """The backbone's three terms for one new token attending to T cached keys."""
     return {
         "backbone_linear": 2 * backbone_params(cfg, non_embedding=True),
-        "backbone_attention": cfg.n_layer * 4 * T * cfg.d_model,
+        "backbone_attention": cfg.n_layer * 4 * T * cfg.d_model,  # QK^T and AV of n_head heads of head_dim
         "lm_head": 2 * cfg.d_model * cfg.vocab_size,
     }
 
@@ -131,26 +195,40 @@ def _finish(row: dict[str, int]) -> dict[str, int]:
 
 
 def token_ops(cfg: PrismeConfig, T: int, ks: Sequence[int] = (), controller_steps: int | None = None,
-              readout: bool | None = None, optimised: bool = False) -> dict[str, int]:
-    """Ops for one generated token at context T whose workspace applied actions of `ks` slots each.
+              readout: bool | None = None, optimised: bool = False,
+              dense: Sequence[bool] | None = None) -> dict[str, int]:
+    """Ops for one generated token at context T whose workspace applied actions of `ks` slots each, in order.
 
     Args:
         ks: slots per applied action (empty: no edit).
         controller_steps: controller evaluations (default min(n + 1, r_max), the seed's rows; 0 for forced runs).
         readout: whether the readout ran (default: n >= 1).
-        None of the workspace terms are charged when `ks` is empty and `controller_steps` is 0 (backbone only).
+        optimised: the optimised column; the slot K/V cache state is followed through the sequence of actions.
+        dense: per action, whether it is DENSE (default: k == M).
+    Returns:
+        The ten components plus `backbone`, `workspace` and `total`. No workspace term is charged when `ks` is
+        empty and `controller_steps` is 0 (the backbone alone).
     """
+    T = _check_T(cfg, T)
+    ks = [int(k) for k in ks]
+    if any(not 1 <= k <= cfg.n_slots for k in ks):
+        raise ValueError(f"slots per action must lie in [1, M={cfg.n_slots}], got {ks}")
+    dense = [k == cfg.n_slots for k in ks] if dense is None else [bool(x) for x in dense]
+    if len(dense) != len(ks):
+        raise ValueError(f"dense flags ({len(dense)}) must match the actions ({len(ks)})")
     row = backbone_ops(cfg, T)
     n = len(ks)
-    steps = min(n + 1, cfg.r_max) if controller_steps is None else controller_steps
+    steps = min(n + 1, cfg.r_max) if controller_steps is None else int(controller_steps)
+    if steps < 0:
+        raise ValueError(f"controller_steps must be >= 0, got {steps}")
     if n == 0 and steps == 0:
         return _finish(row)
-    row["bank_projection"] = 3 * 2 * cfg.d_model * cfg.w
+    row["bank_projection"] = bank_projection_ops(cfg)
     ready = False  # optimised path: does the position hold its slot K/V cache?
-    for k in ks:
-        for name, v in action_editor_ops(cfg, k, T, optimised, ready).items():
+    for k, is_dense in zip(ks, dense):
+        for name, v in action_editor_ops(cfg, k, T, optimised, ready, is_dense).items():
             row[name] = row.get(name, 0) + v
-        ready = k < cfg.n_slots
+        ready = not is_dense
     row["controller"] = steps * controller_step_ops(cfg, optimised)
     if n > 0 if readout is None else readout:
         row["readout"] = readout_ops(cfg, optimised)
@@ -161,31 +239,44 @@ def seed_rows(cfg: PrismeConfig, T: int, optimised: bool = False) -> dict[str, d
     """The five rows of seed 000 for any config (dense16 = n DENSE actions of all M slots)."""
     rows = {}
     for name, (n, k) in SEED_ROWS.items():
-        k = cfg.n_slots if name.endswith("dense16") else k
-        rows[name] = token_ops(cfg, T, [k] * n, controller_steps=0 if n == 0 else None, optimised=optimised)
+        dense = name.endswith("dense16")
+        k = cfg.n_slots if dense else k
+        rows[name] = token_ops(cfg, T, [k] * n, controller_steps=0 if n == 0 else None, optimised=optimised,
+                               dense=[dense] * n)
     return rows
 
 
 def action_cost_proxy(cfg: PrismeConfig, T: int | None = None, optimised: bool = False) -> list[float]:
     """Per controller action: (editor ops of that action + one controller step) / backbone-only total, at T
-    (default `cfg.cost_context`). This is the price vector the controller's `select` uses."""
-    T = cfg.cost_context if T is None else T
+    (default `cfg.cost_context`). This is the price vector the controller's `select` uses (`model.action_cost`,
+    seed column). The optimised column prices an action on a position that already holds its slot K/V cache."""
+    T = _check_T(cfg, cfg.cost_context if T is None else T)
     base = sum(backbone_ops(cfg, T).values())
     step = controller_step_ops(cfg, optimised)
     out = []
     for a in range(cfg.n_actions):
         k = 1 if a < cfg.n_slots else 2
-        out.append((sum(action_editor_ops(cfg, k, T, optimised).values()) + step) / base)
+        out.append((sum(action_editor_ops(cfg, k, T, optimised, dense=False).values()) + step) / base)
     return out
 
 
-ASSUMPTIONS = __doc__.split("Sources:")[0].strip()
-
-
-def cost_table(cfg: PrismeConfig, T: int, optimised: bool = False) -> dict:
+def cost_table(cfg: PrismeConfig, T: int, optimised: bool = False) -> dict[str, Any]:
     """Seed 000's JSON layout: config, T, assumptions, rows (five named rows), action_cost_proxy."""
-    return {"config": cfg.name, "T": T, "assumptions": ASSUMPTIONS,
+    T = _check_T(cfg, T)
+    return {"config": cfg.name, "T": T, "assumptions": OPTIMISED_ASSUMPTIONS if optimised else SEED_ASSUMPTIONS,
             "rows": seed_rows(cfg, T, optimised), "action_cost_proxy": action_cost_proxy(cfg, T, optimised)}
+
+
+def cost_document(cfg: PrismeConfig, T: int, optimised: bool = False) -> dict[str, Any]:
+    """What `prisme costs --json` prints: `cost_table` (the seed column), plus, with `optimised`, the optimised
+    column as `optimised_rows`, `optimised_action_cost_proxy` and `optimised_assumptions` next to it."""
+    doc = cost_table(cfg, T)
+    if optimised:
+        opt = cost_table(cfg, T, optimised=True)
+        doc["optimised_rows"] = opt["rows"]
+        doc["optimised_action_cost_proxy"] = opt["action_cost_proxy"]
+        doc["optimised_assumptions"] = opt["assumptions"]
+    return doc
 
 
 # ---------------------------------------------------------------------- cost of actual traces
@@ -196,7 +287,7 @@ class TraceCost:
     total_ops: float  # summed over positions
     n_positions: int
     backbone_ops: float  # what the backbone alone would have cost on the same positions
-    by_component: dict[str, float]
+    by_component: dict[str, float] = field(default_factory=dict)  # summed over positions
 
     @property
     def ops_per_token(self) -> float:
@@ -207,46 +298,232 @@ class TraceCost:
         """Total ops over the backbone-only ops of the same positions."""
         return self.total_ops / max(self.backbone_ops, 1.0)
 
+    @property
+    def per_token_by_component(self) -> dict[str, float]:
+        return {c: v / max(self.n_positions, 1) for c, v in self.by_component.items()}
 
-def trace_cost(cfg: PrismeConfig, actions, contexts, controller_steps=None, optimised: bool = False) -> TraceCost:
+
+def trace_cost(cfg: PrismeConfig, actions: Any, contexts: Any, controller_steps: Any = None,
+               optimised: bool = False) -> TraceCost:
     """Cost of actual traces by SPEC §6's rules.
 
     Args:
-        actions: `[N, R]` applied action ids per position (STOP = A; DENSE = A+1), or None for the backbone alone.
-        contexts: `[N]` context length of each position (t + 1: its own keys).
-        controller_steps: `[N]` controller evaluations per position (None or zeros for forced policies). A position
-            with n >= 1 edits pays its actions, its controller steps, the bank projection and the readout; one the
-            controller stopped at once pays the bank projection and one controller step; forced policies pay no
-            controller.
+        actions: `[N, R]` (or `[..., R]` matching `contexts`) action ids per position (STOP = A, absorbing: steps
+            after the first STOP are not charged; DENSE = A + 1); None or R == 0 for the backbone alone.
+        contexts: `[N]` context length of each position: t + 1 (its own keys).
+        controller_steps: `[N]` controller evaluations per position (None or zeros for forced policies).
+    Rules: a position with n >= 1 actions pays them, its controller steps (`min(n + 1, budget)` under the
+    controller), the bank projection and the readout; one the controller stopped at once pays the bank projection
+    and one controller step, no readout; forced policies pay no controller (an all-STOP forced position still pays
+    the bank projection: later positions read its bank entry); R == 0 or None is the backbone alone.
     """
-    import torch
-
-    contexts = torch.as_tensor(contexts).flatten().tolist()
-    N = len(contexts)
+    ctx = torch.as_tensor(contexts).flatten().tolist()
+    N = len(ctx)
+    if any(int(T) != T for T in ctx):
+        raise ValueError("contexts must hold integer context lengths")
+    acts = None
+    if actions is not None:
+        a = torch.as_tensor(actions)
+        if a.dim() == 0 or (a.shape[:-1].numel() != N):
+            raise ValueError(f"actions must be [N, R] with N = {N} positions (as contexts), got {tuple(a.shape)}")
+        if a.shape[-1] > 0:
+            acts = a.reshape(N, a.shape[-1]).tolist()
+    steps = [0] * N if controller_steps is None else torch.as_tensor(controller_steps).flatten().tolist()
+    if len(steps) != N or any(s < 0 for s in steps):
+        raise ValueError(f"controller_steps must be [N] = [{N}] counts >= 0, got {len(steps)} entries")
     comp = dict.fromkeys(COMPONENTS, 0.0)
     base = 0.0
-    acts = None if actions is None else torch.as_tensor(actions).reshape(N, -1).tolist()
-    steps = [0] * N if controller_steps is None else torch.as_tensor(controller_steps).flatten().tolist()
     cache: dict[tuple, dict[str, int]] = {}
-    for i, T in enumerate(contexts):
-        ks = () if acts is None else tuple(_k_of(cfg, a) for a in acts[i] if a != cfg.stop_action)
-        key = (int(T), ks, int(steps[i]))
+    for i, T in enumerate(ctx):
+        kinds: tuple[int, ...] = ()
+        if acts is not None:
+            kinds = tuple(_kind_of(cfg, a) for a in _until_stop(acts[i], cfg.stop_action))
+        key = (int(T), kinds, int(steps[i]), acts is not None)
         if key not in cache:
-            cache[key] = token_ops(cfg, int(T), ks, controller_steps=int(steps[i]), optimised=optimised)
-            if acts is not None and not ks and int(steps[i]) == 0:  # forced policy, all STOP: the bank still runs
-                cache[key]["bank_projection"] = 3 * 2 * cfg.d_model * cfg.w
-                cache[key] = _finish(cache[key])
+            ks = [cfg.n_slots if k == -1 else k for k in kinds]
+            row = token_ops(cfg, int(T), ks, controller_steps=int(steps[i]), optimised=optimised,
+                            dense=[k == -1 for k in kinds])
+            if acts is not None and not ks and int(steps[i]) == 0:  # forced, all STOP: the bank entry still runs
+                row = _finish({**row, "bank_projection": bank_projection_ops(cfg)})
+            cache[key] = row
         row = cache[key]
         for c in COMPONENTS:
             comp[c] += row[c]
         base += row["backbone"]
-    total = sum(comp.values())
-    return TraceCost(total_ops=total, n_positions=N, backbone_ops=base, by_component=comp)
+    return TraceCost(total_ops=sum(comp.values()), n_positions=N, backbone_ops=base, by_component=comp)
 
 
-def _k_of(cfg: PrismeConfig, a: int) -> int:
+def _until_stop(actions: list[int], stop: int) -> list[int]:
+    return actions[:actions.index(stop)] if stop in actions else actions
+
+
+def _kind_of(cfg: PrismeConfig, a: int) -> int:
+    """Slots of action id `a` (1 or 2), or -1 for DENSE."""
     if a == cfg.dense_action:
-        return cfg.n_slots
+        return -1
     if not 0 <= a < cfg.n_actions:
         raise ValueError(f"action id {a} is not an edit (valid: [0, {cfg.n_actions}) or DENSE={cfg.dense_action})")
     return 1 if a < cfg.n_slots else 2
+
+
+# ---------------------------------------------------------------------- measured ops (the tie to the modules)
+def _sdpa_cpu_flops(query: Any, key: Any, value: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
+    """CPU SDPA kernel: QK^T and AV over every (query, key) pair, 2 ops per multiply-add (as torch's own SDPA
+    formulas; masks do not reduce the count). query `[B, h, Lq, e]`, key `[B, h_kv, Lk, e]`, value `[..., ev]`."""
+    B, h, Lq, e = query.shape
+    Lk, ev = key.shape[-2], value.shape[-1]
+    return 2 * B * h * Lq * Lk * (e + ev)
+
+
+class OpsCounter:
+    """Matmul ops a `PrismeModel` actually runs, attributed to the cost model's components.
+
+    Counts with `torch.utils.flop_counter.FlopCounterMode` (mm/addmm/bmm/... at 2 ops per multiply-add), adding a
+    formula for `aten._scaled_dot_product_flash_attention_for_cpu`, which FlopCounterMode counts as 0. Each op goes to
+    the component of the innermost tagged module running it: backbone blocks -> `backbone_linear` (their SDPA ->
+    `backbone_attention`); `backbone.head` -> `lm_head`; W_K, W_V, P -> `bank_projection`; editor linears by name
+    (src_q/src_o, slot_q/slot_kv/slot_o, w13/w2, gate); an SDPA inside an editor block -> `editor_source_attn` if it
+    carries a mask (the causal bank) else `editor_slot_attn` (the M slots); controller; readout. Anything else lands
+    in `untagged`. Not counted, by the convention: norms, softmax, activations, embeddings, biases.
+    Made for CPU runs: on CUDA torch's own SDPA formulas apply, but the bank/slot split of the editor's attention
+    reads the CPU kernel's `attn_mask` keyword.
+
+        with OpsCounter(model) as oc:
+            ...  # forward work (no backward)
+        oc.by_component  # {component: ops}
+    """
+
+    _EDITOR_LEAVES = {"src_q": "editor_source_attn", "src_o": "editor_source_attn", "slot_q": "editor_slot_attn",
+                      "slot_kv": "editor_slot_attn", "slot_o": "editor_slot_attn", "w13": "editor_ffn",
+                      "w2": "editor_ffn", "gate": "editor_gate"}
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.by_component: dict[str, int] = dict.fromkeys((*COMPONENTS, "untagged"), 0)
+        self._stack: list[str] = []
+        self._handles: list[Any] = []
+        self._mode: Any = None
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_component.values())
+
+    def _tags(self) -> dict[Any, str]:
+        m, tags = self.model, {}
+        backbone = getattr(m, "backbone", m)
+        for blk in backbone.blocks:
+            tags[blk] = "backbone_block"
+        if getattr(backbone, "lm_head", None) is not None:
+            tags[backbone.lm_head] = "lm_head"
+        if getattr(m, "editor", None) is not None:
+            for lin in (m.W_K, m.W_V, m.P):
+                tags[lin] = "bank_projection"
+            for blk in m.editor.blocks:
+                tags[blk] = "editor_block"
+                for name, comp in self._EDITOR_LEAVES.items():
+                    tags[getattr(blk, name)] = comp
+            tags[m.controller] = "controller"
+            tags[m.readout] = "readout"
+        return tags
+
+    def _add(self, packet: Any, ops: int, kwargs: dict[str, Any]) -> None:
+        tag = self._stack[-1] if self._stack else "untagged"
+        sdpa = "scaled_dot_product" in str(packet)
+        if tag == "backbone_block":
+            tag = "backbone_attention" if sdpa else "backbone_linear"
+        elif tag == "editor_block":
+            tag = ("editor_source_attn" if kwargs.get("attn_mask") is not None else "editor_slot_attn") if sdpa \
+                else "untagged"
+        self.by_component[tag] += int(ops)
+
+    def _wrap(self, packet: Any, formula: Callable[..., int]) -> Callable[..., int]:
+        def counted(*args: Any, out_val: Any = None, **kwargs: Any) -> int:
+            ops = formula(*args, out_val=out_val, **kwargs)
+            self._add(packet, ops, kwargs)
+            return ops
+
+        counted._get_raw = True  # FlopCounterMode passes tensors; `formula` is already shape-wrapped or raw
+        return counted
+
+    def __enter__(self) -> OpsCounter:
+        from torch.utils.flop_counter import FlopCounterMode, flop_registry
+
+        registry = {**flop_registry, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_flops}
+        mapping = {p: self._wrap(p, f) for p, f in registry.items()}
+
+        def enter(module: Any, args: Any) -> None:
+            self._stack.append(tags[module])
+
+        def leave(module: Any, args: Any, output: Any) -> None:
+            self._stack.pop()
+
+        tags = self._tags()
+        for mod in tags:
+            self._handles.append(mod.register_forward_pre_hook(enter))
+            self._handles.append(mod.register_forward_hook(leave))
+        backbone = getattr(self.model, "backbone", self.model)
+        head = backbone.head
+
+        def tagged_head(H: Any) -> Any:
+            self._stack.append("lm_head")
+            try:
+                return head(H)
+            finally:
+                self._stack.pop()
+
+        backbone.head = tagged_head  # instance attribute, removed on exit
+        self._backbone = backbone
+        self._mode = FlopCounterMode(display=False, custom_mapping=mapping)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        del self._backbone.head
+
+
+# ---------------------------------------------------------------------- CLI
+def format_table(doc: dict[str, Any]) -> str:
+    """Human table of `cost_document`: components x the five rows, in ops; with the optimised column, each row shows
+    the seed and optimised ops side by side (millions, or thousands for small presets) and the saving."""
+    rows, opt = doc["rows"], doc.get("optimised_rows")
+    names = list(rows)
+    keys = (*COMPONENTS, "backbone", "workspace", "total")
+    base = rows[names[0]]["total"]
+    title = f"{doc['config']}  T={doc['T']}  ops per generated token"
+    if opt is None:
+        width = max(13, *(len(n) + 2 for n in names))
+        lines = [f"{title} (1 multiply-add = 2 ops)", f"{'component':<20}" + "".join(f"{n:>{width}}" for n in names)]
+        lines += [f"{c:<20}" + "".join(f"{rows[n][c]:>{width},}" for n in names) for c in keys]
+        lines.append(f"{'x backbone_only':<20}" + "".join(f"{rows[n]['total'] / base:>{width}.3f}" for n in names))
+    else:  # two cells of 9 per row: seed | optimised
+        unit, scale = ("millions", 1e6) if base >= 1e7 else ("thousands", 1e3)
+        lines = [f"{title}, {unit}; seed = seed 000's accounting, opt = the optimised modules",
+                 f"{'':<20}" + "".join(f"  {n:^18}" for n in names),
+                 f"{'component':<20}" + "".join(f"  {'seed':>9}{'opt':>9}" for n in names)]
+        lines += [f"{c:<20}" + "".join(f"  {rows[n][c] / scale:>9.3f}{opt[n][c] / scale:>9.3f}" for n in names)
+                  for c in keys]
+        lines.append(f"{'x backbone_only':<20}" + "".join(
+            f"  {rows[n]['total'] / base:>9.3f}{opt[n]['total'] / base:>9.3f}" for n in names))
+        cells = [f"{(rows[n]['total'] - opt[n]['total']) / scale:.3f} ({1 - opt[n]['total'] / rows[n]['total']:.1%})"
+                 for n in names]
+        lines.append(f"{'saving':<20}" + "".join(f"  {c:>18}" for c in cells))
+    p = doc["action_cost_proxy"]
+    line = f"action_cost_proxy (seed): single slot {p[0]:.6f}, pair {p[-1]:.6f}"
+    if opt is not None:
+        q = doc["optimised_action_cost_proxy"]
+        line += f"  |  optimised: single slot {q[0]:.6f}, pair {q[-1]:.6f}"
+    lines.append(line)
+    return "\n".join(lines)
+
+
+def costs_cli(args: argparse.Namespace) -> int:
+    """`prisme costs --preset NAME [--context T] [--json] [--optimised]`."""
+    cfg = PrismeConfig.from_name(args.preset)
+    T = cfg.cost_context if args.context is None else args.context
+    doc = cost_document(cfg, T, optimised=args.optimised)
+    print(json.dumps(doc, indent=2) if args.json else format_table(doc))
+    return 0
