@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -29,6 +30,9 @@ from .controller import ValueController
 from .editor import EditInfo, SlotKV, SparseEditor
 from .readout import DifferentialReadout
 from .workspace import absorb_stop, action_groups, check_actions, init_workspace
+
+if TYPE_CHECKING:
+    from .generate import DecodeState
 
 
 @dataclass
@@ -343,3 +347,10 @@ class PrismeModel(nn.Module):
         yield "backbone", self.backbone_parameters()
         yield "workspace", self.workspace_parameters()
         yield "controller", self.controller_parameters()
+
+    def new_decode_state(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None,
+                         bank: bool | None = None) -> DecodeState:
+        """Allocate a `prisme.generate.DecodeState` (backbone KV cache, source bank, per-row lengths) for decoding."""
+        from .generate import DecodeState
+
+        return DecodeState(self, batch_size, max_len, dtype, bank)
