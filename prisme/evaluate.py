@@ -1,0 +1,710 @@
+"""Evaluation: validation loss against measured ops per token, for every policy of SPEC §5.
+
+Notation: B batch, T positions, V vocab, M slots, A controller actions (STOP = A, DENSE = A+1), R steps, P oracle
+positions per sequence, n actions per position, k slots per action.
+
+Policies (one `EvalRow` each; `family` in parentheses):
+  * backbone only (`backbone`): `model(tokens)`, the exact bypass;
+  * backbone + matched tokens (`matched`): another model's backbone alone (one trained on as many extra tokens as
+    the workspace stage used), so that "the workspace helps" is not just "more training";
+  * fixed n x k1 / n x k2 (`fixed`), n in {1, 2, 4, 8} and n <= r_max: step r edits slot r mod M, or pair
+    M + (r mod M/2); forced through `model(tokens, actions)`, no controller;
+  * random n x k (`random`): uniform single slots or pairs; batch i draws from a generator seeded with seed + i
+    (common random numbers across random rows);
+  * dense (`dense`): n DENSE actions;
+  * controller at several lambda (`controller`): `model.forward_policy(tokens, r_max, lambda_cost=lambda)`;
+  * greedy oracle (`oracle`, not deployable): at each step execute every candidate action, keep the largest true
+    loss drop, STOP when none beats lambda * cost. It reads the targets, so it is an upper-bound probe on a subsample
+    of labelled positions, never a policy one could deploy.
+
+Measurement (SPEC §6): loss is the mean next-token cross-entropy over labelled targets (-100 ignored), accuracy the
+argmax hit rate on them (MQAR only). Ops come from the actual traces through `costs.trace_cost`: each position pays
+at its own context t + 1; forced policies pay no controller; the controller pays the steps it took; the oracle is
+charged min(n + 1, budget) controller steps, as if a controller had chosen its trace. Ops cover every position of
+the evaluated sequences (each one is a generated token, labelled or not); the oracle's cover its sampled positions.
+`relative_ops` divides by the backbone alone on the same positions. Both accountings are reported: `ops_per_token`
+is the model's own (`cfg.optimised`), `ops_per_token_alt` the other one (seed <-> optimised).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .config import PrismeConfig
+from .costs import TraceCost, trace_cost
+from .data import IGNORE_INDEX, MQARDataset, TokenDataset
+from .model import EncodedContext, PrismeModel
+
+POLICY_FAMILIES = ("backbone", "matched", "fixed", "random", "dense", "controller", "oracle")
+WORKSPACE_FAMILIES = ("fixed", "random", "dense", "controller", "oracle")
+BUDGETS = (1, 2, 4, 8)
+LAMBDA_QUANTILES = (0.25, 0.5, 0.75, 0.95)
+
+
+# ---------------------------------------------------------------------------------------------------------- results
+@dataclass
+class EvalRow:
+    """One policy's validation loss and measured compute."""
+
+    policy: str
+    loss: float  # mean next-token cross-entropy over labelled targets (nats)
+    ops_per_token: float  # mean ops per position, by the model's own accounting (`cfg.optimised`)
+    relative_ops: float  # total ops / backbone-only ops of the same positions
+    accuracy: float | None  # argmax accuracy on labelled targets (MQAR), else None
+    deployable: bool  # False for the oracle (it reads the targets)
+    family: str = ""
+    delta_loss: float = 0.0  # loss - backbone loss on the same positions
+    baseline_loss: float = 0.0  # backbone loss on the same positions
+    mean_edits: float = 0.0  # non-STOP actions per position
+    edited_fraction: float = 0.0  # positions with at least one edit
+    controller_steps: float = 0.0  # controller evaluations per position (charged, for the oracle)
+    ops_per_token_alt: float = 0.0  # the other accounting (seed <-> optimised)
+    relative_ops_alt: float = 0.0
+    lambda_cost: float | None = None  # controller / oracle price of compute
+    budget: int | None = None  # n for forced rows, max_budget for controller / oracle rows
+    n_positions: int = 0  # positions the ops cover
+    n_targets: int = 0  # labelled targets the loss covers
+
+
+@dataclass
+class EvalReport:
+    """Every policy's row plus what is needed to reproduce the run."""
+
+    rows: list[EvalRow]
+    config: dict[str, Any]
+    dataset: str
+    n_tokens: int  # labelled targets scored by each full-position policy
+    n_positions: int  # positions evaluated by each full-position policy
+    batch_size: int
+    seq_len: int
+    n_batches: int
+    accounting: str  # "optimised" or "seed": the accounting of `ops_per_token`
+    lambdas: list[float]
+    oracle_positions: int | None
+    seed: int
+    environment: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def alt_accounting(self) -> str:
+        return "seed" if self.accounting == "optimised" else "optimised"
+
+    def row(self, policy: str) -> EvalRow:
+        """The row named `policy` (ValueError if there is none)."""
+        for r in self.rows:
+            if r.policy == policy:
+                return r
+        raise ValueError(f"no row named {policy!r}; rows: {[r.policy for r in self.rows]}")
+
+    def table(self) -> str:
+        """A fixed-width table for humans, one row per policy."""
+        head = (f"{'policy':<30}{'loss':>8}{'dloss':>9}{'ops/tok':>11}{'rel':>8}{'ops/tok':>11}{'rel':>8}"
+                f"{'edits':>7}{'acc':>7}  deployable")
+        sub = f"{'':<47}{'(' + self.accounting + ')':>19}{'(' + self.alt_accounting + ')':>19}"
+        lines = [head, sub, "-" * len(head)]
+        for r in self.rows:
+            acc = "-" if r.accuracy is None else f"{r.accuracy:.3f}"
+            dep = "yes" if r.deployable else "no (upper bound)"
+            lines.append(f"{r.policy:<30}{r.loss:>8.4f}{r.delta_loss:>+9.4f}{r.ops_per_token:>11.4g}"
+                         f"{r.relative_ops:>8.3f}{r.ops_per_token_alt:>11.4g}{r.relative_ops_alt:>8.3f}"
+                         f"{r.mean_edits:>7.2f}{acc:>7}  {dep}")
+        foot = (f"{self.dataset}; val split, {self.n_batches} batches x {self.batch_size} x {self.seq_len}, "
+                f"{self.n_tokens} scored targets")
+        if any(r.family == "oracle" for r in self.rows):
+            per = "all" if self.oracle_positions is None else self.oracle_positions
+            foot += f"; oracle rows: {per} sampled positions per sequence, dloss vs the backbone on those positions"
+        lines.append(foot)
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-serialisable document (strict JSON: no NaN or infinity)."""
+        doc = {k: v for k, v in asdict(self).items() if k != "rows"}
+        doc["alt_accounting"] = self.alt_accounting
+        doc["rows"] = [asdict(r) for r in self.rows]
+        return _json_safe(doc)
+
+    def plot(self, path: str | Path) -> None:
+        """Loss versus relative ops (PNG): one marker per family, the deployable Pareto front, the backbone line.
+
+        The oracle's points sit at backbone loss + its delta on its own sampled positions (hollow markers).
+        """
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        style = {"backbone": ("s", "C0"), "matched": ("D", "C1"), "fixed": ("o", "C2"), "random": ("x", "C3"),
+                 "dense": ("^", "C4"), "controller": ("*", "C5"), "oracle": ("P", "C6")}
+        base = next((r for r in self.rows if r.family == "backbone"), None)
+        fig, ax = plt.subplots(figsize=(7.5, 5), dpi=120)
+        for fam in POLICY_FAMILIES:
+            rows = [r for r in self.rows if r.family == fam]
+            if not rows:
+                continue
+            xs = [r.relative_ops for r in rows]
+            marker, color = style[fam]
+            if fam == "oracle" and base is not None:
+                ys = [base.loss + r.delta_loss for r in rows]
+                ax.scatter(xs, ys, marker=marker, facecolors="none", edgecolors=color, s=60,
+                           label="oracle (not deployable; delta on sampled positions)")
+            else:
+                ax.scatter(xs, [r.loss for r in rows], marker=marker, color=color, s=50, label=fam)
+        front = pareto_front(self.rows)
+        if front:  # a staircase from the cheapest row, held to the right edge
+            x_max = max(r.relative_ops for r in self.rows)
+            xs = [r.relative_ops for r in front] + [x_max]
+            ys = [r.loss for r in front] + [front[-1].loss]
+            ax.step(xs, ys, where="post", color="k", lw=1, alpha=0.6, label="Pareto front (deployable)")
+        if base is not None:
+            ax.axhline(base.loss, color="gray", ls="--", lw=1, label="backbone only")
+        ax.set_xlabel(f"ops per token / backbone only ({self.accounting} accounting)")
+        ax.set_ylabel("validation loss (nats / token)")
+        ax.set_title(f"{self.config.get('name', '?')}: loss vs compute")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+        fig.tight_layout()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, format="png")
+        plt.close(fig)
+
+
+def pareto_front(rows: Sequence[EvalRow]) -> list[EvalRow]:
+    """Deployable rows not dominated in (relative ops, loss), sorted by ops: each is strictly better in loss than
+    every cheaper-or-equal one."""
+    front: list[EvalRow] = []
+    for r in sorted((r for r in rows if r.deployable), key=lambda r: (r.relative_ops, r.loss)):
+        if not front or r.loss < front[-1].loss:
+            front.append(r)
+    return front
+
+
+# ---------------------------------------------------------------------------------------------------------- policies
+@dataclass(frozen=True)
+class _Policy:
+    name: str
+    family: str
+    n: int = 0  # actions (forced) or max budget (controller / oracle)
+    k: int = 0  # 1 (slots), 2 (pairs), M (dense)
+    lam: float | None = None
+
+
+def forced_actions(cfg: PrismeConfig, family: str, n: int, k: int, shape: tuple[int, int],
+                   generator: torch.Generator | None = None, device: torch.device | None = None) -> torch.Tensor:
+    """Forced actions `[B, T, n]` of a fixed / random / dense policy.
+
+    fixed: step r edits slot r mod M (k = 1) or pair M + (r mod M/2) (k = 2) at every position; random: uniform
+    slots or pairs from `generator`; dense: DENSE (A+1) at every step.
+    """
+    B, T = shape
+    M, A = cfg.n_slots, cfg.n_actions
+    steps = torch.arange(n)
+    if family == "fixed":
+        row = steps % M if k == 1 else M + steps % (M // 2)  # [n]
+        acts = row.view(1, 1, n).expand(B, T, n)
+    elif family == "random":
+        lo, hi = (0, M) if k == 1 else (M, A)
+        acts = torch.randint(lo, hi, (B, T, n), generator=generator)
+    elif family == "dense":
+        acts = torch.full((B, T, n), cfg.dense_action)
+    else:
+        raise ValueError(f"forced_actions: unknown family {family!r}; expected fixed, random or dense")
+    return acts.to(device=device, dtype=torch.long).contiguous()
+
+
+def _fmt_lambda(lam: float) -> str:
+    return "0" if lam == 0 else f"{lam:.3g}"
+
+
+def _plan(model: PrismeModel, families: Sequence[str], lambdas: Sequence[float]) -> list[_Policy]:
+    cfg = model.cfg
+    ns = [n for n in BUDGETS if n <= cfg.r_max]
+    out: list[_Policy] = []
+    for fam in families:
+        if fam == "backbone":
+            out.append(_Policy("backbone", fam))
+        elif fam == "matched":
+            out.append(_Policy("backbone+matched", fam))
+        elif fam in ("fixed", "random"):
+            out += [_Policy(f"{fam}_{n}xk{k}", fam, n, k) for k in (1, 2) for n in ns]
+        elif fam == "dense":
+            out += [_Policy(f"dense_{n}", fam, n, cfg.n_slots) for n in ns]
+        elif fam in ("controller", "oracle"):
+            out += [_Policy(f"{fam}(lambda={_fmt_lambda(lam)})", fam, cfg.r_max, 0, float(lam)) for lam in lambdas]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------- oracle
+@dataclass
+class OracleResult:
+    """A greedy-oracle run on P positions per sequence."""
+
+    positions: torch.Tensor  # [B, P] query positions t
+    actions: torch.Tensor  # [B, P, R] chosen actions (STOP-padded)
+    loss: torch.Tensor  # [B, P] loss after the chosen edits
+    base_loss: torch.Tensor  # [B, P] backbone-only loss
+    logits: torch.Tensor  # [B, P, V] final logits
+    n_edits: torch.Tensor  # [B, P]
+
+
+def _token_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-position cross-entropy `[...]` of logits `[..., V]` (0 where the target is -100)."""
+    flat = logits.reshape(-1, logits.shape[-1])  # [N, V]
+    if flat.dtype in (torch.float16, torch.bfloat16):
+        flat = flat.float()
+    ce = F.cross_entropy(flat, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none")  # [N]
+    return ce.view(targets.shape)
+
+
+@torch.no_grad()
+def greedy_oracle(model: PrismeModel, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor,
+                  max_budget: int | None = None, lambda_cost: float = 0.0,
+                  cost: torch.Tensor | None = None) -> OracleResult:
+    """Greedy oracle at the query positions `[B, P]`, vectorised over positions and candidates.
+
+    Each step applies every candidate action `0..A-1` to each still-active position (`model.apply_action` on a
+    `[B, P*A]` query layout sharing the bank), reads the true loss of each candidate from `logits_from_state` and
+    the targets, and keeps the candidate with the largest `drop - lambda * cost[a]`; a position STOPs (for good) when
+    no candidate beats 0 (ties go to STOP, as `ValueController.select`). `remaining = max_budget - step - 1`, as in
+    `forward_policy`. Uses the editor's reference path (no slot K/V cache): the same function, recomputed.
+
+    Args:
+        tokens, targets: `[B, T]`; targets at `positions` must be labelled (not -100).
+        positions: `[B, P]` long query positions.
+        max_budget: steps (default r_max); cost: `[A]` (default `model.action_cost`).
+    """
+    cfg = model.cfg
+    R = cfg.r_max if max_budget is None else max_budget
+    if not cfg.use_workspace:
+        raise ValueError("greedy_oracle needs a model with a workspace (use_workspace=True)")
+    if not isinstance(R, int) or not 1 <= R <= cfg.r_max:
+        raise ValueError(f"max_budget must be an int in [1, r_max={cfg.r_max}], got {R!r}")
+    if not math.isfinite(lambda_cost) or lambda_cost < 0:
+        raise ValueError(f"lambda_cost must be finite and >= 0, got {lambda_cost}")
+    B, T = tokens.shape
+    if positions.dim() != 2 or positions.shape[0] != B or positions.numel() == 0:
+        raise ValueError(f"positions must be a non-empty [B={B}, P] tensor, got {tuple(positions.shape)}")
+    if int(positions.min()) < 0 or int(positions.max()) >= T:
+        raise ValueError(f"positions must lie in [0, {T})")
+    rows = torch.arange(B, device=tokens.device).unsqueeze(1)  # [B, 1]
+    y = targets[rows, positions]  # [B, P]
+    if bool((y == IGNORE_INDEX).any()):
+        raise ValueError("greedy_oracle: every position must have a labelled target (not -100)")
+    cost = model.action_cost if cost is None else torch.as_tensor(cost).to(model.action_cost)
+    A, stop, P = cfg.n_actions, cfg.stop_action, positions.shape[1]
+
+    H = model.backbone(tokens)  # [B, T, d]
+    ctx = model.context_from_H(H, H[rows, positions], query_pos=positions)  # Tq = P
+    logits = model.backbone.head(ctx.H)  # [B, P, V]
+    loss = _token_ce(logits, y)  # [B, P]
+    base = loss.clone()
+
+    def rep(x: torch.Tensor) -> torch.Tensor:  # [B, P, ...] -> [B, P*A, ...], candidate a at index p*A + a
+        return x.repeat_interleave(A, dim=1)
+
+    ctx_c = EncodedContext(H=rep(ctx.H), K=ctx.K, V=ctx.V, z=rep(ctx.z), bank_mask=rep(ctx.bank_mask),
+                           S0=rep(ctx.S0))
+    cand = torch.arange(A, device=tokens.device).repeat(B, P)  # [B, P*A]
+    y_c = rep(y)  # [B, P*A]
+    S = ctx.S0  # [B, P, M, w]
+    active = torch.ones(B, P, dtype=torch.bool, device=tokens.device)
+    trace = torch.full((B, P, R), stop, dtype=torch.long, device=tokens.device)
+    p_idx = torch.arange(P, device=tokens.device) * A  # [P]
+    for r in range(R):
+        if not bool(active.any()):
+            break
+        act_c = rep(active)  # [B, P*A]
+        a_c = torch.where(act_c, cand, torch.full_like(cand, stop))  # stopped positions run nothing
+        S_c, _ = model.apply_action(rep(S), ctx_c, a_c, r, R - r - 1)  # [B, P*A, M, w]
+        logits_c, _ = model.logits_from_state(S_c, ctx_c, act_c)  # [B, P*A, V]
+        loss_c = _token_ce(logits_c, y_c).view(B, P, A)  # [B, P, A]
+        score = (loss.unsqueeze(-1) - loss_c) - lambda_cost * cost  # [B, P, A]
+        best, a = score.max(dim=-1)  # [B, P]
+        take = active & (best > 0)
+        idx = p_idx + a  # [B, P] index of the chosen candidate
+        S = torch.where(take[..., None, None], S_c[rows, idx], S)
+        logits = torch.where(take[..., None], logits_c[rows, idx], logits)
+        loss = torch.where(take, loss_c.gather(-1, a.unsqueeze(-1)).squeeze(-1), loss)
+        trace[:, :, r] = torch.where(take, a, torch.full_like(a, stop))
+        active = take
+    n_edits = (trace != stop).sum(-1)
+    return OracleResult(positions=positions, actions=trace, loss=loss, base_loss=base, logits=logits,
+                        n_edits=n_edits)
+
+
+def sample_positions(targets: torch.Tensor, n: int | None, generator: torch.Generator) -> tuple[torch.Tensor,
+                                                                                               torch.Tensor]:
+    """P labelled positions per row, uniformly without replacement, sorted: (rows `[B']`, positions `[B', P]`).
+
+    P = min(n, fewest labelled targets in a row); rows with no labelled target are dropped. n=None: all of them.
+    """
+    mask = targets != IGNORE_INDEX  # [B, T]
+    counts = mask.sum(-1)  # [B]
+    rows = torch.nonzero(counts > 0).flatten()
+    if rows.numel() == 0:
+        return rows, targets.new_zeros(0, 0)
+    P = int(counts[rows].min()) if n is None else min(n, int(counts[rows].min()))
+    weights = mask[rows].double().cpu()
+    pos = torch.multinomial(weights, P, replacement=False, generator=generator)  # [B', P]
+    return rows, pos.sort(dim=-1).values.to(targets.device)
+
+
+# ---------------------------------------------------------------------------------------------------------- the run
+@dataclass
+class _Acc:
+    """Accumulates one row over batches."""
+
+    loss_sum: float = 0.0
+    n_targets: int = 0
+    n_correct: int = 0
+    base_loss_sum: float = 0.0
+    actions: list[torch.Tensor] = field(default_factory=list)  # [N, R] each
+    contexts: list[torch.Tensor] = field(default_factory=list)  # [N] each
+    steps: list[torch.Tensor] = field(default_factory=list)  # [N] each
+
+    def add_loss(self, logits: torch.Tensor, y: torch.Tensor, base_ce: torch.Tensor | None = None) -> None:
+        mask = y != IGNORE_INDEX
+        ce = _token_ce(logits, y)
+        self.loss_sum += float(ce[mask].double().sum())
+        self.n_targets += int(mask.sum())
+        self.n_correct += int((logits.argmax(-1)[mask] == y[mask]).sum())
+        if base_ce is not None:
+            self.base_loss_sum += float(base_ce[mask].double().sum())
+
+    def add_trace(self, actions: torch.Tensor | None, contexts: torch.Tensor, steps: torch.Tensor | None) -> None:
+        N = contexts.numel()
+        self.contexts.append(contexts.reshape(N).cpu())
+        if actions is not None:
+            self.actions.append(actions.reshape(N, -1).cpu())
+        if steps is not None:
+            self.steps.append(steps.reshape(N).cpu())
+
+    def cost(self, cfg: PrismeConfig, optimised: bool) -> TraceCost:
+        ctx = torch.cat(self.contexts)
+        acts = torch.cat(self.actions) if self.actions else None
+        steps = torch.cat(self.steps) if self.steps else None
+        return trace_cost(cfg, acts, ctx, steps, optimised=optimised)
+
+
+def _check_inputs(model, dataset, policies, batch_size, seq_len, max_batches, matched_backbone, lambdas,
+                  oracle_positions) -> tuple[list[str], int]:
+    if not isinstance(model, PrismeModel):
+        raise ValueError(f"model must be a PrismeModel, got {type(model).__name__}")
+    cfg = model.cfg
+    if dataset is None or not hasattr(dataset, "iter_eval"):
+        raise ValueError(f"dataset must provide iter_eval(split, batch_size, seq_len, max_batches), got {dataset!r}")
+    for name, v in (("batch_size", batch_size), ("max_batches", max_batches)):
+        if v is None and name == "max_batches":
+            continue
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if seq_len is None:
+        seq_len = dataset.cfg.seq_len if isinstance(dataset, MQARDataset) else cfg.max_seq_len
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or not 1 <= seq_len <= cfg.max_seq_len:
+        raise ValueError(f"seq_len must be an int in [1, max_seq_len={cfg.max_seq_len}], got {seq_len!r}")
+    vocab = getattr(dataset, "vocab_size", None)
+    if vocab is not None and vocab > cfg.vocab_size:
+        raise ValueError(f"dataset vocab_size={vocab} exceeds the model's vocab_size={cfg.vocab_size}")
+    if policies is None:
+        families = ["backbone"] + (["matched"] if matched_backbone is not None else [])
+        if cfg.use_workspace:
+            families += [f for f in POLICY_FAMILIES if f in WORKSPACE_FAMILIES]
+    else:
+        if isinstance(policies, str):
+            policies = [policies]
+        families = list(dict.fromkeys(policies))
+        unknown = [p for p in families if p not in POLICY_FAMILIES]
+        if unknown:
+            raise ValueError(f"unknown policy name(s) {unknown}; choose from {list(POLICY_FAMILIES)}")
+        if not families:
+            raise ValueError(f"policies is empty; name at least one of {list(POLICY_FAMILIES)} (or None for all)")
+        if not cfg.use_workspace and any(f in WORKSPACE_FAMILIES for f in families):
+            raise ValueError(f"this model has no workspace (use_workspace=False): policies "
+                             f"{[f for f in families if f in WORKSPACE_FAMILIES]} need one")
+        if "matched" in families and matched_backbone is None:
+            raise ValueError("policy 'matched' needs matched_backbone (a model whose backbone is evaluated alone)")
+    if matched_backbone is not None:
+        if not isinstance(matched_backbone, PrismeModel):
+            raise ValueError(f"matched_backbone must be a PrismeModel, got {type(matched_backbone).__name__}")
+        if matched_backbone.cfg.vocab_size != cfg.vocab_size:
+            raise ValueError(f"matched_backbone vocab_size={matched_backbone.cfg.vocab_size} differs from the "
+                             f"model's {cfg.vocab_size}")
+        if seq_len > matched_backbone.cfg.max_seq_len:
+            raise ValueError(f"seq_len={seq_len} exceeds matched_backbone max_seq_len="
+                             f"{matched_backbone.cfg.max_seq_len}")
+    if lambdas is not None:
+        lambdas = list(lambdas)
+        if not lambdas or any(not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0 for x in lambdas):
+            raise ValueError(f"lambdas must be a non-empty list of finite floats >= 0, got {lambdas!r}")
+    if oracle_positions is not None and (not isinstance(oracle_positions, int) or isinstance(oracle_positions, bool)
+                                         or oracle_positions < 1):
+        raise ValueError(f"oracle_positions must be an int >= 1 or None (all labelled positions), got "
+                         f"{oracle_positions!r}")
+    return families, seq_len
+
+
+@torch.no_grad()
+def default_lambdas(model: PrismeModel, tokens: torch.Tensor, quantiles: Sequence[float] = LAMBDA_QUANTILES,
+                    cost: torch.Tensor | None = None) -> list[float]:
+    """A lambda grid from 0 (edit whenever some value is positive) to where few positions still edit.
+
+    At step 0 a position edits iff some action has value_a - lambda * cost_a > 0, i.e. lambda < lambda* =
+    max_a value_a / cost_a (the price is the `action_cost` proxy). The grid is 0 plus quantiles of lambda* over the
+    positions of `tokens` `[B, T]` that would edit at lambda = 0, rounded to 3 significant digits.
+    """
+    cfg = model.cfg
+    cost = model.action_cost if cost is None else cost
+    ctx = model.encode(tokens)
+    B, T = tokens.shape
+    dev = tokens.device
+    preds = model.controller(ctx.z, ctx.S0, ctx.S0, torch.zeros(B, T, cfg.n_slots, dtype=torch.long, device=dev),
+                             torch.zeros(B, T, cfg.n_actions, dtype=torch.bool, device=dev),
+                             torch.zeros(B, T, dtype=torch.long, device=dev),
+                             torch.full((B, T), cfg.r_max, dtype=torch.long, device=dev))
+    lam_star = (preds.value / cost).amax(-1).flatten().double()  # [B*T]
+    lam_star = lam_star[lam_star > 0]
+    grid = [0.0]
+    if lam_star.numel():
+        qs = torch.quantile(lam_star.cpu(), torch.tensor(list(quantiles), dtype=torch.float64))
+        grid += [float(f"{float(q):.3g}") for q in qs]
+    return sorted(set(grid))
+
+
+def evaluate_policies(model: PrismeModel, dataset: TokenDataset | MQARDataset, policies: Sequence[str] | None = None,
+                      *, batch_size: int = 16, seq_len: int | None = None, max_batches: int | None = 8,
+                      matched_backbone: PrismeModel | None = None, lambdas: Sequence[float] | None = None,
+                      oracle_positions: int | None = 16, seed: int = 0, progress: bool = False) -> EvalReport:
+    """Evaluate every policy on the validation split of `dataset`.
+
+    Args:
+        model: the model; evaluated in eval mode under no_grad, its mode restored afterwards.
+        dataset: a `TokenDataset` or `MQARDataset` (anything with `iter_eval(split, B, T, max_batches)`).
+        policies: families to run (`POLICY_FAMILIES`; default: all that apply). `matched` needs `matched_backbone`.
+        batch_size, seq_len, max_batches: evaluation windows (seq_len default: the MQAR length or T_max).
+        matched_backbone: a model whose backbone alone is the "backbone + matched tokens" baseline.
+        lambdas: controller and oracle prices of compute (default: `default_lambdas` on the first batch).
+        oracle_positions: labelled positions per sequence the oracle samples (None: all).
+        seed: random policies and oracle subsampling.
+    Returns:
+        `EvalReport` with one `EvalRow` per policy, families in the order of `policies` (default: as in
+        `POLICY_FAMILIES`).
+    """
+    families, seq_len = _check_inputs(model, dataset, policies, batch_size, seq_len, max_batches, matched_backbone,
+                                      lambdas, oracle_positions)
+    batches = list(dataset.iter_eval("val", batch_size, seq_len, max_batches))
+    if not batches or all(x.numel() == 0 for x, _ in batches):
+        raise ValueError(f"dataset {dataset!r} yielded no validation batches")
+    if not any(bool((y != IGNORE_INDEX).any()) for _, y in batches):
+        raise ValueError(f"dataset {dataset!r}: no labelled targets in the validation batches (all -100)")
+    cfg = model.cfg
+    device = next(model.parameters()).device
+    was_training = model.training
+    m_training = matched_backbone.training if matched_backbone is not None else False
+    model.eval()
+    if matched_backbone is not None:
+        matched_backbone.eval()
+    try:
+        with torch.no_grad():
+            if lambdas is None and ("controller" in families or "oracle" in families):
+                lambdas = default_lambdas(model, batches[0][0].to(device))
+            plan = _plan(model, families, [float(x) for x in (lambdas or [0.0])])
+            accs = {p.name: _Acc() for p in plan}
+            _run_batches(model, plan, accs, batches, device, matched_backbone, oracle_positions, seed, progress)
+    finally:
+        model.train(was_training)
+        if matched_backbone is not None:
+            matched_backbone.train(m_training)
+    rows = _finish_rows(model, plan, accs, matched_backbone, isinstance(dataset, MQARDataset))
+    n_tok = sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)
+    return EvalReport(rows=rows, config=cfg.to_dict(), dataset=repr(dataset), n_tokens=n_tok,
+                      n_positions=sum(x.numel() for x, _ in batches), batch_size=batch_size, seq_len=seq_len,
+                      n_batches=len(batches), accounting="optimised" if cfg.optimised else "seed",
+                      lambdas=[float(x) for x in (lambdas or [])], oracle_positions=oracle_positions, seed=seed,
+                      environment=environment(model))
+
+
+def _run_batches(model, plan, accs, batches, device, matched_backbone, oracle_positions, seed, progress) -> None:
+    cfg = model.cfg
+    it = batches
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(batches, desc="eval", unit="batch")
+    g_oracle = torch.Generator().manual_seed(seed)
+    for bi, (x, y) in enumerate(it):
+        x, y = x.to(device), y.to(device)
+        B, T = x.shape
+        contexts = torch.arange(1, T + 1).expand(B, T)  # [B, T] each position's own context t + 1
+        base_logits = model(x).logits  # [B, T, V] the backbone alone: every row's baseline
+        base_ce = _token_ce(base_logits, y)  # [B, T]
+        g_random = torch.Generator().manual_seed(seed + bi)
+        rand_state = g_random.get_state()
+        oracle_pos = None
+        for p in plan:
+            acc = accs[p.name]
+            if p.family == "backbone":
+                acc.add_loss(base_logits, y, base_ce)
+                acc.add_trace(None, contexts, None)
+            elif p.family == "matched":
+                logits = matched_backbone(x.to(next(matched_backbone.parameters()).device)).logits.to(device)
+                acc.add_loss(logits, y, base_ce)
+                acc.add_trace(None, contexts, None)
+            elif p.family in ("fixed", "random", "dense"):
+                if p.family == "random":
+                    g_random.set_state(rand_state)  # common random numbers: each random row starts from seed + bi
+                acts = forced_actions(cfg, p.family, p.n, p.k, (B, T), g_random, device)  # [B, T, n]
+                out = model(x, acts)
+                acc.add_loss(out.logits, y, base_ce)
+                acc.add_trace(out.actions, contexts, None)
+            elif p.family == "controller":
+                out = model.forward_policy(x, max_budget=p.n, lambda_cost=p.lam)
+                acc.add_loss(out.logits, y, base_ce)
+                acc.add_trace(out.actions, contexts, out.controller_steps)
+            elif p.family == "oracle":
+                if oracle_pos is None:  # the same positions for every oracle row of this batch
+                    oracle_pos = sample_positions(y, oracle_positions, g_oracle)
+                rows, pos = oracle_pos  # [B'], [B', P]
+                if rows.numel() == 0:
+                    continue
+                res = greedy_oracle(model, x[rows], y[rows], pos, p.n, p.lam)
+                yq = y[rows].gather(1, pos)  # [B', P]
+                acc.add_loss(res.logits, yq, res.base_loss)
+                steps = torch.clamp(res.n_edits + 1, max=p.n)  # as if a controller had chosen the trace
+                acc.add_trace(res.actions, pos + 1, steps)
+
+
+def _finish_rows(model, plan, accs, matched_backbone, mqar: bool) -> list[EvalRow]:
+    cfg = model.cfg
+    rows = []
+    for p in plan:
+        acc = accs[p.name]
+        if acc.n_targets == 0:
+            continue
+        loss = acc.loss_sum / acc.n_targets
+        if not math.isfinite(loss):
+            raise ValueError(f"policy {p.name}: non-finite validation loss {loss}")
+        own_cfg = matched_backbone.cfg if p.family == "matched" else cfg
+        own = acc.cost(own_cfg, cfg.optimised)
+        alt = acc.cost(own_cfg, not cfg.optimised)
+        if p.family == "matched":  # relative to this model's backbone on the same positions
+            base_ops = acc.cost(cfg, cfg.optimised).backbone_ops
+            rel, rel_alt = own.total_ops / base_ops, alt.total_ops / base_ops
+        else:
+            rel, rel_alt = own.relative, alt.relative
+        if acc.actions:
+            acts = torch.cat(acc.actions)
+            n_edits = (acts != cfg.stop_action).sum(-1).double()
+        else:
+            n_edits = torch.zeros(own.n_positions, dtype=torch.float64)
+        steps = torch.cat(acc.steps).double().mean().item() if acc.steps else 0.0
+        baseline = acc.base_loss_sum / acc.n_targets
+        rows.append(EvalRow(
+            policy=p.name, loss=loss, ops_per_token=own.ops_per_token, relative_ops=rel,
+            accuracy=acc.n_correct / acc.n_targets if mqar else None, deployable=p.family != "oracle",
+            family=p.family, delta_loss=loss - baseline, baseline_loss=baseline,
+            mean_edits=float(n_edits.mean()), edited_fraction=float((n_edits > 0).double().mean()),
+            controller_steps=steps, ops_per_token_alt=alt.ops_per_token, relative_ops_alt=rel_alt,
+            lambda_cost=p.lam, budget=p.n if p.n else None, n_positions=own.n_positions, n_targets=acc.n_targets))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------- helpers
+def environment(model: PrismeModel | None = None) -> dict[str, Any]:
+    """Python, torch, numpy, platform, CPU, threads, device, dtype, time."""
+    env: dict[str, Any] = {
+        "python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
+        "platform": platform.platform(), "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
+        "time_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    if model is not None:
+        p = next(model.parameters())
+        env["device"], env["dtype"] = str(p.device), str(p.dtype).removeprefix("torch.")
+        if p.device.type == "cuda":
+            env["gpu"] = torch.cuda.get_device_name(p.device)
+    return env
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _json_safe(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, (np.integer, np.floating)):
+        return _json_safe(x.item())
+    return x
+
+
+# ---------------------------------------------------------------------------------------------------------- CLI
+def dataset_for_checkpoint(meta: Any, vocab_size: int, corpus: str | None = None):
+    """The evaluation dataset of a checkpoint: its training stage's dataset (tokenizer, val split, MQAR settings),
+    or `corpus` ("austen", a text path, or "mqar") with the checkpoint's other data settings. Returns
+    (dataset, seq_len or None)."""
+    from .train import StageConfig, build_dataset
+
+    sc = getattr(meta, "stage_config", None) or {}
+    scfg = StageConfig.from_dict(sc) if sc else StageConfig()
+    if corpus is not None and corpus != scfg.dataset:
+        scfg = scfg.replace(dataset=corpus)
+    return build_dataset(scfg, vocab_size), scfg.seq_len
+
+
+def _parse_floats(s: str | None) -> list[float] | None:
+    if s is None:
+        return None
+    try:
+        return [float(v) for v in s.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--lambdas must be comma-separated numbers, got {s!r}") from None
+
+
+def main(args: argparse.Namespace) -> int:
+    """`prisme eval`: load a checkpoint, evaluate every policy, print the table, write JSON / PNG if asked."""
+    from .checkpoint import load_model
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model, meta = load_model(args.checkpoint, map_location=device)
+    matched = None
+    if args.matched_backbone:
+        matched, _ = load_model(args.matched_backbone, map_location=device)
+    dataset, train_seq_len = dataset_for_checkpoint(meta, model.cfg.vocab_size, args.corpus)
+    seq_len = args.seq_len if args.seq_len is not None else train_seq_len
+    policies = [s.strip() for s in args.policies.split(",") if s.strip()] if args.policies else None
+    oracle_positions = None if args.oracle_positions == -1 else args.oracle_positions
+    report = evaluate_policies(model, dataset, policies, batch_size=args.batch_size, seq_len=seq_len,
+                               max_batches=args.batches, matched_backbone=matched,
+                               lambdas=_parse_floats(args.lambdas), oracle_positions=oracle_positions,
+                               seed=args.seed, progress=sys.stderr.isatty())
+    print(report.table())
+    if args.json:
+        doc = report.to_json()
+        doc["checkpoint"] = str(args.checkpoint)
+        doc["matched_backbone"] = args.matched_backbone
+        _atomic_write_text(Path(args.json), json.dumps(doc, indent=2, allow_nan=False) + "\n")
+        print(f"wrote {args.json}")
+    if args.plot:
+        report.plot(args.plot)
+        print(f"wrote {args.plot}")
+    return 0

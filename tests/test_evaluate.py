@@ -1,0 +1,464 @@
+"""`prisme.evaluate`: every policy's loss and ops are what an independent computation gives (SPEC §5, §6).
+
+Tiny preset in float64 with a non-zero readout (U starts at zero, which would hide every edit). The greedy oracle is
+not guaranteed to beat a fixed n-step policy for n > 1 (it is myopic, and budget conditioning differs), so the tests
+check what holds by construction: at budget 1 it equals the best single action, and at every step its choice is the
+largest true loss drop over all candidates (brute force through `model.forward`).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from prisme import cli
+from prisme.checkpoint import save_checkpoint
+from prisme.config import PrismeConfig
+from prisme.costs import token_ops
+from prisme.data import IGNORE_INDEX, ByteTokenizer, MQARConfig, MQARDataset, TokenDataset, mqar_accuracy
+from prisme.evaluate import (
+    EvalRow,
+    evaluate_policies,
+    forced_actions,
+    greedy_oracle,
+    pareto_front,
+    sample_positions,
+)
+from prisme.model import PrismeModel
+from prisme.train import StageConfig
+
+B, T, NB, SEED = 3, 16, 2, 7  # batch size, sequence length, batches, evaluation seed
+
+
+def make_model(seed: int = 0, **overrides) -> PrismeModel:
+    torch.manual_seed(seed)
+    model = PrismeModel(PrismeConfig.from_name("tiny", **overrides)).double().eval()
+    if model.cfg.use_workspace:
+        torch.nn.init.normal_(model.readout.U.weight, std=0.5)  # make every edit visible in the logits
+        with torch.no_grad():  # a controller whose decisions vary from position to position
+            for p in model.controller.parameters():
+                torch.nn.init.normal_(p, std=0.3)
+    return model
+
+
+def text_dataset() -> TokenDataset:
+    rng = random.Random(0)
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "home"]
+    return TokenDataset.from_text(" ".join(rng.choice(words) for _ in range(600)), ByteTokenizer(), val_fraction=0.25)
+
+
+def ce_sum(logits: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed cross-entropy `[...]` over labelled targets and their count."""
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=IGNORE_INDEX,
+                         reduction="none").view(y.shape)
+    return ce.sum(), (y != IGNORE_INDEX).sum()
+
+
+def per_position_ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none").view(y.shape)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny float64 models run fastest on one thread (and do not fight other jobs for cores)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def run(one_thread):
+    """One full evaluation (every policy family) of a tiny byte-level model on a short generated text."""
+    model = make_model(vocab_size=256)
+    ds = text_dataset()
+    report = evaluate_policies(model, ds, batch_size=B, seq_len=T, max_batches=NB, oracle_positions=4, seed=SEED)
+    return model, ds, report
+
+
+# ---------------------------------------------------------------------------------------------------------- loss
+def test_backbone_row_equals_plain_forward_loss(run):
+    """The backbone-only row is the token-weighted mean CE of backbone.head(backbone(x)) over the val windows."""
+    model, ds, report = run
+
+    def reference(split: str) -> float:
+        tot, n = 0.0, 0
+        with torch.no_grad():
+            for x, y in ds.iter_eval(split, B, T, NB):
+                s, c = ce_sum(model.backbone.head(model.backbone(x)), y)
+                tot, n = tot + float(s), n + int(c)
+        return tot / n
+
+    row = report.row("backbone")
+    assert abs(row.loss - reference("val")) <= 1e-12
+    assert row.delta_loss == 0.0 and row.mean_edits == 0.0 and row.relative_ops == 1.0 and row.deployable
+    assert abs(row.loss - reference("train")) > 1e-6  # negative control: reading the wrong split is caught
+
+
+def test_forced_rows_equal_direct_computation_with_the_same_actions(run):
+    """fixed, random and dense rows equal the mean CE of model(x, actions) with the documented forced actions."""
+    model, ds, report = run
+    rows = [r for r in report.rows if r.family in ("fixed", "random", "dense")]
+    assert {r.family for r in rows} == {"fixed", "random", "dense"}
+    assert {r.budget for r in rows} == {1, 2, 4}  # {1, 2, 4, 8} capped at r_max = 4
+
+    def reference(r: EvalRow, seed: int) -> float:
+        k = int(r.policy.split("xk")[1]) if "xk" in r.policy else model.cfg.n_slots
+        tot, n = 0.0, 0
+        with torch.no_grad():
+            for bi, (x, y) in enumerate(ds.iter_eval("val", B, T, NB)):
+                g = torch.Generator().manual_seed(seed + bi)
+                acts = forced_actions(model.cfg, r.family, r.budget, k, (B, T), g)
+                s, c = ce_sum(model(x, acts).logits, y)
+                tot, n = tot + float(s), n + int(c)
+        return tot / n
+
+    for r in rows:
+        assert abs(r.loss - reference(r, SEED)) <= 1e-12, r.policy
+        assert r.mean_edits == r.budget and r.controller_steps == 0.0
+    for r in (r for r in rows if r.family == "random"):  # negative control: other random actions are caught
+        assert abs(r.loss - reference(r, SEED + 100)) > 1e-9, r.policy
+
+
+def test_forced_actions_follow_the_round_robin_and_dense_definitions():
+    """fixed k1 cycles slots 0..M-1, fixed k2 cycles pairs M..A-1, dense is A+1, random k2 draws only pairs."""
+    cfg = PrismeConfig.from_name("tiny")  # M = 4, A = 6
+    assert forced_actions(cfg, "fixed", 6, 1, (1, 1))[0, 0].tolist() == [0, 1, 2, 3, 0, 1]
+    assert forced_actions(cfg, "fixed", 3, 2, (1, 1))[0, 0].tolist() == [4, 5, 4]
+    assert forced_actions(cfg, "dense", 2, 4, (1, 1))[0, 0].tolist() == [7, 7]
+    r = forced_actions(cfg, "random", 4, 2, (8, 8), torch.Generator().manual_seed(0))
+    assert r.min() >= 4 and r.max() <= 5 and r.unique().numel() == 2
+    with pytest.raises(ValueError, match="unknown family"):
+        forced_actions(cfg, "greedy", 1, 1, (1, 1))
+
+
+# ---------------------------------------------------------------------------------------------------------- ops
+def test_fixed_row_ops_equal_token_ops_at_each_positions_own_context(run):
+    """Forced rows' ops/token are token_ops(t + 1, n x [k], no controller) averaged over positions, both accountings."""
+    model, _, report = run
+    cfg = model.cfg
+    rows = [r for r in report.rows if r.family in ("fixed", "dense")]
+
+    def mean_total(ks: list[int], optimised: bool, contexts: list[int]) -> float:
+        return sum(token_ops(cfg, c, ks, controller_steps=0, optimised=optimised)["total"]
+                   for c in contexts) / len(contexts)
+
+    own = list(range(1, T + 1))  # position t has t + 1 keys
+    base = mean_total([], cfg.optimised, own)
+    for r in rows:
+        ks = [1 if r.policy.endswith("k1") else 2 if r.policy.endswith("k2") else cfg.n_slots] * r.budget
+        expected = mean_total(ks, cfg.optimised, own)
+        assert r.ops_per_token == pytest.approx(expected, rel=1e-12), r.policy
+        assert r.relative_ops == pytest.approx(expected / base, rel=1e-12)
+        assert r.ops_per_token_alt == pytest.approx(mean_total(ks, not cfg.optimised, own), rel=1e-12)
+        # negative control: charging every position the full context T would be caught
+        wrong = mean_total(ks, cfg.optimised, [T] * T)
+        assert abs(wrong - r.ops_per_token) > 1e-6 * r.ops_per_token
+    assert report.row("backbone").ops_per_token == pytest.approx(base, rel=1e-12)
+
+
+def test_controller_row_ops_are_charged_from_its_own_trace_and_controller_steps(run):
+    """A controller row's ops equal the per-position token_ops of the trace forward_policy produced, with its steps."""
+    model, ds, report = run
+    cfg = model.cfg
+    row = next(r for r in report.rows if r.family == "controller" and r.lambda_cost == 0.0)
+    stop, tot, n, tot_forced = cfg.stop_action, 0.0, 0, 0.0
+    with torch.no_grad():
+        for x, _ in ds.iter_eval("val", B, T, NB):
+            out = model.forward_policy(x, max_budget=cfg.r_max, lambda_cost=0.0)
+            for b in range(B):
+                for t in range(T):
+                    ks = [1 if a < cfg.n_slots else 2 for a in out.actions[b, t].tolist() if a != stop]
+                    steps = int(out.controller_steps[b, t])
+                    assert steps == min(len(ks) + 1, cfg.r_max)
+                    tot += token_ops(cfg, t + 1, ks, controller_steps=steps, optimised=cfg.optimised)["total"]
+                    if ks:  # the same trace charged as a forced policy (no controller)
+                        tot_forced += token_ops(cfg, t + 1, ks, controller_steps=0, optimised=cfg.optimised)["total"]
+                    n += 1
+    assert row.ops_per_token == pytest.approx(tot / n, rel=1e-12)
+    assert row.controller_steps > 1.0 and 0 < row.edited_fraction <= 1
+    assert abs(tot_forced / n - row.ops_per_token) > 1e-6 * row.ops_per_token  # negative control: no controller charge
+
+
+# ---------------------------------------------------------------------------------------------------------- controller
+def spans_and_is_monotone(rows: list[EvalRow]) -> bool:
+    """Rows sorted by lambda: edits and ops never increase, and the largest lambda edits less than lambda = 0."""
+    rows = sorted(rows, key=lambda r: r.lambda_cost)
+    edits, ops = [r.mean_edits for r in rows], [r.ops_per_token for r in rows]
+    monotone = all(a >= b for a, b in zip(edits, edits[1:])) and all(a >= b for a, b in zip(ops, ops[1:]))
+    return monotone and edits[-1] < edits[0]
+
+
+def test_controller_rows_give_fewer_edits_and_ops_as_lambda_grows(monkeypatch):
+    """With values fixed per action (pairs > singles), lambda moves the choice pair -> single -> STOP, monotonically."""
+    model = make_model(vocab_size=256)
+    cfg, M = model.cfg, model.cfg.n_slots
+    c1, c2 = float(model.action_cost[0]), float(model.action_cost[M])
+    with torch.no_grad():  # W_act = 0 makes value_a = b_v[a]: pairs win below lambda 0.5, singles below 1
+        model.controller.W_act.weight.zero_()
+        model.controller.b_v[:M] = c1
+        model.controller.b_v[M:] = c1 + 0.5 * (c2 - c1)
+    ds, lambdas = text_dataset(), [0.0, 0.25, 0.75, 2.0]
+    report = evaluate_policies(model, ds, ["controller"], batch_size=B, seq_len=T, max_batches=1, lambdas=lambdas)
+    rows = report.rows
+    assert [r.mean_edits for r in rows] == [cfg.r_max, cfg.r_max, cfg.r_max, 0]
+    assert rows[0].ops_per_token == rows[1].ops_per_token > rows[2].ops_per_token > rows[3].ops_per_token
+    assert rows[3].controller_steps == 1.0 and rows[3].relative_ops > 1.0  # one controller step + the bank
+    assert spans_and_is_monotone(rows)
+
+    select = model.controller.select  # negative control: a controller blind to lambda fails the check
+    monkeypatch.setattr(model.controller, "select", lambda preds, cost, lam=None, kap=None: select(preds, cost, 0.0))
+    broken = evaluate_policies(model, ds, ["controller"], batch_size=B, seq_len=T, max_batches=1, lambdas=lambdas)
+    assert not spans_and_is_monotone(broken.rows)
+
+
+def test_default_lambda_grid_spans_and_edited_fraction_is_monotone(run):
+    """The calibrated grid starts at 0; the fraction of positions that edit at all never grows with lambda."""
+    _, _, report = run
+    rows = sorted((r for r in report.rows if r.family == "controller"), key=lambda r: r.lambda_cost)
+    assert rows[0].lambda_cost == 0.0 and len(rows) >= 3
+    frac = [r.edited_fraction for r in rows]
+    assert all(a >= b for a, b in zip(frac, frac[1:]))  # step 0 sees S0 whatever lambda: guaranteed
+    assert frac[0] > frac[-1]  # the grid spans (and the monotonicity check above is not vacuous)
+
+
+# ---------------------------------------------------------------------------------------------------------- oracle
+def oracle_violations(model: PrismeModel, x: torch.Tensor, y: torch.Tensor, res, lam: float) -> int:
+    """Brute force through model.forward: count steps where the oracle's choice is not the best true drop - lam*cost
+    (or STOP when none is positive), and positions whose final loss differs from a forced replay of its trace."""
+    cfg = model.cfg
+    stop, A = cfg.stop_action, cfg.n_actions
+    Bq, R = res.positions.shape[0], res.actions.shape[-1]
+    rows = torch.arange(Bq).unsqueeze(1)
+    yq = y[rows, res.positions]
+
+    def loss_of(steps: torch.Tensor) -> torch.Tensor:  # steps [B, P, r] at the sampled positions
+        if steps.shape[-1] == 0:
+            return per_position_ce(model(x).logits[rows, res.positions], yq)
+        acts = torch.full((*x.shape, steps.shape[-1]), stop, dtype=torch.long)
+        acts[rows, res.positions] = steps
+        return per_position_ce(model(x, acts, budget=R).logits[rows, res.positions], yq)
+
+    bad = 0
+    with torch.no_grad():
+        for r in range(R):
+            prefix = res.actions[:, :, :r]
+            active = (prefix != stop).all(-1)
+            prev = loss_of(prefix)
+            cand = torch.stack([loss_of(torch.cat([prefix, torch.full((*prefix.shape[:2], 1), a)], -1))
+                                for a in range(A)], -1)  # [B, P, A]
+            best, a = (prev.unsqueeze(-1) - cand - lam * model.action_cost).max(-1)
+            expected = torch.where(best > 0, a, torch.full_like(a, stop))
+            bad += int(((expected != res.actions[:, :, r]) & active).sum())
+            bad += int(((res.actions[:, :, r] != stop) & ~active).sum())
+        bad += int(((loss_of(res.actions) - res.loss).abs() > 1e-10).sum())
+    return bad
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.02])
+def test_oracle_takes_the_largest_true_loss_drop_at_every_step(lam):
+    """Each oracle step's action is the argmax of the brute-force true drop minus lambda*cost, else STOP."""
+    model = make_model(vocab_size=64)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randint(0, 64, (2, 10), generator=g), torch.randint(0, 64, (2, 10), generator=g)
+    pos = torch.tensor([[2, 5, 9], [0, 4, 7]])
+    res = greedy_oracle(model, x, y, pos, lambda_cost=lam)
+    assert 0 < int(res.n_edits.sum()) and (res.actions == model.cfg.stop_action).any()  # edits and stops to check
+    assert bool((res.loss <= res.base_loss).all())
+    assert oracle_violations(model, x, y, res, lam) == 0
+
+    b, p = (res.actions[:, :, 0] != model.cfg.stop_action).nonzero()[0].tolist()  # negative control: a wrong pick
+    bad = replace(res, actions=res.actions.clone())
+    bad.actions[b, p, 0] = (res.actions[b, p, 0] + 1) % model.cfg.n_actions
+    assert oracle_violations(model, x, y, bad, lam) > 0
+
+
+def test_oracle_at_budget_one_is_never_worse_than_any_single_step_policy():
+    """At budget 1 and lambda 0 the oracle's loss is min(backbone, best candidate action) at every position, so never
+    worse than fixed 1xk1, fixed 1xk2 or random 1xk1 at equal budget (DENSE is not a candidate, so dense 1 can be)."""
+    model = make_model(vocab_size=64)
+    cfg = model.cfg
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randint(0, 64, (3, 12), generator=g), torch.randint(0, 64, (3, 12), generator=g)
+    pos = sample_positions(y, 5, torch.Generator().manual_seed(0))[1]
+    rows = torch.arange(3).unsqueeze(1)
+    res = greedy_oracle(model, x, y, pos, max_budget=1)
+
+    def loss_with(acts: torch.Tensor) -> torch.Tensor:  # [B, T, 1] -> [B, P]
+        with torch.no_grad():
+            return per_position_ce(model(x, acts, budget=1).logits[rows, pos], y[rows, pos])
+
+    singles = torch.stack([loss_with(torch.full((3, 12, 1), a)) for a in range(cfg.n_actions)], -1)  # [B, P, A]
+    best = torch.minimum(res.base_loss, singles.min(-1).values)
+    assert torch.allclose(res.loss, best, rtol=0, atol=1e-10)
+    others = {"fixed_1xk1": forced_actions(cfg, "fixed", 1, 1, (3, 12)),
+              "fixed_1xk2": forced_actions(cfg, "fixed", 1, 2, (3, 12)),
+              "random_1xk1": forced_actions(cfg, "random", 1, 1, (3, 12), torch.Generator().manual_seed(1))}
+    for name, acts in others.items():
+        assert bool((res.loss <= loss_with(acts) + 1e-12).all()), name
+    assert bool((singles.max(-1).values > res.loss + 1e-9).any())  # negative control: a worst-pick would be caught
+
+
+def test_oracle_rows_are_flagged_not_deployable_and_charged_as_a_controller(run):
+    """Oracle rows cover only sampled labelled positions, are not deployable, and pay min(n+1, budget) steps."""
+    model, _, report = run
+    rows = [r for r in report.rows if r.family == "oracle"]
+    assert rows and all(not r.deployable for r in rows)
+    assert all(r.n_positions == NB * B * 4 == r.n_targets for r in rows)  # oracle_positions = 4 per sequence
+    r0 = next(r for r in rows if r.lambda_cost == 0.0)
+    assert r0.delta_loss < 0 and r0.mean_edits > 0
+    assert 1.0 <= r0.controller_steps <= min(r0.mean_edits + 1, model.cfg.r_max) + 1e-12
+    assert r0 not in pareto_front(report.rows)
+
+
+# ---------------------------------------------------------------------------------------------------------- MQAR
+class FixedMQAR(MQARDataset):
+    """MQAR-typed dataset whose val batches are given: the accuracy path with a known answer."""
+
+    def __init__(self, batches):
+        super().__init__()
+        self._batches = batches
+
+    def iter_eval(self, split, batch_size, seq_len=None, max_batches=None):
+        yield from self._batches
+
+
+def test_mqar_accuracy_counts_labelled_positions_only():
+    """Accuracy is the argmax hit rate on labelled targets: exactly 0.5 when half the labels are the argmax."""
+    model = make_model(vocab_size=64)
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        logits = model(x).logits
+    pred = logits.argmax(-1)
+    y = torch.full_like(x, IGNORE_INDEX)
+    y[:, 4:12:2] = pred[:, 4:12:2]  # right
+    y[:, 5:13:2] = (pred[:, 5:13:2] + 1) % 64  # wrong
+    report = evaluate_policies(model, FixedMQAR([(x, y)]), ["backbone"], batch_size=2, seq_len=16)
+    row = report.row("backbone")
+    assert row.accuracy == 0.5 and row.n_targets == 16 and report.n_tokens == 16
+    assert mqar_accuracy(logits, y) == 0.5
+    # negative control: a loss averaged over every position (ignored ones as 0) would be caught
+    s, _ = ce_sum(logits, y)
+    assert abs(float(s) / x.numel() - row.loss) > 1e-6 and abs(float(s) / 16 - row.loss) <= 1e-12
+
+
+def test_mqar_rows_match_mqar_accuracy_and_masked_loss():
+    """On real MQAR batches every row reports accuracy; the backbone row equals mqar_accuracy and the masked CE."""
+    model = make_model()  # tiny: vocab 64, the default MQAR vocabulary
+    ds = MQARDataset(MQARConfig())
+    report = evaluate_policies(model, ds, ["backbone", "fixed", "oracle"], batch_size=4, max_batches=2,
+                               lambdas=[0.0], oracle_positions=2)
+    tot, n, accs = 0.0, 0, []
+    with torch.no_grad():
+        for x, y in ds.iter_eval("val", 4, 32, 2):
+            logits = model(x).logits
+            s, c = ce_sum(logits, y)
+            tot, n = tot + float(s), n + int(c)
+            accs.append(mqar_accuracy(logits, y))
+    row = report.row("backbone")
+    assert n == 2 * 4 * 4 == row.n_targets
+    assert abs(row.loss - tot / n) <= 1e-12 and row.accuracy == pytest.approx(sum(accs) / 2, abs=1e-15)
+    assert all(r.accuracy is not None for r in report.rows)
+    assert report.row("oracle(lambda=0)").n_targets == 2 * 4 * 2  # two labelled positions per sequence
+    assert report.rows[-1].n_positions == 16 and report.row("fixed_1xk1").n_positions == 2 * 4 * 32
+
+
+# ---------------------------------------------------------------------------------------------------------- matched
+def test_matched_backbone_row_is_that_backbone_alone():
+    """The matched row is the other model's backbone-only loss, at this model's backbone cost (same architecture)."""
+    model = make_model(vocab_size=256)
+    matched = make_model(seed=1, vocab_size=256, use_workspace=False)
+    ds = text_dataset()
+    report = evaluate_policies(model, ds, ["backbone", "matched"], batch_size=B, seq_len=T, max_batches=NB,
+                               matched_backbone=matched)
+    tot, n = 0.0, 0
+    with torch.no_grad():
+        for x, y in ds.iter_eval("val", B, T, NB):
+            s, c = ce_sum(matched(x).logits, y)
+            tot, n = tot + float(s), n + int(c)
+    row = report.row("backbone+matched")
+    assert abs(row.loss - tot / n) <= 1e-12 and row.relative_ops == 1.0 and row.deployable
+    assert abs(row.loss - report.row("backbone").loss) > 1e-6  # negative control: not this model's backbone
+
+
+# ---------------------------------------------------------------------------------------------------------- outputs
+def test_json_is_strict_and_png_is_written(run, tmp_path):
+    """to_json survives json.dumps(allow_nan=False) (NaN -> null), the table has a line per row, the PNG is written."""
+    model, _, report = run
+    doc = json.loads(json.dumps(report.to_json(), allow_nan=False))
+    assert [r["policy"] for r in doc["rows"]] == [r.policy for r in report.rows]
+    assert doc["n_tokens"] == NB * B * T and doc["config"]["name"] == "tiny"
+    assert doc["environment"]["torch"] == torch.__version__ and doc["accounting"] == "optimised"
+    assert doc["rows"][0]["loss"] == report.rows[0].loss
+    nan_report = replace(report, rows=[replace(report.rows[0], ops_per_token_alt=float("nan"))])
+    assert json.loads(json.dumps(nan_report.to_json(), allow_nan=False))["rows"][0]["ops_per_token_alt"] is None
+    with pytest.raises(ValueError):  # negative control: the raw dataclass is not strict JSON
+        json.dumps(asdict(nan_report), allow_nan=False)
+    table = report.table().splitlines()
+    assert len(table) == len(report.rows) + 4 and all(any(ln.startswith(r.policy) for ln in table)
+                                                     for r in report.rows)
+    path = tmp_path / "sub" / "pareto.png"
+    report.plot(path)
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_pareto_front_keeps_only_undominated_deployable_rows():
+    """The front is sorted by ops, strictly improving in loss, and ignores non-deployable rows."""
+    def row(name: str, loss: float, rel: float, dep: bool = True) -> EvalRow:
+        return EvalRow(name, loss, rel, rel, None, dep)
+
+    rows = [row("a", 3.0, 1.0), row("b", 2.5, 2.0), row("c", 2.8, 3.0), row("d", 2.0, 5.0), row("o", 1.0, 1.5, False)]
+    assert [r.policy for r in pareto_front(rows)] == ["a", "b", "d"]
+
+
+# ---------------------------------------------------------------------------------------------------------- errors
+def test_bad_inputs_raise_value_error_and_leave_the_model_alone():
+    """Empty or unlabelled datasets, unknown policies, max_batches < 1 and a missing matched model raise ValueError."""
+    model = make_model(vocab_size=256).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ds = text_dataset()
+    cases = [
+        (lambda: evaluate_policies(model, TokenDataset([1, 2, 3], val_fraction=0.0, vocab_size=256)), "too small"),
+        (lambda: evaluate_policies(model, MQARDataset(n_eval_batches=0), max_batches=None, seq_len=32), "no valid"),
+        (lambda: evaluate_policies(model, FixedMQAR([(torch.zeros(1, 8, dtype=torch.long),
+                                                      torch.full((1, 8), IGNORE_INDEX))]), seq_len=8), "labelled"),
+        (lambda: evaluate_policies(model, ds, ["greedy"], seq_len=T), "unknown policy"),
+        (lambda: evaluate_policies(model, ds, seq_len=T, max_batches=0), "max_batches"),
+        (lambda: evaluate_policies(model, ds, ["matched"], seq_len=T), "matched_backbone"),
+        (lambda: evaluate_policies(model, ds, seq_len=T, lambdas=[-1.0]), "lambdas"),
+        (lambda: evaluate_policies(model, ds, seq_len=10_000), "seq_len"),
+        (lambda: evaluate_policies(make_model(use_workspace=False, vocab_size=256), ds, ["fixed"], seq_len=T),
+         "no workspace"),
+    ]
+    for fn, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            fn()
+    assert model.training
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    x = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="labelled"):
+        greedy_oracle(model, x, torch.full_like(x, IGNORE_INDEX), torch.tensor([[1]]))
+
+
+# ---------------------------------------------------------------------------------------------------------- CLI
+def test_cli_eval_prints_the_table_and_writes_json_and_png(tmp_path, capsys):
+    """`prisme eval` on a saved checkpoint evaluates its training dataset (MQAR here) and writes JSON and PNG."""
+    ckpt = save_checkpoint(tmp_path / "run" / "ckpt_000000", make_model().float(), stage="controller", step=0,
+                           stage_config=StageConfig(stage="controller", dataset="mqar").to_dict())
+    out_json, out_png = tmp_path / "eval.json", tmp_path / "eval.png"
+    rc = cli.main(["eval", "--checkpoint", str(ckpt), "--batches", "1", "--batch-size", "2",
+                   "--policies", "backbone,fixed,controller", "--lambdas", "0,0.1", "--device", "cpu",
+                   "--json", str(out_json), "--plot", str(out_png)])
+    assert rc == 0
+    doc = json.loads(out_json.read_text())
+    assert doc["checkpoint"] == str(ckpt) and "controller(lambda=0.1)" in [r["policy"] for r in doc["rows"]]
+    assert doc["dataset"].startswith("MQARDataset") and doc["rows"][0]["accuracy"] is not None
+    assert out_png.stat().st_size > 0 and "fixed_4xk2" in capsys.readouterr().out
+    rc = cli.main(["eval", "--checkpoint", str(ckpt), "--policies", "greedy", "--device", "cpu"])
+    assert rc == 2 and "unknown policy" in capsys.readouterr().err
