@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import attention as attn
-from .attention import CacheStep, CausalSelfAttention, KVCache, LayerKVCache, RMSNorm
+from .attention import CacheStep, CausalSelfAttention, KVCache, LayerKVCache, RMSNorm, linear
 from .config import PrismeConfig
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
@@ -44,10 +44,11 @@ def make_norm(cfg: PrismeConfig, dim: int) -> nn.Module:
 
 
 def apply_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`norm(x)` in functional form (same kernel, without `nn.Module.__call__`'s overhead on the decode path)."""
+    """`norm(x)` in functional form with registry reads (same kernel; see `prisme.attention` on decode overhead)."""
+    p = norm._parameters
     if isinstance(norm, nn.LayerNorm):
-        return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
-    return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps)
+        return F.layer_norm(x, norm.normalized_shape, p["weight"], p["bias"], norm.eps)
+    return F.rms_norm(x, (x.shape[-1],), p["weight"], norm.eps)
 
 
 class MLP(nn.Module):
@@ -61,13 +62,14 @@ class MLP(nn.Module):
         self.w2 = nn.Linear(h, cfg.d_model, bias=cfg.use_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.linear(x, self.w13.weight, self.w13.bias)  # [B, C, 2h] or [B, C, h]
+        children = self._modules
+        h = linear(x, children["w13"])  # [B, C, 2h] or [B, C, h]
         if self.swiglu:
             a, b = h.chunk(2, dim=-1)
             h = F.silu(a) * b  # [B, C, h]
         else:
             h = F.gelu(h, approximate="tanh")
-        return F.linear(h, self.w2.weight, self.w2.bias)
+        return linear(h, children["w2"])
 
 
 class Block(nn.Module):
@@ -80,8 +82,9 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                 cache: LayerKVCache | None = None, step: CacheStep | None = None) -> torch.Tensor:
-        x = x + self.attn(apply_norm(self.norm1, x), rope, cache, step)
-        return x + self.mlp(apply_norm(self.norm2, x))
+        children = self._modules
+        x = x + children["attn"](apply_norm(children["norm1"], x), rope, cache, step)
+        return x + children["mlp"](apply_norm(children["norm2"], x))
 
 
 class Backbone(nn.Module):
@@ -155,6 +158,7 @@ class Backbone(nn.Module):
                 raise ValueError(f"sequence of {C} tokens is longer than T_max={T_max}")
             return self._blocks(tokens, 0)
         valid, n_new = self._check_chunk(cache, B, C, n_new)
+        # chunk_positions and causal_mask are looked up on the module on purpose: `faults` patches them there.
         input_pos = attn.chunk_positions(cache.lengths, C, tokens.device)  # [C] or [B, C]
         if valid is not None and input_pos.dim() == 1:
             input_pos = input_pos.expand(B, C)
@@ -182,7 +186,9 @@ class Backbone(nn.Module):
         self._check_chunk(cache, B, T, None)
         return torch.cat([self(tokens[:, i:i + chunk_size], cache) for i in range(0, T, chunk_size)], dim=1)
 
-    def _check_chunk(self, cache: KVCache, B: int, C: int, n_new: list[int] | None):
+    def _check_chunk(self, cache: KVCache, B: int, C: int,
+                     n_new: list[int] | None) -> tuple[torch.Tensor | None, list[int]]:
+        """ValueError unless the chunk fits every row; returns the `[B, C]` valid mask (None: all real) and n_new."""
         if B != cache.batch_size:
             raise ValueError(f"batch of {B} rows does not match the cache's {cache.batch_size} rows")
         if n_new is None:
@@ -204,26 +210,29 @@ class Backbone(nn.Module):
                 step: CacheStep | None = None) -> torch.Tensor:
         """Embed and run the blocks. `pos`: the shared offset of the chunk (int) or per-row positions `[B, C]`."""
         C = tokens.shape[1]
-        x = F.embedding(tokens, self.tok_emb.weight)  # [B, C, d]
-        rope = None
-        if isinstance(pos, int):
-            if self.pos_emb is not None:
-                x = x + self.pos_emb.weight[pos:pos + C]  # [C, d] broadcast over rows
-            else:
-                rope = (self.rope_cos[pos:pos + C].unsqueeze(1), self.rope_sin[pos:pos + C].unsqueeze(1))  # [C, 1, hd]
-        elif self.pos_emb is not None:
-            x = x + F.embedding(pos, self.pos_emb.weight)  # [B, C, d]
+        children, buffers = self._modules, self._buffers  # registry reads: see `prisme.attention` on decode overhead
+        x = F.embedding(tokens, children["tok_emb"]._parameters["weight"])  # [B, C, d]
+        pos_emb, rope = children.get("pos_emb"), None
+        if pos_emb is not None:
+            table = pos_emb._parameters["weight"]  # [T_max, d]
+            x = x + (table[pos:pos + C] if isinstance(pos, int) else F.embedding(pos, table))  # [C | B, C, d]
+        elif isinstance(pos, int):
+            cos, sin = buffers["rope_cos"][pos:pos + C], buffers["rope_sin"][pos:pos + C]  # [C, hd]
+            rope = (cos.unsqueeze(1), sin.unsqueeze(1))  # [C, 1, hd]
         else:
-            rope = (self.rope_cos[pos].unsqueeze(2), self.rope_sin[pos].unsqueeze(2))  # [B, C, 1, hd]
-        layers = [None] * len(self.blocks) if cache is None else cache.layers
-        for block, layer_cache in zip(self.blocks, layers):
+            rope = (buffers["rope_cos"][pos].unsqueeze(2), buffers["rope_sin"][pos].unsqueeze(2))  # [B, C, 1, hd]
+        blocks = children["blocks"]
+        layers = [None] * len(blocks) if cache is None else cache.layers
+        for block, layer_cache in zip(blocks, layers):
             x = block(x, rope, layer_cache, step)
         return x
 
     def head(self, H: torch.Tensor) -> torch.Tensor:
         """logits `[..., V]` = lm_head(final_norm(H))."""
-        h = apply_norm(self.norm, H)
-        return F.linear(h, self.tok_emb.weight) if self.lm_head is None else self.lm_head(h)
+        children = self._modules
+        h = apply_norm(children["norm"], H)
+        lm_head = children.get("lm_head")
+        return F.linear(h, children["tok_emb"]._parameters["weight"]) if lm_head is None else linear(h, lm_head)
 
     def num_parameters(self, non_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())

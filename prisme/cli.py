@@ -2,6 +2,10 @@
 
     prisme info                      presets and their parameter counts
     prisme bench kv                  seed 001's KV-cache correctness + timing protocol (and seed 003's memory figures)
+    prisme eval --checkpoint PATH    every policy's validation loss vs measured ops per token (table, JSON, plot)
+    prisme generate --prompt TEXT    sample text with the workspace (KV cache + incremental bank)
+    prisme costs --preset NAME       analytic ops per generated token (seed 000's table; --optimised, --json)
+    prisme train --config FILE       one training stage (backbone -> workspace -> controller); torchrun for DDP/FSDP2
     prisme demo                      the main job on the embedded default corpus
 """
 
@@ -36,6 +40,30 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return bench.main(args)
 
 
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from . import evaluate
+
+    return evaluate.main(args)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from . import generate
+
+    return generate.main(args)
+
+
+def _cmd_costs(args: argparse.Namespace) -> int:
+    from .costs import costs_cli
+
+    return costs_cli(args)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from . import train
+
+    return train.main(args)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from . import demo
 
@@ -60,11 +88,94 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--repeats", type=int, default=15, help="timed repeats per path")
     kv.add_argument("--threads", type=int, default=1, help="torch CPU threads (-1 = leave as is)")
     kv.add_argument("--seed", type=int, default=42, help="seed for weights and tokens")
-    kv.add_argument("--json", default=None, help="also write the JSON document to this file")
+    kv.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="dtype of the timed model")
+    kv.add_argument("--seq-len", type=int, default=24, help="tokens per sequence in the correctness check")
+    kv.add_argument("--json", default=None, help="also write the JSON document to this file (atomically)")
     s.set_defaults(func=_cmd_bench)
+
+    s = sub.add_parser("eval", help="every policy's validation loss vs measured ops per token (table, JSON, plot)")
+    s.add_argument("--checkpoint", required=True, help="checkpoint to evaluate (written by `prisme train`)")
+    s.add_argument("--matched-backbone", default=None,
+                   help="checkpoint whose backbone alone is the 'backbone + matched tokens' baseline")
+    s.add_argument("--corpus", default=None, help="austen (embedded), a UTF-8 text file or folder, or mqar "
+                   "(default: the checkpoint's training dataset)")
+    s.add_argument("--batches", type=int, default=8, help="validation batches (default 8)")
+    s.add_argument("--batch-size", type=int, default=16, help="sequences per batch (default 16)")
+    s.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: MQAR length or T_max)")
+    s.add_argument("--policies", default=None, help="comma-separated families (default: all that apply): "
+                   "backbone,matched,fixed,random,dense,controller,oracle")
+    s.add_argument("--lambdas", default=None, help="comma-separated controller/oracle lambdas (default: calibrated)")
+    s.add_argument("--oracle-positions", type=int, default=16,
+                   help="labelled positions per sequence the oracle samples (-1 = all)")
+    s.add_argument("--seed", type=int, default=0, help="seed for random policies and oracle subsampling")
+    s.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    s.add_argument("--json", default=None, help="write the JSON report to this file")
+    s.add_argument("--plot", default=None, help="write the loss-vs-ops Pareto plot (PNG) to this file")
+    s.set_defaults(func=_cmd_eval)
+
+    s = sub.add_parser("generate", help="generate text with the workspace (greedy or sampled, budget, lambda)")
+    src = s.add_mutually_exclusive_group()
+    src.add_argument("--preset", default="demo", help="model preset with random weights (default: demo)")
+    src.add_argument("--checkpoint", default=None, help="checkpoint (or run folder) to load instead of a preset")
+    s.add_argument("--prompt", required=True, help="prompt text")
+    s.add_argument("--tokenizer", default="byte", help="'byte' (default) or the path of a saved BPE tokenizer")
+    s.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    s.add_argument("--budget", type=int, default=0, help="controller budget per token, 0..r_max (0 = backbone only)")
+    s.add_argument("--lambda-cost", type=float, default=None, help="price of compute (default: the config's)")
+    s.add_argument("--kappa-risk", type=float, default=None, help="risk aversion (default: the config's)")
+    s.add_argument("--target-cost", type=float, default=None,
+                   help="target mean ops per token relative to the backbone (>= 1); lambda found by bisection")
+    s.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    s.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
+    s.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]")
+    s.add_argument("--seed", type=int, default=None, help="sampling seed (and the random weights' seed for --preset)")
+    s.add_argument("--threads", type=int, default=-1, help="torch CPU threads (-1 = leave as is)")
+    s.add_argument("--show-edits", action="store_true", help="print how many edits each generated token got")
+    s.set_defaults(func=_cmd_generate)
+
+    s = sub.add_parser("costs", help="analytic ops per generated token: seed 000's rows (+ the optimised column)")
+    s.add_argument("--preset", default="prisme_103m", help="model preset (default: prisme_103m)")
+    s.add_argument("--context", type=int, default=None, help="context length T (default: the preset's cost_context)")
+    s.add_argument("--optimised", action="store_true",
+                   help="add the optimised column (slot K/V cache, folded readout) and the saving per row")
+    s.add_argument("--json", action="store_true", help="print one JSON document in seed 000's layout instead")
+    s.set_defaults(func=_cmd_costs)
+
+    s = sub.add_parser("train", help="train one stage (backbone, workspace, controller); under torchrun: DDP/FSDP2",
+                       description="Train one stage. Several processes: torchrun --nproc_per_node=N -m prisme train "
+                                   "... (gloo on CPU, nccl on CUDA); --batch-size is the global batch.")
+    s.add_argument("--config", default=None, help="run config JSON: StageConfig fields + optional 'model' (configs/)")
+    s.add_argument("--stage", default=None, choices=["backbone", "workspace", "controller"],
+                   help="stage to train (overrides the config's)")
+    s.add_argument("--preset", default=None, help="model preset for a fresh backbone stage (overrides 'model')")
+    s.add_argument("--init-from", default=None, help="previous stage's checkpoint or run folder")
+    s.add_argument("--out", default=None, help="run folder for checkpoints and metrics (StageConfig.out_dir)")
+    s.add_argument("--resume", action="store_true", help="continue the latest checkpoint in --out exactly")
+    s.add_argument("--steps", type=int, default=None, help="optimizer steps")
+    s.add_argument("--batch-size", type=int, default=None, help="global batch (sequences per optimizer step)")
+    s.add_argument("--grad-accum", type=int, default=None, help="micro-batches per step on each process")
+    s.add_argument("--seq-len", type=int, default=None, help="tokens per sequence")
+    s.add_argument("--lr", type=float, default=None, help="peak learning rate")
+    s.add_argument("--seed", type=int, default=None, help="seed for init, data order and random actions")
+    s.add_argument("--dataset", default=None, help="austen (embedded), a text file or folder, or mqar")
+    s.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N")
+    s.add_argument("--dtype", default=None, choices=["float32", "float64", "bfloat16"],
+                   help="float32/float64 weights, or bf16 autocast over float32 weights")
+    s.add_argument("--parallel", default=None, choices=["ddp", "fsdp"], help="multi-process wrapper (torchrun)")
+    s.add_argument("--backbone-keeps-learning", action="store_true",
+                   help="workspace stage: train the backbone too (train_backbone_in_workspace_stage)")
+    s.add_argument("--threads", type=int, default=-1, help="torch CPU threads per process (-1 = leave as is)")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    s.set_defaults(func=_cmd_train)
 
     s = sub.add_parser("demo", help="run the main job on the embedded default corpus")
     s.add_argument("--out", default=None, help="run folder (default: runs/demo-<timestamp>)")
+    s.add_argument("--scale", type=float, default=1.0, help="multiply every stage's steps (e.g. 0.05 = smoke run)")
+    s.add_argument("--threads", type=int, default=-1, help="torch CPU threads (-1 = leave as is)")
+    s.add_argument("--seed", type=int, default=1337, help="seed for init, data order and random actions")
+    s.add_argument("--eval-batches", type=int, default=4, help="validation batches (8 x 128 tokens) per policy")
+    s.add_argument("--frozen-backbone", action="store_true",
+                   help="freeze the backbone in the workspace stage (default: it keeps learning, as the matched run)")
     s.set_defaults(func=_cmd_demo)
     return p
 
