@@ -47,11 +47,16 @@ class SlotKV:
 
 @dataclass
 class EditInfo:
-    """What one editor call did: how many positions it edited and the mean gate of each block."""
+    """What one editor call did: how many positions it edited, and each block's gate values."""
 
     n_positions: int
-    gate_mean: list[torch.Tensor]  # per block, scalar (empty when nothing was edited)
+    gates: list[list[torch.Tensor]]  # per block: gate values of each action group
     slot_kv: SlotKV | None = None
+
+    @property
+    def gate_mean(self) -> list[torch.Tensor]:
+        """Per block, the mean gate over every edited slot (empty when nothing was edited)."""
+        return [torch.cat([g.flatten() for g in gs]).mean() for gs in self.gates if gs]
 
 
 class BankView:
@@ -62,37 +67,41 @@ class BankView:
     """
 
     def __init__(self, K: torch.Tensor, V: torch.Tensor, bank_mask: torch.Tensor, b_idx: torch.Tensor,
-                 t_idx: torch.Tensor, n_heads: int):
+                 t_idx: torch.Tensor, n_heads: int, k: int):
         B, Tb, w = K.shape
-        self.B, self.w, self.nh = B, w, n_heads
+        self.B, self.w, self.nh, self.k = B, w, n_heads, k
         self.K = K.view(B, Tb, n_heads, w // n_heads).transpose(1, 2)  # [B, nh, Tb, hd]
         self.V = V.view(B, Tb, n_heads, w // n_heads).transpose(1, 2)
-        counts = torch.bincount(b_idx, minlength=B)  # [B]
-        self.n_max = int(counts.max())
-        self.full = bool(b_idx.numel() == B * self.n_max)  # every row has n_max positions, in order
-        self.b_idx = b_idx
-        self.rank = torch.arange(b_idx.numel(), device=K.device) - (torch.cumsum(counts, 0) - counts)[b_idx]
+        N = b_idx.numel()
         masks = bank_mask[b_idx, t_idx]  # [N, Tb]
-        if self.full:
-            self.mask = masks.view(B, self.n_max, Tb)
+        if bank_mask.shape[1] == 1:  # one query per row (decoding): rows are positions
+            self.n_max, self.full = 1, N == B
+            self.rank = torch.zeros_like(b_idx)
         else:
-            self.mask = torch.zeros(B, self.n_max, Tb, dtype=torch.bool, device=K.device)
-            self.mask[:, :, 0] = True
-            self.mask[b_idx, self.rank] = masks
+            counts = torch.bincount(b_idx, minlength=B)  # [B]
+            self.n_max = int(counts.max())
+            self.full = N == B * self.n_max  # every row has n_max positions, in order
+            self.rank = torch.arange(N, device=K.device) - (torch.cumsum(counts, 0) - counts)[b_idx]
+        self.b_idx = b_idx
+        if self.full:
+            mask = masks.view(B, self.n_max, Tb)
+        else:
+            mask = torch.zeros(B, self.n_max, Tb, dtype=torch.bool, device=K.device)
+            mask[:, :, 0] = True
+            mask[b_idx, self.rank] = masks
+        self.mask = mask.unsqueeze(2).expand(B, self.n_max, k, Tb).reshape(B, 1, self.n_max * k, Tb)
 
     def attend(self, q: torch.Tensor) -> torch.Tensor:
         """q `[N, k, w]` -> attention output `[N, k, w]` over each position's causal bank."""
         N, k, w = q.shape
         B, n = self.B, self.n_max
         if self.full:
-            qp = q.reshape(B, n, k, w)
+            qp = q.reshape(B, n * k, self.nh, w // self.nh)
         else:
-            qp = q.new_zeros(B, n, k, w).index_put((self.b_idx, self.rank), q)
-        qp = qp.view(B, n * k, self.nh, w // self.nh).transpose(1, 2)  # [B, nh, n k, hd]
-        mask = self.mask.unsqueeze(2).expand(B, n, k, self.mask.shape[-1]).reshape(B, 1, n * k, -1)
-        y = F.scaled_dot_product_attention(qp, self.K, self.V, attn_mask=mask)  # [B, nh, n k, hd]
+            qp = q.new_zeros(B, n, k, w).index_put((self.b_idx, self.rank), q).view(B, n * k, self.nh, w // self.nh)
+        y = F.scaled_dot_product_attention(qp.transpose(1, 2), self.K, self.V, attn_mask=self.mask)  # [B, nh, nk, hd]
         y = y.transpose(1, 2).reshape(B, n, k, w)
-        return y.reshape(N, k, w) if self.full else y[self.b_idx, self.rank]
+        return y.view(N, k, w) if self.full else y[self.b_idx, self.rank]
 
 
 def _slot_attention(q: torch.Tensor, kv: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -132,7 +141,7 @@ class EditorBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, step: torch.Tensor, remaining: torch.Tensor, bank: BankView,
                 slot_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x `[N, k, w]` chosen slots; step, remaining `[N]`; slot_kv `[N, M, 2w]` -> (x_out `[N, k, w]`, gate)."""
+        """x `[N, k, w]` chosen slots; step, remaining `[N]`; slot_kv `[N, M, 2w]` -> (x_out, gate `[N, k, 1]`)."""
         e = (self.step_emb(step) + self.rem_emb(remaining)).unsqueeze(1)  # [N, 1, w]
         hx = self.norm_src(x)  # [N, k, w]
         h = x + self.src_o(bank.attend(self.src_q(hx + e)))
@@ -140,7 +149,7 @@ class EditorBlock(nn.Module):
         a, b = self.w13(self.norm_ffn(h) + e).chunk(2, dim=-1)
         h = h + self.w2(F.silu(a) * b)
         g = torch.sigmoid(self.gate(hx))  # [N, k, 1]
-        return x + g * (h - x), g.squeeze(-1)
+        return torch.lerp(x, h, g), g  # x + g (h - x)
 
 
 class SparseEditor(nn.Module):
@@ -168,26 +177,25 @@ class SparseEditor(nn.Module):
             (S_new `[B, Tq, M, w]`, EditInfo); S_new is S itself when no position edits.
         """
         group = self.act_group[action]  # [B, Tq]
-        if not bool((group >= 0).any()):
+        counts = torch.bincount(group.flatten() + 1, minlength=len(self.group_sizes) + 1).tolist()  # STOP first
+        if sum(counts[1:]) == 0:
             return S, EditInfo(0, [], slot_kv)
         dense_group = len(self.group_sizes) - 1
-        if slot_kv is not None:  # DENSE rewrites every slot: no cache to reuse, and it goes stale
+        if slot_kv is not None and sum(counts[1:-1]):  # DENSE rewrites every slot: no cache to reuse
             slot_kv = self._fill_slot_kv(S, slot_kv, (group >= 0) & (group != dense_group))
         S_new = S.clone()
         kv_new = None if slot_kv is None else list(slot_kv.kv)
         gates: list[list[torch.Tensor]] = [[] for _ in self.blocks]
-        n_pos = 0
         for g_id, k in enumerate(self.group_sizes):
-            b_idx, t_idx = torch.nonzero(group == g_id, as_tuple=True)  # [N], [N]
-            if b_idx.numel() == 0:
+            if counts[g_id + 1] == 0:
                 continue
-            n_pos += b_idx.numel()
+            b_idx, t_idx = torch.nonzero(group == g_id, as_tuple=True)  # [N], [N]
             slots = self.act_slots[action[b_idx, t_idx], :k]  # [N, k]
             rows = torch.arange(b_idx.numel(), device=S.device).unsqueeze(1)  # [N, 1]
             bi, ti = b_idx.unsqueeze(1), t_idx.unsqueeze(1)
             x = S[bi, ti, slots]  # [N, k, w]
             st, rem = step[b_idx, t_idx], remaining[b_idx, t_idx]  # [N]
-            bank = BankView(K, V, bank_mask, b_idx, t_idx, self.cfg.n_ws_heads)
+            bank = BankView(K, V, bank_mask, b_idx, t_idx, self.cfg.n_ws_heads, k)
             cached = slot_kv is not None and g_id != dense_group
             S_pos = None if cached else S[b_idx, t_idx]  # [N, M, w]
             for i, blk in enumerate(self.blocks):
@@ -198,13 +206,15 @@ class SparseEditor(nn.Module):
                     if i > 0:
                         kv = kv.index_put((rows, slots), blk.slot_keys_values(x))
                 x, g = blk(x, st, rem, bank, kv)
-                gates[i].append(g.flatten())
+                gates[i].append(g)
             S_new[bi, ti, slots] = x
             if cached:
                 for i, blk in enumerate(self.blocks):
                     kv_new[i] = kv_new[i].index_put((bi, ti, slots), blk.slot_keys_values(x))
-        out_kv = None if slot_kv is None else SlotKV(kv_new, slot_kv.ready & (group != dense_group))
-        return S_new, EditInfo(n_pos, [torch.cat(g).mean() for g in gates], out_kv)
+        out_kv = None
+        if slot_kv is not None:
+            out_kv = SlotKV(kv_new, slot_kv.ready & (group != dense_group) if counts[-1] else slot_kv.ready)
+        return S_new, EditInfo(sum(counts[1:]), gates, out_kv)
 
     def _fill_slot_kv(self, S: torch.Tensor, cache: SlotKV, active: torch.Tensor) -> SlotKV:
         """Compute all M slots' K/V for active positions that do not have them yet."""
