@@ -116,12 +116,13 @@ class Backbone(nn.Module):
             else:
                 nn.init.ones_(p)
 
-    def _apply(self, fn, *args, **kwargs):  # keep RoPE tables exact when the model changes dtype
+    def _apply(self, fn, *args, **kwargs):
+        """Recompute the RoPE tables after every move or cast: exact in float64, valid after `to_empty`."""
         out = super()._apply(fn, *args, **kwargs)
-        if self.rope_cos is not None and self.rope_cos.dtype != torch.float32:
+        if self.rope_cos is not None:
             cos, sin = attn.rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
-            self.rope_cos = cos.to(self.rope_cos.dtype).to(self.rope_cos.device)
-            self.rope_sin = sin.to(self.rope_sin.dtype).to(self.rope_sin.device)
+            self.rope_cos = cos.to(device=self.rope_cos.device, dtype=self.rope_cos.dtype)
+            self.rope_sin = sin.to(device=self.rope_sin.device, dtype=self.rope_sin.dtype)
         return out
 
     # ------------------------------------------------------------------ caches

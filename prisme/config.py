@@ -152,8 +152,12 @@ class PrismeConfig:
 
     @classmethod
     def from_json(cls, s_or_path: str | Path) -> PrismeConfig:
-        p = Path(s_or_path) if not str(s_or_path).lstrip().startswith("{") else None
-        text = p.read_text() if p is not None else str(s_or_path)
+        """From a JSON string (an object) or the path of a JSON file."""
+        raw = str(s_or_path)
+        p = None if isinstance(s_or_path, str) and raw.lstrip()[:1] in ("{", "[") else Path(s_or_path)
+        if p is not None and not p.is_file():
+            raise ValueError(f"config file {p} does not exist (pass a JSON file or a JSON object string)")
+        text = p.read_text() if p is not None else raw
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:

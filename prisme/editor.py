@@ -162,6 +162,12 @@ class SparseEditor(nn.Module):
         self.register_buffer("act_slots", slots, persistent=False)  # [A+2, M]
         self.group_sizes = sizes
 
+    def _apply(self, fn, *args, **kwargs):  # the tables are derived from the config: valid after `to_empty` too
+        out = super()._apply(fn, *args, **kwargs)
+        group, slots, _ = action_groups(self.cfg)
+        self.act_group, self.act_slots = group.to(self.act_group.device), slots.to(self.act_slots.device)
+        return out
+
     def forward(self, S: torch.Tensor, K: torch.Tensor, V: torch.Tensor, bank_mask: torch.Tensor,
                 action: torch.Tensor, step: torch.Tensor, remaining: torch.Tensor,
                 slot_kv: SlotKV | None = None) -> tuple[torch.Tensor, EditInfo]:

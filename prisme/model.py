@@ -94,11 +94,25 @@ class PrismeModel(nn.Module):
                         nn.init.normal_(p, std=cfg.init_std)
             for block in self.editor.blocks:
                 nn.init.constant_(block.gate.bias, cfg.gate_bias_init)
-            _, slots, _ = action_groups(cfg)
-            slot_counts = torch.zeros(cfg.dense_action + 1, cfg.n_slots, dtype=torch.long)
-            slot_counts.scatter_add_(1, slots.clamp(min=0), (slots >= 0).long())
-            self.register_buffer("action_slot_counts", slot_counts, persistent=False)  # [A+2, M]
+            self.register_buffer("action_slot_counts", self._slot_counts(cfg), persistent=False)  # [A+2, M]
             self.register_buffer("action_cost", torch.tensor(action_cost_proxy(cfg)), persistent=False)  # [A]
+
+    @staticmethod
+    def _slot_counts(cfg: PrismeConfig) -> torch.Tensor:
+        """`[A+2, M]` how many times each action id edits each slot (0/1)."""
+        _, slots, _ = action_groups(cfg)
+        counts = torch.zeros(cfg.dense_action + 1, cfg.n_slots, dtype=torch.long)
+        return counts.scatter_add_(1, slots.clamp(min=0), (slots >= 0).long())
+
+    def _apply(self, fn, *args, **kwargs):  # derived tables stay valid after casts, moves and `to_empty`
+        from .costs import action_cost_proxy
+
+        out = super()._apply(fn, *args, **kwargs)
+        if self.cfg.use_workspace:
+            cost, counts = self.action_cost, self.action_slot_counts
+            self.action_cost = torch.tensor(action_cost_proxy(self.cfg), dtype=cost.dtype, device=cost.device)
+            self.action_slot_counts = self._slot_counts(self.cfg).to(counts.device)
+        return out
 
     # ------------------------------------------------------------------ parameter groups
     def backbone_parameters(self) -> list[nn.Parameter]:
