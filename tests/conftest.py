@@ -28,6 +28,11 @@ def assert_close(a: torch.Tensor | float, b: torch.Tensor | float, atol: float, 
     return worst
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """One intra-op thread: the tiny models here are faster on one, and results don't depend on the core count."""
+    torch.set_num_threads(1)
+
+
 @pytest.fixture
 def tiny_cfg() -> PrismeConfig:
     """The `tiny` preset (llama-style, with a workspace): every code path in milliseconds."""
