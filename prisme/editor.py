@@ -104,6 +104,14 @@ class BankView:
         return y.view(N, k, w) if self.full else y[self.b_idx, self.rank]
 
 
+def _index_put_fn():
+    """Without autograd the slot K/V cache is written in place (the rollouts never reuse an older cache); with it,
+    out of place, so that earlier versions stay valid for the backward pass."""
+    if torch.is_grad_enabled():
+        return lambda t, idx, v: t.index_put(idx, v)
+    return lambda t, idx, v: t.index_put_(idx, v)
+
+
 def _slot_attention(q: torch.Tensor, kv: torch.Tensor, n_heads: int) -> torch.Tensor:
     """q `[N, k, w]` attends over kv `[N, M, 2w]` (keys | values) of its own position -> `[N, k, w]`."""
     N, k, w = q.shape
@@ -191,6 +199,7 @@ class SparseEditor(nn.Module):
             slot_kv = self._fill_slot_kv(S, slot_kv, (group >= 0) & (group != dense_group))
         S_new = S.clone()
         kv_new = None if slot_kv is None else list(slot_kv.kv)
+        put = _index_put_fn()
         gates: list[list[torch.Tensor]] = [[] for _ in self.blocks]
         for g_id, k in enumerate(self.group_sizes):
             if counts[g_id + 1] == 0:
@@ -216,7 +225,7 @@ class SparseEditor(nn.Module):
             S_new[bi, ti, slots] = x
             if cached:
                 for i, blk in enumerate(self.blocks):
-                    kv_new[i] = kv_new[i].index_put((bi, ti, slots), blk.slot_keys_values(x))
+                    kv_new[i] = put(kv_new[i], (bi, ti, slots), blk.slot_keys_values(x))
         out_kv = None
         if slot_kv is not None:
             out_kv = SlotKV(kv_new, slot_kv.ready & (group != dense_group) if counts[-1] else slot_kv.ready)
@@ -229,5 +238,6 @@ class SparseEditor(nn.Module):
             return cache
         b_idx, t_idx = torch.nonzero(todo, as_tuple=True)
         S_pos = S[b_idx, t_idx]  # [N, M, w]
-        kv = [c.index_put((b_idx, t_idx), blk.slot_keys_values(S_pos)) for c, blk in zip(cache.kv, self.blocks)]
+        put = _index_put_fn()
+        kv = [put(c, (b_idx, t_idx), blk.slot_keys_values(S_pos)) for c, blk in zip(cache.kv, self.blocks)]
         return SlotKV(kv, cache.ready | todo)
