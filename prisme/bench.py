@@ -480,6 +480,18 @@ def parse_prompts(text: str) -> tuple[int, ...]:
 
 def main(args: argparse.Namespace) -> int:
     """`prisme bench <what>`: print the table, then the JSON document as the last thing on stdout."""
+    if args.bench == "workspace":
+        from .bench_workspace import main as workspace_main
+
+        return workspace_main(args)
+    if args.bench == "vs-hf":
+        from .bench_hf import main as vs_hf_main
+
+        return vs_hf_main(args)
+    if args.bench == "train":
+        from .bench_train import main as train_main
+
+        return train_main(args)
     if args.bench != "kv":
         raise ValueError(f"unknown benchmark {args.bench!r}")
     if args.dtype not in DTYPES:

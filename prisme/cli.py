@@ -2,6 +2,9 @@
 
     prisme info                      presets and their parameter counts
     prisme bench kv                  seed 001's KV-cache correctness + timing protocol (and seed 003's memory figures)
+    prisme bench workspace           decode time per token of seed 000's rows next to their analytic ops
+    prisme bench vs-hf               the backbone vs the same weights in HF transformers: logits, decode, prefill
+    prisme bench train               training tokens/s and GFLOP/s next to the measured fp32 matmul peak
     prisme eval --checkpoint PATH    every policy's validation loss vs measured ops per token (table, JSON, plot)
     prisme generate --prompt TEXT    sample text with the workspace (KV cache + incremental bank)
     prisme costs --preset NAME       analytic ops per generated token (seed 000's table; --optimised, --json)
@@ -91,6 +94,51 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="dtype of the timed model")
     kv.add_argument("--seq-len", type=int, default=24, help="tokens per sequence in the correctness check")
     kv.add_argument("--json", default=None, help="also write the JSON document to this file (atomically)")
+    ws = bsub.add_parser("workspace", help="decode time per token of seed 000's rows vs their analytic ops, "
+                         "the workspace's own time, optimised vs seed modules")
+    ws.add_argument("--presets", default="demo,prisme_103m", help="comma-separated presets (random weights)")
+    ws.add_argument("--quick", action="store_true", help="demo only, 4 decoded tokens, 2 repeats (a smoke run)")
+    ws.add_argument("--batches", default="1,8", help="comma-separated batch sizes (B > 1: ragged budgets)")
+    ws.add_argument("--prompt-len", type=int, default=128, help="prompt tokens, prefilled untimed")
+    ws.add_argument("--new-tokens", type=int, default=16, help="forced decode steps per timed sample")
+    ws.add_argument("--warmups", type=int, default=1, help="untimed repeats before timing")
+    ws.add_argument("--repeats", type=int, default=5, help="timed repeats per row x model")
+    ws.add_argument("--threads", type=int, default=-1,
+                    help="torch CPU threads (-1 = 2 for prisme_103m/459m, 1 for other presets)")
+    ws.add_argument("--seed", type=int, default=42, help="seed for weights and tokens")
+    ws.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"],
+                    help="dtype of the timed models")
+    ws.add_argument("--device", default="cpu", help="cpu or cuda")
+    ws.add_argument("--profile", action="store_true",
+                    help="profile the workspace's ATen ops (last preset, largest batch, optimised model)")
+    ws.add_argument("--profile-steps", type=int, default=4, help="decode steps per profiled row")
+    ws.add_argument("--json", default=None, help="also write the JSON document to this file (atomically)")
+    hf = bsub.add_parser("vs-hf", help="the backbone vs the same weights in HF transformers (needs the hf extra): "
+                         "logits, cached decode and prefill, eager and compiled")
+    hf.add_argument("--shapes", default="seed001,prisme_103m", help="comma-separated: seed001, prisme_103m")
+    hf.add_argument("--quick", action="store_true",
+                    help="prompts 16,256, 8 (103m: 4) new tokens, batch 1 only, 256-token prefill, 5 repeats")
+    hf.add_argument("--prompts", default=None, help="seed001 prompt lengths (default 16,64,128,256)")
+    hf.add_argument("--new-tokens", type=int, default=None, help="seed001 forced tokens per sample (default 16)")
+    hf.add_argument("--big-prompt", type=int, default=64, help="prisme_103m decode prompt length")
+    hf.add_argument("--big-new-tokens", type=int, default=None, help="prisme_103m forced tokens per sample (default 8)")
+    hf.add_argument("--batches", default=None, help="prisme_103m decode batch sizes (default 1,8)")
+    hf.add_argument("--prefill-tokens", type=int, default=None, help="prisme_103m prefill length (default 512)")
+    hf.add_argument("--warmups", type=int, default=2, help="untimed repeats before timing (prisme_103m: at most 1)")
+    hf.add_argument("--repeats", type=int, default=None, help="timed repeats (default 10; prisme_103m: half, >= 3)")
+    hf.add_argument("--threads-small", type=int, default=1, help="torch threads for seed001 (-1 = leave as is)")
+    hf.add_argument("--threads-big", type=int, default=2, help="torch threads for prisme_103m (-1 = leave as is)")
+    hf.add_argument("--no-compile", action="store_true", help="skip the torch.compile paths")
+    hf.add_argument("--seed", type=int, default=42, help="seed for weights and tokens")
+    hf.add_argument("--json", default=None, help="also write the JSON document to this file (atomically)")
+    tr = bsub.add_parser("train", help="training tokens/s and achieved GFLOP/s vs the measured fp32 matmul peak")
+    tr.add_argument("--presets", default="demo,prisme_103m", help="comma-separated presets (random weights)")
+    tr.add_argument("--quick", action="store_true", help="quarter batches, two matmul sizes, smaller bandwidth buffer")
+    tr.add_argument("--warmups", type=int, default=1, help="untimed steps before timing")
+    tr.add_argument("--repeats", type=int, default=3, help="timed steps per preset")
+    tr.add_argument("--threads", type=int, default=2, help="torch CPU threads (-1 = leave as is)")
+    tr.add_argument("--seed", type=int, default=42, help="seed for weights and tokens")
+    tr.add_argument("--json", default=None, help="also write the JSON document to this file (atomically)")
     s.set_defaults(func=_cmd_bench)
 
     s = sub.add_parser("eval", help="every policy's validation loss vs measured ops per token (table, JSON, plot)")
@@ -174,8 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--threads", type=int, default=-1, help="torch CPU threads (-1 = leave as is)")
     s.add_argument("--seed", type=int, default=1337, help="seed for init, data order and random actions")
     s.add_argument("--eval-batches", type=int, default=4, help="validation batches (8 x 128 tokens) per policy")
-    s.add_argument("--frozen-backbone", action="store_true",
-                   help="freeze the backbone in the workspace stage (default: it keeps learning, as the matched run)")
+    s.add_argument("--backbone-keeps-learning", action="store_true",
+                   help="train the backbone too in the workspace stage (default: frozen, as SPEC stage 2)")
     s.set_defaults(func=_cmd_demo)
     return p
 
