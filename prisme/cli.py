@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     hf.add_argument("--batches", default=None, help="prisme_103m decode batch sizes (default 1,8)")
     hf.add_argument("--prefill-tokens", type=int, default=None, help="prisme_103m prefill length (default 512)")
     hf.add_argument("--warmups", type=int, default=2, help="untimed repeats before timing (prisme_103m: at most 1)")
-    hf.add_argument("--repeats", type=int, default=None, help="timed repeats (default 10; prisme_103m: half, >= 3)")
+    hf.add_argument("--repeats", type=int, default=None, help="timed repeats (default 15; prisme_103m: a third, >= 3)")
     hf.add_argument("--threads-small", type=int, default=1, help="torch threads for seed001 (-1 = leave as is)")
     hf.add_argument("--threads-big", type=int, default=2, help="torch threads for prisme_103m (-1 = leave as is)")
     hf.add_argument("--no-compile", action="store_true", help="skip the torch.compile paths")

@@ -1,0 +1,349 @@
+"""Checkpoints: one folder per save, written atomically, read back with clear errors.
+
+Layout of a checkpoint folder::
+
+    ckpt_000200/
+      model.safetensors   # weights (the PrismeModel state dict; the tied head is stored once)
+      config.json         # PrismeConfig: the model can be rebuilt from this alone
+      state.json          # schema_version, stage, step, StageConfig, RNG states, metrics, sha256 of the weights
+      optimizer.pt        # optimizer state dict (absent for weights-only exports)
+
+A run folder (a stage's `out_dir`) holds `ckpt_<step>` folders and a `latest` file naming the newest one;
+`load_checkpoint(run_dir)` follows it. A checkpoint folder is first written under a temporary name next to its
+final place (every file fsynced), then renamed into place, and only then is `latest` replaced (temp file +
+`os.replace`): a crash at any moment leaves either the previous checkpoint or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import PrismeConfig
+
+SCHEMA_VERSION = 1
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+STATE = "state.json"
+OPTIMIZER = "optimizer.pt"
+LATEST = "latest"
+REQUIRED = (WEIGHTS, CONFIG, STATE)
+
+
+@dataclass
+class CheckpointMeta:
+    """What a checkpoint says about itself (everything but the weights)."""
+
+    path: Path  # the checkpoint folder
+    config: PrismeConfig
+    schema_version: int
+    stage: str  # "backbone" | "workspace" | "controller" | "export"
+    step: int  # optimizer steps completed in this stage
+    stage_config: dict[str, Any] = field(default_factory=dict)  # StageConfig.to_dict() of the run that wrote it
+    rng: dict[str, Any] = field(default_factory=dict)  # name -> RNG state (see `encode_rng` / `decode_rng`)
+    metrics: dict[str, Any] = field(default_factory=dict)  # last train/val metrics
+    extra: dict[str, Any] = field(default_factory=dict)  # stage-specific state (e.g. the controller's target scale)
+    optimizer_state: dict[str, Any] | None = None  # loaded by `load_checkpoint(..., load_optimizer=True)`
+
+
+# ---------------------------------------------------------------------------------------------------------------- RNG
+
+
+def encode_rng(state: torch.Tensor) -> str:
+    """A generator state (uint8 tensor) as base64 text for JSON."""
+    return base64.b64encode(state.cpu().numpy().tobytes()).decode("ascii")
+
+
+def decode_rng(text: str) -> torch.Tensor:
+    """Inverse of `encode_rng`: a uint8 tensor for `Generator.set_state` / `torch.set_rng_state`."""
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()
+
+
+# ------------------------------------------------------------------------------------------------------- path helpers
+
+
+def checkpoint_name(step: int) -> str:
+    return f"ckpt_{step:06d}"
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The checkpoint folder that `run_dir/latest` names, or None when the run has not saved one yet."""
+    pointer = Path(run_dir) / LATEST
+    if not pointer.is_file():
+        return None
+    target = Path(run_dir) / pointer.read_text().strip()
+    return target if target.is_dir() else None
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder, given either the folder itself or a run folder with a `latest` pointer.
+
+    Raises ValueError naming the missing file and what to do.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"checkpoint {p} does not exist; pass a checkpoint folder (with {WEIGHTS}, {CONFIG}, "
+                         f"{STATE}) or a run folder written by `prisme train`")
+    if p.is_file():
+        raise ValueError(f"checkpoint {p} is a file; pass the folder that holds {WEIGHTS}, {CONFIG} and {STATE}")
+    if not (p / STATE).exists() and (p / LATEST).is_file():
+        found = latest_checkpoint(p)
+        if found is None:
+            raise ValueError(f"{p / LATEST} names {(p / LATEST).read_text().strip()!r}, which does not exist in {p}")
+        p = found
+    elif not (p / STATE).exists():  # a run folder whose `latest` was removed: its newest complete checkpoint
+        complete = [c for c in sorted(p.glob("ckpt_*")) if all((c / name).is_file() for name in REQUIRED)]
+        p = complete[-1] if complete else p
+    missing = [name for name in REQUIRED if not (p / name).is_file()]
+    if missing:
+        raise ValueError(f"checkpoint {p} is missing {', '.join(str(p / m) for m in missing)}; it is not a complete "
+                         f"checkpoint (run the stage that writes it, or pass another folder)")
+    return p
+
+
+def config_diff(a: PrismeConfig, b: PrismeConfig, ignore: tuple[str, ...] = ("name", "extra")) -> dict[str, tuple]:
+    """Fields where two configs differ: {field: (a, b)}."""
+    da, db = a.to_dict(), b.to_dict()
+    return {k: (da[k], db.get(k)) for k in da if k not in ignore and da[k] != db.get(k)}
+
+
+# ------------------------------------------------------------------------------------------------------------- saving
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace `path` with `text` atomically (temp file in the same folder, fsync, `os.replace`)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600 files
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_checkpoint(
+    path: str | Path,
+    model: torch.nn.Module,
+    *,
+    stage: str,
+    step: int,
+    stage_config: dict[str, Any] | None = None,
+    optimizer_state: dict[str, Any] | None = None,
+    rng: dict[str, Any] | None = None,
+    metrics: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
+    state_dict: dict[str, torch.Tensor] | None = None,
+    update_latest: bool = True,
+) -> Path:
+    """Write a checkpoint folder atomically and return its path.
+
+    Args:
+        path: the checkpoint folder to create (replaced if it exists). Its parent is the run folder whose `latest`
+            pointer is updated afterwards (unless `update_latest=False`).
+        model: a PrismeModel (its `cfg` goes to config.json; its state dict to model.safetensors unless `state_dict`
+            is given, e.g. gathered from FSDP shards).
+        optimizer_state: `optimizer.state_dict()` (written with torch.save), or None for a weights-only folder.
+    """
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    cfg: PrismeConfig = model.cfg
+    sd = state_dict if state_dict is not None else model.state_dict()
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
+    try:
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700 folders
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt", "schema_version": str(SCHEMA_VERSION)})
+        with open(tmp / WEIGHTS, "rb+") as f:
+            os.fsync(f.fileno())
+        digest = hashlib.sha256((tmp / WEIGHTS).read_bytes()).hexdigest()
+        _write_bytes(tmp / CONFIG, (cfg.to_json() + "\n").encode())
+        state = {"schema_version": SCHEMA_VERSION, "stage": stage, "step": int(step),
+                 "stage_config": stage_config or {}, "rng": rng or {}, "metrics": metrics or {},
+                 "extra": extra or {}, "weights_sha256": digest, "has_optimizer": optimizer_state is not None,
+                 "torch_version": torch.__version__}
+        _write_bytes(tmp / STATE, (json.dumps(state, indent=2, sort_keys=True, default=_json_default) + "\n").encode())
+        if optimizer_state is not None:
+            torch.save(optimizer_state, tmp / OPTIMIZER)
+            with open(tmp / OPTIMIZER, "rb+") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        old = None
+        if path.exists():  # move the old folder aside first: a directory rename cannot replace a non-empty one
+            old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.old-"))
+            os.rename(path, old / path.name)
+        os.rename(tmp, path)
+        _fsync_dir(path.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if update_latest:
+        write_text_atomic(path.parent / LATEST, path.name + "\n")
+    return path
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, Path):
+        return str(o)
+    if isinstance(o, torch.Tensor):
+        return o.tolist()
+    if isinstance(o, tuple):
+        return list(o)
+    raise TypeError(f"cannot store {type(o).__name__} in state.json")
+
+
+def prune_checkpoints(run_dir: str | Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` `ckpt_*` folders of a run (never the one `latest` names)."""
+    if keep_last <= 0:
+        return
+    run_dir = Path(run_dir)
+    latest = latest_checkpoint(run_dir)
+    folders = sorted(p for p in run_dir.glob("ckpt_*") if p.is_dir())
+    for p in folders[:-keep_last]:
+        if latest is None or p.resolve() != latest.resolve():
+            shutil.rmtree(p, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------------------ loading
+
+
+def read_meta(path: str | Path) -> CheckpointMeta:
+    """Config and state of a checkpoint, without its weights. Raises ValueError for a malformed checkpoint."""
+    p = resolve_checkpoint(path)
+    try:
+        state = json.loads((p / STATE).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{p / STATE} is not valid JSON ({e}); the checkpoint is corrupt") from None
+    if not isinstance(state, dict) or "schema_version" not in state:
+        raise ValueError(f"{p / STATE} has no schema_version; it was not written by prisme.checkpoint")
+    if state["schema_version"] != SCHEMA_VERSION:
+        raise ValueError(f"{p} has checkpoint schema version {state['schema_version']}, but this prisme reads "
+                         f"version {SCHEMA_VERSION}; load it with the prisme version that wrote it and re-export")
+    try:
+        cfg = PrismeConfig.from_json(p / CONFIG)
+    except ValueError as e:
+        raise ValueError(f"{p / CONFIG}: {e}") from None
+    return CheckpointMeta(path=p, config=cfg, schema_version=state["schema_version"], stage=state.get("stage", "?"),
+                          step=int(state.get("step", 0)), stage_config=state.get("stage_config", {}),
+                          rng=state.get("rng", {}), metrics=state.get("metrics", {}), extra=state.get("extra", {}))
+
+
+def _read_weights(p: Path, verify: bool) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load as st_load
+
+    data = (p / WEIGHTS).read_bytes()
+    state = json.loads((p / STATE).read_text())
+    if verify and state.get("weights_sha256") and hashlib.sha256(data).hexdigest() != state["weights_sha256"]:
+        raise ValueError(f"{p / WEIGHTS} does not match the sha256 recorded in {p / STATE}: the file is truncated "
+                         f"or corrupt; restore it or use an earlier checkpoint")
+    try:
+        return st_load(data)
+    except (SafetensorError, ValueError, RuntimeError, OSError) as e:
+        raise ValueError(f"{p / WEIGHTS} is truncated or corrupt ({e}); restore it or use an earlier checkpoint") \
+            from None
+
+
+def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu",
+                    expected_config: PrismeConfig | None = None, load_optimizer: bool = True,
+                    verify: bool = True) -> tuple[torch.nn.Module, CheckpointMeta]:
+    """Rebuild the model of a checkpoint and read its training state.
+
+    Args:
+        path: a checkpoint folder, or a run folder (its `latest` checkpoint).
+        expected_config: if given, a checkpoint whose config differs from it (other than `name`/`extra`) is a
+            ValueError listing the differing fields.
+        load_optimizer: also read optimizer.pt into `meta.optimizer_state` (None when the checkpoint has none).
+        verify: check the weights against the sha256 recorded at save time.
+    Returns:
+        (PrismeModel in the saved dtype on `map_location`, in eval mode, CheckpointMeta).
+    """
+    from .model import PrismeModel
+
+    meta = read_meta(path)
+    p = meta.path
+    if expected_config is not None:
+        diff = config_diff(expected_config, meta.config)
+        if diff:
+            shown = ", ".join(f"{k}: expected {a!r}, checkpoint has {b!r}" for k, (a, b) in diff.items())
+            raise ValueError(f"checkpoint {p} was written for another model config ({shown}); use a checkpoint of "
+                             f"this config or drop the model override")
+    tensors = _read_weights(p, verify)
+    model = PrismeModel(meta.config)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    bad_shape = sorted(k for k in set(expected) & set(tensors) if tuple(expected[k].shape) != tuple(tensors[k].shape))
+    if missing or unexpected or bad_shape:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        if unexpected:
+            parts.append(f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+        if bad_shape:
+            parts.append("shape mismatch " + ", ".join(f"{k} {tuple(tensors[k].shape)} vs {tuple(expected[k].shape)}"
+                                                       for k in bad_shape[:3]))
+        raise ValueError(f"{p / WEIGHTS} does not fit the model of {p / CONFIG} ({'; '.join(parts)}): the weights "
+                         f"come from another config")
+    dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
+    if len(dtypes) == 1 and dtypes != {torch.float32}:  # keep the saved precision (e.g. float64 runs)
+        model = model.to(dtypes.pop())
+    model.load_state_dict(tensors, strict=True)
+    model = model.to(map_location).eval()
+    if load_optimizer:
+        opt = p / OPTIMIZER
+        if opt.is_file():
+            try:
+                meta.optimizer_state = torch.load(opt, map_location=map_location, weights_only=True)
+            except Exception as e:  # noqa: BLE001 - any unpickling failure means the same thing here
+                raise ValueError(f"{opt} is truncated or corrupt ({type(e).__name__}: {e}); restore it, or "
+                                 f"start from the weights only with init_from") from None
+    return model, meta
+
+
+def load_model(path: str | Path, map_location: str | torch.device = "cpu") -> tuple[torch.nn.Module, CheckpointMeta]:
+    """The model of a checkpoint (weights + config, no optimizer state), in eval mode."""
+    return load_checkpoint(path, map_location=map_location, load_optimizer=False)

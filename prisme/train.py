@@ -1,0 +1,1108 @@
+"""Three-stage training (SPEC §5): backbone LM -> workspace on forced actions -> controller on the oracle.
+
+    cfg = PrismeConfig.from_name("demo")
+    train_stage(cfg, StageConfig(stage="backbone", steps=600, out_dir="runs/x/backbone"))
+    train_stage(None, StageConfig(stage="workspace", init_from="runs/x/backbone", out_dir="runs/x/workspace"))
+    train_stage(None, StageConfig(stage="controller", init_from="runs/x/workspace", out_dir="runs/x/controller"))
+
+Each stage loads the previous stage's checkpoint (`init_from`), trains only its own parameter group (everything
+else has `requires_grad=False`), logs JSONL metrics and writes atomic checkpoints to `out_dir` (prisme.checkpoint).
+
+1. backbone: next-token cross-entropy of `model(tokens)` (the exact bypass; the workspace is not touched).
+2. workspace: backbone frozen (unless `train_backbone_in_workspace_stage`); each position gets a random budget
+   in [min_budget, max_budget] and random actions (singles and pairs, optionally DENSE), STOP after its budget;
+   loss = CE of the corrected logits (+ `deep_supervision` x CE after every intermediate step).
+3. controller: backbone and workspace frozen. At sampled positions, for each step of a behaviour rollout, every
+   candidate action is executed (the oracle) to get the true drop of that position's next-token loss
+   dL_a = CE(S) - CE(apply(S, a)) `[.., A]`; `value` is regressed on dL (clipped at `value_clip` x scale, Huber
+   on dL / scale: the targets are heavy-tailed) and `risk` on |value - dL|. Only this training stage executes
+   candidate edits; the deployed controller never does.
+
+Notation: B global batch (sequences per optimizer step), b rows of one micro-batch on one rank, T seq_len,
+P oracle positions per sequence, A actions, R forced steps, W world size.
+
+Exactness across world sizes and accumulation: every step draws the global batch and its random inputs (forced
+actions, oracle positions) once, identically on every rank; micro-batch m on rank r takes rows
+[(m W + r) b, (m W + r + 1) b). Each loss term is a sum divided by its count over the whole global batch (every
+rank can count it) and multiplied by W, because DDP and FSDP average gradients over ranks. So W processes and
+W accumulation steps give the update of one process on the whole batch, up to summation order
+(tests/test_distributed.py). Resume is exact: weights, optimizer, step and generator states are checkpointed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import checkpoint as ckpt
+from .config import PrismeConfig
+from .data import IGNORE_INDEX, MQARConfig, MQARDataset, TokenDataset
+
+STAGES = ("backbone", "workspace", "controller")
+_RESUME_FREE = ("steps", "resume", "out_dir", "init_from", "progress", "log_every", "eval_every", "eval_batches",
+                "ckpt_every", "keep_last", "log_tensorboard", "device", "cache_dir")
+PREVIOUS = {"workspace": "backbone", "controller": "workspace"}
+ACCEPTS_INIT = {"backbone": ("backbone", "workspace", "controller", "export"),
+                "workspace": ("backbone", "workspace"), "controller": ("workspace", "controller")}
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.float32}
+
+
+# ---------------------------------------------------------------------------------------------------------- configs
+
+
+@dataclass
+class StageConfig:
+    """One training stage. Load from JSON with `StageConfig.from_json` / `load_run_config`."""
+
+    stage: str = "backbone"  # "backbone" | "workspace" | "controller"
+    steps: int = 200  # optimizer steps of this stage (the cosine schedule ends here)
+    batch_size: int = 16  # global batch: sequences per optimizer step, over all ranks and accumulation steps
+    seq_len: int | None = None  # tokens per sequence (default: the model's max_seq_len; MQAR: its seq_len)
+    grad_accum: int = 1  # micro-batches per optimizer step on each rank
+    lr: float = 3e-3  # peak learning rate, reached after `warmup` steps
+    min_lr: float = 3e-4  # learning rate at the end of the cosine decay
+    warmup: int = 20  # linear warm-up steps
+    weight_decay: float = 0.1  # AdamW decay, on >= 2-D weights only (not on gains, biases, b_v, b_r)
+    betas: tuple[float, float] = (0.9, 0.95)  # AdamW betas
+    eps: float = 1e-8  # AdamW epsilon
+    grad_clip: float = 1.0  # clip the global gradient norm to this; 0 = no clipping (the norm is still logged)
+    eval_every: int = 50  # validate every this many steps and at the end; 0 = only at the end
+    eval_batches: int = 4  # validation batches per evaluation
+    ckpt_every: int = 0  # also checkpoint every this many steps; 0 = only at the end (and on Ctrl-C)
+    keep_last: int = 2  # checkpoint folders kept in out_dir (older ones are deleted); 0 = keep all
+    seed: int = 1337  # model init (fresh stage 1), data order, forced actions and oracle positions
+    dataset: str = "austen"  # "austen" (embedded corpus), a text file or folder, or "mqar" (synthetic recall)
+    tokenizer: str = "byte"  # "byte" (UTF-8 bytes, V=256) or the path of a saved BPE tokenizer JSON
+    val_fraction: float = 0.1  # tail of the token stream held out for validation (text datasets)
+    mqar: dict[str, Any] = field(default_factory=dict)  # MQARConfig fields when dataset == "mqar"
+    cache_dir: str | None = None  # token cache folder for text datasets (None: encode every run)
+    out_dir: str = "runs/stage"  # run folder: ckpt_* folders, `latest`, metrics.jsonl, stage_config.json
+    init_from: str | None = None  # checkpoint (or run folder) to start from; required by workspace/controller
+    resume: bool = False  # continue out_dir's latest checkpoint exactly (weights, optimizer, step, RNGs)
+    # --- workspace stage
+    train_backbone_in_workspace_stage: bool = False  # let the backbone keep learning in stage 2 (SPEC §5 lesson)
+    backbone_aux_weight: float = 1.0  # with the option above: weight of the backbone head's own LM loss
+    deep_supervision: float = 0.0  # weight of the CE after every intermediate forced step (0 = final state only)
+    min_budget: int = 1  # forced budgets are drawn uniformly per position from [min_budget, max_budget]
+    max_budget: int | None = None  # default: the model's r_max
+    p_dense: float = 0.0  # probability that a forced step is DENSE (trains the dense baseline's path too)
+    # --- controller stage
+    oracle_positions: int = 16  # positions per sequence where every candidate action is executed
+    oracle_greedy: float = 0.5  # behaviour policy: P(follow the oracle's best action), else a random action
+    value_clip: float = 5.0  # dL targets are clipped to +- value_clip * scale (scale: std of dL at the start)
+    risk_weight: float = 1.0  # weight of the risk head's loss
+    # --- system
+    device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:N"
+    dtype: str = "float32"  # parameter dtype: "float32" | "float64"; "bfloat16" = bf16 autocast, fp32 weights
+    parallel: str = "ddp"  # with several processes: "ddp" (DistributedDataParallel) or "fsdp" (FSDP2 fully_shard)
+    log_every: int = 10  # JSONL/tensorboard train row every this many steps
+    log_tensorboard: bool = False  # also write tensorboard events to out_dir/tb (needs `pip install prisme[tb]`)
+    progress: bool = True  # tqdm progress bar (rank 0)
+
+    def validate(self) -> StageConfig:
+        """Raise ValueError naming the field for every bad value; returns self."""
+
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"StageConfig: {msg}")
+
+        need(self.stage in STAGES, f"stage must be one of {STAGES}, got {self.stage!r}")
+        for f in ("steps", "batch_size", "grad_accum", "eval_batches", "log_every", "oracle_positions",
+                  "min_budget"):
+            v = getattr(self, f)
+            need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{f} must be an int >= 1, got {v!r}")
+        for f in ("warmup", "eval_every", "ckpt_every", "keep_last", "seed"):
+            v = getattr(self, f)
+            need(isinstance(v, int) and not isinstance(v, bool) and v >= 0, f"{f} must be an int >= 0, got {v!r}")
+        need(self.seq_len is None or (isinstance(self.seq_len, int) and self.seq_len >= 1),
+             f"seq_len must be None or an int >= 1, got {self.seq_len!r}")
+        need(self.max_budget is None or (isinstance(self.max_budget, int) and self.max_budget >= self.min_budget),
+             f"max_budget must be None or an int >= min_budget={self.min_budget}, got {self.max_budget!r}")
+        need(self.lr > 0 and math.isfinite(self.lr), f"lr must be > 0, got {self.lr}")
+        need(0 <= self.min_lr <= self.lr, f"min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
+        need(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
+        need(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"betas must be two values in [0, 1), "
+             f"got {self.betas}")
+        need(self.eps > 0, f"eps must be > 0, got {self.eps}")
+        need(self.grad_clip >= 0, f"grad_clip must be >= 0 (0 = off), got {self.grad_clip}")
+        need(0 <= self.val_fraction < 1, f"val_fraction must be in [0, 1), got {self.val_fraction}")
+        need(0 <= self.p_dense <= 1, f"p_dense must be in [0, 1], got {self.p_dense}")
+        need(0 <= self.oracle_greedy <= 1, f"oracle_greedy must be in [0, 1], got {self.oracle_greedy}")
+        need(self.value_clip > 0, f"value_clip must be > 0, got {self.value_clip}")
+        for f in ("backbone_aux_weight", "deep_supervision", "risk_weight"):
+            need(getattr(self, f) >= 0, f"{f} must be >= 0, got {getattr(self, f)}")
+        need(self.dtype in DTYPES, f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        need(self.parallel in ("ddp", "fsdp"), f"parallel must be 'ddp' or 'fsdp', got {self.parallel!r}")
+        need(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+             f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        need(isinstance(self.mqar, dict), f"mqar must be a dict of MQARConfig fields, got {type(self.mqar).__name__}")
+        need(bool(self.out_dir), "out_dir must be a folder path")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StageConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown StageConfig field(s) {unknown}; known fields: {sorted(known)}")
+        d = dict(d)
+        if "betas" in d:
+            d["betas"] = tuple(d["betas"])
+        return cls(**d).validate()
+
+    def replace(self, **changes: Any) -> StageConfig:
+        return StageConfig.from_dict({**self.to_dict(), **changes})
+
+
+def load_run_config(path: str | Path) -> tuple[PrismeConfig | None, StageConfig]:
+    """Read a run config JSON: StageConfig fields plus an optional "model" entry.
+
+    "model" is a preset name (`"demo"`), a dict `{"preset": "demo", ...PrismeConfig overrides}` or a full
+    PrismeConfig dict; leave it out for stages that take the model from `init_from`.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"run config {p} does not exist")
+    try:
+        d = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"run config {p} is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"run config {p} must hold a JSON object")
+    d = dict(d)
+    d.pop("description", None)
+    model = d.pop("model", None)
+    if model is None:
+        model_cfg = None
+    elif isinstance(model, str):
+        model_cfg = PrismeConfig.from_name(model)
+    elif isinstance(model, dict) and "preset" in model:
+        m = dict(model)
+        model_cfg = PrismeConfig.from_name(m.pop("preset"), **m)
+    elif isinstance(model, dict):
+        model_cfg = PrismeConfig.from_dict(model)
+    else:
+        raise ValueError(f"run config {p}: 'model' must be a preset name or a dict, got {type(model).__name__}")
+    return model_cfg, StageConfig.from_dict(d)
+
+
+@dataclass
+class TrainResult:
+    """What a stage did."""
+
+    stage: str
+    out_dir: Path
+    checkpoint: Path | None  # the last checkpoint written (the next stage's init_from)
+    step: int  # optimizer steps completed
+    tokens: int  # tokens this run processed (global, since its start or resume)
+    train: dict[str, float]  # last logged training metrics
+    val: dict[str, float]  # last validation metrics
+    wall_s: float
+    interrupted: bool = False  # stopped by Ctrl-C (a checkpoint was saved)
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training hit a NaN/inf loss or gradient norm; nothing was written after the last good checkpoint."""
+
+
+# ------------------------------------------------------------------------------------------------------ data helpers
+
+
+def build_dataset(scfg: StageConfig, vocab_size: int) -> TokenDataset | MQARDataset:
+    """The stage's dataset: the embedded corpus, a text path (byte or BPE tokens), or MQAR."""
+    from .data import BPETokenizer, ByteTokenizer, load_text
+
+    if scfg.dataset == "mqar":
+        fields = {f.name for f in dataclasses.fields(MQARConfig)}
+        unknown = sorted(set(scfg.mqar) - fields)
+        if unknown:
+            raise ValueError(f"StageConfig.mqar: unknown MQARConfig field(s) {unknown}")
+        m = dict(scfg.mqar)
+        if scfg.seq_len is not None:
+            m["seq_len"] = scfg.seq_len
+        mcfg = MQARConfig(**m)
+        if mcfg.vocab_size > vocab_size:
+            raise ValueError(f"MQAR vocab_size={mcfg.vocab_size} exceeds the model's vocab_size={vocab_size}")
+        return MQARDataset(mcfg)
+    if scfg.tokenizer == "byte":
+        tok = ByteTokenizer()
+    else:
+        tok = BPETokenizer.load(scfg.tokenizer)
+    if tok.vocab_size > vocab_size:
+        raise ValueError(f"tokenizer {scfg.tokenizer!r} has {tok.vocab_size} ids but the model's vocab_size is "
+                         f"{vocab_size}; use a model with vocab_size >= {tok.vocab_size}")
+    return TokenDataset.from_text(load_text(scfg.dataset), tok, val_fraction=scfg.val_fraction,
+                                  cache_dir=scfg.cache_dir, name="corpus")
+
+
+def lr_at(step: int, scfg: StageConfig) -> float:
+    """Linear warm-up to `lr` over `warmup` steps, then cosine decay to `min_lr` at `steps`."""
+    if step < scfg.warmup:
+        return scfg.lr * (step + 1) / scfg.warmup
+    progress = min(1.0, (step - scfg.warmup) / max(1, scfg.steps - scfg.warmup))
+    return scfg.min_lr + 0.5 * (scfg.lr - scfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def _ce_sum(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Summed next-token CE over positions with a label; logits `[..., V]`, y `[...]`."""
+    return F.cross_entropy(logits.float().flatten(0, -2), y.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def _ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Per-position CE `[...]` (0 where y is IGNORE_INDEX)."""
+    flat = F.cross_entropy(logits.float().flatten(0, -2), y.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
+    return flat.view(y.shape)
+
+
+# -------------------------------------------------------------------------------------------------------- objectives
+# An objective owns the stage's randomness and loss. `sample` draws the random inputs of a whole global batch
+# (rows first, so they shard with the tokens); `denominators` counts over the whole global batch; `forward` runs on
+# a shard and returns (loss, stats) with loss = sum of its terms / global counts; stats are sums over the shard
+# that `summarise` turns into metrics after summing over micro-batches and ranks.
+
+
+class BackboneObjective(nn.Module):
+    """Stage 1: next-token CE of the backbone (the model's exact bypass path)."""
+
+    def __init__(self, model: nn.Module, scfg: StageConfig):
+        super().__init__()
+        self.model = model
+
+    def sample(self, x: torch.Tensor, y: torch.Tensor, g: torch.Generator) -> dict[str, torch.Tensor]:
+        return {}
+
+    def denominators(self, x: torch.Tensor, y: torch.Tensor, extra: dict[str, torch.Tensor]) -> dict[str, float]:
+        return {"tokens": max(1, int((y != IGNORE_INDEX).sum()))}
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, extra: dict[str, torch.Tensor],
+                denom: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        ce = _ce_sum(self.model(x).logits, y)  # x, y [b, T]
+        return ce / denom["tokens"], {"ce": ce.detach(), "n": (y != IGNORE_INDEX).sum().to(ce)}
+
+    @staticmethod
+    def summarise(s: dict[str, torch.Tensor]) -> dict[str, float]:
+        return {"loss": float(s["ce"] / s["n"].clamp(min=1))}
+
+
+class WorkspaceObjective(nn.Module):
+    """Stage 2: CE of the corrected logits under random forced action sequences."""
+
+    def __init__(self, model: nn.Module, scfg: StageConfig):
+        super().__init__()
+        cfg = model.cfg
+        self.model, self.cfg = model, cfg
+        self.train_backbone = scfg.train_backbone_in_workspace_stage
+        self.aux = scfg.backbone_aux_weight if self.train_backbone else 0.0
+        self.ds = scfg.deep_supervision
+        self.p_dense = scfg.p_dense
+        self.lo, self.hi = scfg.min_budget, scfg.max_budget or cfg.r_max
+        if self.hi > cfg.r_max:
+            raise ValueError(f"StageConfig.max_budget={self.hi} exceeds the model's r_max={cfg.r_max}")
+
+    def sample(self, x: torch.Tensor, y: torch.Tensor, g: torch.Generator) -> dict[str, torch.Tensor]:
+        """Budgets `[B, T]` in [lo, hi] and actions `[B, T, hi]`: random singles/pairs (or DENSE), STOP after."""
+        cfg, (B, T), R = self.cfg, x.shape, self.hi
+        budget = torch.randint(self.lo, self.hi + 1, (B, T), generator=g)  # [B, T]
+        actions = torch.randint(0, cfg.n_actions, (B, T, R), generator=g)  # [B, T, R]
+        if self.p_dense > 0:
+            dense = torch.rand(B, T, R, generator=g) < self.p_dense
+            actions = torch.where(dense, torch.full_like(actions, cfg.dense_action), actions)
+        late = torch.arange(R) >= budget.unsqueeze(-1)  # [B, T, R]
+        actions = actions.masked_fill(late, cfg.stop_action)
+        return {"budget": budget, "actions": actions}
+
+    def denominators(self, x: torch.Tensor, y: torch.Tensor, extra: dict[str, torch.Tensor]) -> dict[str, float]:
+        valid = y != IGNORE_INDEX  # [B, T]
+        d = {"tokens": max(1, int(valid.sum()))}
+        if self.ds > 0:  # (position, step) pairs whose state after step r is not yet final
+            d["ds"] = max(1, sum(int((valid & (extra["budget"] > r + 1)).sum()) for r in range(self.hi - 1)))
+        return d
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, extra: dict[str, torch.Tensor],
+                denom: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model, cfg = self.model, self.cfg
+        actions, budget = extra["actions"], extra["budget"]  # [b, T, R], [b, T]
+        with torch.set_grad_enabled(self.train_backbone and torch.is_grad_enabled()):
+            H = model.backbone(x)  # [b, T, d]
+        ctx = model.context_from_H(H, H)
+        S, slot_kv = ctx.S0, model.new_slot_kv(ctx.S0)
+        ds_sum = H.new_zeros((), dtype=torch.float32)
+        gate_sum = [H.new_zeros((), dtype=torch.float32) for _ in range(cfg.n_edit_blocks)]
+        gate_n = H.new_zeros((), dtype=torch.float32)
+        for r in range(actions.shape[-1]):
+            S, info = model.apply_action(S, ctx, actions[:, :, r], r, (budget - r - 1).clamp(min=0), slot_kv)
+            slot_kv = info.slot_kv
+            if info.n_positions:
+                gate_n = gate_n + info.n_positions
+                for i, gm in enumerate(info.gate_mean):
+                    gate_sum[i] = gate_sum[i] + gm.detach().float() * info.n_positions
+            if self.ds > 0 and r < actions.shape[-1] - 1:
+                more = budget > r + 1  # [b, T] positions whose final state is later
+                logits_r, _ = model.logits_from_state(S, ctx, more)
+                ds_sum = ds_sum + _ce_sum(logits_r, y.masked_fill(~more, IGNORE_INDEX))
+        edited = (actions != cfg.stop_action).any(-1)  # [b, T]
+        logits, delta = model.logits_from_state(S, ctx, edited)
+        ce = _ce_sum(logits, y)
+        loss = ce / denom["tokens"]
+        if self.ds > 0:
+            loss = loss + self.ds * ds_sum / denom["ds"]
+        with torch.no_grad():
+            ce_bb = _ce_sum(model.backbone.head(H.detach()), y)
+        if self.aux > 0:
+            loss = loss + self.aux * _ce_sum(model.backbone.head(H), y) / denom["tokens"]
+        with torch.no_grad():
+            e = edited.float()
+            s_rel = ((S - ctx.S0).flatten(-2).norm(dim=-1) / ctx.S0.flatten(-2).norm(dim=-1).clamp(min=1e-12))
+            d_rel = delta.norm(dim=-1) / H.norm(dim=-1).clamp(min=1e-12)  # [b, T]
+            stats = {"ce": ce.detach(), "ce_backbone": ce_bb, "n": (y != IGNORE_INDEX).sum().float(),
+                     "n_edited": e.sum(), "s_rel": (s_rel.float() * e).sum(), "delta_rel": (d_rel.float() * e).sum(),
+                     "gate_n": gate_n, **{f"gate{i}": g for i, g in enumerate(gate_sum)}}
+        return loss, stats
+
+    @staticmethod
+    def summarise(s: dict[str, torch.Tensor]) -> dict[str, float]:
+        n, ne, gn = s["n"].clamp(min=1), s["n_edited"].clamp(min=1), s["gate_n"].clamp(min=1)
+        out = {"loss": float(s["ce"] / n), "loss_backbone": float(s["ce_backbone"] / n)}
+        out["gain"] = out["loss_backbone"] - out["loss"]
+        out["s_change"] = float(s["s_rel"] / ne)  # mean |S - S0| / |S0| at edited positions
+        out["delta_ratio"] = float(s["delta_rel"] / ne)  # mean |delta| / |H| at edited positions
+        for k in sorted(k for k in s if k.startswith("gate") and k != "gate_n"):
+            out[f"{k}_mean"] = float(s[k] / gn)  # mean editor gate of block i over edited slots
+        return out
+
+
+class ControllerObjective(nn.Module):
+    """Stage 3: regress the controller's value on the oracle's true loss drops and its risk on the error."""
+
+    def __init__(self, model: nn.Module, scfg: StageConfig):
+        super().__init__()
+        cfg = model.cfg
+        self.model, self.cfg = model, cfg
+        self.P = scfg.oracle_positions
+        self.greedy = scfg.oracle_greedy
+        self.clip = scfg.value_clip
+        self.risk_weight = scfg.risk_weight
+        self.scale = 1.0  # dL scale (std at the start of the stage); set by `calibrate`, checkpointed
+
+    # -------------------------------------------------------------------------------------------- randomness
+    def sample(self, x: torch.Tensor, y: torch.Tensor, g: torch.Generator) -> dict[str, torch.Tensor]:
+        """Budget (one per batch, as a `[B]` row tensor), position scores `[B, T]`, behaviour draws `[B, P, r_max]`."""
+        cfg, (B, T) = self.cfg, x.shape
+        P, R = min(self.P, T), cfg.r_max
+        budget = torch.randint(1, R + 1, (1,), generator=g).expand(B).clone()  # [B]
+        return {"budget": budget, "scores": torch.rand(B, T, generator=g),
+                "random_action": torch.randint(0, cfg.n_actions, (B, P, R), generator=g),
+                "follow_oracle": torch.rand(B, P, R, generator=g) < self.greedy}
+
+    def positions(self, y: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The P sampled positions `[b, P]` of each row (labelled ones first) and whether each has a label."""
+        P = min(self.P, y.shape[1])
+        labelled = y != IGNORE_INDEX  # [b, T]
+        pos = (scores + labelled.to(scores.dtype)).topk(P, dim=1).indices  # [b, P]: labelled first, random order
+        return pos, labelled.gather(1, pos)
+
+    def denominators(self, x: torch.Tensor, y: torch.Tensor, extra: dict[str, torch.Tensor]) -> dict[str, float]:
+        _, valid = self.positions(y, extra["scores"])
+        return {"targets": max(1, int(valid.sum()) * int(extra["budget"][0]) * self.cfg.n_actions)}
+
+    # ----------------------------------------------------------------------------------------------- oracle
+    def oracle_rollout(self, x: torch.Tensor, y: torch.Tensor, extra: dict[str, torch.Tensor],
+                       on_state: Callable[..., None]) -> None:
+        """Walk a behaviour rollout at the sampled positions; at every state execute all A candidate actions.
+
+        Calls `on_state(r, ctx, S, edits, taken, budget, dL, valid)` with dL `[b, P, A]` the true drop of the
+        position's next-token CE for each action, then moves on by the oracle's best action (with probability
+        `oracle_greedy`) or a random one.
+        """
+        model, cfg = self.model, self.cfg
+        A, M = cfg.n_actions, cfg.n_slots
+        b_budget = int(extra["budget"][0])
+        with torch.no_grad():
+            H = model.backbone(x)  # [b, T, d]
+            pos, valid = self.positions(y, extra["scores"])  # [b, P]
+            b, P = pos.shape
+            rows = torch.arange(b, device=x.device).unsqueeze(1)  # [b, 1]
+            Hq, yq = H[rows, pos], y[rows, pos].masked_fill(~valid, 0)  # [b, P, d], [b, P]
+            ctx = model.context_from_H(H, Hq, query_pos=pos)  # Tq = P
+            rep = lambda t: t.repeat_interleave(A, dim=1)  # noqa: E731 - [b, P, ...] -> [b, P A, ...]
+            ctx_a = dataclasses.replace(ctx, H=rep(ctx.H), z=rep(ctx.z), S0=rep(ctx.S0), bank_mask=rep(ctx.bank_mask))
+            cand = torch.arange(A, device=x.device).repeat(P).expand(b, P * A)  # [b, P A]
+            loss_cur = _ce(model.backbone.head(Hq), yq)  # [b, P]: nothing edited yet
+            S = ctx.S0
+            edits = torch.zeros(b, P, M, dtype=torch.long, device=x.device)
+            taken = torch.zeros(b, P, A, dtype=torch.bool, device=x.device)
+            budget = torch.full((b, P), b_budget, dtype=torch.long, device=x.device)
+        for r in range(b_budget):
+            with torch.no_grad():
+                S_c, _ = model.apply_action(rep(S), ctx_a, cand, r, b_budget - r - 1)  # [b, P A, M, w]
+                logits_c, _ = model.logits_from_state(S_c, ctx_a)
+                loss_c = _ce(logits_c, rep(yq)).view(b, P, A)
+                dL = loss_cur.unsqueeze(-1) - loss_c  # [b, P, A]
+            on_state(r, ctx, S, edits, taken, budget, dL, valid)
+            with torch.no_grad():
+                follow = extra["follow_oracle"][:, :P, r].to(x.device)
+                a = torch.where(follow, dL.argmax(-1), extra["random_action"][:, :P, r].to(x.device))  # [b, P]
+                S = S_c.view(b, P, A, *S_c.shape[2:])[rows, torch.arange(P, device=x.device), a]  # [b, P, M, w]
+                loss_cur = loss_c.gather(-1, a.unsqueeze(-1)).squeeze(-1)
+                edits = edits + model.action_slot_counts[a]
+                taken = taken | F.one_hot(a, A).bool()
+
+    @torch.no_grad()
+    def calibrate(self, x: torch.Tensor, y: torch.Tensor, extra: dict[str, torch.Tensor], init_heads: bool) -> float:
+        """Set `scale` to the std of the oracle's dL on one batch (the value loss works on dL / scale).
+
+        With `init_heads` (a fresh controller), also start the regressor from the best per-action constant: shrink
+        the state MLP's output so the bilinear term is a tenth of the target scale, set b_v to the per-action mean
+        of the residual target, and b_r so that the initial risk is the mean absolute residual.
+        """
+        ctrl = self.model.controller
+        dls: list[torch.Tensor] = []
+        bilinear: list[torch.Tensor] = []
+
+        def on_state(r, ctx, S, edits, taken, budget, dL, valid):
+            dls.append(dL[valid].double())  # [n, A]
+            if init_heads:
+                v = ctrl(ctx.z, S, ctx.S0, edits, taken, torch.full_like(budget, r), budget).value - ctrl.b_v
+                bilinear.append(v[valid].double())
+
+        self.oracle_rollout(x, y, extra, on_state)
+        d = torch.cat(dls)  # [N, A]
+        std = float(d.std()) if d.numel() > 1 else 0.0
+        self.scale = std if std > 0 and math.isfinite(std) else 1.0
+        if init_heads and d.shape[0] > 0:
+            t = d.clamp(-self.clip * self.scale, self.clip * self.scale)
+            v0 = torch.cat(bilinear)  # [N, A]
+            c = min(1.0, 0.1 * self.scale / max(float(v0.std()), 1e-30))
+            last = ctrl.mlp[-1]
+            last.weight.mul_(c)
+            last.bias.mul_(c)
+            resid = t - c * v0
+            ctrl.b_v.copy_(resid.mean(0).to(ctrl.b_v))
+            err = (resid - resid.mean(0)).abs().mean(0).clamp(min=1e-6 * self.scale)  # [A]
+            ctrl.b_r.copy_((err + torch.log(-torch.expm1(-err))).to(ctrl.b_r))  # softplus^-1(err)
+        return self.scale
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, extra: dict[str, torch.Tensor],
+                denom: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        sc = self.scale
+        terms: list[torch.Tensor] = []
+        st: dict[str, torch.Tensor] = {}
+
+        def add(k: str, v: torch.Tensor) -> None:
+            st[k] = st[k] + v if k in st else v
+
+        def on_state(r, ctx, S, edits, taken, budget, dL, valid):
+            steps = torch.full_like(budget, r)
+            pred = self.model.controller(ctx.z, S, ctx.S0, edits, taken, steps, budget)  # value, risk [b, P, A]
+            t = dL.float().clamp(-self.clip * sc, self.clip * sc)  # [b, P, A]
+            v = pred.value.float()
+            m = valid.unsqueeze(-1).float().expand_as(t)  # [b, P, A]
+            err = (v.detach() - t).abs()
+            v_loss = F.huber_loss(v / sc, t / sc, reduction="none", delta=1.0)
+            r_loss = F.huber_loss(pred.risk.float() / sc, err / sc, reduction="none", delta=1.0)
+            terms.append(((v_loss + self.risk_weight * r_loss) * m).sum())
+            with torch.no_grad():
+                add("v_se", ((v - t) ** 2 * m).sum())
+                add("t_sum", (t * m).sum())
+                add("t_sq", (t * t * m).sum())
+                add("t_sum_a", (t * m).sum((0, 1)))
+                add("t_sq_a", (t * t * m).sum((0, 1)))
+                add("n_a", m.sum((0, 1)))
+                add("r_se", ((pred.risk.float() - err) ** 2 * m).sum())
+                add("e_sum", (err * m).sum())
+                add("e_sq", (err * err * m).sum())
+                best = dL.argmax(-1, keepdim=True)  # [b, P, 1]
+                pick = v.argmax(-1, keepdim=True)
+                vm = valid.float()
+                add("top1", ((best == pick).squeeze(-1).float() * vm).sum())
+                add("regret", ((dL.gather(-1, best) - dL.gather(-1, pick)).squeeze(-1).float() * vm).sum())
+                add("best_dl", (dL.gather(-1, best).squeeze(-1).float() * vm).sum())
+                add("states", vm.sum())
+
+        self.oracle_rollout(x, y, extra, on_state)
+        loss = torch.stack(terms).sum() / denom["targets"]
+        return loss, st
+
+    @staticmethod
+    def summarise(s: dict[str, torch.Tensor]) -> dict[str, float]:
+        n = s["n_a"].sum().clamp(min=1)
+        n_a = s["n_a"].clamp(min=1)
+        mse_const = s["t_sq"] / n - (s["t_sum"] / n) ** 2  # best single constant, chosen in hindsight
+        mse_const_a = ((s["t_sq_a"] - s["t_sum_a"] ** 2 / n_a).sum()) / n  # best constant per action
+        states = s["states"].clamp(min=1)
+        out = {"loss": float(s["v_se"] / n), "value_mse": float(s["v_se"] / n),
+               "value_mse_const": float(mse_const), "value_mse_const_action": float(mse_const_a),
+               "value_r2": float(1 - s["v_se"] / n / mse_const.clamp(min=1e-30)),
+               "risk_mse": float(s["r_se"] / n), "risk_mse_const": float(s["e_sq"] / n - (s["e_sum"] / n) ** 2),
+               "top1_agree": float(s["top1"] / states), "regret": float(s["regret"] / states),
+               "oracle_best_dl": float(s["best_dl"] / states)}
+        return out
+
+
+OBJECTIVES = {"backbone": BackboneObjective, "workspace": WorkspaceObjective, "controller": ControllerObjective}
+
+
+# ------------------------------------------------------------------------------------------------------ distributed
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    owns_group: bool = False  # this call initialised the process group (and destroys it at the end)
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def setup_distributed(device: str) -> DistInfo:
+    """Join the process group torchrun describes (WORLD_SIZE > 1), or use one that is already initialised."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return DistInfo()
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)), owns_group=True)
+
+
+def _shard(t: torch.Tensor, micro: int, accum: int, di: DistInfo) -> torch.Tensor:
+    """Rows of micro-batch `micro` for this rank: [(micro W + rank) b, +b) with b = B / (W accum)."""
+    b = t.shape[0] // (accum * di.world)
+    start = (micro * di.world + di.rank) * b
+    return t[start : start + b]
+
+
+def _all_reduce_stats(stats: dict[str, torch.Tensor], di: DistInfo) -> dict[str, torch.Tensor]:
+    if di.world == 1:
+        return stats
+    import torch.distributed as dist
+
+    keys = sorted(stats)
+    flat = torch.cat([stats[k].detach().double().reshape(-1).cpu() for k in keys])
+    dist.all_reduce(flat)
+    out, i = {}, 0
+    for k in keys:
+        n = stats[k].numel()
+        out[k] = flat[i : i + n].view(stats[k].shape)
+        i += n
+    return out
+
+
+def _any_rank(flag: bool, di: DistInfo) -> bool:
+    if di.world == 1:
+        return flag
+    import torch.distributed as dist
+
+    t = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(t)
+    return bool(t.item() > 0)
+
+
+# ------------------------------------------------------------------------------------------------------------ helpers
+
+
+def _resolve_device(name: str, di: DistInfo) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} requested but CUDA is not available")
+        if name == "cuda":
+            name = f"cuda:{di.local_rank}"
+    return torch.device(name)
+
+
+def _trainable(model: nn.Module, scfg: StageConfig) -> list[nn.Parameter]:
+    if scfg.stage == "backbone":
+        params = model.backbone_parameters()
+    elif scfg.stage == "workspace":
+        params = model.workspace_parameters()
+        if scfg.train_backbone_in_workspace_stage:
+            params = model.backbone_parameters() + params
+    else:
+        params = model.controller_parameters()
+    ids = {id(p) for p in params}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in ids)
+    return params
+
+
+def _optimizer(wrapped: nn.Module, scfg: StageConfig) -> torch.optim.Optimizer:
+    params = [p for p in wrapped.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": scfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=scfg.lr, betas=tuple(scfg.betas), eps=scfg.eps)
+
+
+def _rng_state(gens: dict[str, torch.Generator]) -> dict[str, str]:
+    out = {k: ckpt.encode_rng(g.get_state()) for k, g in gens.items()}
+    out["torch"] = ckpt.encode_rng(torch.get_rng_state())
+    return out
+
+
+def _set_rng_state(gens: dict[str, torch.Generator], state: dict[str, str]) -> None:
+    for k, g in gens.items():
+        if k not in state:
+            raise ValueError(f"checkpoint RNG state lacks generator {k!r}; it cannot be resumed exactly")
+        g.set_state(ckpt.decode_rng(state[k]))
+    if "torch" in state:
+        torch.set_rng_state(ckpt.decode_rng(state["torch"]))
+
+
+@contextlib.contextmanager
+def _graceful_sigint() -> Iterator[dict[str, bool]]:
+    """First Ctrl-C sets a flag the loop checks at the next step boundary; a second one raises at once."""
+    flag = {"stop": False}
+    if threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def handler(signum, frame):
+        if flag["stop"]:
+            raise KeyboardInterrupt
+        flag["stop"] = True
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _check_layout(scfg: StageConfig, di: DistInfo) -> None:
+    if scfg.batch_size % (scfg.grad_accum * di.world):
+        raise ValueError(f"batch_size={scfg.batch_size} must be divisible by grad_accum x world size = "
+                         f"{scfg.grad_accum} x {di.world}")
+
+
+def _load_start(model_cfg: PrismeConfig | None, scfg: StageConfig) -> tuple[nn.Module, ckpt.CheckpointMeta | None]:
+    """The model this stage starts from, and the checkpoint it came from (validated; nothing written yet)."""
+    from .model import PrismeModel
+
+    out = Path(scfg.out_dir)
+    if scfg.resume:
+        found = ckpt.latest_checkpoint(out)
+        if found is None:
+            raise ValueError(f"resume=True but {out} holds no checkpoint ({out / ckpt.LATEST} is missing); "
+                             f"start the stage without --resume")
+        model, meta = ckpt.load_checkpoint(found, expected_config=model_cfg, load_optimizer=True)
+        if meta.optimizer_state is None:
+            raise ValueError(f"{found} has no {ckpt.OPTIMIZER}; it cannot be resumed (use it as init_from instead)")
+        if meta.stage != scfg.stage:
+            raise ValueError(f"{found} is a {meta.stage!r} checkpoint; cannot resume it as stage {scfg.stage!r}")
+        return model, meta
+    if ckpt.latest_checkpoint(out) is not None:
+        raise ValueError(f"{out} already holds a run ({out / ckpt.LATEST} -> {ckpt.latest_checkpoint(out).name}); "
+                         f"pass resume=True (--resume) to continue it, or choose another out_dir")
+    if scfg.init_from is None:
+        if scfg.stage in PREVIOUS:
+            prev = PREVIOUS[scfg.stage]
+            raise ValueError(f"stage {scfg.stage!r} starts from the {prev!r} stage's checkpoint, and init_from is not "
+                             f"set: run `prisme train --stage {prev}` first and pass its out_dir (or a ckpt_* folder) "
+                             f"as init_from / --init-from")
+        if model_cfg is None:
+            raise ValueError("a fresh backbone stage needs a model config (a preset or a PrismeConfig)")
+        torch.manual_seed(scfg.seed)
+        return PrismeModel(model_cfg), None
+    try:
+        model, meta = ckpt.load_checkpoint(scfg.init_from, expected_config=model_cfg, load_optimizer=False)
+    except ValueError as e:
+        prev = PREVIOUS.get(scfg.stage, "backbone")
+        raise ValueError(f"stage {scfg.stage!r} cannot start from init_from={scfg.init_from!r}: {e}. Run "
+                         f"`prisme train --stage {prev}` first, or point init_from at its out_dir") from None
+    if meta.stage not in ACCEPTS_INIT[scfg.stage]:
+        raise ValueError(f"stage {scfg.stage!r} needs a checkpoint of stage {PREVIOUS.get(scfg.stage)!r} (or its own), "
+                         f"but {meta.path} is a {meta.stage!r} checkpoint")
+    return model, meta
+
+
+# ---------------------------------------------------------------------------------------------------------- training
+
+
+def train_stage(model_cfg: PrismeConfig | None, stage_cfg: StageConfig, *,
+                dataset: TokenDataset | MQARDataset | None = None,
+                callbacks: Sequence[Callable[[int, dict[str, float]], None]] = ()) -> TrainResult:
+    """Train one stage; see the module docstring.
+
+    Args:
+        model_cfg: the model config; required for a fresh backbone stage, optional otherwise (taken from the
+            checkpoint; if given, a checkpoint of another config is a ValueError).
+        stage_cfg: the stage's hyper-parameters and paths.
+        dataset: use this dataset instead of building one from `stage_cfg.dataset` (tests, notebooks).
+        callbacks: called as `cb(step, train_metrics)` after every optimizer step (rank 0 and others alike).
+    Returns:
+        TrainResult. Ctrl-C saves a checkpoint and returns with `interrupted=True`; a non-finite loss or gradient
+        norm raises NonFiniteLossError and leaves the last good checkpoint as the newest one.
+    """
+    scfg = stage_cfg.validate()
+    t_start = time.perf_counter()
+    di = setup_distributed(scfg.device if scfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        return _Trainer(model_cfg, scfg, dataset, di, t_start).run(callbacks)
+    finally:
+        if di.owns_group:
+            import torch.distributed as dist
+
+            with contextlib.suppress(Exception):  # let every rank finish before rank 0's store goes away
+                dist.barrier()
+            dist.destroy_process_group()
+
+
+class _Trainer:
+    """One stage's run: everything `train_stage` needs between setup and the result, in one place."""
+
+    def __init__(self, model_cfg: PrismeConfig | None, scfg: StageConfig, dataset, di: DistInfo, t_start: float):
+        # ---- everything that can fail on user input happens before anything is written
+        _check_layout(scfg, di)
+        self.scfg, self.di, self.t_start = scfg, di, t_start
+        self.device = device = _resolve_device(scfg.device, di)
+        model, meta = _load_start(model_cfg, scfg)
+        cfg = model.cfg
+        if scfg.stage != "backbone" and not cfg.use_workspace:
+            raise ValueError(f"stage {scfg.stage!r} needs a model with a workspace; {cfg.name!r} has "
+                             f"use_workspace=False")
+        if scfg.dtype == "bfloat16" and scfg.stage != "backbone":
+            # the editor's slot K/V cache (editor.SlotKV) is allocated in the workspace dtype and index_put refuses
+            # the bf16 results autocast produces; lift this once editor.py casts them
+            raise ValueError(f"dtype='bfloat16' (autocast) is supported for the backbone stage only; train the "
+                             f"{scfg.stage} stage in float32")
+        self.data = dataset if dataset is not None else build_dataset(scfg, cfg.vocab_size)
+        self.T = scfg.seq_len or (self.data.cfg.seq_len if isinstance(self.data, MQARDataset) else cfg.max_seq_len)
+        if self.T > cfg.max_seq_len:
+            raise ValueError(f"seq_len={self.T} exceeds the model's max_seq_len={cfg.max_seq_len}")
+        for split in ("train", "val"):  # ValueError now if the data is too small
+            self.data.batch(split, 1, self.T, torch.Generator().manual_seed(0))
+        if scfg.log_tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ValueError("log_tensorboard=True needs tensorboard: pip install 'prisme[tb]'") from None
+
+        # ---- model, objective, generators
+        self.model = model = model.to(device=device, dtype=DTYPES[scfg.dtype])
+        self.params = _trainable(model, scfg)
+        if not self.params:
+            raise ValueError(f"stage {scfg.stage!r} has no parameters to train in model {cfg.name!r}")
+        self.objective = objective = OBJECTIVES[scfg.stage](model, scfg)
+        resuming = scfg.resume and meta is not None
+        self.step = meta.step if resuming else 0
+        self.gens = {"data": torch.Generator().manual_seed(scfg.seed),
+                     "sample": torch.Generator().manual_seed(scfg.seed + 1)}
+        self.extra_state: dict[str, Any] = dict(meta.extra) if resuming else {}
+        if resuming:
+            _set_rng_state(self.gens, meta.rng)
+        self.rng = _rng_state(self.gens)  # generator states at the current step boundary (saved with checkpoints)
+        self.updating = False
+        if scfg.stage == "controller":
+            if "value_scale" in self.extra_state:
+                objective.scale = float(self.extra_state["value_scale"])
+            else:  # the same calibration batch on every rank, from its own generator
+                g = torch.Generator().manual_seed(scfg.seed + 3)
+                xc, yc = self.data.batch("train", scfg.batch_size, self.T, g)
+                fresh = meta is not None and meta.stage == "workspace"  # not a controller checkpoint
+                objective.calibrate(xc.to(device), yc.to(device), objective.sample(xc, yc, g), init_heads=fresh)
+            self.extra_state["value_scale"] = objective.scale
+
+        # ---- wrapper for several processes, optimizer
+        self.wrapped = _wrap(objective, scfg, di, device)
+        self.opt = _optimizer(self.wrapped, scfg)
+        if resuming:
+            _load_optimizer(self.wrapped, self.opt, meta.optimizer_state, scfg, di)
+            changed = {k: (v, meta.stage_config.get(k)) for k, v in scfg.to_dict().items()
+                       if k not in _RESUME_FREE and meta.stage_config.get(k, v) != v}
+            if changed and di.main:
+                print(f"warning: resuming {meta.path} with changed settings {changed}; the run will not match an "
+                      f"uninterrupted one")
+        self.autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if scfg.dtype == "bfloat16" \
+            else contextlib.nullcontext
+
+        # ---- outputs (rank 0 writes)
+        self.out = Path(scfg.out_dir)
+        self.last_ckpt = ckpt.latest_checkpoint(self.out) if resuming else None
+        self.writer = None
+        if di.main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            ckpt.write_text_atomic(self.out / "stage_config.json", json.dumps(scfg.to_dict(), indent=2) + "\n")
+            if scfg.log_tensorboard:
+                self.writer = SummaryWriter(str(self.out / "tb"))
+
+    # ------------------------------------------------------------------------------------------------ pieces
+    def log(self, row: dict[str, Any]) -> None:
+        """Append a JSONL row to out_dir/metrics.jsonl (and tensorboard), rank 0 only."""
+        if not self.di.main:
+            return
+        with open(self.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.writer is not None:
+            for k, v in row.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self.writer.add_scalar(f"{row.get('split', 'train')}/{k}", v, row["step"])
+
+    def evaluate(self) -> dict[str, float]:
+        """The stage's metrics on `eval_batches` fixed validation batches (fixed random actions / positions too)."""
+        scfg, obj = self.scfg, self.objective
+        obj.eval()
+        acc: dict[str, torch.Tensor] = {}
+        g = torch.Generator().manual_seed(scfg.seed + 2)
+        with torch.no_grad(), self.autocast():
+            for x, y in self.data.iter_eval("val", scfg.batch_size, self.T, max_batches=scfg.eval_batches):
+                ex = obj.sample(x, y, g)
+                dn = obj.denominators(x, y, ex)
+                _, st = self.wrapped(x.to(self.device), y.to(self.device),
+                                     {k: v.to(self.device) for k, v in ex.items()}, dn)
+                _accumulate(acc, st)
+        obj.train()
+        return obj.summarise(acc) if acc else {}
+
+    def save(self, metrics: dict[str, Any]) -> Path | None:
+        """Checkpoint the current step boundary (collective under FSDP; rank 0 writes); returns its folder.
+
+        Weights, optimizer and `self.rng` all describe the state after `self.step` steps: an interrupt in the
+        middle of the next step's forward/backward has not touched them yet.
+        """
+        state_dict, opt_state = _gather_state(self.wrapped, self.opt, self.scfg, self.di)
+        if self.di.main:
+            ckpt.save_checkpoint(self.out / ckpt.checkpoint_name(self.step), self.model, stage=self.scfg.stage,
+                                 step=self.step, stage_config=self.scfg.to_dict(), optimizer_state=opt_state,
+                                 rng=self.rng, metrics=metrics, extra=self.extra_state, state_dict=state_dict)
+            ckpt.prune_checkpoints(self.out, self.scfg.keep_last)
+        _barrier(self.di)
+        self.last_ckpt = ckpt.latest_checkpoint(self.out)
+        return self.last_ckpt
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step on one global batch; raises NonFiniteLossError before touching the weights."""
+        scfg, di, obj, accum = self.scfg, self.di, self.objective, self.scfg.grad_accum
+        x, y = self.data.batch("train", scfg.batch_size, self.T, self.gens["data"])  # [B, T], same on every rank
+        ex = obj.sample(x, y, self.gens["sample"])
+        dn = obj.denominators(x, y, ex)
+        lr = lr_at(self.step, scfg)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        acc: dict[str, torch.Tensor] = {}
+        for m in range(accum):
+            xm, ym = _shard(x, m, accum, di).to(self.device), _shard(y, m, accum, di).to(self.device)
+            exm = {k: _shard(v, m, accum, di).to(self.device) for k, v in ex.items()}
+            with _no_sync(self.wrapped, di, last=m == accum - 1), self.autocast():
+                loss, st = self.wrapped(xm, ym, exm, dn)
+            (loss * di.world).backward()  # DDP/FSDP average over ranks; the loss is already a global mean
+            _accumulate(acc, {**st, "objective": loss.detach()})
+        acc = _all_reduce_stats(acc, di)
+        objective = float(acc.pop("objective"))
+        trainable = self.params if di.world == 1 else [p for p in self.wrapped.parameters() if p.requires_grad]
+        gn = torch.nn.utils.clip_grad_norm_(trainable, scfg.grad_clip if scfg.grad_clip > 0 else float("inf"))
+        grad_norm = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
+        if not (math.isfinite(objective) and math.isfinite(grad_norm)):
+            self.opt.zero_grad(set_to_none=True)
+            self.log({"step": self.step, "event": "non_finite", "loss": objective, "grad_norm": grad_norm})
+            what = "loss" if not math.isfinite(objective) else "gradient norm"
+            where = (f"the last good checkpoint is {self.last_ckpt}" if self.last_ckpt is not None
+                     else "no checkpoint had been written yet")
+            raise NonFiniteLossError(
+                f"stage {scfg.stage!r}: non-finite {what} (loss={objective}, grad_norm={grad_norm}) at step "
+                f"{self.step + 1}; training stopped and nothing was saved after it; {where}. Lower lr, enable "
+                f"grad_clip or check the data, then resume with --resume")
+        self.updating = True  # an interrupt from here to the end of the step would leave a torn state
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.step += 1
+        self.rng = _rng_state(self.gens)
+        self.updating = False
+        return {"objective": objective, **obj.summarise(acc), "lr": lr, "grad_norm": grad_norm}
+
+    # ------------------------------------------------------------------------------------------------ loop
+    def run(self, callbacks: Sequence[Callable[[int, dict[str, float]], None]]) -> TrainResult:
+        from tqdm.auto import tqdm
+
+        scfg, di = self.scfg, self.di
+        train_metrics: dict[str, float] = {}
+        val_metrics: dict[str, float] = {}
+        tokens, tok_last, t_last = 0, 0, time.perf_counter()
+        interrupted = False
+        bar = tqdm(total=scfg.steps, initial=self.step, desc=scfg.stage, disable=not (di.main and scfg.progress),
+                   dynamic_ncols=True)
+        self.objective.train()
+        try:
+            with _graceful_sigint() as sigint:
+                while self.step < scfg.steps:
+                    train_metrics = self.train_step()
+                    step, now = self.step, time.perf_counter()
+                    tokens += scfg.batch_size * self.T
+                    if step % scfg.log_every == 0 or step == scfg.steps:
+                        tps = (tokens - tok_last) / max(now - t_last, 1e-9)
+                        t_last, tok_last = now, tokens
+                        self.log({"step": step, "split": "train", **train_metrics, "tokens_per_s": tps,
+                                  "tokens": tokens, "time_s": now - self.t_start})
+                        bar.set_postfix(loss=f"{train_metrics['loss']:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
+                    bar.update(1)
+                    if (scfg.eval_every and step % scfg.eval_every == 0) or step == scfg.steps:
+                        val_metrics = self.evaluate()
+                        self.log({"step": step, "split": "val", **val_metrics})
+                    if (scfg.ckpt_every and step % scfg.ckpt_every == 0) or step == scfg.steps:
+                        self.save({"train": train_metrics, "val": val_metrics})
+                    for cb in callbacks:
+                        cb(step, train_metrics)
+                    if _any_rank(sigint["stop"], di):
+                        raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            interrupted = True
+            bar.close()
+            if self.updating:  # pragma: no cover - a second Ctrl-C inside optimizer.step(): weights may be torn
+                raise
+            if self.last_ckpt is None or self.last_ckpt.name != ckpt.checkpoint_name(self.step):
+                self.save({"train": train_metrics, "val": val_metrics, "interrupted": True})
+            if di.main:
+                print(f"\ninterrupted at step {self.step}/{scfg.steps}: saved {self.last_ckpt}; continue with "
+                      f"--resume")
+        finally:
+            bar.close()
+            if self.writer is not None:
+                self.writer.close()
+        return TrainResult(stage=scfg.stage, out_dir=self.out, checkpoint=self.last_ckpt, step=self.step,
+                           tokens=tokens, train=train_metrics, val=val_metrics,
+                           wall_s=time.perf_counter() - self.t_start, interrupted=interrupted)
+
+
+def _accumulate(acc: dict[str, torch.Tensor], stats: dict[str, torch.Tensor]) -> None:
+    for k, v in stats.items():
+        v = v.detach().double().cpu()
+        acc[k] = acc[k] + v if k in acc else v
+
+
+def _wrap(objective: nn.Module, scfg: StageConfig, di: DistInfo, device: torch.device) -> nn.Module:
+    """DDP or FSDP2 around the objective when there are several processes; only trainable parameters sync."""
+    if di.world == 1:
+        return objective
+    if scfg.parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        return fully_shard(objective)  # one parameter group; frozen parameters are gathered but get no gradient
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    # DDP registers only parameters with requires_grad; buffers (RoPE and action tables) are constants
+    sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
+            else {"broadcast_buffers": False})
+    return DDP(objective, device_ids=[device.index] if device.type == "cuda" else None, **sync)
+
+
+def _no_sync(wrapped: nn.Module, di: DistInfo, last: bool):
+    """Skip the gradient all-reduce on all but the last micro-batch of a step."""
+    if di.world == 1 or last:
+        if di.world > 1 and hasattr(wrapped, "set_requires_gradient_sync"):
+            wrapped.set_requires_gradient_sync(True)
+        return contextlib.nullcontext()
+    if hasattr(wrapped, "no_sync"):  # DDP
+        return wrapped.no_sync()
+    wrapped.set_requires_gradient_sync(False)  # FSDP2
+    return contextlib.nullcontext()
+
+
+def _barrier(di: DistInfo) -> None:
+    if di.world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def _gather_state(wrapped: nn.Module, opt: torch.optim.Optimizer, scfg: StageConfig,
+                  di: DistInfo) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any]]:
+    """Full (unsharded) model state dict and optimizer state, on every rank (collectives under FSDP)."""
+    if di.world > 1 and scfg.parallel == "fsdp":
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        msd = get_model_state_dict(wrapped, options=opts)
+        osd = get_optimizer_state_dict(wrapped, opt, options=opts)
+        return {k.removeprefix("model."): v for k, v in msd.items()}, {"format": "fqn", "state": osd}
+    return None, {"format": "torch", "state": opt.state_dict()}
+
+
+def _load_optimizer(wrapped: nn.Module, opt: torch.optim.Optimizer, saved: dict[str, Any], scfg: StageConfig,
+                    di: DistInfo) -> None:
+    fmt = saved.get("format")
+    fsdp = di.world > 1 and scfg.parallel == "fsdp"
+    if fsdp != (fmt == "fqn"):
+        raise ValueError(f"the checkpoint's optimizer state was written {'with' if fmt == 'fqn' else 'without'} FSDP; "
+                         f"resume it with the same `parallel` setting")
+    if fsdp:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(wrapped, opt, saved["state"], options=StateDictOptions(full_state_dict=True))
+    else:
+        opt.load_state_dict(saved["state"])
+
+
+# ---------------------------------------------------------------------------------------------------------------- CLI
+
+
+def main(args: Any) -> int:
+    """`prisme train`: one stage from a run config JSON and/or flags; returns the process exit code."""
+    if args.threads and args.threads > 0:
+        torch.set_num_threads(args.threads)
+    model_cfg, scfg = load_run_config(args.config) if args.config else (None, None)
+    changes: dict[str, Any] = {}
+    for flag, name in (("stage", "stage"), ("steps", "steps"), ("batch_size", "batch_size"), ("lr", "lr"),
+                       ("out", "out_dir"), ("init_from", "init_from"), ("dataset", "dataset"), ("device", "device"),
+                       ("dtype", "dtype"), ("parallel", "parallel"), ("seed", "seed"), ("seq_len", "seq_len"),
+                       ("grad_accum", "grad_accum")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            changes[name] = value
+    if args.resume:
+        changes["resume"] = True
+    if args.no_progress:
+        changes["progress"] = False
+    if args.backbone_keeps_learning:
+        changes["train_backbone_in_workspace_stage"] = True
+    if scfg is None:
+        if "stage" not in changes:
+            raise ValueError("pass --config FILE or at least --stage")
+        scfg = StageConfig(**changes).validate()
+    else:
+        scfg = scfg.replace(**changes)
+    if args.preset:
+        model_cfg = PrismeConfig.from_name(args.preset)
+    if scfg.stage == "backbone" and model_cfg is None and scfg.init_from is None and not scfg.resume:
+        raise ValueError("a fresh backbone stage needs a model: --preset NAME or a 'model' entry in --config")
+    try:
+        result = train_stage(model_cfg, scfg)
+    except NonFiniteLossError as e:
+        print(f"prisme train: {e}")
+        return 1
+    if int(os.environ.get("RANK", "0")) == 0:
+        shown = ", ".join(f"{k} {v:.4g}" for k, v in result.val.items())
+        print(f"{result.stage}: {result.step} steps, {result.tokens:,} tokens in {result.wall_s:.1f} s; "
+              f"val {shown or '-'}; checkpoint {result.checkpoint}")
+    return 130 if result.interrupted else 0

@@ -1,0 +1,200 @@
+"""Checkpoints: bitwise round trip, atomic writes, and a clear ValueError for every malformed checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from prisme import checkpoint as ckpt
+from prisme.config import PrismeConfig
+from prisme.model import PrismeModel
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One intra-op thread: these models are tiny, and the test machine's cores are shared."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _model(cfg: PrismeConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> PrismeModel:
+    torch.manual_seed(seed)
+    return PrismeModel(cfg).to(dtype)
+
+
+def _save(model: PrismeModel, run: Path, step: int = 1, **kw) -> Path:
+    return ckpt.save_checkpoint(run / ckpt.checkpoint_name(step), model, stage="backbone", step=step, **kw)
+
+
+def _tensors_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    """Names of tensors that differ (bitwise) between two state dicts."""
+    assert a.keys() == b.keys()
+    return [k for k in a if a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_round_trip_is_bitwise(tiny_cfg, tmp_path, dtype):
+    """Saved then loaded weights equal the originals bit for bit, in their own dtype, with the same logits."""
+    model = _model(tiny_cfg, dtype=dtype)
+    for p in model.parameters():  # move every tensor off its init value (U is zero-initialised)
+        p.data.add_(torch.randn_like(p) * 0.01)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randint(0, 64, (2, 8))).logits.sum().backward()
+    opt.step()
+    path = _save(model, tmp_path, optimizer_state=opt.state_dict(), metrics={"loss": 1.5}, extra={"k": 2})
+    loaded, meta = ckpt.load_checkpoint(tmp_path)  # the run folder resolves through `latest`
+    assert meta.path == path and meta.step == 1 and meta.stage == "backbone"
+    assert meta.metrics == {"loss": 1.5} and meta.extra == {"k": 2}
+    assert _tensors_equal(model.state_dict(), loaded.state_dict()) == []
+    x = torch.randint(0, 64, (2, 8))
+    assert torch.equal(model.eval()(x).logits, loaded(x).logits)
+    saved_opt = meta.optimizer_state["state"]
+    assert all(torch.equal(saved_opt[i]["exp_avg"], opt.state_dict()["state"][i]["exp_avg"]) for i in saved_opt)
+    # negative control: the comparison sees a one-ulp change in one weight
+    with torch.no_grad():
+        w = loaded.backbone.tok_emb.weight
+        w[0, 0] = torch.nextafter(w[0, 0], torch.tensor(float("inf"), dtype=w.dtype))
+    assert _tensors_equal(model.state_dict(), loaded.state_dict()) == ["backbone.tok_emb.weight"]
+
+
+def test_crash_during_save_keeps_previous_checkpoint(tiny_cfg, tmp_path, monkeypatch):
+    """A save that dies half-way leaves no checkpoint folder behind and `latest` on the previous checkpoint."""
+    model = _model(tiny_cfg)
+    first = _save(model, tmp_path, step=1, optimizer_state={"a": 1})
+
+    def die(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", die)
+    with pytest.raises(OSError, match="disk full"):
+        _save(model, tmp_path, step=2, optimizer_state={"a": 2})
+    # no ckpt_000002 and no temporary folders
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([ckpt.LATEST, first.name])
+    assert ckpt.latest_checkpoint(tmp_path) == first
+    assert ckpt.load_model(tmp_path)[1].step == 1
+    # negative control: the same save without the failure does create step 2 and moves `latest`
+    monkeypatch.undo()
+    _save(model, tmp_path, step=2, optimizer_state={"a": 2})
+    assert ckpt.latest_checkpoint(tmp_path).name == "ckpt_000002"
+
+
+def test_resaving_a_step_replaces_the_folder(tiny_cfg, tmp_path):
+    """Saving the same step twice replaces the folder in one rename and leaves no temporary folders."""
+    _save(_model(tiny_cfg, seed=0), tmp_path, step=3)
+    _save(_model(tiny_cfg, seed=1), tmp_path, step=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_000003", ckpt.LATEST]
+    loaded, _ = ckpt.load_model(tmp_path)
+    assert _tensors_equal(loaded.state_dict(), _model(tiny_cfg, seed=1).state_dict()) == []
+
+
+def test_truncated_weights_are_a_clear_error(tiny_cfg, tmp_path):
+    """A truncated model.safetensors is a ValueError naming the file, with or without the sha256 check."""
+    path = _save(_model(tiny_cfg), tmp_path)
+    ckpt.load_model(path)  # negative control: the intact file loads
+    data = (path / ckpt.WEIGHTS).read_bytes()
+    (path / ckpt.WEIGHTS).write_bytes(data[: len(data) // 2])
+    for verify in (True, False):
+        with pytest.raises(ValueError, match=r"model\.safetensors.*(truncated or corrupt)"):
+            ckpt.load_checkpoint(path, verify=verify)
+
+
+def test_flipped_byte_is_caught_by_the_checksum(tiny_cfg, tmp_path):
+    """One flipped byte inside the weights (still a parsable file) fails the sha256 check."""
+    path = _save(_model(tiny_cfg), tmp_path)
+    data = bytearray((path / ckpt.WEIGHTS).read_bytes())
+    data[-3] ^= 0x01
+    (path / ckpt.WEIGHTS).write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="sha256"):
+        ckpt.load_model(path)
+    ckpt.load_checkpoint(path, verify=False)  # negative control: without the check the damage goes unnoticed
+
+
+@pytest.mark.parametrize("name", [ckpt.WEIGHTS, ckpt.CONFIG, ckpt.STATE])
+def test_missing_file_is_named(tiny_cfg, tmp_path, name):
+    """A checkpoint folder missing one of its files is a ValueError naming that file."""
+    path = _save(_model(tiny_cfg), tmp_path)
+    (path / name).unlink()
+    with pytest.raises(ValueError, match=f"missing .*{name}"):
+        ckpt.load_model(path)
+
+
+def test_missing_path_is_a_clear_error(tmp_path):
+    """A path that does not exist is a ValueError saying so."""
+    with pytest.raises(ValueError, match="does not exist"):
+        ckpt.load_model(tmp_path / "nope")
+
+
+def test_checkpoint_of_another_config_is_rejected(tiny_cfg, tmp_path):
+    """Loading with another expected config, or weights under another config.json, is a ValueError."""
+    path = _save(_model(tiny_cfg), tmp_path)
+    other = tiny_cfg.replace(n_layer=3)
+    with pytest.raises(ValueError, match="another model config.*n_layer"):
+        ckpt.load_checkpoint(path, expected_config=other)
+    ckpt.load_checkpoint(path, expected_config=tiny_cfg)  # negative control: the right config loads
+    (path / ckpt.CONFIG).write_text(other.to_json())
+    with pytest.raises(ValueError, match="another config"):
+        ckpt.load_model(path)
+
+
+def test_schema_version_mismatch_is_rejected(tiny_cfg, tmp_path):
+    """A checkpoint with another schema version is a ValueError naming both versions."""
+    path = _save(_model(tiny_cfg), tmp_path)
+    state = json.loads((path / ckpt.STATE).read_text())
+    state["schema_version"] = ckpt.SCHEMA_VERSION + 1
+    (path / ckpt.STATE).write_text(json.dumps(state))
+    with pytest.raises(ValueError, match=f"schema version {ckpt.SCHEMA_VERSION + 1}.*reads version "
+                                         f"{ckpt.SCHEMA_VERSION}"):
+        ckpt.load_model(path)
+
+
+def test_corrupt_state_and_optimizer_are_clear_errors(tiny_cfg, tmp_path):
+    """Unparsable state.json or optimizer.pt is a ValueError naming the file."""
+    path = _save(_model(tiny_cfg), tmp_path, optimizer_state={"x": torch.zeros(3)})
+    (path / ckpt.OPTIMIZER).write_bytes(b"not a torch file")
+    with pytest.raises(ValueError, match=r"optimizer\.pt is truncated or corrupt"):
+        ckpt.load_checkpoint(path)
+    ckpt.load_checkpoint(path, load_optimizer=False)  # negative control: the weights alone still load
+    (path / ckpt.STATE).write_text("{not json")
+    with pytest.raises(ValueError, match=r"state\.json is not valid JSON"):
+        ckpt.load_model(path)
+
+
+def test_prune_keeps_the_newest_folders(tiny_cfg, tmp_path):
+    """`prune_checkpoints` keeps the newest `keep_last` folders and `latest` names the newest."""
+    model = _model(tiny_cfg)
+    for step in (1, 2, 3):
+        _save(model, tmp_path, step=step)
+        ckpt.prune_checkpoints(tmp_path, keep_last=2)
+    assert sorted(p.name for p in tmp_path.glob("ckpt_*")) == ["ckpt_000002", "ckpt_000003"]
+    assert ckpt.read_meta(tmp_path).step == 3
+
+
+def test_rng_state_round_trips_through_json():
+    """A generator state encoded for state.json decodes to the same stream of numbers."""
+    g = torch.Generator().manual_seed(7)
+    torch.randn(5, generator=g)
+    text = json.loads(json.dumps(ckpt.encode_rng(g.get_state())))
+    expected = torch.randn(4, generator=g)
+    h = torch.Generator()
+    h.set_state(ckpt.decode_rng(text))
+    assert torch.equal(torch.randn(4, generator=h), expected)
+    assert not torch.equal(torch.randn(4, generator=torch.Generator().manual_seed(7)), expected)  # negative control
+
+
+def test_run_folder_without_latest_falls_back_to_the_newest_complete_checkpoint(tiny_cfg, tmp_path):
+    """With `latest` gone, a run folder resolves to its newest complete ckpt_* folder (an incomplete one is skipped)."""
+    model = _model(tiny_cfg)
+    for step in (1, 2, 3):
+        _save(model, tmp_path, step=step)
+    (tmp_path / ckpt.LATEST).unlink()
+    (tmp_path / "ckpt_000003" / ckpt.WEIGHTS).unlink()
+    assert ckpt.read_meta(tmp_path).step == 2
+    for step in (1, 2):  # negative control: nothing complete left -> the clear missing-file error
+        (tmp_path / f"ckpt_00000{step}" / ckpt.CONFIG).unlink()
+    with pytest.raises(ValueError, match="missing"):
+        ckpt.read_meta(tmp_path)

@@ -1,0 +1,328 @@
+"""Three-stage training on the tiny preset: each stage learns, moves only its own parameters, hands off through
+checkpoints, resumes exactly, saves on Ctrl-C and stops on a non-finite loss."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from prisme import checkpoint as ckpt
+from prisme import train as train_mod
+from prisme.config import PrismeConfig
+from prisme.data import TokenDataset
+from prisme.model import PrismeModel
+from prisme.train import NonFiniteLossError, StageConfig, load_run_config, train_stage
+
+REPO = Path(__file__).resolve().parents[1]
+T = 32
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One intra-op thread: these models are tiny, and the test machine's cores are shared."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def copy_stream(n_blocks: int, seed: int = 0, vocab: int = 64) -> torch.Tensor:
+    """Blocks of 8 tokens from a noisy bigram chain (next = 7 t + 3 + {0, 1, 2}), each followed by a copy of itself.
+
+    A backbone learns the bigram quickly (loss ~ log 3 instead of log 63); inside the copy the exact token can be read
+    from the bank, so the workspace has something to add.
+    """
+    g = torch.Generator().manual_seed(seed)
+    first = torch.empty(n_blocks, 8, dtype=torch.long)
+    first[:, 0] = torch.randint(1, vocab, (n_blocks,), generator=g)
+    for i in range(1, 8):
+        first[:, i] = (7 * first[:, i - 1] + 3 + torch.randint(0, 3, (n_blocks,), generator=g)) % (vocab - 1) + 1
+    return torch.cat([first, first], dim=1).reshape(-1)  # [16 n_blocks]
+
+
+@pytest.fixture(scope="module")
+def data() -> TokenDataset:
+    return TokenDataset(copy_stream(300), val_fraction=0.2, vocab_size=64)
+
+
+def stage_cfg(tmp: Path, stage: str, **kw) -> StageConfig:
+    base = dict(stage=stage, steps=12, batch_size=8, seq_len=T, lr=3e-3, min_lr=3e-4, warmup=2, eval_every=0,
+                eval_batches=2, out_dir=str(tmp / stage), progress=False, seed=3, oracle_positions=6)
+    base.update(kw)
+    return StageConfig(**base)
+
+
+def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def group_names(model, stage: str) -> set[str]:
+    params = {"backbone": model.backbone_parameters, "workspace": model.workspace_parameters,
+              "controller": model.controller_parameters}[stage]()
+    ids = {id(p) for p in params}
+    return {n for n, p in model.named_parameters() if id(p) in ids}
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory, data) -> dict:
+    """Stages 1 -> 2 -> 3 on the copy task; keeps each stage's start and end weights and its result."""
+    tmp = tmp_path_factory.mktemp("pipeline")
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    cfg = PrismeConfig.from_name("tiny")
+    out: dict = {"tmp": tmp, "cfg": cfg}
+    torch.manual_seed(3)  # a fresh stage 1 builds its model right after seeding with StageConfig.seed
+    out["init"] = snapshot(PrismeModel(cfg))
+    r1 = train_stage(cfg, stage_cfg(tmp, "backbone", steps=40, lr=1e-2), dataset=data)
+    r2 = train_stage(None, stage_cfg(tmp, "workspace", steps=100, lr=1e-2, init_from=str(tmp / "backbone")),
+                     dataset=data)
+    r3 = train_stage(None, stage_cfg(tmp, "controller", steps=100, batch_size=16, oracle_positions=16,
+                                     init_from=str(tmp / "workspace"), eval_batches=3), dataset=data)
+    out["results"] = {"backbone": r1, "workspace": r2, "controller": r3}
+    out["weights"] = {s: snapshot(ckpt.load_model(tmp / s)[0]) for s in ("backbone", "workspace", "controller")}
+    torch.set_num_threads(n)
+    return out
+
+
+@pytest.mark.parametrize("stage", ["backbone", "workspace", "controller"])
+def test_stage_changes_only_its_own_parameters(pipeline, stage):
+    """After a stage, every parameter of its group has moved and every other tensor is bitwise unchanged."""
+    if stage == "backbone":
+        before = pipeline["init"]
+    else:
+        before = pipeline["weights"][{"workspace": "backbone", "controller": "workspace"}[stage]]
+    after = pipeline["weights"][stage]
+    model = ckpt.load_model(pipeline["tmp"] / stage)[0]
+    mine = group_names(model, stage)
+    assert mine, "the stage's group is empty"
+    moved = {k for k in after if not torch.equal(before[k], after[k])}
+    assert moved == mine, f"unexpected: {sorted(moved - mine)[:5]}, unmoved: {sorted(mine - moved)[:5]}"
+    assert all(torch.isfinite(v).all() for v in after.values())
+
+
+def test_backbone_keeps_learning_option_moves_the_backbone(pipeline, data, tmp_path):
+    """With train_backbone_in_workspace_stage, stage 2 also moves the backbone (the group check can see a leak)."""
+    init = pipeline["tmp"] / "backbone"
+    train_stage(None, stage_cfg(tmp_path, "workspace", steps=2, init_from=str(init),
+                                train_backbone_in_workspace_stage=True), dataset=data)
+    after = snapshot(ckpt.load_model(tmp_path / "workspace")[0])
+    before = pipeline["weights"]["backbone"]
+    model = ckpt.load_model(init)[0]
+    moved = {k for k in after if not torch.equal(before[k], after[k])}
+    assert group_names(model, "backbone") <= moved and group_names(model, "workspace") <= moved
+    assert not moved & group_names(model, "controller")
+
+
+def test_each_stage_reaches_a_finite_lower_loss(pipeline):
+    """Each stage ends with a finite loss; stage 1 beats uniform, stage 2 beats its frozen backbone on val."""
+    r = pipeline["results"]
+    assert [res.step for res in r.values()] == [40, 100, 100] and not any(res.interrupted for res in r.values())
+    assert r["backbone"].val["loss"] < torch.log(torch.tensor(64.0)).item() - 0.3
+    ws = r["workspace"].val
+    assert ws["loss"] < ws["loss_backbone"] - 0.01, ws  # 100 steps: a small but real gain over the frozen backbone
+    assert 0.0 < ws["gate0_mean"] < 1.0 and ws["s_change"] > 0 and ws["delta_ratio"] > 0
+    rows = [json.loads(s) for s in (pipeline["tmp"] / "workspace" / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [x for x in rows if x["split"] == "train"]
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "gate0_mean", "s_change", "delta_ratio"} <= train_rows[0].keys()
+
+
+def test_controller_value_beats_a_constant_predictor(pipeline, data, tmp_path):
+    """On held-out oracle targets the trained value head beats the best constant by 10% in MSE; untrained, it does
+    not."""
+    val = pipeline["results"]["controller"].val
+    assert val["value_mse"] < 0.9 * val["value_mse_const"], val
+    assert val["value_mse"] < val["value_mse_const_action"], val
+    # negative control: a controller that has not learned (one step at lr ~ 0: its heads start at the best per-action
+    # constant of one calibration batch) does not beat the constant by that margin
+    r0 = train_stage(None, stage_cfg(tmp_path, "controller", steps=1, lr=1e-9, min_lr=0.0, warmup=0, batch_size=16,
+                                     oracle_positions=16, init_from=str(pipeline["tmp"] / "workspace"),
+                                     eval_batches=3), dataset=data)
+    assert r0.val["value_mse"] > 0.97 * r0.val["value_mse_const"], r0.val
+
+
+@pytest.mark.parametrize("stage", ["backbone", "workspace", "controller"])
+def test_loss_decreases_on_a_repeated_batch(pipeline, tmp_path, stage):
+    """Training on one fixed batch lowers that batch's loss (stage 2 and 3 under their random actions)."""
+    one = TokenDataset(torch.cat([copy_stream(3, seed=9)[: T + 1], copy_stream(3, seed=10)[: T + 1]]),
+                       val_fraction=0.5, vocab_size=64)
+    init = {"backbone": None, "workspace": pipeline["tmp"] / "backbone", "controller": pipeline["tmp"] / "workspace"}
+    seen: list[float] = []
+    train_stage(pipeline["cfg"] if stage == "backbone" else None,
+                stage_cfg(tmp_path, stage, steps=20, lr=1e-2, init_from=None if init[stage] is None
+                          else str(init[stage])), dataset=one, callbacks=[lambda s, m: seen.append(m["objective"])])
+    assert all(torch.isfinite(torch.tensor(seen)))
+    first, last = sum(seen[:3]) / 3, sum(seen[-3:]) / 3
+    assert last < 0.9 * first, (first, last)
+
+
+def test_later_stage_without_previous_checkpoint_names_the_file(tmp_path, data):
+    """Stage 2 without init_from, or with a folder lacking the weights, is a ValueError saying what to run."""
+    with pytest.raises(ValueError, match="'workspace' starts from the 'backbone' stage's checkpoint.*init_from"):
+        train_stage(None, stage_cfg(tmp_path, "workspace"), dataset=data)
+    with pytest.raises(ValueError, match="does not exist"):
+        train_stage(None, stage_cfg(tmp_path, "workspace", init_from=str(tmp_path / "nope")), dataset=data)
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / ckpt.CONFIG).write_text(PrismeConfig.from_name("tiny").to_json())
+    with pytest.raises(ValueError, match=r"missing .*model\.safetensors.*prisme train --stage backbone"):
+        train_stage(None, stage_cfg(tmp_path, "workspace", init_from=str(half)), dataset=data)
+    assert not (tmp_path / "workspace").exists()  # nothing was written
+
+
+def test_controller_stage_rejects_a_backbone_checkpoint(pipeline, tmp_path, data):
+    """Stage 3 from a stage-1 checkpoint (an untrained workspace) is a ValueError naming both stages."""
+    with pytest.raises(ValueError, match="'controller' needs a checkpoint of stage 'workspace'.*'backbone'"):
+        train_stage(None, stage_cfg(tmp_path, "controller", init_from=str(pipeline["tmp"] / "backbone")),
+                    dataset=data)
+
+
+def test_existing_run_is_not_overwritten(pipeline, data):
+    """Starting a stage in a folder that already holds a run, without resume, is a ValueError."""
+    with pytest.raises(ValueError, match="already holds a run.*--resume"):
+        train_stage(pipeline["cfg"], stage_cfg(pipeline["tmp"], "backbone"), dataset=data)
+
+
+def _interrupt_at(step: int):
+    def cb(s: int, metrics: dict) -> None:
+        if s == step:
+            raise KeyboardInterrupt
+
+    return cb
+
+
+@pytest.mark.parametrize("stage", ["backbone", "workspace", "controller"])
+def test_resume_after_ctrl_c_equals_an_uninterrupted_run(pipeline, data, tmp_path, monkeypatch, stage):
+    """Ctrl-C at step 3 saves a checkpoint; resuming it to step 6 gives bitwise the weights of a straight run."""
+    init = {"backbone": None, "workspace": pipeline["tmp"] / "backbone", "controller": pipeline["tmp"] / "workspace"}
+    cfg = pipeline["cfg"] if stage == "backbone" else None
+    kw = dict(steps=6, init_from=None if init[stage] is None else str(init[stage]))
+    straight = train_stage(cfg, stage_cfg(tmp_path / "a", stage, **kw), dataset=data)
+    cut = train_stage(cfg, stage_cfg(tmp_path / "b", stage, **kw), dataset=data, callbacks=[_interrupt_at(3)])
+    assert cut.interrupted and cut.step == 3 and cut.checkpoint.name == "ckpt_000003"
+    assert (cut.checkpoint / ckpt.OPTIMIZER).is_file()
+    resumed = train_stage(cfg, stage_cfg(tmp_path / "b", stage, resume=True, **kw), dataset=data)
+    assert resumed.step == 6 and not resumed.interrupted
+    a = ckpt.load_model(straight.checkpoint)[0].state_dict()
+    b = ckpt.load_model(resumed.checkpoint)[0].state_dict()
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    # negative control: a resume that forgets the generator states draws other batches and ends elsewhere
+    monkeypatch.setattr(train_mod, "_set_rng_state", lambda gens, state: None)
+    bad = train_stage(cfg, stage_cfg(tmp_path / "c", stage, **kw), dataset=data, callbacks=[_interrupt_at(3)])
+    bad = train_stage(cfg, stage_cfg(tmp_path / "c", stage, resume=True, **kw), dataset=data)
+    c = ckpt.load_model(bad.checkpoint)[0].state_dict()
+    assert [k for k in a if not torch.equal(a[k], c[k])] != []
+
+
+def test_real_sigint_stops_at_the_step_boundary_and_saves(data, tmp_path):
+    """A SIGINT delivered mid-run (the Ctrl-C handler) ends the run after the current step with a checkpoint."""
+    import os
+    import signal
+
+    def ctrl_c(step: int, metrics: dict) -> None:
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    r = train_stage(PrismeConfig.from_name("tiny"), stage_cfg(tmp_path, "backbone", steps=6), dataset=data,
+                    callbacks=[ctrl_c])
+    assert r.interrupted and r.step == 2 and r.checkpoint.name == "ckpt_000002"
+    assert ckpt.read_meta(tmp_path / "backbone").step == 2
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler was restored
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(data, tmp_path, monkeypatch):
+    """A NaN loss at step 5 raises NonFiniteLossError naming the step-4 checkpoint, which stays the newest."""
+    calls = {"n": 0}
+    forward = train_mod.BackboneObjective.forward
+
+    def poisoned(self, *args):
+        loss, stats = forward(self, *args)
+        calls["n"] += 1
+        return (loss * float("nan"), stats) if calls["n"] == 5 else (loss, stats)
+
+    monkeypatch.setattr(train_mod.BackboneObjective, "forward", poisoned)
+    with pytest.raises(NonFiniteLossError, match=r"non-finite loss.*step 5.*ckpt_000004"):
+        train_stage(PrismeConfig.from_name("tiny"), stage_cfg(tmp_path, "backbone", ckpt_every=2, keep_last=0),
+                    dataset=data)
+    run = tmp_path / "backbone"
+    assert ckpt.latest_checkpoint(run).name == "ckpt_000004"
+    assert sorted(p.name for p in run.glob("ckpt_*")) == ["ckpt_000002", "ckpt_000004"]
+    model, meta = ckpt.load_model(run)
+    assert meta.step == 4 and all(torch.isfinite(p).all() for p in model.parameters())
+    rows = [json.loads(s) for s in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["event"] == "non_finite" and rows[-1]["step"] == 4
+
+
+def test_run_configs_in_repo_load():
+    """Every configs/*.json parses into a valid StageConfig (and model config where given)."""
+    files = sorted((REPO / "configs").glob("*.json"))
+    assert files, "no example configs"
+    stages = set()
+    for f in files:
+        model_cfg, scfg = load_run_config(f)
+        stages.add(scfg.stage)
+        assert model_cfg is None or model_cfg.validate() is model_cfg
+    assert stages == {"backbone", "workspace", "controller"}
+
+
+def test_bad_stage_configs_are_clear_errors(tmp_path, data):
+    """Unknown fields, bad values and an indivisible batch are ValueErrors naming the field."""
+    with pytest.raises(ValueError, match="unknown StageConfig field"):
+        StageConfig.from_dict({"stage": "backbone", "stpes": 3})
+    with pytest.raises(ValueError, match="stage must be one of"):
+        StageConfig(stage="decoder").validate()
+    with pytest.raises(ValueError, match="min_lr"):
+        StageConfig(lr=1e-3, min_lr=1e-2).validate()
+    with pytest.raises(ValueError, match="divisible by grad_accum"):
+        train_stage(PrismeConfig.from_name("tiny"), stage_cfg(tmp_path, "backbone", batch_size=6, grad_accum=4),
+                    dataset=data)
+    with pytest.raises(ValueError, match="seq_len=65 exceeds"):
+        train_stage(PrismeConfig.from_name("tiny"), stage_cfg(tmp_path, "backbone", seq_len=65), dataset=data)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"stage": "backbone", "model": {"preset": "tiny", "n_slots": 3}}))
+    with pytest.raises(ValueError, match="n_slots"):
+        load_run_config(bad)
+    assert not (tmp_path / "backbone").exists()
+
+
+def test_bf16_autocast_backbone_stage_tracks_float32(tmp_path, data):
+    """The backbone stage under bf16 autocast ends within 0.02 nats of the float32 run (same batches)."""
+    cfg = PrismeConfig.from_name("tiny")
+    f32 = train_stage(cfg, stage_cfg(tmp_path / "f32", "backbone", steps=10), dataset=data)
+    bf16 = train_stage(cfg, stage_cfg(tmp_path / "bf16", "backbone", steps=10, dtype="bfloat16"), dataset=data)
+    assert abs(bf16.val["loss"] - f32.val["loss"]) < 0.02
+    assert ckpt.load_model(bf16.checkpoint)[0].backbone.tok_emb.weight.dtype == torch.float32  # fp32 master weights
+    with pytest.raises(ValueError, match="backbone stage only"):
+        train_stage(None, stage_cfg(tmp_path, "workspace", dtype="bfloat16", init_from=str(bf16.checkpoint)),
+                    dataset=data)
+
+
+def test_lr_schedule_warms_up_then_decays_to_min_lr():
+    """lr rises linearly over the warm-up, peaks at lr, and ends at min_lr."""
+    s = StageConfig(steps=100, warmup=10, lr=1.0, min_lr=0.1)
+    lrs = [train_mod.lr_at(i, s) for i in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+    assert train_mod.lr_at(100, s) == pytest.approx(0.1)
+
+
+def test_demo_pipeline_writes_every_output(tmp_path):
+    """The demo's glue (4 runs, evaluation, sample) on a byte-level tiny model writes the table, plot and summary."""
+    from prisme.demo import run_demo
+
+    cfg = PrismeConfig.from_name("tiny", vocab_size=256)
+    summary = run_demo(tmp_path / "demo", scale=0.01, eval_batches=1, progress=False, model_cfg=cfg)
+    run = tmp_path / "demo"
+    assert {p.name for p in run.iterdir()} >= {"1_backbone", "2_workspace", "3_backbone_matched", "4_controller",
+                                               "eval.json", "pareto.png", "sample.txt", "summary.json"}
+    doc = json.loads((run / "eval.json").read_text())
+    policies = {r["policy"] for r in doc["rows"]}
+    assert {"backbone", "backbone+matched"} <= policies and any(p.startswith("controller") for p in policies)
+    assert (run / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    s = summary["stages"]
+    assert s["matched"]["tokens"] == s["workspace"]["tokens"]  # the baseline saw as many extra tokens
+    assert summary["verdict"]["beats_matched"] in (True, False) and summary["wall_s"]["total"] > 0
+    with pytest.raises(ValueError, match="not empty"):
+        run_demo(run, scale=0.01, model_cfg=cfg)
