@@ -108,8 +108,8 @@ def _index_put_fn():
     """Without autograd the slot K/V cache is written in place (the rollouts never reuse an older cache); with it,
     out of place, so that earlier versions stay valid for the backward pass."""
     if torch.is_grad_enabled():
-        return lambda t, idx, v: t.index_put(idx, v)
-    return lambda t, idx, v: t.index_put_(idx, v)
+        return lambda t, idx, v: t.index_put(idx, v.to(t.dtype))
+    return lambda t, idx, v: t.index_put_(idx, v.to(t.dtype))
 
 
 def _slot_attention(q: torch.Tensor, kv: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -157,7 +157,7 @@ class EditorBlock(nn.Module):
         a, b = self.w13(self.norm_ffn(h) + e).chunk(2, dim=-1)
         h = h + self.w2(F.silu(a) * b)
         g = torch.sigmoid(self.gate(hx))  # [N, k, 1]
-        return torch.lerp(x, h, g), g  # x + g (h - x)
+        return torch.lerp(x, h.to(x.dtype), g.to(x.dtype)), g  # x + g (h - x); casts only under autocast
 
 
 class SparseEditor(nn.Module):
@@ -215,14 +215,14 @@ class SparseEditor(nn.Module):
             S_pos = None if cached else S[b_idx, t_idx]  # [N, M, w]
             for i, blk in enumerate(self.blocks):
                 if not cached:  # seed accounting: K/V of all M slots at the block's input
-                    kv = blk.slot_keys_values(S_pos.index_put((rows, slots), x))  # [N, M, 2w]
+                    kv = blk.slot_keys_values(S_pos.index_put((rows, slots), x.to(S_pos.dtype)))  # [N, M, 2w]
                 else:  # cached K/V of the untouched slots; recompute only the action's slots (none at block 0)
                     kv = slot_kv.kv[i][b_idx, t_idx]  # [N, M, 2w]
                     if i > 0:
-                        kv = kv.index_put((rows, slots), blk.slot_keys_values(x))
+                        kv = kv.index_put((rows, slots), blk.slot_keys_values(x).to(kv.dtype))
                 x, g = blk(x, st, rem, bank, kv)
                 gates[i].append(g)
-            S_new[bi, ti, slots] = x
+            S_new[bi, ti, slots] = x.to(S_new.dtype)  # (autocast computes x in lower precision)
             if cached:
                 for i, blk in enumerate(self.blocks):
                     kv_new[i] = put(kv_new[i], (bi, ti, slots), blk.slot_keys_values(x))

@@ -198,8 +198,8 @@ class PrismeModel(nn.Module):
         if b.numel() == 0:
             return self.backbone.head(ctx.H), delta
         d = self.readout(S[b, t], ctx.S0[b, t], ctx.z[b, t])  # [N, d]
-        delta = delta.index_put((b, t), d)
-        H = ctx.H.index_put((b, t), ctx.H[b, t] + d)
+        delta = delta.index_put((b, t), d.to(delta.dtype))
+        H = ctx.H.index_put((b, t), (ctx.H[b, t] + d).to(ctx.H.dtype))
         return self.backbone.head(H), delta
 
     # ------------------------------------------------------------------ rollouts (shared with decoding)

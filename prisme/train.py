@@ -787,11 +787,6 @@ class _Trainer:
         if scfg.stage != "backbone" and not cfg.use_workspace:
             raise ValueError(f"stage {scfg.stage!r} needs a model with a workspace; {cfg.name!r} has "
                              f"use_workspace=False")
-        if scfg.dtype == "bfloat16" and scfg.stage != "backbone":
-            # the editor's slot K/V cache (editor.SlotKV) is allocated in the workspace dtype and index_put refuses
-            # the bf16 results autocast produces; lift this once editor.py casts them
-            raise ValueError(f"dtype='bfloat16' (autocast) is supported for the backbone stage only; train the "
-                             f"{scfg.stage} stage in float32")
         self.data = dataset if dataset is not None else build_dataset(scfg, cfg.vocab_size)
         self.T = scfg.seq_len or (self.data.cfg.seq_len if isinstance(self.data, MQARDataset) else cfg.max_seq_len)
         if self.T > cfg.max_seq_len:
