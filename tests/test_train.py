@@ -295,7 +295,8 @@ def test_bf16_autocast_stages_track_float32(tmp_path, data):
     assert abs(bf16.val["loss"] - f32.val["loss"]) < 0.02
     assert ckpt.load_model(bf16.checkpoint)[0].backbone.tok_emb.weight.dtype == torch.float32  # fp32 master weights
     ws = {dt: train_stage(None, stage_cfg(tmp_path / f"ws_{dt}", "workspace", steps=5, dtype=dt,
-                                          init_from=str(f32.checkpoint)), dataset=data) for dt in ("float32", "bfloat16")}
+                                          init_from=str(f32.checkpoint)), dataset=data)
+          for dt in ("float32", "bfloat16")}
     assert abs(ws["bfloat16"].val["loss"] - ws["float32"].val["loss"]) < 0.02
 
 
