@@ -96,6 +96,7 @@ class StageConfig:
     # --- workspace stage
     train_backbone_in_workspace_stage: bool = False  # let the backbone keep learning in stage 2 (SPEC §5 lesson)
     backbone_aux_weight: float = 1.0  # with the option above: weight of the backbone head's own LM loss
+    aux_prev_token: float = 0.0  # with the option above: weight of a linear probe's CE predicting token t-1 from H[t]
     deep_supervision: float = 0.0  # weight of the CE after every intermediate forced step (0 = final state only)
     min_budget: int = 1  # forced budgets are drawn uniformly per position from [min_budget, max_budget]
     max_budget: int | None = None  # default: the model's r_max
@@ -143,8 +144,10 @@ class StageConfig:
         need(0 <= self.p_dense <= 1, f"p_dense must be in [0, 1], got {self.p_dense}")
         need(0 <= self.oracle_greedy <= 1, f"oracle_greedy must be in [0, 1], got {self.oracle_greedy}")
         need(self.value_clip > 0, f"value_clip must be > 0, got {self.value_clip}")
-        for f in ("backbone_aux_weight", "deep_supervision", "risk_weight"):
+        for f in ("backbone_aux_weight", "aux_prev_token", "deep_supervision", "risk_weight"):
             need(getattr(self, f) >= 0, f"{f} must be >= 0, got {getattr(self, f)}")
+        need(self.aux_prev_token == 0 or self.train_backbone_in_workspace_stage,
+             f"aux_prev_token={self.aux_prev_token} needs train_backbone_in_workspace_stage=True (it trains H)")
         need(self.dtype in DTYPES, f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         need(self.parallel in ("ddp", "fsdp"), f"parallel must be 'ddp' or 'fsdp', got {self.parallel!r}")
         need(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
@@ -312,6 +315,12 @@ class WorkspaceObjective(nn.Module):
         self.model, self.cfg = model, cfg
         self.train_backbone = scfg.train_backbone_in_workspace_stage
         self.aux = scfg.backbone_aux_weight if self.train_backbone else 0.0
+        self.aux_prev = scfg.aux_prev_token if scfg.stage == "workspace" else 0.0
+        if self.aux_prev > 0:  # SPEC §5 lesson: make H[t] carry token t-1 so the bank has something to match
+            self.prev_probe = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)  # trained here, not checkpointed
+            g = torch.Generator().manual_seed(scfg.seed + 4)
+            with torch.no_grad():
+                self.prev_probe.weight.copy_(torch.randn(cfg.vocab_size, cfg.d_model, generator=g) * cfg.d_model**-0.5)
         self.ds = scfg.deep_supervision
         self.p_dense = scfg.p_dense
         self.lo, self.hi = scfg.min_budget, scfg.max_budget or cfg.r_max
@@ -333,6 +342,8 @@ class WorkspaceObjective(nn.Module):
     def denominators(self, x: torch.Tensor, y: torch.Tensor, extra: dict[str, torch.Tensor]) -> dict[str, float]:
         valid = y != IGNORE_INDEX  # [B, T]
         d = {"tokens": max(1, int(valid.sum()))}
+        if self.aux_prev > 0:
+            d["prev"] = max(1, x.shape[0] * (x.shape[1] - 1))  # positions t >= 1
         if self.ds > 0:  # (position, step) pairs whose state after step r is not yet final
             d["ds"] = max(1, sum(int((valid & (extra["budget"] > r + 1)).sum()) for r in range(self.hi - 1)))
         return d
@@ -369,6 +380,10 @@ class WorkspaceObjective(nn.Module):
             ce_bb = _ce_sum(model.backbone.head(H.detach()), y)
         if self.aux > 0:
             loss = loss + self.aux * _ce_sum(model.backbone.head(H), y) / denom["tokens"]
+        prev_ce = H.new_zeros((), dtype=torch.float32)
+        if self.aux_prev > 0:
+            prev_ce = _ce_sum(self.prev_probe(H[:, 1:]), x[:, :-1])  # H[t] [b, T-1, d] -> token t-1
+            loss = loss + self.aux_prev * prev_ce / denom["prev"]
         with torch.no_grad():
             e = edited.float()
             s_rel = ((S - ctx.S0).flatten(-2).norm(dim=-1) / ctx.S0.flatten(-2).norm(dim=-1).clamp(min=1e-12))
@@ -376,6 +391,8 @@ class WorkspaceObjective(nn.Module):
             stats = {"ce": ce.detach(), "ce_backbone": ce_bb, "n": (y != IGNORE_INDEX).sum().float(),
                      "n_edited": e.sum(), "s_rel": (s_rel.float() * e).sum(), "delta_rel": (d_rel.float() * e).sum(),
                      "gate_n": gate_n, **{f"gate{i}": g for i, g in enumerate(gate_sum)}}
+            if self.aux_prev > 0:
+                stats["prev_ce"], stats["n_prev"] = prev_ce.detach(), H.new_tensor(float(x.shape[0] * (x.shape[1] - 1)))
         return loss, stats
 
     @staticmethod
@@ -385,6 +402,8 @@ class WorkspaceObjective(nn.Module):
         out["gain"] = out["loss_backbone"] - out["loss"]
         out["s_change"] = float(s["s_rel"] / ne)  # mean |S - S0| / |S0| at edited positions
         out["delta_ratio"] = float(s["delta_rel"] / ne)  # mean |delta| / |H| at edited positions
+        if "prev_ce" in s:
+            out["loss_prev_token"] = float(s["prev_ce"] / s["n_prev"].clamp(min=1))  # the aux_prev_token probe's CE
         for k in sorted(k for k in s if k.startswith("gate") and k != "gate_n"):
             out[f"{k}_mean"] = float(s[k] / gn)  # mean editor gate of block i over edited slots
         return out
@@ -805,6 +824,7 @@ class _Trainer:
         if not self.params:
             raise ValueError(f"stage {scfg.stage!r} has no parameters to train in model {cfg.name!r}")
         self.objective = objective = OBJECTIVES[scfg.stage](model, scfg)
+        self.params += [p for n, p in objective.named_parameters() if not n.startswith("model.")]  # aux probes
         resuming = scfg.resume and meta is not None
         self.step = meta.step if resuming else 0
         self.gens = {"data": torch.Generator().manual_seed(scfg.seed),

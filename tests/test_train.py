@@ -327,3 +327,24 @@ def test_demo_pipeline_writes_every_output(tmp_path):
     assert summary["verdict"]["beats_matched"] in (True, False) and summary["wall_s"]["total"] > 0
     with pytest.raises(ValueError, match="not empty"):
         run_demo(run, scale=0.01, model_cfg=cfg)
+
+
+def test_aux_prev_token_adds_the_probe_ce_on_the_previous_token(data):
+    """aux_prev_token adds w x CE(probe(H[t]), token t-1) to the stage-2 loss, and only with the backbone learning."""
+    torch.manual_seed(0)
+    model = PrismeModel(PrismeConfig.from_name("tiny")).double()
+    x, y = data.batch("train", 4, T, torch.Generator().manual_seed(1))
+    base = StageConfig(stage="workspace", train_backbone_in_workspace_stage=True)
+    objs = {w: train_mod.WorkspaceObjective(model, base.replace(aux_prev_token=w)).double() for w in (0.0, 0.5)}
+    ex = objs[0.0].sample(x, y, torch.Generator().manual_seed(2))
+    loss = {w: o(x, y, ex, o.denominators(x, y, ex))[0] for w, o in objs.items()}
+    H = model.backbone(x)  # [4, T, d]
+    logits = objs[0.5].prev_probe(H[:, 1:])  # [4, T-1, V]
+    want = 0.5 * torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, :-1].flatten())
+    # the trainer's CE runs in float32 (float64 weights): agree to float32 rounding of losses ~4
+    torch.testing.assert_close(loss[0.5] - loss[0.0], want.float(), rtol=0, atol=1e-5)
+    # negative control: the same probe aimed at the current token t is a different number
+    wrong = 0.5 * torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+    assert abs(float(wrong - want)) > 1e-3
+    with pytest.raises(ValueError, match="aux_prev_token"):
+        StageConfig(stage="workspace", aux_prev_token=1.0).validate()
