@@ -92,6 +92,7 @@ class CacheStep:
     valid: torch.Tensor | None  # [B, C]: False marks right padding (not written); None = all real
     kv_len: int  # keys attended: the first kv_len cached positions
     mask: torch.Tensor | None  # [C, S] or [B, 1, C, S] bool; None = every query sees all kv_len keys
+    causal: bool = False  # a chunk from position 0 with kv_len == C: SDPA's causal kernel, which skips the masked half
 
 
 class LayerKVCache:
@@ -114,9 +115,9 @@ class LayerKVCache:
 
         Entries with `valid[b, c] == False` (right padding of a ragged chunk) are not written.
         """
-        if input_pos.dim() == 1:
-            if input_pos.numel():
-                self.write(int(input_pos[0]), k, v)
+        if input_pos.dim() == 1:  # shared positions: no host read, so a fixed-shape step compiles (prisme.compile)
+            self.k.index_copy_(2, input_pos, k.to(self.k.dtype))
+            self.v.index_copy_(2, input_pos, v.to(self.v.dtype))
             return
         B = k.shape[0]
         rows = torch.arange(B, device=k.device).unsqueeze(1).expand_as(input_pos)  # [B, C]
@@ -202,7 +203,10 @@ class CausalSelfAttention(nn.Module):
                 cache.write(step.start, k, v)
             else:
                 cache.update(step.input_pos, k, v, step.valid)
-            k_all, v_all = cache.k.narrow(2, 0, step.kv_len), cache.v.narrow(2, 0, step.kv_len)  # [B, nkv, S, hd]
-            y = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=step.mask, enable_gqa=gqa)
+            if step.causal:  # the chunk is the whole cache so far: causal attention within it
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            else:
+                k_all, v_all = cache.k.narrow(2, 0, step.kv_len), cache.v.narrow(2, 0, step.kv_len)  # [B, nkv, S, hd]
+                y = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=step.mask, enable_gqa=gqa)
         y = y.view(B, C, nh * hd) if C == 1 else y.transpose(1, 2).reshape(B, C, nh * hd)  # [B, C, d]
         return linear(y, children["wo"])

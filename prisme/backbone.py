@@ -166,8 +166,9 @@ class Backbone(nn.Module):
         kv_len = min(max(cache.lengths) + C, cache.max_len)
         if input_pos.dim() == 1:  # every row at the same offset: slice reads and writes
             start = input_pos.tolist()[0]  # a host copy: cheaper than int(input_pos[0])
-            mask = None if C == 1 else attn.causal_mask(input_pos, kv_len)
-            H = self._blocks(tokens, start, cache, CacheStep(input_pos, start, None, kv_len, mask))
+            causal = start == 0 and kv_len == C > 1  # a prompt into an empty cache: no mask tensor needed
+            mask = None if C == 1 or causal else attn.causal_mask(input_pos, kv_len)
+            H = self._blocks(tokens, start, cache, CacheStep(input_pos, start, None, kv_len, mask, causal))
         else:
             step = CacheStep(input_pos, None, valid, kv_len, attn.causal_mask(input_pos, kv_len))
             H = self._blocks(tokens, input_pos.clamp(max=T_max - 1), cache, step)  # padding may run past T_max

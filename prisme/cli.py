@@ -117,9 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "logits, cached decode and prefill, eager and compiled")
     hf.add_argument("--shapes", default="seed001,prisme_103m", help="comma-separated: seed001, prisme_103m")
     hf.add_argument("--quick", action="store_true",
-                    help="prompts 16,256, 8 (103m: 4) new tokens, batch 1 only, 256-token prefill, 5 repeats")
+                    help="prompts 16,256, 16 (103m: 4) new tokens, batch 1 only, 256-token prefill, 5 repeats")
     hf.add_argument("--prompts", default=None, help="seed001 prompt lengths (default 16,64,128,256)")
-    hf.add_argument("--new-tokens", type=int, default=None, help="seed001 forced tokens per sample (default 16)")
+    hf.add_argument("--new-tokens", type=int, default=None, help="seed001 forced tokens per sample (default 64)")
     hf.add_argument("--big-prompt", type=int, default=64, help="prisme_103m decode prompt length")
     hf.add_argument("--big-new-tokens", type=int, default=None, help="prisme_103m forced tokens per sample (default 8)")
     hf.add_argument("--batches", default=None, help="prisme_103m decode batch sizes (default 1,8)")
@@ -129,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     hf.add_argument("--threads-small", type=int, default=1, help="torch threads for seed001 (-1 = leave as is)")
     hf.add_argument("--threads-big", type=int, default=2, help="torch threads for prisme_103m (-1 = leave as is)")
     hf.add_argument("--no-compile", action="store_true", help="skip the torch.compile paths")
+    hf.add_argument("--stock-layout", action="store_true",
+                    help="time our eager path on nn.Linear's [out, in] weights instead of the [in, out] layout")
     hf.add_argument("--seed", type=int, default=42, help="seed for weights and tokens")
     hf.add_argument("--json", default=None, help="also write the JSON document to this file (atomically)")
     tr = bsub.add_parser("train", help="training tokens/s and achieved GFLOP/s vs the measured fp32 matmul peak")

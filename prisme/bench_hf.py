@@ -1,0 +1,668 @@
+"""`prisme bench vs-hf`: the PRISME backbone against the same weights in HF transformers, side by side in one process.
+
+Shapes (random init, seeded; fp32; HF copy by `interop.to_hf`, sdpa attention):
+  * seed001: gpt2-style, 145k parameters, `GPT2LMHeadModel`; batch 1, 1 thread, prompts 16..256;
+  * prisme_103m: llama-style, 99.5M parameters, `LlamaForCausalLM`; 2 threads, batch 1 and 8, and a 512-token prefill.
+
+Decode paths (N forced tokens after a prompt; the prompt's prefill is setup, untimed; logits on every step). N is 64
+at seed001: a step of a few tens of µs only reaches its steady state after some tens of steps once another path has
+run (measured here for the compiled step: 96 µs per step at N = 16, 77 at 64, 72 at 160; HF and eager barely move):
+  hf_dynamic  HF with its default `DynamicCache`        hf_static  HF with a `StaticCache` of P + N positions
+  prisme      the lean eager cached path, `head(backbone(token, cache))`, weights stored [in, out] in memory
+              (`compile.in_out_layout_`: same values, faster batch-1 products; `--stock-layout` for nn.Linear's)
+  compiled    `prisme.compile`'s fixed-shape step under torch.compile(mode="max-autotune-no-cudagraphs"), frozen
+              weights (seed001: also Inductor's C++ wrapper and math attention); one decoder per batch size, its
+              cache sized to the longest prompt + N, over which it attends (masked)
+  stream_read (prisme_103m) four reads of a 512 MiB buffer, timed in the same rotation: the floor's bandwidth
+Prefill paths (the prompt into a fresh cache, logits of its last position): hf (`logits_to_keep=1`), prisme (eager),
+compiled (`prefill_step`, dynamic length, default mode, frozen weights); at prisme_103m the fp32 matmul peak
+(`bench_train.matmul_paths`, sizes 1024..3072) is timed in the same rotation.
+
+Correctness, before anything is timed (float32, max |logit error| <= `bench.TOLERANCE`): HF's logits on a random
+batch against our full forward (the interop check), and every timed path's logits (each decode step and each prefill)
+against our full forward at the same positions. Negative controls, which must give errors >= 1e-2: HF with its head
+rows rolled by one vocabulary id (a converter bug), HF decode with positions shifted by one, and the fixed-shape step
+(the function that is compiled, run eagerly) with positions shifted by one.
+
+Floor (prisme_103m): bytes a decode step must read, weights (every matrix once; the token embedding too when it is
+the tied head) + the K/V of the positions attended (mean over the N steps), divided by the streaming read bandwidth
+measured in the same rotation. The compiled step reads its whole cache (P + N positions), a little more.
+
+Timing protocol: `bench.time_paths` (warmups, repeats, path order rotated each repeat, gc off, inference mode);
+p50/p95 and raw samples. The machine may be shared: compare paths within one row, and read ratios next to
+absolute figures. Output: a table for humans, then one JSON document, the last thing printed on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from . import bench, bench_train
+from .backbone import Backbone
+from .bench import TimedPath, percentiles, time_paths
+from .compile import DEFAULT_MODE, CompiledDecoder, compile_decode, decode_step, in_out_layout_
+from .config import PrismeConfig
+from .interop import INSTALL_HINT, hf_available, hf_cache_kwarg, to_hf
+
+SMALL, BIG = "seed001", "prisme_103m"
+TOL = bench.TOLERANCE[torch.float32]
+NEGATIVE_MIN = bench.NEGATIVE_CONTROL_MIN
+DECODE_PATHS = ("hf_dynamic", "hf_static", "prisme", "compiled")
+PREFILL_PATHS = ("hf", "prisme", "compiled")
+STREAM_READS = 4  # reads of the 512 MiB buffer per stream_read sample
+TARGETS = {  # issue 7, for this 2-core machine kind
+    "seed001_prisme_ms": 0.10, "seed001_prisme_vs_hf": 3.0, "seed001_compiled_ms": 0.075,
+    "103m_compiled_vs_floor": 1.3, "103m_prisme_vs_hf": 1.1, "103m_b8_compiled_vs_hf_static": 1.6,
+    "103m_prefill_of_peak": 0.80,
+}
+
+
+@dataclass
+class Pair:
+    """One shape: our backbone and its HF copy with the same weights."""
+
+    backbone: Backbone
+    hf: nn.Module
+    threads: int
+
+    def __post_init__(self) -> None:
+        self.cache_kw = hf_cache_kwarg(self.hf)  # looked up once: inspect.signature is slow next to a decode step
+
+    @property
+    def cfg(self) -> PrismeConfig:
+        return self.backbone.cfg
+
+    def hf_call(self, tokens: torch.Tensor, cache: Any, **kw: Any) -> torch.Tensor:
+        """HF logits `[B, C, V]` for tokens `[B, C]` appended to `cache`."""
+        return self.hf(tokens, use_cache=True, **{self.cache_kw: cache}, **kw).logits
+
+    def new_hf_cache(self, kind: str, max_len: int) -> Any:
+        import transformers
+
+        if kind == "static":
+            return transformers.StaticCache(config=self.hf.config, max_cache_len=max_len)
+        return transformers.DynamicCache(config=self.hf.config)
+
+
+@dataclass
+class DecodePath:
+    """One way to decode: `start()` prefills the prompt into a fresh cache (untimed); `step(state, i)` appends new
+    token i and returns its logits `[B, V]`."""
+
+    name: str
+    start: Callable[[], Any]
+    step: Callable[[Any, int], torch.Tensor]
+
+    def timed(self, n: int) -> TimedPath:
+        step = self.step
+
+        def run(state: Any) -> None:
+            for i in range(n):
+                step(state, i)
+
+        return self.name, self.start, run
+
+    def logits(self, n: int) -> torch.Tensor:
+        """Logits `[B, n, V]` of the n forced tokens."""
+        state = self.start()
+        return torch.stack([self.step(state, i) for i in range(n)], dim=1)
+
+
+def decode_paths(pair: Pair, prompt: torch.Tensor, new: torch.Tensor, decoder: CompiledDecoder | None,
+                 pos_shift: int = 0) -> list[DecodePath]:
+    """The decode paths for prompt `[B, P]` and forced tokens `[B, N]`; `pos_shift` != 0 plants a bug in HF's
+    positions (negative control)."""
+    bb, (B, P), N = pair.backbone, prompt.shape, new.shape[1]
+    toks = [new[:, i:i + 1] for i in range(N)]  # [B, 1] each
+    pos = [torch.full((B, 1), P + i + pos_shift) for i in range(N)]  # [B, 1] each
+
+    def hf_start(kind: str) -> Callable[[], Any]:
+        def start() -> Any:
+            cache = pair.new_hf_cache(kind, P + N)
+            pair.hf_call(prompt, cache, logits_to_keep=1)
+            return cache
+        return start
+
+    def hf_step(cache: Any, i: int) -> torch.Tensor:
+        return pair.hf_call(toks[i], cache, position_ids=pos[i])[:, -1]
+
+    def prisme_start() -> Any:
+        cache = bb.new_cache(B, P + N)
+        bb(prompt, cache)
+        return cache
+
+    def prisme_step(cache: Any, i: int) -> torch.Tensor:
+        return bb.head(bb(toks[i], cache))[:, -1]
+
+    paths = [DecodePath("hf_dynamic", hf_start("dynamic"), hf_step),
+             DecodePath("hf_static", hf_start("static"), hf_step),
+             DecodePath("prisme", prisme_start, prisme_step)]
+    if decoder is not None:
+        def compiled_start() -> CompiledDecoder:
+            decoder.reset()
+            decoder.prefill(prompt)
+            return decoder
+
+        paths.append(DecodePath("compiled", compiled_start, lambda dec, i: dec.step(toks[i])))
+    return paths
+
+
+def prefill_paths(pair: Pair, prompt: torch.Tensor, decoder: CompiledDecoder | None) -> list[TimedPath]:
+    """Prompt `[B, P]` into a fresh cache (setup, untimed); each run returns the last position's logits `[B, V]`."""
+    bb, (B, P) = pair.backbone, prompt.shape
+
+    def fresh_decoder() -> CompiledDecoder:
+        decoder.reset()
+        return decoder
+
+    paths: list[TimedPath] = [
+        ("hf", lambda: pair.new_hf_cache("dynamic", P), lambda c: pair.hf_call(prompt, c, logits_to_keep=1)[:, -1]),
+        ("prisme", lambda: bb.new_cache(B, P), lambda c: bb.head(bb(prompt, c)[:, -1]))]
+    if decoder is not None:
+        paths.append(("compiled", fresh_decoder, lambda dec: dec.prefill(prompt)))
+    return paths
+
+
+# ------------------------------------------------------------------------------------------------------- records
+@dataclass
+class Check:
+    shape: str
+    what: str  # "interop" (full forward), "decode" or "prefill"
+    path: str
+    batch: int
+    prompt_tokens: int
+    max_abs_logit_error: float
+    passed: bool  # error <= TOL (a check) or >= NEGATIVE_MIN (a negative control)
+
+
+@dataclass
+class Floor:
+    """Bytes one decode step must read, and the time that takes at the measured streaming read bandwidth."""
+
+    weight_bytes: int
+    kv_bytes: int  # K/V of the positions attended, mean over the N steps
+    bytes_per_step: int
+    bandwidth_gb_per_s: float  # stream_read samples of the same rotation, p50
+    floor_ms: float
+    vs_floor: dict[str, float]  # path ms per step / floor_ms
+
+
+@dataclass
+class DecodeRow:
+    shape: str
+    threads: int
+    batch: int
+    prompt_tokens: int
+    new_tokens: int
+    samples_ms: dict[str, list[float]]  # one sample = N steps
+    p50_ms: dict[str, float]
+    p95_ms: dict[str, float]
+    ms_per_step: dict[str, float]  # p50 / N (one step appends a token to each of the B rows)
+    speedup_vs_hf_dynamic: dict[str, float]  # hf_dynamic p50 / path p50
+    speedup_vs_hf_static: dict[str, float]
+    floor: Floor | None
+
+
+@dataclass
+class PrefillRow:
+    shape: str
+    threads: int
+    batch: int
+    prompt_tokens: int
+    flops: int  # useful FLOPs (bench_train.forward_flops, head on the last position)
+    samples_ms: dict[str, list[float]]
+    p50_ms: dict[str, float]
+    p95_ms: dict[str, float]
+    gflops: dict[str, float]  # flops / p50
+    matmul_peak_gflops: float | None  # timed in the same rotation (prisme_103m)
+    fraction_of_peak: dict[str, float] | None
+
+
+def decode_weight_bytes(bb: Backbone, batch: int) -> int:
+    """Parameter bytes one decode step reads: every tensor once, embeddings by row unless the token embedding is
+    the (tied) head, which reads all of it."""
+    total = 0
+    for name, p in bb.named_parameters():
+        row = p.shape[-1] * p.element_size()
+        if name == "pos_emb.weight":
+            total += row  # one shared position
+        elif name == "tok_emb.weight" and bb.lm_head is not None:
+            total += batch * row  # lookup only; the untied lm_head is counted on its own
+        else:
+            total += p.numel() * p.element_size()
+    return total
+
+
+def decode_floor(bb: Backbone, batch: int, prompt: int, new: int, bandwidth_gb_per_s: float,
+                 ms_per_step: dict[str, float]) -> Floor:
+    weights = decode_weight_bytes(bb, batch)
+    mean_keys = prompt + (new + 1) / 2  # step i (0-based) attends to prompt + i + 1 positions
+    kv = round(bench.kv_payload_bytes(bb, 1, batch) * mean_keys)
+    floor_ms = (weights + kv) / bandwidth_gb_per_s / 1e6
+    return Floor(weights, kv, weights + kv, bandwidth_gb_per_s, floor_ms,
+                 {k: v / floor_ms for k, v in ms_per_step.items()})
+
+
+def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max())
+
+
+# ---------------------------------------------------------------------------------------------------- one shape
+@dataclass
+class ShapeResult:
+    checks: list[Check]
+    negative_controls: list[Check]
+    decode: list[DecodeRow]
+    prefill: list[PrefillRow]
+    compile: dict[str, Any]
+
+
+class ShapeBench:
+    """Correctness, then timing, for one shape; compiled decoders are built once and reused by every row."""
+
+    def __init__(self, pair: Pair, compile_mode: str | None, seed: int):
+        self.pair, self.mode, self.seed = pair, compile_mode, seed
+        self.name = pair.cfg.name
+        self.res = ShapeResult([], [], [], [], {"mode": compile_mode, "freezing": True, "first_call_s": {},
+                                                "errors": {}})
+
+    # -- compiled decoders: a compile failure is recorded, and that decoder's rows go without the compiled path
+    def decoder(self, batch: int, capacity: int, prompt: torch.Tensor, step: bool,
+                prefill: bool) -> CompiledDecoder | None:
+        if self.mode is None:
+            return None
+        dec = compile_decode(self.pair.backbone, batch, capacity, mode=self.mode if step else None,
+                             prefill_mode="default" if prefill else None, cpp_wrapper=self.name == SMALL,
+                             math_attention=self.name == SMALL)
+        key = f"B{batch} cap{capacity}"
+        try:
+            with torch.inference_mode():
+                t0 = time.perf_counter()
+                dec.prefill(prompt)
+                t1 = time.perf_counter()
+                if step:
+                    dec.step(prompt[:, -1:])
+                t2 = time.perf_counter()
+        except Exception as e:  # noqa: BLE001 - no C++ compiler, unsupported op, ...: report, time the rest
+            self.res.compile["errors"][key] = f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"[:300]
+            return None
+        if prefill:
+            self.res.compile["first_call_s"][f"{key} prefill"] = t1 - t0
+        if step:
+            self.res.compile["first_call_s"][f"{key} step"] = t2 - t1
+        return dec
+
+    # -- correctness
+    def check(self, what: str, path: str, batch: int, prompt: int, err: float, negative: bool = False) -> None:
+        passed = err >= NEGATIVE_MIN if negative else err <= TOL
+        (self.res.negative_controls if negative else self.res.checks).append(
+            Check(self.name, what, path, batch, prompt, err, passed))
+
+    @torch.inference_mode()
+    def check_interop(self, batch: int = 2, seq_len: int = 64) -> None:
+        bb, hf = self.pair.backbone, self.pair.hf
+        x = bench.make_tokens(bb.cfg.vocab_size, batch, seq_len, self.seed)
+        ref = bb.head(bb(x))  # [B, T, V]
+        self.check("interop", "hf", batch, seq_len, _max_err(hf(x).logits, ref))
+        w = hf.get_output_embeddings().weight  # [V, d]: plant a converter bug, then undo it exactly
+        w.copy_(w.roll(1, 0))
+        try:
+            self.check("interop", "hf_head_rows_rolled", batch, seq_len, _max_err(hf(x).logits, ref), negative=True)
+        finally:
+            w.copy_(w.roll(-1, 0))
+
+    @torch.inference_mode()
+    def check_decode(self, paths: list[DecodePath], prompt: torch.Tensor, new: torch.Tensor,
+                     negatives: bool) -> None:
+        bb, (B, P), N = self.pair.backbone, prompt.shape, new.shape[1]
+        ref = bb.head(bb(torch.cat([prompt, new], dim=1)))[:, P:]  # [B, N, V]: token P + i is scored at P + i
+        for path in paths:
+            self.check("decode", path.name, B, P, _max_err(path.logits(N), ref))
+        if not negatives:
+            return
+        shifted = decode_paths(self.pair, prompt, new, None, pos_shift=1)[0]
+        self.check("decode", "hf_dynamic_positions_shifted", B, P, _max_err(shifted.logits(N), ref), negative=True)
+        eager = compile_decode(bb, B, P + N + 1, mode=None, prefill_mode=None)  # the compiled function, run eagerly
+        eager.prefill(prompt)
+        out = torch.stack([decode_step(bb, new[:, i:i + 1], torch.tensor([P + i + 1]), eager.cache)
+                           for i in range(N)], dim=1)
+        self.check("decode", "fixed_step_positions_shifted", B, P, _max_err(out, ref), negative=True)
+
+    @torch.inference_mode()
+    def check_prefill(self, paths: list[TimedPath], prompt: torch.Tensor) -> None:
+        bb = self.pair.backbone
+        ref = bb.head(bb(prompt))[:, -1]  # [B, V]
+        for name, setup, run in paths:
+            self.check("prefill", name, prompt.shape[0], prompt.shape[1], _max_err(run(setup()), ref))
+
+    # -- timing
+    def decode_row(self, prompt: torch.Tensor, new: torch.Tensor, decoder: CompiledDecoder | None, warmups: int,
+                   repeats: int, stream_bytes: int | None, negatives: bool) -> DecodeRow:
+        (B, P), N = prompt.shape, new.shape[1]
+        paths = decode_paths(self.pair, prompt, new, decoder)
+        self.check_decode(paths, prompt, new, negatives)
+        timed = [p.timed(N) for p in paths]
+        if stream_bytes:  # four reads a sample: about as long as a sample of the batch-1 compiled path
+            timed.append(bench_train.stream_read_path(stream_bytes, STREAM_READS))
+        samples = time_paths(timed, warmups, repeats)
+        stats = {k: percentiles(v) for k, v in samples.items()}
+        p50 = {k: s[0] for k, s in stats.items() if k != "stream_read"}
+        per_step = {k: v / N for k, v in p50.items()}
+        floor = None
+        if stream_bytes:
+            bw = bench_train.Bandwidth.from_samples(stream_bytes * STREAM_READS, samples["stream_read"])
+            floor = decode_floor(self.pair.backbone, B, P, N, bw.gb_per_s, per_step)
+        return DecodeRow(self.name, self.pair.threads, B, P, N, samples, p50, {k: s[1] for k, s in stats.items()},
+                         per_step, {k: p50["hf_dynamic"] / v for k, v in p50.items()},
+                         {k: p50["hf_static"] / v for k, v in p50.items()}, floor)
+
+    def prefill_row(self, prompt: torch.Tensor, decoder: CompiledDecoder | None, warmups: int, repeats: int,
+                    matmul_sizes: Sequence[int]) -> PrefillRow:
+        (B, P), cfg = prompt.shape, self.pair.cfg
+        paths = prefill_paths(self.pair, prompt, decoder)
+        self.check_prefill(paths, prompt)
+        peak_paths = bench_train.matmul_paths(matmul_sizes) if matmul_sizes else []
+        samples = time_paths([*paths, *peak_paths], warmups, repeats)
+        stats = {k: percentiles(v) for k, v in samples.items() if not k.startswith("matmul_")}
+        flops = bench_train.forward_flops(cfg, B, P, head_positions=1).total
+        gflops = {k: flops / s[0] / 1e6 for k, s in stats.items()}
+        peak = bench_train.MatmulPeak.from_samples(samples).peak_gflops if matmul_sizes else None
+        return PrefillRow(self.name, self.pair.threads, B, P, flops, samples, {k: s[0] for k, s in stats.items()},
+                          {k: s[1] for k, s in stats.items()}, gflops, peak,
+                          {k: v / peak for k, v in gflops.items()} if peak else None)
+
+
+def build_pair(preset: str, seed: int, threads: int, in_out: bool = True) -> Pair:
+    """A seeded backbone and its HF copy; `in_out`: our weights then stored [in, out] (`compile.in_out_layout_`)."""
+    bb = bench.build_model(PrismeConfig.from_name(preset), seed)
+    hf = to_hf(bb)  # contiguous copies, HF's own layouts
+    return Pair(in_out_layout_(bb) if in_out else bb, hf, threads)
+
+
+def run_small(pair: Pair, prompts: Sequence[int], new_tokens: int, warmups: int, repeats: int,
+              compile_mode: str | None, seed: int) -> ShapeResult:
+    """seed001 rows: decode and prefill per prompt length, batch 1; one compiled decoder serves every prompt."""
+    sb = ShapeBench(pair, compile_mode, seed)
+    V, cap = pair.cfg.vocab_size, max(prompts) + new_tokens
+    sb.check_interop()
+    seqs = {P: bench.make_tokens(V, 1, P + new_tokens, seed + P) for P in prompts}
+    dec = sb.decoder(1, cap, seqs[prompts[0]][:, :prompts[0]], step=True, prefill=True)
+    for i, P in enumerate(prompts):
+        prompt, new = seqs[P][:, :P], seqs[P][:, P:]
+        sb.res.decode.append(sb.decode_row(prompt, new, dec, warmups, repeats, None, negatives=i == 0))
+        sb.res.prefill.append(sb.prefill_row(prompt, dec, warmups, repeats, ()))
+    return sb.res
+
+
+def run_big(pair: Pair, batches: Sequence[int], prompt_len: int, new_tokens: int, prefill_tokens: int, warmups: int,
+            repeats: int, compile_mode: str | None, seed: int, matmul_sizes: Sequence[int],
+            stream_bytes: int) -> ShapeResult:
+    """prisme_103m rows: decode at each batch size with its floor, then one batch-1 prefill against the peak."""
+    sb = ShapeBench(pair, compile_mode, seed)
+    V = pair.cfg.vocab_size
+    sb.check_interop()
+    for i, B in enumerate(batches):
+        seq = bench.make_tokens(V, B, prompt_len + new_tokens, seed + B)
+        prompt, new = seq[:, :prompt_len], seq[:, prompt_len:]
+        dec = sb.decoder(B, prompt_len + new_tokens, prompt, step=True, prefill=False)
+        sb.res.decode.append(sb.decode_row(prompt, new, dec, warmups, repeats, stream_bytes, negatives=i == 0))
+        del dec
+    prompt = bench.make_tokens(V, 1, prefill_tokens, seed)
+    dec = sb.decoder(1, prefill_tokens, prompt, step=False, prefill=True)
+    sb.res.prefill.append(sb.prefill_row(prompt, dec, warmups, repeats, matmul_sizes))
+    return sb.res
+
+
+# --------------------------------------------------------------------------------------------------------- report
+def _target(name: str, target: float, measured: float | None, met: bool, note: str) -> dict[str, Any]:
+    return {"name": name, "target": target, "measured": measured, "met": bool(met and measured is not None),
+            "note": note}
+
+
+def evaluate_targets(decode: list[DecodeRow], prefill: list[PrefillRow],
+                     compile_errors: dict[str, dict[str, str]]) -> list[dict[str, Any]]:
+    """Issue 7's targets from the measured rows (a target whose rows were not run is left out); `compile_errors`:
+    shape -> {decoder: error}, quoted where a compiled figure is missing."""
+    T, out = TARGETS, []
+    small = [r for r in decode if r.shape == SMALL]
+    big = {r.batch: r for r in decode if r.shape == BIG}
+    no_compile = {s: "compiled path unavailable: " + "; ".join(f"{k}: {e}" for k, e in errs.items())
+                  for s, errs in compile_errors.items() if errs}
+    if small:
+        worst = max(r.ms_per_step["prisme"] for r in small)
+        out.append(_target("seed001 eager decode ms/token (worst prompt)", T["seed001_prisme_ms"], worst,
+                           worst <= T["seed001_prisme_ms"], "batch 1, 1 thread"))
+        ratio = min(r.speedup_vs_hf_dynamic["prisme"] for r in small)
+        out.append(_target("seed001 eager decode speed-up over HF (DynamicCache), worst prompt",
+                           T["seed001_prisme_vs_hf"], ratio, ratio >= T["seed001_prisme_vs_hf"], "same run"))
+        comp = [r.ms_per_step.get("compiled") for r in small]
+        worst_c = max(comp) if all(c is not None for c in comp) else None
+        out.append(_target("seed001 compiled decode ms/token (worst prompt)", T["seed001_compiled_ms"], worst_c,
+                           worst_c is not None and worst_c <= T["seed001_compiled_ms"],
+                           DEFAULT_MODE if worst_c is not None else no_compile.get(SMALL, "not run")))
+    if 1 in big and big[1].floor:
+        r = big[1]
+        v = r.floor.vs_floor.get("compiled")
+        floor = (f"floor {r.floor.floor_ms:.2f} ms = {r.floor.bytes_per_step / 1e6:.0f} MB at "
+                 f"{r.floor.bandwidth_gb_per_s:.1f} GB/s")
+        out.append(_target("prisme_103m compiled batch-1 decode / measured floor", T["103m_compiled_vs_floor"], v,
+                           v is not None and v <= T["103m_compiled_vs_floor"],
+                           floor if v is not None else no_compile.get(BIG, "not run")))
+        v = r.speedup_vs_hf_dynamic["prisme"]
+        out.append(_target("prisme_103m eager batch-1 decode speed-up over HF eager (DynamicCache)",
+                           T["103m_prisme_vs_hf"], v, v >= T["103m_prisme_vs_hf"], "same run"))
+    if 8 in big:
+        v, t = big[8].speedup_vs_hf_static.get("compiled"), T["103m_b8_compiled_vs_hf_static"]
+        out.append(_target("prisme_103m compiled batch-8 decode speed-up over HF StaticCache", t, v,
+                           v is not None and v >= t, "same run" if v is not None else no_compile.get(BIG, "not run")))
+    for r in prefill:
+        if r.shape == BIG and r.fraction_of_peak:
+            best = max(("prisme", "compiled"), key=lambda k: r.fraction_of_peak.get(k, -1.0))
+            v = r.fraction_of_peak[best]
+            out.append(_target(f"prisme_103m prefill of {r.prompt_tokens} tokens, fraction of the fp32 matmul peak",
+                               T["103m_prefill_of_peak"], v, v >= T["103m_prefill_of_peak"],
+                               f"best path: {best}; peak {r.matmul_peak_gflops:.1f} GFLOP/s in the same rotation"))
+    return out
+
+
+def run_vs_hf(shapes: Sequence[str] = (SMALL, BIG), prompts: Sequence[int] = (16, 64, 128, 256), new_tokens: int = 64,
+              big_prompt: int = 64, big_new_tokens: int = 8, batches: Sequence[int] = (1, 8),
+              prefill_tokens: int = 512, warmups: int = 2, repeats: int = 15, threads_small: int = 1,
+              threads_big: int = 2, compile_mode: str | None = DEFAULT_MODE, seed: int = 42,
+              quick: bool = False, in_out: bool = True) -> dict[str, Any]:
+    """The whole `prisme bench vs-hf` protocol; returns the JSON document. Needs `transformers`."""
+    if not hf_available():
+        raise ImportError(f"prisme bench vs-hf needs the optional `transformers` package: {INSTALL_HINT}")
+    unknown = sorted(set(shapes) - {SMALL, BIG})
+    if unknown or not shapes:
+        raise ValueError(f"shapes must be a non-empty subset of {[SMALL, BIG]}, got {list(shapes)}")
+    if warmups < 0 or repeats < 1 or new_tokens < 1 or big_new_tokens < 1:
+        raise ValueError("need warmups >= 0, repeats >= 1 and new tokens >= 1")
+    if not batches or min(batches) < 1:
+        raise ValueError(f"batches must be positive, got {list(batches)}")
+    bench.check_lengths(PrismeConfig.from_name(SMALL), prompts, new_tokens)
+    bench.check_lengths(PrismeConfig.from_name(BIG), [big_prompt], big_new_tokens)
+    if not 1 <= prefill_tokens <= PrismeConfig.from_name(BIG).max_seq_len:
+        raise ValueError(f"prefill_tokens must be in [1, T_max={PrismeConfig.from_name(BIG).max_seq_len}], "
+                         f"got {prefill_tokens}")
+    big_repeats = max(3, repeats // 3)
+    matmul_sizes = bench_train.MATMUL_SIZES[:2] if quick else bench_train.MATMUL_SIZES
+    stream_bytes = bench_train.BANDWIDTH_BYTES
+    load_start = os.getloadavg()[0]
+    results: dict[str, ShapeResult] = {}
+    models: dict[str, Any] = {}
+    t_start = time.perf_counter()
+    for shape in shapes:
+        threads = threads_small if shape == SMALL else threads_big
+        with bench.torch_threads(threads):
+            pair = build_pair(shape, seed, torch.get_num_threads(), in_out)
+            models[shape] = {**bench.model_facts(pair.backbone), "hf_class": type(pair.hf).__name__,
+                             "threads": pair.threads}
+            if shape == SMALL:
+                results[shape] = run_small(pair, prompts, new_tokens, warmups, repeats, compile_mode, seed)
+            else:
+                results[shape] = run_big(pair, batches, big_prompt, big_new_tokens, prefill_tokens,
+                                         min(warmups, 1), big_repeats, compile_mode, seed, matmul_sizes, stream_bytes)
+            del pair
+    import transformers
+
+    env = {**bench.environment(torch.float32, seed), "threads": {s: models[s]["threads"] for s in shapes},
+           "transformers": transformers.__version__, "load_average_1m": {"start": load_start,
+                                                                          "end": os.getloadavg()[0]},
+           "wall_s": time.perf_counter() - t_start}
+    decode = [r for s in shapes for r in results[s].decode]
+    prefill = [r for s in shapes for r in results[s].prefill]
+    checks = [c for s in shapes for c in results[s].checks]
+    negatives = [c for s in shapes for c in results[s].negative_controls]
+    compile_info = {s: results[s].compile for s in shapes}
+    verdict = {f"logits_max_error_le_{TOL:g}": all(c.passed for c in checks),
+               f"negative_controls_ge_{NEGATIVE_MIN:g}": all(c.passed for c in negatives)}
+    verdict["passed"] = all(verdict.values())
+    return {
+        "scope": "Untrained backbones (random init, seeded) vs the same weights in HF transformers; synthetic "
+                 "forced tokens; CPU microbenchmark, one run, on a machine that may be shared",
+        "environment": env,
+        "models": models,
+        "protocol": {
+            "warmups": {s: warmups if s == SMALL else min(warmups, 1) for s in shapes},
+            "repeats": {s: repeats if s == SMALL else big_repeats for s in shapes},
+            "quick": quick, "timer": "perf_counter_ns", "path_order": "rotated each repeat",
+            "gc": "collected before timing, disabled while timing", "gradients": "torch.inference_mode",
+            "decode": "N forced tokens after a prompt prefilled untimed; logits every step; one sample = N steps",
+            "prefill": "prompt into a fresh cache, logits of the last position only (HF: logits_to_keep=1)",
+            "hf": "sdpa attention; position_ids passed on each decode step",
+            "prisme_weight_layout": "[in, out] in memory (compile.in_out_layout_), same values" if in_out else
+                                    "nn.Linear's [out, in]",
+            "compiled": f"step: torch.compile({compile_mode!r}) with Inductor freezing, fixed shapes, attends over "
+                        "the cache's capacity under a mask (seed001: C++ wrapper, math attention); prefill: default "
+                        "mode, dynamic length",
+            "correctness": f"every timed path's logits vs our full forward, max |error| <= {TOL:g} (float32)",
+            "negative_controls": f"planted bugs must give max |error| >= {NEGATIVE_MIN:g}",
+            "floor": "(weights read once + K/V attended, mean over the steps) / stream_read p50 bandwidth of the "
+                     "same rotation",
+            "flops": "bench_train.forward_flops: matmuls 2/MAC, causal attention half, head on the last position",
+        },
+        "correctness": [asdict(c) for c in checks],
+        "negative_controls": [asdict(c) for c in negatives],
+        "checks": verdict,
+        "compile": compile_info,
+        "decode": [asdict(r) for r in decode],
+        "prefill": [asdict(r) for r in prefill],
+        "targets": evaluate_targets(decode, prefill, {s: compile_info[s]["errors"] for s in shapes}),
+    }
+
+
+def _cell(p50: dict[str, float], p95: dict[str, float], k: str, scale: float, width: int = 17) -> str:
+    if k not in p50:
+        return f"{'-':>{width}}"
+    return f"{p50[k] * scale:>8.3f} [{p95[k] * scale:>6.3f}]".rjust(width)
+
+
+def format_vs_hf_table(doc: dict[str, Any]) -> str:
+    env, comp = doc["environment"], doc["compile"]
+    load = env["load_average_1m"]
+    lines = [f"prisme bench vs-hf: torch {env['torch']}, transformers {env['transformers']}, fp32, {env['cpu']}, "
+             f"threads {env['threads']}",
+             f"load average (1 min) {load['start']:.1f} at start, {load['end']:.1f} at end: figures are from a "
+             "shared machine; compare paths within a row", ""]
+    lines.append(f"correctness: max |logit error| vs our full forward (float32, must be <= {TOL:g})")
+    for c in doc["correctness"]:
+        lines.append(f"  {c['shape']:<12} {c['what']:<8} B{c['batch']:<2} P{c['prompt_tokens']:<4} {c['path']:<11}"
+                     f" {c['max_abs_logit_error']:.2e}  {'ok' if c['passed'] else 'FAILED'}")
+    lines.append(f"negative controls (must be >= {NEGATIVE_MIN:g}): " + ", ".join(
+        f"{c['shape']} {c['path']} {c['max_abs_logit_error']:.3g}{'' if c['passed'] else ' (MISSED)'}"
+        for c in doc["negative_controls"]))
+    for shape, info in comp.items():
+        first = ", ".join(f"{k} {v:.1f}s" for k, v in info["first_call_s"].items())
+        lines.append(f"compile {shape}: {info['mode']}"
+                     + (f"; first calls (compile included): {first}" if first else "")
+                     + "".join(f"; FAILED {k}: {e}" for k, e in info["errors"].items()))
+    lines += ["", "decode: ms per step p50 [p95] (one step = one token per row); speed-up = hf_dynamic p50 / path p50",
+              f"  {'shape':<12}{'thr':>3}{'B':>3}{'P':>5}{'N':>4} |" + "".join(f"{k:>17}" for k in DECODE_PATHS)
+              + f" | {'prisme/hf':>9} {'compiled/hf':>11} {'comp/static':>11}"]
+    for r in doc["decode"]:
+        per = {k: 1 / r["new_tokens"] for k in r["p50_ms"]}
+        cells = "".join(_cell(r["p50_ms"], r["p95_ms"], k, per.get(k, 1.0)) for k in DECODE_PATHS)
+        s, st = r["speedup_vs_hf_dynamic"], r["speedup_vs_hf_static"]
+        comp_s = f"{s['compiled']:>10.2f}x" if "compiled" in s else f"{'-':>11}"
+        comp_st = f"{st['compiled']:>10.2f}x" if "compiled" in st else f"{'-':>11}"
+        lines.append(f"  {r['shape']:<12}{r['threads']:>3}{r['batch']:>3}{r['prompt_tokens']:>5}{r['new_tokens']:>4} |"
+                     f"{cells} | {s['prisme']:>8.2f}x {comp_s} {comp_st}")
+    floors = [r for r in doc["decode"] if r["floor"]]
+    if floors:
+        lines += ["", "floor: bytes a step must read (weights + K/V attended) / streaming read bandwidth of the same "
+                      "rotation; paths as multiples of it",
+                  f"  {'shape':<12}{'B':>3} {'weights MB':>10} {'KV MB':>7} {'GB/s':>6} {'floor ms':>9} |"
+                  + "".join(f"{k:>11}" for k in DECODE_PATHS)]
+        for r in floors:
+            f = r["floor"]
+            lines.append(f"  {r['shape']:<12}{r['batch']:>3} {f['weight_bytes'] / 1e6:>10.1f}"
+                         f" {f['kv_bytes'] / 1e6:>7.2f} {f['bandwidth_gb_per_s']:>6.1f} {f['floor_ms']:>9.2f} |"
+                         + "".join(f"{f['vs_floor'][k]:>10.2f}x" if k in f["vs_floor"] else f"{'-':>11}"
+                                   for k in DECODE_PATHS))
+    lines += ["", "prefill: ms p50 [p95] (prompt into a fresh cache, last position's logits); GFLOP/s = useful FLOPs / "
+                  "p50; peak = fp32 matmul in the same rotation",
+              f"  {'shape':<12}{'thr':>3}{'B':>3}{'P':>5} |" + "".join(f"{k:>17}" for k in PREFILL_PATHS)
+              + f" | {'GFLOP':>7} |" + "".join(f"{k:>9}" for k in PREFILL_PATHS) + f" | {'peak':>6} {'of peak':>8}"]
+    for r in doc["prefill"]:
+        cells = "".join(_cell(r["p50_ms"], r["p95_ms"], k, 1.0) for k in PREFILL_PATHS)
+        g = "".join(f"{r['gflops'][k]:>9.1f}" if k in r["gflops"] else f"{'-':>9}" for k in PREFILL_PATHS)
+        peak = "" if r["matmul_peak_gflops"] is None else (
+            f" | {r['matmul_peak_gflops']:>6.1f} {max(r['fraction_of_peak'].values()):>8.1%}")
+        lines.append(f"  {r['shape']:<12}{r['threads']:>3}{r['batch']:>3}{r['prompt_tokens']:>5} |{cells} |"
+                     f" {r['flops'] / 1e9:>7.3f} |{g}{peak}")
+    lines += ["", "targets (issue 7; measured in this run):"]
+    for t in doc["targets"]:
+        m = "-" if t["measured"] is None else f"{t['measured']:.3f}"
+        lines.append(f"  [{'met' if t['met'] else 'NOT met':>7}] {t['name']}: {m} (target {t['target']:g}; "
+                     f"{t['note']})")
+    return "\n".join(lines)
+
+
+def parse_ints(text: str, flag: str) -> tuple[int, ...]:
+    """Comma-separated positive integers, or a ValueError naming `flag`."""
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag} must list positive integers, got {text!r}")
+    return values
+
+
+def main(args: argparse.Namespace) -> int:
+    """`prisme bench vs-hf`: print the table, then the JSON document as the last thing on stdout."""
+    if not hf_available():
+        msg = f"prisme bench vs-hf: skipped: it needs the optional `transformers` package ({INSTALL_HINT})"
+        print(msg)
+        print(json.dumps({"skipped": msg}))
+        return 0
+    shapes = tuple(s.strip() for s in args.shapes.split(",") if s.strip())
+    quick = args.quick
+    doc = run_vs_hf(
+        shapes=shapes, prompts=parse_ints(args.prompts or ("16,256" if quick else "16,64,128,256"), "--prompts"),
+        new_tokens=args.new_tokens or (16 if quick else 64), big_prompt=args.big_prompt,
+        big_new_tokens=args.big_new_tokens or (4 if quick else 8),
+        batches=parse_ints(args.batches or ("1" if quick else "1,8"), "--batches"),
+        prefill_tokens=args.prefill_tokens or (256 if quick else 512), warmups=args.warmups,
+        repeats=args.repeats or (5 if quick else 15), threads_small=args.threads_small, threads_big=args.threads_big,
+        compile_mode=None if args.no_compile else DEFAULT_MODE, seed=args.seed, quick=quick,
+        in_out=not args.stock_layout)
+    print(format_vs_hf_table(doc))
+    if args.json:
+        bench.write_json_atomic(doc, args.json)
+        print(f"wrote {args.json}")
+    print()
+    print(json.dumps(doc, indent=2))
+    sys.stdout.flush()
+    return 0 if doc["checks"]["passed"] else 1

@@ -1,0 +1,294 @@
+"""`prisme bench train`: training tokens/s and achieved GFLOP/s next to this machine's measured fp32 matmul peak.
+
+Also the machine measurements other benchmarks compare against (`prisme bench vs-hf` uses both):
+  * matmul peak: `a @ b` on square fp32 matrices of a few sizes; the peak is the best size's p50 GFLOP/s (2 n^3 FLOPs);
+  * streaming read bandwidth: one full reduction (`buf.sum()`) of a buffer far larger than the last-level cache;
+    bytes / p50 time. A decode step that reads its weights once cannot be faster than bytes read / this bandwidth.
+Both are timed as paths of the same `bench.time_paths` rotation as the work they are compared with, so a machine
+shared with other jobs slows them alike and the ratios stay meaningful.
+
+Training step (the backbone stage, as `prisme train --stage backbone` runs it): forward, next-token cross entropy,
+backward, global grad-norm clip at 1.0, AdamW (betas 0.9/0.95, weight decay 0.1 on matrices), zero_grad; fp32, eager.
+FLOPs per step are analytic (`forward_flops`, the PaLM convention): 2 FLOPs per multiply-add of every matmul, the
+causal half of attention only, the head on every position, and backward = 2 x forward, so a step is 3 x forward.
+Norms, activations, the embedding lookup and the optimizer are not counted (they are memory-bound): achieved GFLOP/s
+is useful model FLOPs / step time, the figure to set against the matmul peak.
+
+Output: a table for humans, then one JSON document, the last thing printed on stdout; `--json PATH` also writes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from . import bench
+from .backbone import Backbone
+from .bench import TimedPath, percentiles, time_paths
+from .config import PrismeConfig
+
+BANDWIDTH_BYTES = 512 * 2**20  # 16x a 32 MiB last-level cache: nothing of it survives in cache between reads
+MATMUL_SIZES = (1024, 2048, 3072)
+TRAIN_SHAPES = {"demo": (16, 128), "prisme_103m": (4, 256)}  # preset -> (batch, seq_len): demo = configs/demo_*
+TRAIN_TARGET = 0.5  # issue 7: training >= 50% of the matmul peak at the ~100M shape
+ADAMW = dict(betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)  # as prisme.train's defaults
+GRAD_CLIP = 1.0
+
+
+# ------------------------------------------------------------------------------------------------ machine measures
+def stream_read_path(nbytes: int = BANDWIDTH_BYTES, reads: int = 1, name: str = "stream_read") -> TimedPath:
+    """A timed path that reads a buffer of `nbytes` fp32 `reads` times (`buf.sum()`); returns the last sum. The buffer
+    is allocated and touched up front. Bytes per sample: nbytes * reads."""
+    if nbytes < 4 or reads < 1:
+        raise ValueError(f"stream read needs at least 4 bytes and 1 read, got {nbytes} and {reads}")
+    buf = torch.ones(nbytes // 4)  # [n] fp32, pages touched now, not while timing
+
+    def run(_: object) -> torch.Tensor:
+        for _ in range(reads - 1):
+            buf.sum()
+        return buf.sum()
+
+    return name, lambda: None, run
+
+
+def matmul_paths(sizes: Sequence[int] = MATMUL_SIZES, dtype: torch.dtype = torch.float32) -> list[TimedPath]:
+    """One timed path per size n, `a @ b` with a, b `[n, n]` (2 n^3 FLOPs), named `matmul_<n>`."""
+    if not sizes or any(n < 1 for n in sizes):
+        raise ValueError(f"matmul sizes must be positive, got {list(sizes)}")
+    g = torch.Generator().manual_seed(0)
+    paths = []
+    for n in sizes:
+        a, b = torch.randn(n, n, generator=g, dtype=dtype), torch.randn(n, n, generator=g, dtype=dtype)
+        paths.append((f"matmul_{n}", lambda: None, lambda _, a=a, b=b: a @ b))
+    return paths
+
+
+@dataclass
+class Bandwidth:
+    """Streaming read bandwidth: `nbytes` read per sample; GB/s = nbytes / p50 (1 GB = 1e9 bytes)."""
+
+    nbytes: int
+    samples_ms: list[float]
+    p50_ms: float
+    p95_ms: float
+    gb_per_s: float  # at the p50 time
+
+    @classmethod
+    def from_samples(cls, nbytes: int, samples_ms: list[float]) -> Bandwidth:
+        p50, p95 = percentiles(samples_ms)
+        return cls(nbytes, samples_ms, p50, p95, nbytes / p50 / 1e6)
+
+
+@dataclass
+class MatmulPeak:
+    """fp32 matmul throughput per size (GFLOP/s at each size's p50); `peak` is the best size's."""
+
+    samples_ms: dict[str, list[float]]  # matmul_<n> -> samples
+    gflops: dict[str, float]  # matmul_<n> -> 2 n^3 / p50
+    peak_gflops: float
+    peak_size: int
+
+    @classmethod
+    def from_samples(cls, samples_ms: dict[str, list[float]]) -> MatmulPeak:
+        mm = {k: v for k, v in samples_ms.items() if k.startswith("matmul_")}
+        if not mm:
+            raise ValueError("no matmul_<n> samples to take a peak from")
+        gflops = {k: 2 * int(k.removeprefix("matmul_")) ** 3 / percentiles(v)[0] / 1e6 for k, v in mm.items()}
+        best = max(gflops, key=gflops.__getitem__)
+        return cls(mm, gflops, gflops[best], int(best.removeprefix("matmul_")))
+
+
+def stream_read_bandwidth(nbytes: int = BANDWIDTH_BYTES, warmups: int = 1, repeats: int = 9) -> Bandwidth:
+    """Streaming read bandwidth with the current torch threads (standalone; see `stream_read_path`)."""
+    samples = time_paths([stream_read_path(nbytes)], warmups, repeats)
+    return Bandwidth.from_samples(nbytes, samples["stream_read"])
+
+
+def matmul_peak(sizes: Sequence[int] = MATMUL_SIZES, warmups: int = 1, repeats: int = 5) -> MatmulPeak:
+    """fp32 matmul peak with the current torch threads (standalone; see `matmul_paths`)."""
+    return MatmulPeak.from_samples(time_paths(matmul_paths(sizes), warmups, repeats))
+
+
+# ---------------------------------------------------------------------------------------------------------- FLOPs
+@dataclass
+class FlopCount:
+    """Useful FLOPs of a backbone pass (2 per multiply-add); see the module docstring for the convention."""
+
+    matmul: int  # the blocks' projections: qkv, out, MLP
+    attention: int  # q k^T and attention-weighted values, causal half only
+    head: int  # lm head on the positions whose logits are taken
+    total: int
+
+
+def matmul_params_per_layer(cfg: PrismeConfig) -> int:
+    """Weights one token multiplies with in one block: wqkv, wo, w13, w2 (biases and norms excluded)."""
+    d, hd, nh, nkv, h = cfg.d_model, cfg.head_dim, cfg.n_head, cfg.n_kv_head, cfg.ffn_hidden
+    mlp_in = 2 * h if cfg.family == "llama" else h
+    return d * (nh + 2 * nkv) * hd + nh * hd * d + d * mlp_in + h * d
+
+
+def forward_flops(cfg: PrismeConfig, batch: int, seq_len: int, head_positions: int | None = None) -> FlopCount:
+    """FLOPs of one forward over `batch` x `seq_len` tokens from an empty cache, head on `head_positions` positions
+    of each row (default: all)."""
+    if batch < 1 or seq_len < 1:
+        raise ValueError(f"need batch >= 1 and seq_len >= 1, got {batch} and {seq_len}")
+    head_positions = seq_len if head_positions is None else head_positions
+    B, T, L = batch, seq_len, cfg.n_layer
+    matmul = 2 * B * T * L * matmul_params_per_layer(cfg)
+    attention = 2 * 2 * B * L * cfg.n_head * cfg.head_dim * (T * (T + 1) // 2)  # query i sees i + 1 keys
+    head = 2 * B * head_positions * cfg.d_model * cfg.vocab_size
+    return FlopCount(matmul, attention, head, matmul + attention + head)
+
+
+def train_step_flops(cfg: PrismeConfig, batch: int, seq_len: int) -> int:
+    """FLOPs of one training step: forward with the head on every position, backward = 2 x forward."""
+    return 3 * forward_flops(cfg, batch, seq_len).total
+
+
+# ------------------------------------------------------------------------------------------------------- training
+def make_optimizer(model: Backbone, lr: float = 3e-4) -> torch.optim.AdamW:
+    """AdamW as `prisme train` builds it: weight decay on matrices only."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": ADAMW["weight_decay"]},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=ADAMW["betas"], eps=ADAMW["eps"])
+
+
+def train_step(model: Backbone, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """One optimizer step on tokens x `[B, T]` with next-token targets y `[B, T]`; returns the loss (detached)."""
+    with torch.inference_mode(False), torch.enable_grad():  # time_paths times inside inference mode
+        logits = model.head(model(x))  # [B, T, V]
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+@dataclass
+class TrainRow:
+    preset: str
+    parameters: int
+    batch: int
+    seq_len: int
+    tokens_per_step: int
+    flops_per_step: int
+    samples_ms: dict[str, list[float]]  # train_step, and the interleaved matmul sizes
+    step_p50_ms: float
+    step_p95_ms: float
+    tokens_per_s: float  # tokens_per_step / step p50
+    achieved_gflops: float  # flops_per_step / step p50
+    matmul_peak_gflops: float  # measured in the same rotation
+    fraction_of_peak: float
+    losses: list[float]  # every step's loss, warmups included: finite, and falling means the steps really train
+
+
+def train_throughput(cfg: PrismeConfig, batch: int, seq_len: int, warmups: int = 1, repeats: int = 3,
+                     seed: int = 42, matmul_sizes: Sequence[int] = MATMUL_SIZES, lr: float = 3e-4) -> TrainRow:
+    """Time `warmups` + `repeats` training steps (one fixed batch), rotated with the matmul sizes each repeat."""
+    if not 1 <= seq_len <= cfg.max_seq_len - 1:
+        raise ValueError(f"seq_len must be in [1, T_max - 1 = {cfg.max_seq_len - 1}], got {seq_len}")
+    model = bench.build_model(cfg, seed).train()
+    opt = make_optimizer(model, lr)
+    seq = bench.make_tokens(cfg.vocab_size, batch, seq_len + 1, seed)  # [B, T + 1], made outside inference mode
+    x, y = seq[:, :-1], seq[:, 1:]
+    losses: list[float] = []
+    path: TimedPath = ("train_step", lambda: None, lambda _: losses.append(float(train_step(model, opt, x, y))))
+    samples = time_paths([path, *matmul_paths(matmul_sizes)], warmups, repeats)
+    peak = MatmulPeak.from_samples(samples)
+    p50, p95 = percentiles(samples["train_step"])
+    flops = train_step_flops(cfg, batch, seq_len)
+    achieved = flops / p50 / 1e6
+    return TrainRow(cfg.name, model.num_parameters(), batch, seq_len, batch * seq_len, flops, samples, p50, p95,
+                    batch * seq_len / p50 * 1e3, achieved, peak.peak_gflops, achieved / peak.peak_gflops, losses)
+
+
+# --------------------------------------------------------------------------------------------------------- report
+def run_train(presets: Sequence[str] = ("demo", "prisme_103m"), warmups: int = 1, repeats: int = 3,
+              threads: int = 2, seed: int = 42, quick: bool = False,
+              shapes: dict[str, tuple[int, int]] | None = None) -> dict[str, Any]:
+    """The whole `prisme bench train` protocol; returns the JSON document."""
+    shapes = {**TRAIN_SHAPES, **(shapes or {})}
+    cfgs = [PrismeConfig.from_name(p) for p in presets]  # ValueError for an unknown preset, before any timing
+    sizes = MATMUL_SIZES[:2] if quick else MATMUL_SIZES
+    with bench.torch_threads(threads):
+        bandwidth = stream_read_bandwidth(BANDWIDTH_BYTES // (4 if quick else 1), warmups, max(3, repeats * 2))
+        rows, models = [], {}
+        for cfg in cfgs:
+            batch, seq_len = shapes.get(cfg.name, (8, min(128, cfg.max_seq_len - 1)))
+            if quick:
+                batch = max(1, batch // 4)
+            rows.append(train_throughput(cfg, batch, seq_len, warmups, repeats, seed, sizes))
+            with torch.device("meta"):
+                models[cfg.name] = bench.model_facts(Backbone(cfg))
+        env = bench.environment(torch.float32, seed)
+    big = [r for r in rows if r.parameters >= 50_000_000]
+    targets = [{"name": f"training >= {TRAIN_TARGET:.0%} of the fp32 matmul peak ({r.preset})",
+                "target": TRAIN_TARGET, "measured": r.fraction_of_peak, "met": r.fraction_of_peak >= TRAIN_TARGET}
+               for r in big]
+    finite = all(all(map(lambda v: v == v and abs(v) < float("inf"), r.losses)) for r in rows)
+    checks = {"losses_finite": finite}
+    checks["passed"] = all(checks.values())
+    return {
+        "scope": "Backbone-stage training steps (random init, one fixed batch of random tokens), fp32, eager, CPU",
+        "environment": env,
+        "models": models,
+        "protocol": {
+            "warmups": warmups, "repeats": repeats, "timer": "perf_counter_ns", "quick": quick,
+            "step": "forward + cross entropy + backward + clip_grad_norm(1.0) + AdamW(0.9, 0.95, wd 0.1) + zero_grad",
+            "flops": "analytic, 3 x forward: matmuls 2/MAC, causal attention half, head on every position; norms, "
+                     "activations, embedding and optimizer not counted",
+            "matmul_peak": f"square fp32 a @ b at sizes {list(sizes)}, best size's p50, timed in the same rotation "
+                           "as the training step",
+            "bandwidth": f"buf.sum() over {bandwidth.nbytes:,} bytes, p50",
+            "path_order": "rotated each repeat", "gc": "collected before timing, disabled while timing",
+        },
+        "bandwidth": asdict(bandwidth),
+        "train": [asdict(r) for r in rows],
+        "targets": targets,
+        "checks": checks,
+    }
+
+
+def format_train_table(doc: dict[str, Any]) -> str:
+    env, bw = doc["environment"], doc["bandwidth"]
+    lines = [f"prisme bench train: fp32, {env['threads']} thread(s), {env['cpu']}, torch {env['torch']}",
+             f"streaming read bandwidth: {bw['gb_per_s']:.1f} GB/s (p50 over {len(bw['samples_ms'])} reads of "
+             f"{bw['nbytes'] / 2**20:.0f} MiB)", "",
+             f"  {'preset':<12}{'params':>13}{'batch':>7}{'seq':>5}{'step p50 ms':>13}{'[p95]':>10}{'tokens/s':>10}"
+             f"{'GFLOP/step':>12}{'GFLOP/s':>9}{'peak':>8}{'of peak':>9}"]
+    for r in doc["train"]:
+        lines.append(f"  {r['preset']:<12}{r['parameters']:>13,}{r['batch']:>7}{r['seq_len']:>5}"
+                     f"{r['step_p50_ms']:>13.1f}{r['step_p95_ms']:>10.1f}{r['tokens_per_s']:>10.0f}"
+                     f"{r['flops_per_step'] / 1e9:>12.2f}{r['achieved_gflops']:>9.1f}{r['matmul_peak_gflops']:>8.1f}"
+                     f"{r['fraction_of_peak']:>9.1%}")
+    lines.append("  peak = best fp32 square matmul (p50 GFLOP/s) timed in the same rotation as each row's steps")
+    for t in doc["targets"]:
+        lines.append(f"target: {t['name']}: measured {t['measured']:.1%} -> {'met' if t['met'] else 'NOT met'}")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    """`prisme bench train`: print the table, then the JSON document as the last thing on stdout."""
+    presets = tuple(p.strip() for p in args.presets.split(",") if p.strip())
+    if not presets:
+        raise ValueError("--presets is empty")
+    if args.warmups < 0 or args.repeats < 1:
+        raise ValueError(f"need --warmups >= 0 and --repeats >= 1, got {args.warmups} and {args.repeats}")
+    doc = run_train(presets, args.warmups, args.repeats, args.threads, args.seed, args.quick)
+    print(format_train_table(doc))
+    if args.json:
+        bench.write_json_atomic(doc, args.json)
+        print(f"wrote {args.json}")
+    print()
+    print(json.dumps(doc, indent=2))
+    sys.stdout.flush()
+    return 0 if doc["checks"]["passed"] else 1
