@@ -649,15 +649,17 @@ def main(args: argparse.Namespace) -> int:
         return 0
     shapes = tuple(s.strip() for s in args.shapes.split(",") if s.strip())
     quick = args.quick
+
+    def pick(value: Any, quick_default: Any, default: Any) -> Any:
+        return value if value is not None else (quick_default if quick else default)
+
     doc = run_vs_hf(
-        shapes=shapes, prompts=parse_ints(args.prompts or ("16,256" if quick else "16,64,128,256"), "--prompts"),
-        new_tokens=args.new_tokens or (16 if quick else 64), big_prompt=args.big_prompt,
-        big_new_tokens=args.big_new_tokens or (4 if quick else 8),
-        batches=parse_ints(args.batches or ("1" if quick else "1,8"), "--batches"),
-        prefill_tokens=args.prefill_tokens or (256 if quick else 512), warmups=args.warmups,
-        repeats=args.repeats or (5 if quick else 15), threads_small=args.threads_small, threads_big=args.threads_big,
-        compile_mode=None if args.no_compile else DEFAULT_MODE, seed=args.seed, quick=quick,
-        in_out=not args.stock_layout)
+        shapes=shapes, prompts=parse_ints(pick(args.prompts, "16,256", "16,64,128,256"), "--prompts"),
+        new_tokens=args.new_tokens, big_prompt=args.big_prompt, big_new_tokens=pick(args.big_new_tokens, 4, 8),
+        batches=parse_ints(pick(args.batches, "1", "1,8"), "--batches"), prefill_tokens=args.prefill_tokens,
+        warmups=args.warmups, repeats=pick(args.repeats, 5, 15), threads_small=args.threads_small,
+        threads_big=args.threads_big, compile_mode=None if args.no_compile else DEFAULT_MODE, seed=args.seed,
+        quick=quick, in_out=not args.stock_layout)
     print(format_vs_hf_table(doc))
     if args.json:
         bench.write_json_atomic(doc, args.json)

@@ -212,7 +212,7 @@ def train_throughput(cfg: PrismeConfig, batch: int, seq_len: int, warmups: int =
 
 
 # --------------------------------------------------------------------------------------------------------- report
-def run_train(presets: Sequence[str] = ("demo", "prisme_103m"), warmups: int = 1, repeats: int = 3,
+def run_train(presets: Sequence[str] = ("demo", "prisme_103m"), warmups: int = 1, repeats: int = 5,
               threads: int = 2, seed: int = 42, quick: bool = False,
               shapes: dict[str, tuple[int, int]] | None = None) -> dict[str, Any]:
     """The whole `prisme bench train` protocol; returns the JSON document."""
