@@ -132,6 +132,19 @@ def tracemalloc_peak(setup: Callable[[], Any], run: Callable[[Any], Any]) -> int
     return peak - base
 
 
+def emit(doc: dict, table: str, json_path: str | None = None) -> int:
+    """Print a benchmark's table, write its JSON document if asked, print the document last; exit status 0 when
+    every check passed, else 1."""
+    print(table)
+    if json_path:
+        write_json_atomic(doc, json_path)
+        print(f"wrote {json_path}")
+    print()
+    print(json.dumps(doc, indent=2))
+    sys.stdout.flush()
+    return 0 if doc["checks"]["passed"] else 1
+
+
 def write_json_atomic(doc: dict[str, Any], path: str | Path) -> None:
     """Write `doc` to `path` via a temporary file in the same folder and `os.replace`: readers never see half a file."""
     path = Path(path)
@@ -499,11 +512,4 @@ def main(args: argparse.Namespace) -> int:
     doc = run_kv(preset=args.preset, prompts=parse_prompts(args.prompts), new_tokens=args.new_tokens,
                  warmups=args.warmups, repeats=args.repeats, threads=args.threads, seed=args.seed,
                  dtype=DTYPES[args.dtype], seq_len=args.seq_len)
-    print(format_kv_table(doc, load_seed001()))
-    if args.json:
-        write_json_atomic(doc, args.json)
-        print(f"wrote {args.json}")
-    print()
-    print(json.dumps(doc, indent=2))
-    sys.stdout.flush()
-    return 0 if doc["checks"]["passed"] else 1
+    return emit(doc, format_kv_table(doc, load_seed001()), args.json)

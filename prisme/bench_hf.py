@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -660,11 +659,4 @@ def main(args: argparse.Namespace) -> int:
         warmups=args.warmups, repeats=pick(args.repeats, 5, 15), threads_small=args.threads_small,
         threads_big=args.threads_big, compile_mode=None if args.no_compile else DEFAULT_MODE, seed=args.seed,
         quick=quick, in_out=not args.stock_layout)
-    print(format_vs_hf_table(doc))
-    if args.json:
-        bench.write_json_atomic(doc, args.json)
-        print(f"wrote {args.json}")
-    print()
-    print(json.dumps(doc, indent=2))
-    sys.stdout.flush()
-    return 0 if doc["checks"]["passed"] else 1
+    return bench.emit(doc, format_vs_hf_table(doc), args.json)

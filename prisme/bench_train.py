@@ -20,8 +20,6 @@ Output: a table for humans, then one JSON document, the last thing printed on st
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -284,11 +282,4 @@ def main(args: argparse.Namespace) -> int:
     if args.warmups < 0 or args.repeats < 1:
         raise ValueError(f"need --warmups >= 0 and --repeats >= 1, got {args.warmups} and {args.repeats}")
     doc = run_train(presets, args.warmups, args.repeats, args.threads, args.seed, args.quick)
-    print(format_train_table(doc))
-    if args.json:
-        bench.write_json_atomic(doc, args.json)
-        print(f"wrote {args.json}")
-    print()
-    print(json.dumps(doc, indent=2))
-    sys.stdout.flush()
-    return 0 if doc["checks"]["passed"] else 1
+    return bench.emit(doc, format_train_table(doc), args.json)

@@ -42,9 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from time import perf_counter_ns
@@ -52,7 +50,7 @@ from typing import Any
 
 import torch
 
-from .bench import environment, percentiles, time_paths, torch_threads, write_json_atomic
+from .bench import emit, environment, percentiles, time_paths, torch_threads
 from .config import PrismeConfig
 from .costs import BACKBONE, COMPONENTS, SEED_ROWS, OpsCounter, trace_cost
 from .generate import DecodeState
@@ -686,11 +684,4 @@ def main(args: argparse.Namespace) -> int:
                         repeats=2 if args.quick else args.repeats, threads=None if args.threads < 0 else args.threads,
                         seed=args.seed, dtype=DTYPES[args.dtype], device=args.device, profile=args.profile,
                         profile_steps=args.profile_steps)
-    print(format_workspace_table(doc))
-    if args.json:
-        write_json_atomic(doc, args.json)
-        print(f"wrote {args.json}")
-    print()
-    print(json.dumps(doc, indent=2))
-    sys.stdout.flush()
-    return 0 if doc["checks"]["passed"] else 1
+    return emit(doc, format_workspace_table(doc), args.json)
