@@ -13,15 +13,6 @@ from prisme.config import PrismeConfig
 from prisme.model import PrismeModel
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: these models are tiny, and the test machine's cores are shared."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _model(cfg: PrismeConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> PrismeModel:
     torch.manual_seed(seed)
     return PrismeModel(cfg).to(dtype)

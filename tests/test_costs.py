@@ -38,14 +38,6 @@ WORKSPACE_TERMS = ("bank_projection", "editor_source_attn", "editor_slot_attn", 
                    "controller", "readout")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny float64 matmuls: on a shared 2-core machine the thread pool's hand-offs cost 10x the work itself."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 # ---------------------------------------------------------------------- helpers
 def run_cli(*argv: str) -> tuple[int, str]:

@@ -22,14 +22,6 @@ from prisme.train import StageConfig, train_stage
 TOL = 1e-10  # float64, 3 steps: the two runs differ only in the order of the gradient sums
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: these models are tiny, and the test machine's cores are shared."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def _data() -> TokenDataset:
     g = torch.Generator().manual_seed(0)

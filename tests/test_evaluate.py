@@ -63,17 +63,8 @@ def per_position_ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none").view(y.shape)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny float64 models run fastest on one thread (and do not fight other jobs for cores)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
-def run(one_thread):
+def run():
     """One full evaluation (every policy family) of a tiny byte-level model on a short generated text."""
     model = make_model(vocab_size=256)
     ds = text_dataset()

@@ -33,14 +33,6 @@ from prisme.model import PrismeModel
 BUDGET = 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread (and are not slowed down by other processes' load)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def make_model(dtype: torch.dtype = torch.float64, seed: int = 0, **overrides) -> PrismeModel:
     torch.manual_seed(seed)

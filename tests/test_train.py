@@ -20,14 +20,6 @@ REPO = Path(__file__).resolve().parents[1]
 T = 32
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: these models are tiny, and the test machine's cores are shared."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def copy_stream(n_blocks: int, seed: int = 0, vocab: int = 64) -> torch.Tensor:
     """Blocks of 8 tokens from a noisy bigram chain (next = 7 t + 3 + {0, 1, 2}), each followed by a copy of itself.
