@@ -147,18 +147,9 @@ def emit(doc: dict, table: str, json_path: str | None = None) -> int:
 
 def write_json_atomic(doc: dict[str, Any], path: str | Path) -> None:
     """Write `doc` to `path` via a temporary file in the same folder and `os.replace`: readers never see half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(doc, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    from .checkpoint import write_text_atomic
+
+    write_text_atomic(Path(path), json.dumps(doc, indent=2) + "\n")
 
 
 @contextlib.contextmanager
