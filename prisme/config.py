@@ -54,6 +54,7 @@ class PrismeConfig:
     kappa_risk: float = 0.0  # default risk aversion for the controller
     optimised: bool = True  # slot K/V cache in the editor, folded readout keys; False = every op seed 000 counts
     z_norm: bool = True  # z = rms_normalise(P(norm(H))): keeps S0 at a fixed scale so edits stay visible
+    ws_init: str = "fan_in"  # workspace weights: "fan_in" (std 1/sqrt(fan_in), slots start alike) or "seed" (init_std)
     extra: dict[str, Any] = field(default_factory=dict)  # free-form metadata carried in checkpoints
 
     def __post_init__(self) -> None:
@@ -112,6 +113,7 @@ class PrismeConfig:
                 raise ValueError(f"PrismeConfig({self.name!r}): {msg}")
 
         need(self.family in FAMILIES, f"family must be one of {FAMILIES}, got {self.family!r}")
+        need(self.ws_init in ("fan_in", "seed"), f"ws_init must be 'fan_in' or 'seed', got {self.ws_init!r}")
         for f in ("vocab_size", "max_seq_len", "d_model", "n_layer", "n_head", "n_kv_head", "ffn_hidden",
                   "w", "n_slots", "n_edit_blocks", "editor_hidden", "ws_head_dim", "r_max", "cost_context"):
             v = getattr(self, f)

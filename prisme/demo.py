@@ -46,9 +46,12 @@ def demo_stage_configs(run: Path, scale: float = 1.0, seed: int = 1337, backbone
                   log_every=10)
     s1 = StageConfig(stage="backbone", steps=steps(900), lr=3e-3, min_lr=3e-4, warmup=steps(40), eval_every=steps(300),
                      out_dir=str(run / "1_backbone"), **common)
-    s2 = StageConfig(stage="workspace", steps=steps(240), lr=3e-3, min_lr=3e-4, warmup=steps(20),
+    s2 = StageConfig(stage="workspace", steps=steps(240), lr=1e-3, min_lr=3e-4, warmup=steps(20),
                      eval_every=steps(120), out_dir=str(run / "2_workspace"), init_from=s1.out_dir,
-                     train_backbone_in_workspace_stage=backbone_keeps_learning, p_dense=0.05, **common)
+                     p_dense=0.05, deep_supervision=0.5, **common)
+    if backbone_keeps_learning:  # the backbone takes exactly the matched baseline's steps; the workspace rides on it
+        s2 = s2.replace(train_backbone_in_workspace_stage=True, workspace_grad_to_backbone=False, backbone_lr=1e-3,
+                        backbone_min_lr=3e-4)
     tokens_ws = s2.steps * s2.batch_size * s2.seq_len
     s_matched = StageConfig(stage="backbone", steps=max(2, math.ceil(tokens_ws / (16 * seq_len))), lr=1e-3, min_lr=3e-4,
                             warmup=steps(20), eval_every=0, out_dir=str(run / "3_backbone_matched"),

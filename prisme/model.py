@@ -15,7 +15,7 @@ Contracts (each is a test in tests/test_contracts.py):
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -84,18 +84,29 @@ class PrismeModel(nn.Module):
             self.W_K = nn.Linear(cfg.d_model, cfg.w, bias=False)
             self.W_V = nn.Linear(cfg.d_model, cfg.w, bias=False)
             self.P = nn.Linear(cfg.d_model, cfg.w, bias=False)
-            self.slot_embed = nn.Parameter(torch.randn(cfg.n_slots, cfg.w) * (1.0 if cfg.z_norm else cfg.init_std))
+            seed_slots = cfg.ws_init == "seed" and cfg.z_norm
+            self.slot_embed = nn.Parameter(torch.randn(cfg.n_slots, cfg.w) * (1.0 if seed_slots else cfg.init_std))
             self.editor = SparseEditor(cfg)
             self.readout = DifferentialReadout(cfg)
             self.controller = ValueController(cfg)
             for module in (self.W_K, self.W_V, self.P, self.editor, self.readout, self.controller):
                 for name, p in module.named_parameters():
                     if p.dim() >= 2 and not name.startswith("U."):
-                        nn.init.normal_(p, std=cfg.init_std)
+                        nn.init.normal_(p, std=self._init_std(cfg, module, name, p))
             for block in self.editor.blocks:
                 nn.init.constant_(block.gate.bias, cfg.gate_bias_init)
             self.register_buffer("action_slot_counts", self._slot_counts(cfg), persistent=False)  # [A+2, M]
             self.register_buffer("action_cost", torch.tensor(action_cost_proxy(cfg)), persistent=False)  # [A]
+
+    def _init_std(self, cfg: PrismeConfig, module: nn.Module, name: str, p: nn.Parameter) -> float:
+        """"seed": every matrix at init_std. "fan_in": the bank, editor and readout projections at 1/sqrt(fan_in),
+        so that with unit-scale slots (z_norm) an edit moves a slot by O(1) from the first step instead of ~3% (the
+        readout's U stays zero, so an untrained workspace still changes nothing); the controller, the gates and the
+        step/remaining tables keep init_std."""
+        projection = name.endswith("weight") and not name.endswith(("gate.weight", "_emb.weight"))
+        if cfg.ws_init == "seed" or module is self.controller or not projection:
+            return cfg.init_std
+        return p.shape[1] ** -0.5
 
     @staticmethod
     def _slot_counts(cfg: PrismeConfig) -> torch.Tensor:
@@ -185,22 +196,25 @@ class PrismeModel(nn.Module):
             remaining = torch.full((B, Tq), int(remaining), device=S.device, dtype=torch.long)
         return self.editor(S, ctx.K, ctx.V, ctx.bank_mask, action, step, remaining, slot_kv)
 
-    def logits_from_state(self, S: torch.Tensor, ctx: EncodedContext,
-                          edited: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def logits_from_state(self, S: torch.Tensor, ctx: EncodedContext, edited: torch.Tensor | None = None,
+                          head: Callable[[torch.Tensor], torch.Tensor] | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """logits = head(H + U(r(S) - r(S0))) at edited positions `[B, Tq]` and head(H) elsewhere (bitwise).
 
-        The readout runs only on edited positions. Returns (logits `[B, Tq, V]`, delta `[B, Tq, d]`).
+        The readout runs only on edited positions. `head` replaces `backbone.head` (training uses it to keep the
+        workspace's loss out of the head's weights). Returns (logits `[B, Tq, V]`, delta `[B, Tq, d]`).
         """
+        head = self.backbone.head if head is None else head
         if edited is None:
             edited = torch.ones(S.shape[:2], dtype=torch.bool, device=S.device)
         b, t = torch.nonzero(edited, as_tuple=True)
         delta = ctx.H.new_zeros(ctx.H.shape)
         if b.numel() == 0:
-            return self.backbone.head(ctx.H), delta
+            return head(ctx.H), delta
         d = self.readout(S[b, t], ctx.S0[b, t], ctx.z[b, t])  # [N, d]
         delta = delta.index_put((b, t), d.to(delta.dtype))
         H = ctx.H.index_put((b, t), (ctx.H[b, t] + d).to(ctx.H.dtype))
-        return self.backbone.head(H), delta
+        return head(H), delta
 
     # ------------------------------------------------------------------ rollouts (shared with decoding)
     def rollout_forced(self, ctx: EncodedContext, actions: torch.Tensor,

@@ -97,6 +97,10 @@ class StageConfig:
     train_backbone_in_workspace_stage: bool = False  # let the backbone keep learning in stage 2 (SPEC §5 lesson)
     backbone_aux_weight: float = 1.0  # with the option above: weight of the backbone head's own LM loss
     aux_prev_token: float = 0.0  # with the option above: weight of a linear probe's CE predicting token t-1 from H[t]
+    workspace_grad_to_backbone: bool = True  # with the option above; False: the backbone learns from its own LM loss
+    #   alone (the workspace's loss does not reach it, gradients clipped per group), i.e. as the matched baseline does
+    backbone_lr: float | None = None  # with the option above: the backbone's peak lr (default: lr)
+    backbone_min_lr: float | None = None  # with the option above: the backbone's final lr (default: min_lr)
     deep_supervision: float = 0.0  # weight of the CE after every intermediate forced step (0 = final state only)
     min_budget: int = 1  # forced budgets are drawn uniformly per position from [min_budget, max_budget]
     max_budget: int | None = None  # default: the model's r_max
@@ -135,6 +139,10 @@ class StageConfig:
              f"max_budget must be None or an int >= min_budget={self.min_budget}, got {self.max_budget!r}")
         need(self.lr > 0 and math.isfinite(self.lr), f"lr must be > 0, got {self.lr}")
         need(0 <= self.min_lr <= self.lr, f"min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
+        for f, top in (("backbone_lr", None), ("backbone_min_lr", self.backbone_lr or self.lr)):
+            v = getattr(self, f)
+            need(v is None or (v >= 0 and math.isfinite(v) and (top is None or v <= top)),
+                 f"{f} must be None or a finite value >= 0{'' if top is None else f' and <= {top}'}, got {v!r}")
         need(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
         need(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"betas must be two values in [0, 1), "
              f"got {self.betas}")
@@ -146,6 +154,9 @@ class StageConfig:
         need(self.value_clip > 0, f"value_clip must be > 0, got {self.value_clip}")
         for f in ("backbone_aux_weight", "aux_prev_token", "deep_supervision", "risk_weight"):
             need(getattr(self, f) >= 0, f"{f} must be >= 0, got {getattr(self, f)}")
+        own_loss = self.train_backbone_in_workspace_stage and self.backbone_aux_weight > 0
+        need(self.workspace_grad_to_backbone or own_loss, "workspace_grad_to_backbone=False needs "
+             "train_backbone_in_workspace_stage=True and backbone_aux_weight > 0 (it learns from its own loss)")
         need(self.aux_prev_token == 0 or self.train_backbone_in_workspace_stage,
              f"aux_prev_token={self.aux_prev_token} needs train_backbone_in_workspace_stage=True (it trains H)")
         need(self.dtype in DTYPES, f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
@@ -257,12 +268,24 @@ def build_dataset(scfg: StageConfig, vocab_size: int) -> TokenDataset | MQARData
                                   cache_dir=scfg.cache_dir, name="corpus")
 
 
-def lr_at(step: int, scfg: StageConfig) -> float:
-    """Linear warm-up to `lr` over `warmup` steps, then cosine decay to `min_lr` at `steps`."""
+def lr_at(step: int, scfg: StageConfig, peak: float | None = None, floor: float | None = None) -> float:
+    """Linear warm-up to `peak` (default `lr`) over `warmup` steps, then cosine decay to `floor` (default `min_lr`)."""
+    peak = scfg.lr if peak is None else peak
+    floor = scfg.min_lr if floor is None else floor
     if step < scfg.warmup:
-        return scfg.lr * (step + 1) / scfg.warmup
+        return peak * (step + 1) / scfg.warmup
     progress = min(1.0, (step - scfg.warmup) / max(1, scfg.steps - scfg.warmup))
-    return scfg.min_lr + 0.5 * (scfg.lr - scfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+    return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+def _group_lrs(scfg: StageConfig) -> dict[str, tuple[float, float]]:
+    """Peak and final lr per optimizer group kind: "main", and "backbone" when it learns in the workspace stage."""
+    out = {"main": (scfg.lr, scfg.min_lr)}
+    if scfg.stage == "workspace" and scfg.train_backbone_in_workspace_stage:
+        peak = scfg.lr if scfg.backbone_lr is None else scfg.backbone_lr
+        floor = scfg.backbone_min_lr if scfg.backbone_min_lr is not None else min(scfg.min_lr, peak)
+        out["backbone"] = (peak, floor)
+    return out
 
 
 def _ce_sum(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -306,6 +329,22 @@ class BackboneObjective(nn.Module):
         return {"loss": float(s["ce"] / s["n"].clamp(min=1))}
 
 
+class _HeadCall(nn.Module):
+    def __init__(self, backbone: nn.Module):
+        super().__init__()
+        self.backbone = backbone
+
+    def forward(self, H: torch.Tensor) -> torch.Tensor:
+        return self.backbone.head(H)
+
+
+def _head_without_weight_grads(backbone: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`backbone.head` whose weights (final norm, tied embedding) take no gradient; H still does."""
+    call = _HeadCall(backbone)
+    params = {f"backbone.{n}": p.detach() for n, p in backbone.named_parameters()}
+    return lambda H: torch.func.functional_call(call, params, (H,))
+
+
 class WorkspaceObjective(nn.Module):
     """Stage 2: CE of the corrected logits under random forced action sequences."""
 
@@ -315,6 +354,7 @@ class WorkspaceObjective(nn.Module):
         self.model, self.cfg = model, cfg
         self.train_backbone = scfg.train_backbone_in_workspace_stage
         self.aux = scfg.backbone_aux_weight if self.train_backbone else 0.0
+        self.isolate = self.train_backbone and not scfg.workspace_grad_to_backbone  # the workspace reads H.detach()
         self.aux_prev = scfg.aux_prev_token if scfg.stage == "workspace" else 0.0
         if self.aux_prev > 0:  # SPEC §5 lesson: make H[t] carry token t-1 so the bank has something to match
             self.prev_probe = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)  # trained here, not checkpointed
@@ -353,7 +393,9 @@ class WorkspaceObjective(nn.Module):
         model, cfg = self.model, self.cfg
         actions, budget = extra["actions"], extra["budget"]  # [b, T, R], [b, T]
         with torch.set_grad_enabled(self.train_backbone and torch.is_grad_enabled()):
-            H = model.backbone(x)  # [b, T, d]
+            H_own = model.backbone(x)  # [b, T, d]
+        H = H_own.detach() if self.isolate else H_own
+        head = _head_without_weight_grads(model.backbone) if self.isolate else None
         ctx = model.context_from_H(H, H)
         S, slot_kv = ctx.S0, model.new_slot_kv(ctx.S0)
         ds_sum = H.new_zeros((), dtype=torch.float32)
@@ -368,10 +410,10 @@ class WorkspaceObjective(nn.Module):
                     gate_sum[i] = gate_sum[i] + gm.detach().float() * info.n_positions
             if self.ds > 0 and r < actions.shape[-1] - 1:
                 more = budget > r + 1  # [b, T] positions whose final state is later
-                logits_r, _ = model.logits_from_state(S, ctx, more)
+                logits_r, _ = model.logits_from_state(S, ctx, more, head)
                 ds_sum = ds_sum + _ce_sum(logits_r, y.masked_fill(~more, IGNORE_INDEX))
         edited = (actions != cfg.stop_action).any(-1)  # [b, T]
-        logits, delta = model.logits_from_state(S, ctx, edited)
+        logits, delta = model.logits_from_state(S, ctx, edited, head)
         ce = _ce_sum(logits, y)
         loss = ce / denom["tokens"]
         if self.ds > 0:
@@ -379,10 +421,10 @@ class WorkspaceObjective(nn.Module):
         with torch.no_grad():
             ce_bb = _ce_sum(model.backbone.head(H.detach()), y)
         if self.aux > 0:
-            loss = loss + self.aux * _ce_sum(model.backbone.head(H), y) / denom["tokens"]
+            loss = loss + self.aux * _ce_sum(model.backbone.head(H_own), y) / denom["tokens"]
         prev_ce = H.new_zeros((), dtype=torch.float32)
         if self.aux_prev > 0:
-            prev_ce = _ce_sum(self.prev_probe(H[:, 1:]), x[:, :-1])  # H[t] [b, T-1, d] -> token t-1
+            prev_ce = _ce_sum(self.prev_probe(H_own[:, 1:]), x[:, :-1])  # H[t] [b, T-1, d] -> token t-1
             loss = loss + self.aux_prev * prev_ce / denom["prev"]
         with torch.no_grad():
             e = edited.float()
@@ -671,10 +713,16 @@ def _trainable(model: nn.Module, scfg: StageConfig) -> list[nn.Parameter]:
 
 
 def _optimizer(wrapped: nn.Module, scfg: StageConfig) -> torch.optim.Optimizer:
-    params = [p for p in wrapped.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": scfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    """AdamW with decay on >= 2-D weights only; the backbone gets its own groups (and lr) when it learns in stage 2."""
+    kinds = _group_lrs(scfg)
+    named = [(n, p) for n, p in wrapped.named_parameters() if p.requires_grad]
+    groups = []
+    for kind in kinds:
+        mine = [p for n, p in named if "backbone" not in kinds or ("model.backbone." in n) == (kind == "backbone")]
+        for decay in (True, False):
+            ps = [p for p in mine if (p.dim() >= 2) == decay]
+            if ps or kind == "main":
+                groups.append({"params": ps, "weight_decay": scfg.weight_decay if decay else 0.0, "kind": kind})
     return torch.optim.AdamW(groups, lr=scfg.lr, betas=tuple(scfg.betas), eps=scfg.eps)
 
 
@@ -917,9 +965,10 @@ class _Trainer:
         x, y = self.data.batch("train", scfg.batch_size, self.T, self.gens["data"])  # [B, T], same on every rank
         ex = obj.sample(x, y, self.gens["sample"])
         dn = obj.denominators(x, y, ex)
-        lr = lr_at(self.step, scfg)
+        lrs = {k: lr_at(self.step, scfg, *v) for k, v in _group_lrs(scfg).items()}
+        lr = lrs["main"]
         for group in self.opt.param_groups:
-            group["lr"] = lr
+            group["lr"] = lrs[group.get("kind", "main")]
         acc: dict[str, torch.Tensor] = {}
         for m in range(accum):
             xm, ym = _shard(x, m, accum, di).to(self.device), _shard(y, m, accum, di).to(self.device)
@@ -931,8 +980,11 @@ class _Trainer:
         acc = _all_reduce_stats(acc, di)
         objective = float(acc.pop("objective"))
         trainable = self.params if di.world == 1 else [p for p in self.wrapped.parameters() if p.requires_grad]
-        gn = torch.nn.utils.clip_grad_norm_(trainable, scfg.grad_clip if scfg.grad_clip > 0 else float("inf"))
-        grad_norm = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)
+        norms = []
+        for group in self._clip_groups(trainable):
+            gn = torch.nn.utils.clip_grad_norm_(group, scfg.grad_clip if scfg.grad_clip > 0 else float("inf"))
+            norms.append(float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn))
+        grad_norm = math.sqrt(sum(n * n for n in norms))
         if not (math.isfinite(objective) and math.isfinite(grad_norm)):
             self.opt.zero_grad(set_to_none=True)
             self.log({"step": self.step, "event": "non_finite", "loss": objective, "grad_norm": grad_norm})
@@ -949,7 +1001,16 @@ class _Trainer:
         self.step += 1
         self.rng = _rng_state(self.gens)
         self.updating = False
-        return {"objective": objective, **obj.summarise(acc), "lr": lr, "grad_norm": grad_norm}
+        extra_lr = {"lr_backbone": lrs["backbone"]} if "backbone" in lrs else {}
+        return {"objective": objective, **obj.summarise(acc), "lr": lr, **extra_lr, "grad_norm": grad_norm}
+
+    def _clip_groups(self, trainable: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+        """One clipping group, or backbone | the rest when the backbone learns from its own loss alone (so that its
+        steps are the matched baseline's)."""
+        if not getattr(self.objective, "isolate", False):
+            return [trainable]
+        ids = {id(p) for p in self.model.backbone_parameters()}
+        return [[p for p in trainable if id(p) in ids], [p for p in trainable if id(p) not in ids]]
 
     # ------------------------------------------------------------------------------------------------ loop
     def run(self, callbacks: Sequence[Callable[[int, dict[str, float]], None]]) -> TrainResult:

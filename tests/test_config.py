@@ -85,6 +85,7 @@ def test_big_backbones_have_the_spec_parameter_counts_on_meta(name, expected):
     (dict(family="bert"), "family"),
     (dict(vocab_size=0), "vocab_size"),
     (dict(n_layer=1.5), "n_layer"),
+    (dict(ws_init="xavier"), "ws_init"),
 ])
 def test_bad_field_raises_value_error_naming_it(overrides, field):
     """Every bad field or combination gives a ValueError whose message names the field."""

@@ -35,8 +35,9 @@ BUDGET = 3
 
 
 def make_model(dtype: torch.dtype = torch.float64, seed: int = 0, **overrides) -> PrismeModel:
+    """A random tiny model whose controller both edits and stops (its weights drawn as below, seed-style init)."""
     torch.manual_seed(seed)
-    model = PrismeModel(PrismeConfig.from_name("tiny", **overrides)).to(dtype).eval()
+    model = PrismeModel(PrismeConfig.from_name("tiny", **{"ws_init": "seed", **overrides})).to(dtype).eval()
     torch.nn.init.normal_(model.readout.U.weight, std=0.5)  # make every edit visible in the logits
     with torch.no_grad():  # a controller whose decisions vary from position to position
         for p in model.controller.parameters():

@@ -50,3 +50,20 @@ def test_parameter_groups_partition_the_model():
     ids = [id(p) for g in groups for p in g]
     assert len(ids) == len(set(ids)) == len(list(model.parameters()))
     assert all(groups)
+
+
+def test_fan_in_init_lets_a_first_edit_move_a_slot_while_the_readout_stays_exact():
+    """With ws_init="fan_in" one DENSE edit of an untrained model moves the slots by O(1) of their size (the "seed"
+    init, the negative control, by a few percent), and the zero U keeps every logit bitwise the backbone's."""
+    torch.manual_seed(0)
+    x = torch.randint(0, 64, (2, 16))
+    change = {}
+    for init in ("fan_in", "seed"):
+        torch.manual_seed(1)
+        model = PrismeModel(PrismeConfig.from_name("tiny", ws_init=init)).double()
+        with torch.no_grad():
+            out = model(x, torch.full((2, 16, 1), model.cfg.dense_action), return_state=True)
+            S0 = out.ctx.S0
+            change[init] = ((out.S_final - S0).norm() / S0.norm()).item()
+            assert torch.equal(out.logits, model.backbone.head(model.backbone(x)))
+    assert change["fan_in"] > 0.3 > 0.1 > change["seed"], change
