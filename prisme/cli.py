@@ -223,9 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--scale", type=float, default=1.0, help="multiply every stage's steps (e.g. 0.05 = smoke run)")
     s.add_argument("--threads", type=int, default=-1, help="torch CPU threads (-1 = leave as is)")
     s.add_argument("--seed", type=int, default=1337, help="seed for init, data order and random actions")
-    s.add_argument("--eval-batches", type=int, default=4, help="validation batches (8 x 128 tokens) per policy")
+    s.add_argument("--eval-batches", type=int, default=16, help="validation batches (8 x 128 tokens) per policy")
     s.add_argument("--backbone-keeps-learning", action="store_true",
-                   help="train the backbone too in the workspace stage (default: frozen, as SPEC stage 2)")
+                   help="stage 2 also trains the backbone, from its own loss only, on exactly the matched baseline's "
+                        "steps (default: frozen, as SPEC stage 2)")
     s.set_defaults(func=_cmd_demo)
     return p
 

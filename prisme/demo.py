@@ -44,7 +44,8 @@ def demo_stage_configs(run: Path, scale: float = 1.0, seed: int = 1337, backbone
 
     common = dict(batch_size=16, seq_len=seq_len, seed=seed, dataset="austen", eval_batches=4, keep_last=1,
                   log_every=10)
-    s1 = StageConfig(stage="backbone", steps=steps(900), lr=3e-3, min_lr=3e-4, warmup=steps(40), eval_every=steps(300),
+    s1 = StageConfig(stage="backbone", steps=steps(3600), lr=3e-3, min_lr=3e-4, warmup=steps(40),
+                     eval_every=steps(1200),
                      out_dir=str(run / "1_backbone"), **common)
     s2 = StageConfig(stage="workspace", steps=steps(240), lr=1e-3, min_lr=3e-4, warmup=steps(20),
                      eval_every=steps(120), out_dir=str(run / "2_workspace"), init_from=s1.out_dir,
@@ -88,7 +89,7 @@ def _stage_summary(r: TrainResult, wall: float) -> dict[str, Any]:
 
 
 def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | None = None, seed: int = 1337,
-             backbone_keeps_learning: bool = False, eval_batches: int = 4, progress: bool = True,
+             backbone_keeps_learning: bool = False, eval_batches: int = 16, progress: bool = True,
              model_cfg: PrismeConfig | None = None) -> dict[str, Any]:
     """Run the demo end to end; returns the summary (also written to <run>/summary.json).
 
@@ -141,7 +142,7 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
     report.plot(run / "pareto.png")
 
     t = time.perf_counter()
-    n_new = min(160, model.cfg.max_seq_len - len(ByteTokenizer().encode(PROMPT)))
+    n_new = stages["workspace"].seq_len - len(ByteTokenizer().encode(PROMPT))  # stay within the trained positions
     text, info = _sample(model, PROMPT, n_new, model.cfg.r_max)
     walls["sample"] = time.perf_counter() - t
     write_text_atomic(run / "sample.txt", PROMPT + text + "\n")
@@ -202,5 +203,5 @@ def main(args: argparse.Namespace) -> int:
     run_demo(out=getattr(args, "out", None), scale=getattr(args, "scale", 1.0),
              threads=threads if threads and threads > 0 else None, seed=getattr(args, "seed", 1337),
              backbone_keeps_learning=getattr(args, "backbone_keeps_learning", False),
-             eval_batches=getattr(args, "eval_batches", 4))
+             eval_batches=getattr(args, "eval_batches", 16))
     return 0
