@@ -11,9 +11,8 @@ Conventions used throughout:
 from __future__ import annotations
 
 import hashlib
+import io
 import lzma
-import os
-import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -22,6 +21,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
+
+from .checkpoint import write_bytes_atomic
 
 if TYPE_CHECKING:  # pragma: no cover
     from tokenizers import Tokenizer as HFTokenizer
@@ -136,7 +137,7 @@ class BPETokenizer:
         """Write the tokenizer as HF JSON (atomically)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_write_bytes(path, self._tok.to_str().encode("utf-8"))
+        write_bytes_atomic(path, self._tok.to_str().encode("utf-8"))
 
     @property
     def vocab_size(self) -> int:
@@ -244,31 +245,10 @@ def load_text(source: str | Path | None = None) -> str:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _atomic_save_npy(path: Path, arr: np.ndarray) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, arr, allow_pickle=False)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    write_bytes_atomic(path, buf.getvalue())
 
 
 def token_cache_path(cache_dir: str | Path, text: str, tokenizer: Tokenizer, name: str = "corpus") -> Path:

@@ -874,6 +874,15 @@ class _Trainer:
         self.objective = objective = OBJECTIVES[scfg.stage](model, scfg)
         self.params += [p for n, p in objective.named_parameters() if not n.startswith("model.")]  # aux probes
         resuming = scfg.resume and meta is not None
+        if resuming and "objective" in (meta.optimizer_state or {}):
+            saved = meta.optimizer_state["objective"]
+            own = {n: p for n, p in objective.named_parameters() if not n.startswith("model.")}
+            if set(saved) != set(own):
+                raise ValueError(f"{meta.path}: the checkpoint's objective weights {sorted(saved)} do not match this "
+                                 f"stage's {sorted(own)}; resume with the same aux settings")
+            with torch.no_grad():
+                for n, p in own.items():
+                    p.copy_(saved[n])
         self.step = meta.step if resuming else 0
         self.gens = {"data": torch.Generator().manual_seed(scfg.seed),
                      "sample": torch.Generator().manual_seed(scfg.seed + 1)}
@@ -912,6 +921,8 @@ class _Trainer:
         if di.main:
             self.out.mkdir(parents=True, exist_ok=True)
             ckpt.write_text_atomic(self.out / "stage_config.json", json.dumps(scfg.to_dict(), indent=2) + "\n")
+            if resuming:
+                _drop_rows_after(self.out / "metrics.jsonl", self.step)
             if scfg.log_tensorboard:
                 self.writer = SummaryWriter(str(self.out / "tb"))
 
@@ -950,6 +961,10 @@ class _Trainer:
         middle of the next step's forward/backward has not touched them yet.
         """
         state_dict, opt_state = _gather_state(self.wrapped, self.opt, self.scfg, self.di)
+        aux = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()  # collective (FSDP)
+               for n, p in self.objective.named_parameters() if not n.startswith("model.")}
+        if aux:  # the objective's own weights (the aux_prev_token probe) travel with the optimizer state
+            opt_state = {**opt_state, "objective": aux}
         if self.di.main:
             ckpt.save_checkpoint(self.out / ckpt.checkpoint_name(self.step), self.model, stage=self.scfg.stage,
                                  step=self.step, stage_config=self.scfg.to_dict(), optimizer_state=opt_state,
@@ -1065,6 +1080,16 @@ class _Trainer:
                            wall_s=time.perf_counter() - self.t_start, interrupted=interrupted)
 
 
+def _drop_rows_after(path: Path, step: int) -> None:
+    """Forget metrics rows logged after `step` (the resumed checkpoint): the resumed run logs them again."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines()
+    keep = [line for line in lines if not line.strip() or json.loads(line).get("step", 0) <= step]
+    if len(keep) != len(lines):
+        ckpt.write_text_atomic(path, "".join(line + "\n" for line in keep))
+
+
 def _accumulate(acc: dict[str, torch.Tensor], stats: dict[str, torch.Tensor]) -> None:
     for k, v in stats.items():
         v = v.detach().double().cpu()
@@ -1121,7 +1146,8 @@ def _gather_state(wrapped: nn.Module, opt: torch.optim.Optimizer, scfg: StageCon
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         msd = get_model_state_dict(wrapped, options=opts)
         osd = get_optimizer_state_dict(wrapped, opt, options=opts)
-        return {k.removeprefix("model."): v for k, v in msd.items()}, {"format": "fqn", "state": osd}
+        return {k.removeprefix("model."): v for k, v in msd.items() if k.startswith("model.")}, \
+            {"format": "fqn", "state": osd}
     return None, {"format": "torch", "state": opt.state_dict()}
 
 

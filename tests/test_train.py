@@ -4,6 +4,7 @@ checkpoints, resumes exactly, saves on Ctrl-C and stops on a non-finite loss."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -208,6 +209,54 @@ def test_resume_after_ctrl_c_equals_an_uninterrupted_run(pipeline, data, tmp_pat
     assert [k for k in a if not torch.equal(a[k], c[k])] != []
 
 
+def test_resume_with_the_prev_token_probe_equals_an_uninterrupted_run(pipeline, data, tmp_path):
+    """aux_prev_token's probe is checkpointed: Ctrl-C at step 3 then resume ends bitwise where a straight run ends;
+    a checkpoint stripped of the probe (the negative control) resumes with a fresh probe and ends elsewhere."""
+    kw = dict(steps=6, init_from=str(pipeline["tmp"] / "backbone"), train_backbone_in_workspace_stage=True,
+              aux_prev_token=0.5)
+    straight = train_stage(None, stage_cfg(tmp_path / "a", "workspace", **kw), dataset=data)
+    a = ckpt.load_model(straight.checkpoint)[0].state_dict()
+    ends = {}
+    for strip in (False, True):
+        out = tmp_path / f"b{strip}"
+        cut = train_stage(None, stage_cfg(out, "workspace", **kw), dataset=data, callbacks=[_interrupt_at(3)])
+        if strip:
+            opt_file = cut.checkpoint / ckpt.OPTIMIZER
+            state = torch.load(opt_file, weights_only=False)
+            assert "prev_probe.weight" in state.pop("objective")
+            torch.save(state, opt_file)
+        resumed = train_stage(None, stage_cfg(out, "workspace", resume=True, **kw), dataset=data)
+        b = ckpt.load_model(resumed.checkpoint)[0].state_dict()
+        ends[strip] = [k for k in a if not torch.equal(a[k], b[k])]
+    assert ends[False] == [] and ends[True] != []
+
+
+def test_resume_after_a_crash_logs_each_step_once(pipeline, data, tmp_path, monkeypatch):
+    """A run that died after logging steps past its last checkpoint, once resumed, has one train row per step (the
+    rows after the checkpoint are replaced); keeping the stale rows (the negative control) duplicates steps 4-6."""
+    cfg = pipeline["cfg"]
+
+    def train_rows(out: Path) -> list[int]:
+        rows = [json.loads(line) for line in (out / "backbone" / "metrics.jsonl").read_text().splitlines()]
+        return [r["step"] for r in rows if r.get("split") == "train"]
+
+    for drop in (True, False):
+        out = tmp_path / str(drop)
+        kw = dict(steps=6, ckpt_every=3, log_every=1, keep_last=0)
+        train_stage(cfg, stage_cfg(out, "backbone", **kw), dataset=data)
+        run = out / "backbone"
+        shutil.rmtree(run / ckpt.checkpoint_name(6))  # the crash: steps 4-6 logged, their checkpoint never written
+        (run / ckpt.LATEST).write_text(ckpt.checkpoint_name(3))
+        if not drop:
+            monkeypatch.setattr(train_mod, "_drop_rows_after", lambda path, step: None)
+        train_stage(cfg, stage_cfg(out, "backbone", resume=True, **kw), dataset=data)
+        steps = train_rows(out)
+        if drop:
+            assert steps == [1, 2, 3, 4, 5, 6]
+        else:
+            assert steps == [1, 2, 3, 4, 5, 6, 4, 5, 6]
+
+
 def test_real_sigint_stops_at_the_step_boundary_and_saves(data, tmp_path):
     """A SIGINT delivered mid-run (the Ctrl-C handler) ends the run after the current step with a checkpoint."""
     import os
@@ -383,6 +432,6 @@ def test_aux_prev_token_adds_the_probe_ce_on_the_previous_token(data):
     torch.testing.assert_close(loss[0.5] - loss[0.0], want.float(), rtol=0, atol=1e-5)
     # negative control: the same probe aimed at the current token t is a different number
     wrong = 0.5 * torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
-    assert abs(float(wrong - want)) > 1e-3
+    assert abs((wrong - want).detach().item()) > 1e-3
     with pytest.raises(ValueError, match="aux_prev_token"):
         StageConfig(stage="workspace", aux_prev_token=1.0).validate()
