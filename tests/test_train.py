@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from prisme import checkpoint as ckpt
+from prisme import objectives
 from prisme import train as train_mod
 from prisme.config import PrismeConfig
 from prisme.data import TokenDataset
@@ -276,14 +277,14 @@ def test_real_sigint_stops_at_the_step_boundary_and_saves(data, tmp_path):
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(data, tmp_path, monkeypatch):
     """A NaN loss at step 5 raises NonFiniteLossError naming the step-4 checkpoint, which stays the newest."""
     calls = {"n": 0}
-    forward = train_mod.BackboneObjective.forward
+    forward = objectives.BackboneObjective.forward
 
     def poisoned(self, *args):
         loss, stats = forward(self, *args)
         calls["n"] += 1
         return (loss * float("nan"), stats) if calls["n"] == 5 else (loss, stats)
 
-    monkeypatch.setattr(train_mod.BackboneObjective, "forward", poisoned)
+    monkeypatch.setattr(objectives.BackboneObjective, "forward", poisoned)
     with pytest.raises(NonFiniteLossError, match=r"non-finite loss.*step 5.*ckpt_000004"):
         train_stage(PrismeConfig.from_name("tiny"), stage_cfg(tmp_path, "backbone", ckpt_every=2, keep_last=0),
                     dataset=data)
@@ -422,7 +423,7 @@ def test_aux_prev_token_adds_the_probe_ce_on_the_previous_token(data):
     model = PrismeModel(PrismeConfig.from_name("tiny")).double()
     x, y = data.batch("train", 4, T, torch.Generator().manual_seed(1))
     base = StageConfig(stage="workspace", train_backbone_in_workspace_stage=True)
-    objs = {w: train_mod.WorkspaceObjective(model, base.replace(aux_prev_token=w)).double() for w in (0.0, 0.5)}
+    objs = {w: objectives.WorkspaceObjective(model, base.replace(aux_prev_token=w)).double() for w in (0.0, 0.5)}
     ex = objs[0.0].sample(x, y, torch.Generator().manual_seed(2))
     loss = {w: o(x, y, ex, o.denominators(x, y, ex))[0] for w, o in objs.items()}
     H = model.backbone(x)  # [4, T, d]
