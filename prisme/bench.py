@@ -472,14 +472,15 @@ def format_kv_table(doc: dict[str, Any], reference: dict[str, Any] | None = None
     return "\n".join(lines)
 
 
-def parse_prompts(text: str) -> tuple[int, ...]:
+def parse_ints(text: str, flag: str) -> tuple[int, ...]:
+    """Comma-separated positive integers (a CLI list such as --prompts or --batches), or a ValueError naming `flag`."""
     try:
-        prompts = tuple(int(p) for p in text.split(",") if p.strip())
+        values = tuple(int(v) for v in text.split(",") if v.strip())
     except ValueError:
-        raise ValueError(f"--prompts must be comma-separated integers, got {text!r}") from None
-    if not prompts:
-        raise ValueError("--prompts is empty")
-    return prompts
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag} must list positive integers, got {text!r}")
+    return values
 
 
 def main(args: argparse.Namespace) -> int:
@@ -500,7 +501,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"unknown benchmark {args.bench!r}")
     if args.dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {args.dtype!r}")
-    doc = run_kv(preset=args.preset, prompts=parse_prompts(args.prompts), new_tokens=args.new_tokens,
+    doc = run_kv(preset=args.preset, prompts=parse_ints(args.prompts, "--prompts"), new_tokens=args.new_tokens,
                  warmups=args.warmups, repeats=args.repeats, threads=args.threads, seed=args.seed,
                  dtype=DTYPES[args.dtype], seq_len=args.seq_len)
     return emit(doc, format_kv_table(doc, load_seed001()), args.json)

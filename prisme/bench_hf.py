@@ -48,7 +48,7 @@ import torch.nn as nn
 
 from . import bench, bench_train
 from .backbone import Backbone
-from .bench import TimedPath, percentiles, time_paths
+from .bench import TimedPath, parse_ints, percentiles, time_paths
 from .compile import DEFAULT_MODE, CompiledDecoder, compile_decode, decode_step, in_out_layout_
 from .config import PrismeConfig
 from .interop import INSTALL_HINT, hf_available, hf_cache_kwarg, to_hf
@@ -626,17 +626,6 @@ def format_vs_hf_table(doc: dict[str, Any]) -> str:
         lines.append(f"  [{'met' if t['met'] else 'NOT met':>7}] {t['name']}: {m} (target {t['target']:g}; "
                      f"{t['note']})")
     return "\n".join(lines)
-
-
-def parse_ints(text: str, flag: str) -> tuple[int, ...]:
-    """Comma-separated positive integers, or a ValueError naming `flag`."""
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise ValueError(f"{flag} must list positive integers, got {text!r}")
-    return values
 
 
 def main(args: argparse.Namespace) -> int:

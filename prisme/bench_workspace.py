@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from .bench import emit, environment, percentiles, time_paths, torch_threads
+from .bench import emit, environment, parse_ints, percentiles, time_paths, torch_threads
 from .config import PrismeConfig
 from .costs import BACKBONE, COMPONENTS, SEED_ROWS, OpsCounter, trace_cost
 from .generate import DecodeState
@@ -661,16 +661,6 @@ def format_workspace_table(doc: dict[str, Any]) -> str:
                 lines.append(f"    {t['op']:<50}{t['calls_per_step']:>7.1f} calls {t['self_us_per_step']:>9.1f} us"
                              f"{t['us_per_call']:>8.1f} us/call {t['share']:>6.1%}")
     return "\n".join(lines)
-
-
-def parse_ints(text: str, what: str) -> tuple[int, ...]:
-    try:
-        out = tuple(int(p) for p in text.split(",") if p.strip())
-    except ValueError:
-        raise ValueError(f"{what} must be comma-separated integers, got {text!r}") from None
-    if not out:
-        raise ValueError(f"{what} is empty")
-    return out
 
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}

@@ -73,6 +73,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return demo.main(args)
 
 
+def _bench_parser(bsub, name: str, **kw) -> argparse.ArgumentParser:
+    """A `prisme bench` subcommand with the options every benchmark shares (--seed, --json)."""
+    b = bsub.add_parser(name, **kw)
+    b.add_argument("--seed", type=int, default=42, help="seed for weights and tokens")
+    b.add_argument("--json", default=None, help="also write the JSON document to this file (atomically)")
+    return b
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prisme", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -83,18 +91,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("bench", help="benchmarks: table for humans, one JSON document for machines")
     bsub = s.add_subparsers(dest="bench", required=True, metavar="WHAT")
-    kv = bsub.add_parser("kv", help="KV-cache correctness + timing (seed 001) and memory (seed 003)")
+    kv = _bench_parser(bsub, "kv", help="KV-cache correctness + timing (seed 001) and memory (seed 003)")
     kv.add_argument("--preset", default="seed001", help="model preset (default: seed001)")
     kv.add_argument("--prompts", default="16,64,128,256", help="comma-separated prompt lengths")
     kv.add_argument("--new-tokens", type=int, default=16, help="forced continuation tokens per prompt")
     kv.add_argument("--warmups", type=int, default=3, help="untimed repeats before timing")
     kv.add_argument("--repeats", type=int, default=15, help="timed repeats per path")
     kv.add_argument("--threads", type=int, default=1, help="torch CPU threads (-1 = leave as is)")
-    kv.add_argument("--seed", type=int, default=42, help="seed for weights and tokens")
     kv.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="dtype of the timed model")
     kv.add_argument("--seq-len", type=int, default=24, help="tokens per sequence in the correctness check")
-    kv.add_argument("--json", default=None, help="also write the JSON document to this file (atomically)")
-    ws = bsub.add_parser("workspace", help="decode time per token of seed 000's rows vs their analytic ops, "
+    ws = _bench_parser(bsub, "workspace", help="decode time per token of seed 000's rows vs their analytic ops, "
                          "the workspace's own time, optimised vs seed modules")
     ws.add_argument("--presets", default="demo,prisme_103m", help="comma-separated presets (random weights)")
     ws.add_argument("--quick", action="store_true", help="demo only, 4 decoded tokens, 2 repeats (a smoke run)")
@@ -105,15 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
     ws.add_argument("--repeats", type=int, default=5, help="timed repeats per row x model")
     ws.add_argument("--threads", type=int, default=-1,
                     help="torch CPU threads (-1 = 2 for prisme_103m/459m, 1 for other presets)")
-    ws.add_argument("--seed", type=int, default=42, help="seed for weights and tokens")
     ws.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"],
                     help="dtype of the timed models")
     ws.add_argument("--device", default="cpu", help="cpu or cuda")
     ws.add_argument("--profile", action="store_true",
                     help="profile the workspace's ATen ops (last preset, largest batch, optimised model)")
     ws.add_argument("--profile-steps", type=int, default=4, help="decode steps per profiled row")
-    ws.add_argument("--json", default=None, help="also write the JSON document to this file (atomically)")
-    hf = bsub.add_parser("vs-hf", help="the backbone vs the same weights in HF transformers (needs the hf extra): "
+    hf = _bench_parser(bsub, "vs-hf", help="the backbone vs the same weights in HF transformers (needs the hf extra): "
                          "logits, cached decode and prefill, eager and compiled")
     hf.add_argument("--shapes", default="seed001,prisme_103m", help="comma-separated: seed001, prisme_103m")
     hf.add_argument("--quick", action="store_true",
@@ -131,16 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
     hf.add_argument("--no-compile", action="store_true", help="skip the torch.compile paths")
     hf.add_argument("--stock-layout", action="store_true",
                     help="time our eager path on nn.Linear's [out, in] weights instead of the [in, out] layout")
-    hf.add_argument("--seed", type=int, default=42, help="seed for weights and tokens")
-    hf.add_argument("--json", default=None, help="also write the JSON document to this file (atomically)")
-    tr = bsub.add_parser("train", help="training tokens/s and achieved GFLOP/s vs the measured fp32 matmul peak")
+    tr = _bench_parser(bsub, "train", help="training tokens/s and achieved GFLOP/s vs the measured fp32 matmul peak")
     tr.add_argument("--presets", default="demo,prisme_103m", help="comma-separated presets (random weights)")
     tr.add_argument("--quick", action="store_true", help="quarter batches, two matmul sizes, smaller bandwidth buffer")
     tr.add_argument("--warmups", type=int, default=1, help="untimed steps before timing")
     tr.add_argument("--repeats", type=int, default=5, help="timed steps per preset")
     tr.add_argument("--threads", type=int, default=2, help="torch CPU threads (-1 = leave as is)")
-    tr.add_argument("--seed", type=int, default=42, help="seed for weights and tokens")
-    tr.add_argument("--json", default=None, help="also write the JSON document to this file (atomically)")
     s.set_defaults(func=_cmd_bench)
 
     s = sub.add_parser("eval", help="every policy's validation loss vs measured ops per token (table, JSON, plot)")
