@@ -20,6 +20,14 @@ def round_up(x: float, multiple: int) -> int:
     return int(-(-x // multiple) * multiple)
 
 
+def reject_unknown_fields(cls: type, d: dict[str, Any], where: str = "") -> None:
+    """ValueError naming every key of `d` that is not a field of the dataclass `cls` (and listing the fields)."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ValueError(f"{where}unknown {cls.__name__} field(s) {unknown}; known fields: {sorted(known)}")
+
+
 @dataclass
 class PrismeConfig:
     """Everything that defines a PRISME model's shapes. `None` fields are derived in `__post_init__`."""
@@ -140,10 +148,7 @@ class PrismeConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PrismeConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown PrismeConfig field(s): {unknown}")
+        reject_unknown_fields(cls, d)
         return cls(**d).validate()
 
     def to_json(self, path: str | Path | None = None) -> str:

@@ -97,6 +97,8 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
     """
     if scale <= 0:
         raise ValueError(f"scale must be > 0, got {scale}")
+    if isinstance(eval_batches, bool) or not isinstance(eval_batches, int) or eval_batches < 1:
+        raise ValueError(f"eval_batches must be an int >= 1, got {eval_batches!r}")  # before minutes of training
     if threads is not None and threads > 0:
         torch.set_num_threads(threads)
     run = Path(out) if out is not None else Path("runs") / f"demo-{datetime.now().strftime('%Y%m%d-%H%M%S')}"

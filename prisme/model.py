@@ -92,17 +92,18 @@ class PrismeModel(nn.Module):
             for module in (self.W_K, self.W_V, self.P, self.editor, self.readout, self.controller):
                 for name, p in module.named_parameters():
                     if p.dim() >= 2 and not name.startswith("U."):
-                        nn.init.normal_(p, std=self._init_std(cfg, module, name, p))
+                        nn.init.normal_(p, std=self._init_std(module, name, p))
             for block in self.editor.blocks:
                 nn.init.constant_(block.gate.bias, cfg.gate_bias_init)
             self.register_buffer("action_slot_counts", self._slot_counts(cfg), persistent=False)  # [A+2, M]
             self.register_buffer("action_cost", torch.tensor(action_cost_proxy(cfg)), persistent=False)  # [A]
 
-    def _init_std(self, cfg: PrismeConfig, module: nn.Module, name: str, p: nn.Parameter) -> float:
+    def _init_std(self, module: nn.Module, name: str, p: nn.Parameter) -> float:
         """"seed": every matrix at init_std. "fan_in": the bank, editor and readout projections at 1/sqrt(fan_in),
         so that with unit-scale slots (z_norm) an edit moves a slot by O(1) from the first step instead of ~3% (the
         readout's U stays zero, so an untrained workspace still changes nothing); the controller, the gates and the
         step/remaining tables keep init_std."""
+        cfg = self.cfg
         projection = name.endswith("weight") and not name.endswith(("gate.weight", "_emb.weight"))
         if cfg.ws_init == "seed" or module is self.controller or not projection:
             return cfg.init_std

@@ -100,7 +100,7 @@ class WorkspaceObjective(nn.Module):
         self.isolate = self.train_backbone and not scfg.workspace_grad_to_backbone  # the workspace reads H.detach()
         self.aux_prev = scfg.aux_prev_token if scfg.stage == "workspace" else 0.0
         if self.aux_prev > 0:  # SPEC §5 lesson: make H[t] carry token t-1 so the bank has something to match
-            self.prev_probe = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)  # trained here, not checkpointed
+            self.prev_probe = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)  # trained and checkpointed here
             g = torch.Generator().manual_seed(scfg.seed + 4)
             with torch.no_grad():
                 self.prev_probe.weight.copy_(torch.randn(cfg.vocab_size, cfg.d_model, generator=g) * cfg.d_model**-0.5)

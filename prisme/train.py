@@ -41,7 +41,7 @@ import torch
 import torch.nn as nn
 
 from . import checkpoint as ckpt
-from .config import PrismeConfig
+from .config import PrismeConfig, reject_unknown_fields
 from .data import MQARConfig, MQARDataset, TokenDataset
 from .objectives import OBJECTIVES
 
@@ -93,7 +93,7 @@ class StageConfig:
     workspace_grad_to_backbone: bool = True  # with the option above; False: the backbone learns from its own LM loss
     #   alone (the workspace's loss does not reach it, gradients clipped per group), i.e. as the matched baseline does
     backbone_lr: float | None = None  # with the option above: the backbone's peak lr (default: lr)
-    backbone_min_lr: float | None = None  # with the option above: the backbone's final lr (default: min_lr)
+    backbone_min_lr: float | None = None  # with the option above: its final lr (default: min_lr, at most backbone_lr)
     deep_supervision: float = 0.0  # weight of the CE after every intermediate forced step (0 = final state only)
     min_budget: int = 1  # forced budgets are drawn uniformly per position from [min_budget, max_budget]
     max_budget: int | None = None  # default: the model's r_max
@@ -147,6 +147,8 @@ class StageConfig:
         need(self.value_clip > 0, f"value_clip must be > 0, got {self.value_clip}")
         for f in ("backbone_aux_weight", "aux_prev_token", "deep_supervision", "risk_weight"):
             need(getattr(self, f) >= 0, f"{f} must be >= 0, got {getattr(self, f)}")
+        need((self.backbone_lr is None and self.backbone_min_lr is None) or self.train_backbone_in_workspace_stage,
+             "backbone_lr / backbone_min_lr need train_backbone_in_workspace_stage=True (a frozen backbone has no lr)")
         own_loss = self.train_backbone_in_workspace_stage and self.backbone_aux_weight > 0
         need(self.workspace_grad_to_backbone or own_loss, "workspace_grad_to_backbone=False needs "
              "train_backbone_in_workspace_stage=True and backbone_aux_weight > 0 (it learns from its own loss)")
@@ -167,10 +169,7 @@ class StageConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StageConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown StageConfig field(s) {unknown}; known fields: {sorted(known)}")
+        reject_unknown_fields(cls, d)
         d = dict(d)
         if "betas" in d:
             d["betas"] = tuple(d["betas"])
@@ -239,10 +238,7 @@ def build_dataset(scfg: StageConfig, vocab_size: int) -> TokenDataset | MQARData
     from .data import BPETokenizer, ByteTokenizer, load_text
 
     if scfg.dataset == "mqar":
-        fields = {f.name for f in dataclasses.fields(MQARConfig)}
-        unknown = sorted(set(scfg.mqar) - fields)
-        if unknown:
-            raise ValueError(f"StageConfig.mqar: unknown MQARConfig field(s) {unknown}")
+        reject_unknown_fields(MQARConfig, scfg.mqar, "StageConfig.mqar: ")
         m = dict(scfg.mqar)
         if scfg.seq_len is not None:
             m["seq_len"] = scfg.seq_len
@@ -374,12 +370,13 @@ def _trainable(model: nn.Module, scfg: StageConfig) -> list[nn.Parameter]:
 def _optimizer(wrapped: nn.Module, scfg: StageConfig) -> torch.optim.Optimizer:
     """AdamW with decay on >= 2-D weights only; the backbone gets its own groups (and lr) when it learns in stage 2."""
     kinds = _group_lrs(scfg)
+    kind_of = {n: "backbone" if "backbone" in kinds and "model.backbone." in n else "main"
+               for n, _ in wrapped.named_parameters()}
     named = [(n, p) for n, p in wrapped.named_parameters() if p.requires_grad]
     groups = []
     for kind in kinds:
-        mine = [p for n, p in named if "backbone" not in kinds or ("model.backbone." in n) == (kind == "backbone")]
         for decay in (True, False):
-            ps = [p for p in mine if (p.dim() >= 2) == decay]
+            ps = [p for n, p in named if kind_of[n] == kind and (p.dim() >= 2) == decay]
             if ps or kind == "main":
                 groups.append({"params": ps, "weight_decay": scfg.weight_decay if decay else 0.0, "kind": kind})
     return torch.optim.AdamW(groups, lr=scfg.lr, betas=tuple(scfg.betas), eps=scfg.eps)
@@ -531,11 +528,11 @@ class _Trainer:
         if not self.params:
             raise ValueError(f"stage {scfg.stage!r} has no parameters to train in model {cfg.name!r}")
         self.objective = objective = OBJECTIVES[scfg.stage](model, scfg)
-        self.params += [p for n, p in objective.named_parameters() if not n.startswith("model.")]  # aux probes
+        self.params += list(_own_parameters(objective).values())  # aux probes
         resuming = scfg.resume and meta is not None
         if resuming and "objective" in (meta.optimizer_state or {}):
             saved = meta.optimizer_state["objective"]
-            own = {n: p for n, p in objective.named_parameters() if not n.startswith("model.")}
+            own = _own_parameters(objective)
             if set(saved) != set(own):
                 raise ValueError(f"{meta.path}: the checkpoint's objective weights {sorted(saved)} do not match this "
                                  f"stage's {sorted(own)}; resume with the same aux settings")
@@ -621,7 +618,7 @@ class _Trainer:
         """
         state_dict, opt_state = _gather_state(self.wrapped, self.opt, self.scfg, self.di)
         aux = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()  # collective (FSDP)
-               for n, p in self.objective.named_parameters() if not n.startswith("model.")}
+               for n, p in _own_parameters(self.objective).items()}
         if aux:  # the objective's own weights (the aux_prev_token probe) travel with the optimizer state
             opt_state = {**opt_state, "objective": aux}
         if self.di.main:
@@ -737,6 +734,11 @@ class _Trainer:
         return TrainResult(stage=scfg.stage, out_dir=self.out, checkpoint=self.last_ckpt, step=self.step,
                            tokens=tokens, train=train_metrics, val=val_metrics,
                            wall_s=time.perf_counter() - self.t_start, interrupted=interrupted)
+
+
+def _own_parameters(objective: nn.Module) -> dict[str, nn.Parameter]:
+    """The objective's own weights (e.g. the aux_prev_token probe), not the model's: trained and checkpointed too."""
+    return {n: p for n, p in objective.named_parameters() if not n.startswith("model.")}
 
 
 def _drop_rows_after(path: Path, step: int) -> None:

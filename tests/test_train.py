@@ -361,6 +361,8 @@ def test_bad_stage_configs_are_clear_errors(tmp_path, data):
         StageConfig(backbone_lr=1e-4, backbone_min_lr=1e-3).validate()
     with pytest.raises(ValueError, match="backbone_lr"):
         StageConfig(backbone_lr=float("nan")).validate()
+    with pytest.raises(ValueError, match="backbone_lr / backbone_min_lr need"):
+        StageConfig(stage="workspace", backbone_lr=1e-3).validate()
     with pytest.raises(ValueError, match="workspace_grad_to_backbone=False needs"):
         StageConfig(stage="workspace", workspace_grad_to_backbone=False).validate()
     with pytest.raises(ValueError, match="divisible by grad_accum"):
@@ -395,6 +397,17 @@ def test_lr_schedule_warms_up_then_decays_to_min_lr():
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
     assert train_mod.lr_at(100, s) == pytest.approx(0.1)
+
+
+def test_demo_rejects_bad_settings_before_training(tmp_path):
+    """A zero scale or zero evaluation batches is a ValueError before any run folder is written."""
+    from prisme.demo import run_demo
+
+    with pytest.raises(ValueError, match="scale"):
+        run_demo(tmp_path / "a", scale=0, progress=False)
+    with pytest.raises(ValueError, match="eval_batches"):
+        run_demo(tmp_path / "b", eval_batches=0, progress=False)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
 def test_demo_pipeline_writes_every_output(tmp_path):
