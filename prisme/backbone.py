@@ -151,13 +151,22 @@ class Backbone(nn.Module):
         Returns:
             H `[B, C, d]`.
         """
+        return self.streams(tokens, cache, n_new)[0]
+
+    def streams(self, tokens: torch.Tensor, cache: KVCache | None = None, n_new: list[int] | None = None,
+                layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """`forward`, also returning the residual stream after `layers` blocks (0 = the embeddings, with learned
+        positions for gpt2) as `{layer: [B, C, d]}`; layer n_layer is H itself. Same arguments as `forward`."""
+        for layer in layers:
+            if not 0 <= layer <= self.cfg.n_layer:
+                raise ValueError(f"layers must lie in [0, n_layer={self.cfg.n_layer}], got {layer}")
         check_tokens(tokens, self.cfg.vocab_size)
         B, C = tokens.shape
         T_max = self.cfg.max_seq_len
         if cache is None:
             if C > T_max:
                 raise ValueError(f"sequence of {C} tokens is longer than T_max={T_max}")
-            return self._blocks(tokens, 0)
+            return self._blocks(tokens, 0, layers=layers)
         valid, n_new = self._check_chunk(cache, B, C, n_new)
         # chunk_positions and causal_mask are looked up on the module on purpose: `faults` patches them there.
         input_pos = attn.chunk_positions(cache.lengths, C, tokens.device)  # [C] or [B, C]
@@ -168,12 +177,13 @@ class Backbone(nn.Module):
             start = input_pos.tolist()[0]  # a host copy: cheaper than int(input_pos[0])
             causal = start == 0 and kv_len == C > 1  # a prompt into an empty cache: no mask tensor needed
             mask = None if C == 1 or causal else attn.causal_mask(input_pos, kv_len)
-            H = self._blocks(tokens, start, cache, CacheStep(input_pos, start, None, kv_len, mask, causal))
+            H, kept = self._blocks(tokens, start, cache, CacheStep(input_pos, start, None, kv_len, mask, causal),
+                                   layers)
         else:
             step = CacheStep(input_pos, None, valid, kv_len, attn.causal_mask(input_pos, kv_len))
-            H = self._blocks(tokens, input_pos.clamp(max=T_max - 1), cache, step)  # padding may run past T_max
+            H, kept = self._blocks(tokens, input_pos.clamp(max=T_max - 1), cache, step, layers)  # padding: past T_max
         cache.lengths = [length + n for length, n in zip(cache.lengths, n_new)]
-        return H
+        return H, kept
 
     def prefill(self, tokens: torch.Tensor, cache: KVCache, chunk_size: int | None = None) -> torch.Tensor:
         """Append `tokens` `[B, T]` to `cache` in chunks of `chunk_size` (default: one chunk); returns H `[B, T, d]`.
@@ -209,8 +219,10 @@ class Backbone(nn.Module):
         return valid, n_new
 
     def _blocks(self, tokens: torch.Tensor, pos: int | torch.Tensor, cache: KVCache | None = None,
-                step: CacheStep | None = None) -> torch.Tensor:
-        """Embed and run the blocks. `pos`: the shared offset of the chunk (int) or per-row positions `[B, C]`."""
+                step: CacheStep | None = None,
+                layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Embed and run the blocks. `pos`: the shared offset of the chunk (int) or per-row positions `[B, C]`.
+        Returns H and the streams after each of `layers` blocks."""
         C = tokens.shape[1]
         children, buffers = self._modules, self._buffers  # registry reads: see `prisme.attention` on decode overhead
         x = F.embedding(tokens, children["tok_emb"]._parameters["weight"])  # [B, C, d]
@@ -224,10 +236,13 @@ class Backbone(nn.Module):
         else:
             rope = (buffers["rope_cos"][pos].unsqueeze(2), buffers["rope_sin"][pos].unsqueeze(2))  # [B, C, 1, hd]
         blocks = children["blocks"]
-        layers = [None] * len(blocks) if cache is None else cache.layers
-        for block, layer_cache in zip(blocks, layers):
+        caches = [None] * len(blocks) if cache is None else cache.layers
+        kept = {0: x} if 0 in layers else {}
+        for i, (block, layer_cache) in enumerate(zip(blocks, caches)):
             x = block(x, rope, layer_cache, step)
-        return x
+            if i + 1 in layers:
+                kept[i + 1] = x
+        return x, kept
 
     def head(self, H: torch.Tensor) -> torch.Tensor:
         """logits `[..., V]` = lm_head(final_norm(H))."""

@@ -128,8 +128,9 @@ def rewind(state: DecodeState, length: int) -> DecodeState:
 class SplitTimer:
     """Times the backbone step, the LM head and the workspace methods inside `decode_step`, without changing them.
 
-    Installs instance-attribute wrappers on each model (removed on exit): `backbone.forward`, `backbone.head`, and the
-    workspace methods `bank_entries`, `query_state`, `bank_mask`, `rollout_forced`, `logits_from_state` (the head
+    Installs instance-attribute wrappers on each model (removed on exit): `backbone.streams`, `backbone.head`, and the
+    workspace methods `bank_inputs`, `bank_from_inputs`, `query_state`, `bank_mask`, `rollout_forced`,
+    `logits_from_state` (the head
     called inside the readout counts as head). On CUDA each wrapper synchronises before and after. With `label`, each
     wrapped call also opens a `torch.profiler.record_function("prisme::<backbone|head|method name>")` range.
 
@@ -138,7 +139,8 @@ class SplitTimer:
     """
 
     SECTIONS = ("backbone", "head", "workspace_modules")
-    _WORKSPACE_METHODS = ("bank_entries", "query_state", "bank_mask", "rollout_forced", "logits_from_state")
+    _WORKSPACE_METHODS = ("bank_inputs", "bank_from_inputs", "query_state", "bank_mask", "rollout_forced",
+                          "logits_from_state")
 
     def __init__(self, models: Sequence[PrismeModel], label: bool = False):
         self.models = list(models)
@@ -179,7 +181,7 @@ class SplitTimer:
         if any(p.is_cuda for m in self.models for p in m.parameters()):
             self._sync = torch.cuda.synchronize
         for m in self.models:
-            m.backbone.forward = self._wrap(m.backbone.forward, "backbone", "backbone")
+            m.backbone.streams = self._wrap(m.backbone.streams, "backbone", "backbone")
             m.backbone.head = self._wrap(m.backbone.head, "head", "head")
             for name in self._WORKSPACE_METHODS:
                 if hasattr(m, name):
@@ -188,7 +190,7 @@ class SplitTimer:
 
     def __exit__(self, *exc: Any) -> None:
         for m in self.models:
-            for name in ("forward", "head"):
+            for name in ("streams", "head"):
                 m.backbone.__dict__.pop(name, None)
             for name in self._WORKSPACE_METHODS:
                 m.__dict__.pop(name, None)

@@ -9,6 +9,7 @@
     prisme generate --prompt TEXT    sample text with the workspace (KV cache + incremental bank)
     prisme costs --preset NAME       analytic ops per generated token (seed 000's table; --optimised, --json)
     prisme train --config FILE       one training stage (backbone -> workspace -> controller); torchrun for DDP/FSDP2
+    prisme study recall              MQAR: controls, 1-layer + workspace on every seed, the controller's allocation
     prisme demo                      the main job on the embedded default corpus
 """
 
@@ -71,6 +72,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from . import demo
 
     return demo.main(args)
+
+
+def _cmd_study(args: argparse.Namespace) -> int:
+    from . import study_recall
+
+    return study_recall.main(args)
 
 
 def _bench_parser(bsub, name: str, **kw) -> argparse.ArgumentParser:
@@ -167,7 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     src = s.add_mutually_exclusive_group()
     src.add_argument("--preset", default="demo", help="model preset with random weights (default: demo)")
     src.add_argument("--checkpoint", default=None, help="checkpoint (or run folder) to load instead of a preset")
-    s.add_argument("--prompt", required=True, help="prompt text")
+    prompt = s.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text")
+    prompt.add_argument("--prompt-ids", default=None,
+                        help="prompt as comma-separated token ids (models without a text tokenizer, e.g. MQAR)")
     s.add_argument("--tokenizer", default="byte", help="'byte' (default) or the path of a saved BPE tokenizer")
     s.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
     s.add_argument("--budget", type=int, default=0, help="controller budget per token, 0..r_max (0 = backbone only)")
@@ -217,6 +227,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--threads", type=int, default=-1, help="torch CPU threads per process (-1 = leave as is)")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
     s.set_defaults(func=_cmd_train)
+
+    s = sub.add_parser("study", help="controlled studies with success rates over seeds")
+    ssub = s.add_subparsers(dest="study", required=True)
+    r = ssub.add_parser("recall", help="MQAR: 1-layer backbone + workspace vs controls, the controller's allocation")
+    r.add_argument("--seeds", default=None, help="comma-separated seeds (default: recall_study.json's, 0,1,2,3,4)")
+    r.add_argument("--out", default=None, help="study folder (default: runs/recall)")
+    r.add_argument("--jobs", type=int, default=None, help="worker processes (default 0 = one per CPU core)")
+    r.add_argument("--threads", type=int, default=None, help="torch CPU threads per worker (default 1)")
+    r.add_argument("--json", default=None, help="also write the JSON document to this file (atomically)")
+    r.add_argument("--quick", action="store_true", help="one seed, few steps: a smoke run of every phase")
+    r.add_argument("--bank-source", default=None,
+                   help="override the recipe's bank and query source (e.g. residual: the seed's, for comparison)")
+    r.add_argument("--configs", default=None, help="folder holding recall_*.json (default: the project's configs/)")
+    r.add_argument("--no-progress", action="store_true", help="no per-run progress lines on stderr")
+    r.set_defaults(func=_cmd_study)
 
     s = sub.add_parser("demo", help="run the main job on the embedded default corpus")
     s.add_argument("--out", default=None, help="run folder (default: runs/demo-<timestamp>)")

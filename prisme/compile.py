@@ -79,7 +79,7 @@ def decode_step(backbone: Backbone, tokens: torch.Tensor, input_pos: torch.Tenso
     B, C = tokens.shape
     mask = attn.causal_mask(input_pos, cache.max_len)  # [C, T_cap]: key j visible to the query at p iff j <= p
     step = CacheStep(input_pos, None, None, cache.max_len, mask)
-    H = backbone._blocks(tokens, input_pos.expand(B, C), cache, step)  # [B, C, d]
+    H, _ = backbone._blocks(tokens, input_pos.expand(B, C), cache, step)  # [B, C, d]
     return backbone.head(H[:, -1])  # [B, V]
 
 
@@ -89,7 +89,7 @@ def prefill_step(backbone: Backbone, tokens: torch.Tensor, cache: KVCache) -> to
     P = tokens.shape[1]
     input_pos = torch.arange(P, device=tokens.device)  # [P]
     step = CacheStep(input_pos, 0, None, P, None, causal=True)  # SDPA's causal kernel over the P prompt keys
-    H = backbone._blocks(tokens, 0, cache, step)  # [B, P, d]
+    H, _ = backbone._blocks(tokens, 0, cache, step)  # [B, P, d]
     return backbone.head(H[:, -1])  # [B, V]
 
 

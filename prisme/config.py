@@ -28,6 +28,36 @@ def reject_unknown_fields(cls: type, d: dict[str, Any], where: str = "") -> None
         raise ValueError(f"{where}unknown {cls.__name__} field(s) {unknown}; known fields: {sorted(known)}")
 
 
+def source_layer(term: str, n_layer: int) -> int:
+    """The residual-stream depth a canonical source term reads: 0 = embeddings, n_layer = final stream."""
+    return 0 if term == "embedding" else n_layer if term == "residual" else int(term.removeprefix("layer"))
+
+
+def source_terms(spec: str, n_layer: int, field_name: str = "bank_source", where: str = "") -> tuple[str, ...]:
+    """Parse a source spec ("residual", "embedding", "layer<i>", or two joined by "+") into canonical term names.
+
+    "layer0" is "embedding" and "layer<L>" is "residual". ValueError naming `field_name` for anything else.
+    """
+    prefix = f"PrismeConfig({where!r}): " if where else ""
+    terms: list[str] = []
+    for raw in str(spec).split("+"):
+        t = raw.strip()
+        if t.startswith("layer") and t[5:].isdigit():
+            i = int(t[5:])
+            if not 0 <= i <= n_layer:
+                raise ValueError(f"{prefix}{field_name}: {t!r} needs 0 <= i <= n_layer={n_layer}")
+            t = "embedding" if i == 0 else "residual" if i == n_layer else f"layer{i}"
+        if t not in ("residual", "embedding") and not (t.startswith("layer") and t[5:].isdigit()):
+            raise ValueError(f"{prefix}{field_name} must be 'residual', 'embedding', 'layer<i>' or two of them joined "
+                             f"by '+', got {spec!r}")
+        if t in terms:
+            raise ValueError(f"{prefix}{field_name} names {t!r} twice: {spec!r}")
+        terms.append(t)
+    if len(terms) > 2:
+        raise ValueError(f"{prefix}{field_name} joins at most two sources, got {spec!r}")
+    return tuple(terms)
+
+
 @dataclass
 class PrismeConfig:
     """Everything that defines a PRISME model's shapes. `None` fields are derived in `__post_init__`."""
@@ -63,6 +93,16 @@ class PrismeConfig:
     optimised: bool = True  # slot K/V cache in the editor, folded readout keys; False = every op seed 000 counts
     z_norm: bool = True  # z = rms_normalise(P(norm(H))): keeps S0 at a fixed scale so edits stay visible
     ws_init: str = "fan_in"  # workspace weights: "fan_in" (std 1/sqrt(fan_in), slots start alike) or "seed" (init_std)
+    # --- what the workspace reads (SPEC §3 source bank; defaults are the seed's)
+    bank_source: str = "residual"  # bank K/V from: "residual" (final residual stream H, the seed), "embedding" (the
+    #   token embeddings, the input of block 0), "layer<i>" (the stream after i blocks), or two of them joined by "+"
+    #   (each term has its own norm and projections; their outputs are summed)
+    query_source: str | None = None  # what z (hence S0 and the readout query) reads; default: bank_source
+    bank_shift: bool = False  # the key at j also reads position j-1: K_j = W_K n(X_j) + W_K' n(X_{j-1}) (token shift)
+    controller_source: str | None = None  # None: the controller's first feature is z (the seed); a source ("residual",
+    #   ...): its own projection of that stream instead, so it can see what the workspace's inputs leave out
+    controller_bank: bool = False  # the controller also reads how well its position matches the causal bank: two
+    #   features, the max and the log-mean-exp of q_c . K_j / sqrt(w) over j <= t, with q_c = W_bank z_c (F + 2)
     extra: dict[str, Any] = field(default_factory=dict)  # free-form metadata carried in checkpoints
 
     def __post_init__(self) -> None:
@@ -80,6 +120,8 @@ class PrismeConfig:
                 self.editor_hidden = round_up(8 * self.w / 3, self.editor_multiple_of)
         if self.cost_context is None:
             self.cost_context = self.max_seq_len
+        if self.query_source is None:
+            self.query_source = self.bank_source
 
     # ------------------------------------------------------------------ derived sizes
     @property
@@ -105,12 +147,35 @@ class PrismeConfig:
 
     @property
     def controller_features(self) -> int:
-        """F = 4w + M + A + r_max + 1 (SPEC §3)."""
-        return 4 * self.w + self.n_slots + self.n_actions + self.r_max + 1
+        """F = 4w + M + A + r_max + 1 (SPEC §3), + 2 bank-match features with `controller_bank`."""
+        return 4 * self.w + self.n_slots + self.n_actions + self.r_max + 1 + (2 if self.controller_bank else 0)
 
     @property
     def use_bias(self) -> bool:
         return self.family == "gpt2"
+
+    @property
+    def bank_terms(self) -> tuple[str, ...]:
+        """The bank's source terms, canonical names ("residual", "embedding", "layer<i>")."""
+        return source_terms(self.bank_source, self.n_layer, "bank_source")
+
+    @property
+    def query_terms(self) -> tuple[str, ...]:
+        """z's source terms (canonical names)."""
+        return source_terms(self.query_source, self.n_layer, "query_source")
+
+    @property
+    def controller_terms(self) -> tuple[str, ...]:
+        """The controller's own source (one term), or () when it reads z."""
+        if self.controller_source is None:
+            return ()
+        return source_terms(self.controller_source, self.n_layer, "controller_source")
+
+    @property
+    def default_sources(self) -> bool:
+        """The seed's workspace inputs: bank and query from the final residual stream, no shift."""
+        return (self.bank_terms == ("residual",) and self.query_terms == ("residual",) and not self.bank_shift
+                and self.controller_source is None and not self.controller_bank)
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> PrismeConfig:
@@ -138,6 +203,18 @@ class PrismeConfig:
         need(self.n_slots >= 2 and self.n_slots % 2 == 0, f"n_slots (M) must be even and >= 2, got {self.n_slots}")
         need(self.w % self.ws_head_dim == 0, f"w={self.w} is not divisible by ws_head_dim={self.ws_head_dim}")
         need(self.w % 2 == 0, f"w={self.w} must be even (value and risk heads split it in halves)")
+        need(isinstance(self.bank_shift, bool), f"bank_shift must be a bool, got {self.bank_shift!r}")
+        need(isinstance(self.controller_bank, bool), f"controller_bank must be a bool, got {self.controller_bank!r}")
+        for f in ("bank_source", "query_source"):
+            v = getattr(self, f)
+            need(isinstance(v, str), f"{f} must be a string such as 'residual', 'embedding', 'layer1' or "
+                 f"'residual+embedding', got {v!r}")
+            source_terms(v, self.n_layer, f, self.name)  # ValueError naming the field
+        if self.controller_source is not None:
+            need(isinstance(self.controller_source, str), f"controller_source must be None or a source string, got "
+                 f"{self.controller_source!r}")
+            need(len(source_terms(self.controller_source, self.n_layer, "controller_source", self.name)) == 1,
+                 f"controller_source reads one stream, got {self.controller_source!r}")
         need(self.lambda_cost >= 0, f"lambda_cost must be >= 0, got {self.lambda_cost}")
         need(self.kappa_risk >= 0, f"kappa_risk must be >= 0, got {self.kappa_risk}")
         return self
@@ -195,6 +272,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     # close to what it can learn, so that more backbone tokens buy little and the question is what the bank adds.
     "demo": dict(vocab_size=256, max_seq_len=256, d_model=128, n_layer=1, n_head=4, n_kv_head=2, ffn_multiple_of=64,
                  w=64, n_slots=8, ws_head_dim=32, editor_multiple_of=64, r_max=8),
+    # The recall study (MQAR, N=4, V=64, T=32): a one-layer backbone that cannot look a key up, and a workspace whose
+    # shifted bank, values and query read the token embeddings; the controller reads H and the bank's best match.
+    "recall": dict(vocab_size=64, max_seq_len=32, d_model=64, n_layer=1, n_head=2, n_kv_head=2, ffn_multiple_of=64,
+                   w=64, n_slots=4, ws_head_dim=32, editor_multiple_of=64, n_edit_blocks=1, r_max=4,
+                   bank_source="embedding", bank_shift=True, controller_source="residual", controller_bank=True),
     # Seed 001's toy backbone: gpt2-style, 145,280 parameters, no workspace.
     "seed001": dict(family="gpt2", vocab_size=97, max_seq_len=512, d_model=64, n_layer=2, n_head=4,
                     use_workspace=False),

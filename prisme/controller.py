@@ -30,6 +30,30 @@ def slot_summaries(X: torch.Tensor) -> torch.Tensor:
     return torch.cat([X, 0.5 * (X[..., 0::2, :] + X[..., 1::2, :])], dim=-2)
 
 
+class BankMatch(nn.Module):
+    """How well a position's controller query matches its context in the causal bank (`cfg.controller_bank`): a
+    retrieval confidence read before any edit. q_c = W_bank z_c; s_j = q_c . K_j / sqrt(w) over the keys j < t the
+    position may read (its own entry, which every position trivially matches, is left out); returns
+    [max_j s_j, log mean_j exp s_j] `[..., 2]`, zeros where no earlier key exists. No edit runs, no target is read."""
+
+    def __init__(self, cfg: PrismeConfig):
+        super().__init__()
+        self.scale = cfg.w ** -0.5
+        self.W_bank = nn.Linear(cfg.w, cfg.w, bias=False)
+
+    def forward(self, zc: torch.Tensor, K: torch.Tensor, bank_mask: torch.Tensor) -> torch.Tensor:
+        """zc `[B, Tq, w]`, K `[B, Tb, w]`, bank_mask `[B, Tq, Tb]` bool -> `[B, Tq, 2]`."""
+        q = self.W_bank(zc)  # [B, Tq, w]
+        s = (q @ K.transpose(1, 2)) * self.scale  # [B, Tq, Tb]
+        n = bank_mask.sum(-1, keepdim=True)  # [B, Tq, 1] readable keys: a prefix 0..t, so t = n - 1
+        earlier = bank_mask & (torch.arange(K.shape[1], device=K.device) < n - 1)  # [B, Tq, Tb] keys j < t
+        s = s.masked_fill(~earlier, float("-inf"))
+        none = n.squeeze(-1) <= 1  # [B, Tq] position 0 of its row: nothing earlier to match
+        top = s.amax(-1).masked_fill(none, 0.0)
+        lme = (torch.logsumexp(s, -1) - (n.squeeze(-1) - 1).clamp(min=1).to(s.dtype).log()).masked_fill(none, 0.0)
+        return torch.stack([top, lme], dim=-1)
+
+
 @dataclass
 class ControllerOutput:
     value: torch.Tensor  # [..., A]
@@ -45,23 +69,32 @@ class ValueController(nn.Module):
         self.W_act = nn.Linear(w, w, bias=False)
         self.b_v = nn.Parameter(torch.zeros(cfg.n_actions))
         self.b_r = nn.Parameter(torch.zeros(cfg.n_actions))
+        if cfg.controller_bank:
+            self.bank_match = BankMatch(cfg)
 
     def features(self, z: torch.Tensor, S: torch.Tensor, S0: torch.Tensor, edits: torch.Tensor,
-                 taken: torch.Tensor, step: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
+                 taken: torch.Tensor, step: torch.Tensor, budget: torch.Tensor,
+                 match: torch.Tensor | None = None) -> torch.Tensor:
         """Target-free features `[..., F]`; remaining = budget - step - 1, as the editor defines it."""
         remaining = (budget - step - 1).to(S.dtype) / budget.to(S.dtype)
-        return torch.cat([z, S.mean(-2), (S - S0).mean(-2), S.amax(-2), edits.to(S.dtype), taken.to(S.dtype),
-                          F.one_hot(step, self.cfg.r_max).to(S.dtype), remaining.unsqueeze(-1)], dim=-1)
+        parts = [z, S.mean(-2), (S - S0).mean(-2), S.amax(-2), edits.to(S.dtype), taken.to(S.dtype),
+                 F.one_hot(step, self.cfg.r_max).to(S.dtype), remaining.unsqueeze(-1)]
+        if self.cfg.controller_bank:
+            if match is None:
+                raise ValueError("this controller reads the bank (controller_bank=True): pass its match features")
+            parts.append(match.to(S.dtype))
+        return torch.cat(parts, dim=-1)
 
     def forward(self, z: torch.Tensor, S: torch.Tensor, S0: torch.Tensor, edits: torch.Tensor, taken: torch.Tensor,
-                step: torch.Tensor, budget: torch.Tensor) -> ControllerOutput:
+                step: torch.Tensor, budget: torch.Tensor, match: torch.Tensor | None = None) -> ControllerOutput:
         """Score every action at every position.
 
         Args:
             z: `[..., w]`; S, S0: `[..., M, w]`; edits: `[..., M]` edit counts per slot; taken: `[..., A]` bool,
-            actions already taken at this position; step: `[...]` long in [0, r_max); budget: `[...]` long >= 1.
+            actions already taken at this position; step: `[...]` long in [0, r_max); budget: `[...]` long >= 1;
+            match: `[..., 2]` the position's `BankMatch` features (with `cfg.controller_bank` only).
         """
-        phi = self.mlp(self.features(z, S, S0, edits, taken, step, budget))  # [..., w]
+        phi = self.mlp(self.features(z, S, S0, edits, taken, step, budget, match))  # [..., w]
         if self.cfg.optimised:
             h = slot_summaries(self.W_act(S))  # [..., A, w]
         else:

@@ -38,6 +38,33 @@ from .config import PrismeConfig
 COMPONENTS = ("backbone_linear", "backbone_attention", "lm_head", "bank_projection", "editor_source_attn",
               "editor_slot_attn", "editor_ffn", "editor_gate", "controller", "readout")
 BACKBONE = COMPONENTS[:3]
+OPTIONAL_COMPONENTS = ("bank_shift", "controller_input", "controller_bank")  # only where configured: `components`
+
+
+def components(cfg: PrismeConfig) -> tuple[str, ...]:
+    """The cost model's terms for `cfg`: seed 000's ten, plus `bank_shift` (after `bank_projection`) with a shifted
+    bank and `controller_input` (after `controller`) with a controller source of its own. A config with the seed's
+    workspace inputs has exactly seed 000's terms."""
+    out = list(COMPONENTS)
+    if cfg.bank_shift:
+        out.insert(out.index("bank_projection") + 1, "bank_shift")
+    if cfg.controller_source is not None:
+        out.insert(out.index("controller") + 1, "controller_input")
+    if cfg.controller_bank:
+        out.insert(out.index("controller") + 1 + (cfg.controller_source is not None), "controller_bank")
+    return tuple(out)
+
+
+def controller_bank_ops(cfg: PrismeConfig, T: int) -> int:
+    """The controller's bank match at context T (`cfg.controller_bank`): q_c = W_bank z_c (w x w) and its scores
+    against the T keys, once per position it runs at (0 without it)."""
+    return 2 * cfg.w * cfg.w + 2 * T * cfg.w if cfg.controller_bank else 0
+
+
+def controller_input_ops(cfg: PrismeConfig) -> int:
+    """The controller's own projection d -> w of its source stream, once per position it runs at (0 when it reads
+    z, as in the seed)."""
+    return 2 * cfg.d_model * cfg.w if cfg.controller_source is not None else 0
 SEED_ROWS = {  # name: (n actions, k slots per action); k = 0 means no workspace
     "backbone_only": (0, 0),
     "4_actions_k1": (4, 1),
@@ -111,7 +138,10 @@ def workspace_params(cfg: PrismeConfig) -> dict[str, int]:
     if not cfg.use_workspace:
         return {"workspace": 0, "controller": 0}
     d, w, M, h = cfg.d_model, cfg.w, cfg.n_slots, cfg.editor_hidden
-    bank = d + 3 * d * w + M * w  # bank_norm, W_K, W_V, P, slot_embed
+    nb, nq = len(cfg.bank_terms), len(cfg.query_terms)
+    streams = len(set(cfg.bank_terms + cfg.query_terms))  # one norm per source stream (bank_norm, src_norm)
+    shift = nb * d * w if cfg.bank_shift else 0  # W_K_shift (and one per extra bank term)
+    bank = streams * d + (2 * nb + nq) * d * w + shift + M * w  # norms, W_K, W_V, P (per term), slot_embed
     block = (3 * w  # three RMSNorm gains
              + 2 * w * w  # source-attention q, o
              + 4 * w * w  # slot-attention q, k, v, o
@@ -121,6 +151,8 @@ def workspace_params(cfg: PrismeConfig) -> dict[str, int]:
     readout = 2 * w * w + w * d
     F = cfg.controller_features
     controller = (F * 2 * w + 2 * w) + (2 * w * w + w) + w * w + 2 * cfg.n_actions
+    controller += d * w if cfg.controller_source is not None else 0  # P_ctrl
+    controller += w * w if cfg.controller_bank else 0  # BankMatch.W_bank
     return {"workspace": bank + cfg.n_edit_blocks * block + readout, "controller": controller}
 
 
@@ -173,8 +205,22 @@ def readout_ops(cfg: PrismeConfig, optimised: bool = False) -> int:
 
 
 def bank_projection_ops(cfg: PrismeConfig) -> int:
-    """K, V and z of the new position: three d -> w projections."""
-    return 3 * 2 * cfg.d_model * cfg.w
+    """K, V and z of the new position: three d -> w projections (seed 000), one K and one V per bank source term
+    and one z projection per query source term."""
+    return (2 * len(cfg.bank_terms) + len(cfg.query_terms)) * 2 * cfg.d_model * cfg.w
+
+
+def bank_shift_ops(cfg: PrismeConfig) -> int:
+    """The token shift's key projection W_K' n(X_{j-1}) of the new position, per bank source term (0 without it)."""
+    return len(cfg.bank_terms) * 2 * cfg.d_model * cfg.w if cfg.bank_shift else 0
+
+
+def bank_ops(cfg: PrismeConfig) -> dict[str, int]:
+    """The source bank's terms for one new position: `bank_projection` (and `bank_shift` where the bank has one)."""
+    out = {"bank_projection": bank_projection_ops(cfg)}
+    if cfg.bank_shift:
+        out["bank_shift"] = bank_shift_ops(cfg)
+    return out
 
 
 def backbone_ops(cfg: PrismeConfig, T: int) -> dict[str, int]:
@@ -186,10 +232,11 @@ def backbone_ops(cfg: PrismeConfig, T: int) -> dict[str, int]:
     }
 
 
-def _finish(row: dict[str, int]) -> dict[str, int]:
-    row = {c: int(row.get(c, 0)) for c in COMPONENTS}
+def _finish(row: dict[str, int], cfg: PrismeConfig) -> dict[str, int]:
+    comps = components(cfg)
+    row = {c: int(row.get(c, 0)) for c in comps}
     row["backbone"] = sum(row[c] for c in BACKBONE)
-    row["workspace"] = sum(row[c] for c in COMPONENTS if c not in BACKBONE)
+    row["workspace"] = sum(row[c] for c in comps if c not in BACKBONE)
     row["total"] = row["backbone"] + row["workspace"]
     return row
 
@@ -206,7 +253,8 @@ def token_ops(cfg: PrismeConfig, T: int, ks: Sequence[int] = (), controller_step
         optimised: the optimised column; the slot K/V cache state is followed through the sequence of actions.
         dense: per action, whether it is DENSE (default: k == M).
     Returns:
-        The ten components plus `backbone`, `workspace` and `total`. No workspace term is charged when `ks` is
+        The components (`components(cfg)`: seed 000's ten, plus `bank_shift` with a shifted bank) plus `backbone`,
+        `workspace` and `total`. No workspace term is charged when `ks` is
         empty and `controller_steps` is 0 (the backbone alone).
     """
     T = _check_T(cfg, T)
@@ -222,17 +270,21 @@ def token_ops(cfg: PrismeConfig, T: int, ks: Sequence[int] = (), controller_step
     if steps < 0:
         raise ValueError(f"controller_steps must be >= 0, got {steps}")
     if n == 0 and steps == 0:
-        return _finish(row)
-    row["bank_projection"] = bank_projection_ops(cfg)
+        return _finish(row, cfg)
+    row.update(bank_ops(cfg))
     ready = False  # optimised path: does the position hold its slot K/V cache?
     for k, is_dense in zip(ks, dense):
         for name, v in action_editor_ops(cfg, k, T, optimised, ready, is_dense).items():
             row[name] = row.get(name, 0) + v
         ready = not is_dense
     row["controller"] = steps * controller_step_ops(cfg, optimised)
+    if steps > 0 and cfg.controller_source is not None:
+        row["controller_input"] = controller_input_ops(cfg)
+    if steps > 0 and cfg.controller_bank:
+        row["controller_bank"] = controller_bank_ops(cfg, T)
     if n > 0 if readout is None else readout:
         row["readout"] = readout_ops(cfg, optimised)
-    return _finish(row)
+    return _finish(row, cfg)
 
 
 def seed_rows(cfg: PrismeConfig, T: int, optimised: bool = False) -> dict[str, dict[str, int]]:
@@ -331,7 +383,8 @@ def trace_cost(cfg: PrismeConfig, actions: Any, contexts: Any, controller_steps:
     steps = [0] * N if controller_steps is None else torch.as_tensor(controller_steps).flatten().tolist()
     if len(steps) != N or any(s < 0 for s in steps):
         raise ValueError(f"controller_steps must be [N] = [{N}] counts >= 0, got {len(steps)} entries")
-    comp = dict.fromkeys(COMPONENTS, 0.0)
+    comps = components(cfg)
+    comp = dict.fromkeys(comps, 0.0)
     base = 0.0
     cache: dict[tuple, dict[str, int]] = {}
     for i, T in enumerate(ctx):
@@ -344,10 +397,10 @@ def trace_cost(cfg: PrismeConfig, actions: Any, contexts: Any, controller_steps:
             row = token_ops(cfg, int(T), ks, controller_steps=int(steps[i]), optimised=optimised,
                             dense=[k == -1 for k in kinds])
             if acts is not None and not ks and int(steps[i]) == 0:  # forced, all STOP: the bank entry still runs
-                row = _finish({**row, "bank_projection": bank_projection_ops(cfg)})
+                row = _finish({**row, **bank_ops(cfg)}, cfg)
             cache[key] = row
         row = cache[key]
-        for c in COMPONENTS:
+        for c in comps:
             comp[c] += row[c]
         base += row["backbone"]
     return TraceCost(total_ops=sum(comp.values()), n_positions=N, backbone_ops=base, by_component=comp)
@@ -381,7 +434,8 @@ class OpsCounter:
     Counts with `torch.utils.flop_counter.FlopCounterMode` (mm/addmm/bmm/... at 2 ops per multiply-add), adding a
     formula for `aten._scaled_dot_product_flash_attention_for_cpu`, which FlopCounterMode counts as 0. Each op goes to
     the component of the innermost tagged module running it: backbone blocks -> `backbone_linear` (their SDPA ->
-    `backbone_attention`); `backbone.head` -> `lm_head`; W_K, W_V, P -> `bank_projection`; editor linears by name
+    `backbone_attention`); `backbone.head` -> `lm_head`; W_K, W_V, P (and their `_more` terms) -> `bank_projection`,
+    W_K_shift -> `bank_shift`, P_ctrl -> `controller_input`; editor linears by name
     (src_q/src_o, slot_q/slot_kv/slot_o, w13/w2, gate); an SDPA inside an editor block -> `editor_source_attn` if it
     carries a mask (the causal bank) else `editor_slot_attn` (the M slots); controller; readout. Anything else lands
     in `untagged`. Not counted, by the convention: norms, softmax, activations, embeddings, biases.
@@ -399,7 +453,9 @@ class OpsCounter:
 
     def __init__(self, model: Any):
         self.model = model
-        self.by_component: dict[str, int] = dict.fromkeys((*COMPONENTS, "untagged"), 0)
+        cfg = getattr(model, "cfg", None)
+        comps = components(cfg) if cfg is not None and getattr(cfg, "use_workspace", False) else COMPONENTS
+        self.by_component: dict[str, int] = dict.fromkeys((*comps, "untagged"), 0)
         self._stack: list[str] = []
         self._handles: list[Any] = []
         self._mode: Any = None
@@ -416,13 +472,20 @@ class OpsCounter:
         if getattr(backbone, "lm_head", None) is not None:
             tags[backbone.lm_head] = "lm_head"
         if getattr(m, "editor", None) is not None:
-            for lin in (m.W_K, m.W_V, m.P):
-                tags[lin] = "bank_projection"
+            for name, comp in (("W_K", "bank_projection"), ("W_V", "bank_projection"), ("P", "bank_projection"),
+                               ("W_K_more", "bank_projection"), ("W_V_more", "bank_projection"),
+                               ("P_more", "bank_projection"), ("W_K_shift", "bank_shift"),
+                               ("W_K_shift_more", "bank_shift"), ("P_ctrl", "controller_input")):
+                mod = m._modules.get(name)
+                for lin in (mod.values() if isinstance(mod, torch.nn.ModuleDict) else [mod] if mod else []):
+                    tags[lin] = comp
             for blk in m.editor.blocks:
                 tags[blk] = "editor_block"
                 for name, comp in self._EDITOR_LEAVES.items():
                     tags[getattr(blk, name)] = comp
             tags[m.controller] = "controller"
+            if getattr(m.controller, "bank_match", None) is not None:
+                tags[m.controller.bank_match] = "controller_bank"
             tags[m.readout] = "readout"
         return tags
 
@@ -491,7 +554,8 @@ def format_table(doc: dict[str, Any]) -> str:
     the seed and optimised ops side by side (millions, or thousands for small presets) and the saving."""
     rows, opt = doc["rows"], doc.get("optimised_rows")
     names = list(rows)
-    keys = (*COMPONENTS, "backbone", "workspace", "total")
+    keys = (*(c for c in rows[names[0]] if c not in ("backbone", "workspace", "total")), "backbone", "workspace",
+            "total")
     base = rows[names[0]]["total"]
     title = f"{doc['config']}  T={doc['T']}  ops per generated token"
     if opt is None:

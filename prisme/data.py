@@ -398,15 +398,17 @@ class MQARConfig:
     * positions ``0 .. 2*n_pairs-1``: ``n_pairs`` pairs ``k_1 v_1 k_2 v_2 ...``; keys are distinct and drawn from
       ``[1, V/2)``, values from ``[V/2, V)`` (``V/2`` = ``vocab_size // 2``);
     * after that, from position ``q0 = max(2*n_pairs, query_min_pos)``: ``n_queries`` (default ``n_pairs``) queries
-      of distinct context keys, each occupying two positions ``p, p+1`` holding ``key, value``; ``p = q0 + 2*s`` for a
-      slot ``s`` in ``[0, (seq_len - q0) // 2)``. Slots are sampled without replacement with probability
-      ``∝ (s+1)^(power_a - 1)`` exactly as Zoology does (small ``power_a`` → most queries close to the context,
-      a long tail far away);
+      of distinct context keys, each occupying two positions ``p, p+1``: the key at ``p``, and at ``p+1`` filler (the
+      default, as in Zoology) or, with ``echo_value=True``, the value itself; ``p = q0 + 2*s`` for a slot ``s`` in
+      ``[0, (seq_len - q0) // 2)``. Slots are sampled without replacement with probability ``∝ (s+1)^(power_a - 1)``
+      exactly as Zoology does (small ``power_a`` → most queries close to the context, a long tail far away);
     * everything else is filler: 0 by default, or (``random_filler=True``) uniform random keys from ``[1, V/2)``.
 
     Labels: ``y[p] = value`` at each query key position ``p``, ``IGNORE_INDEX`` everywhere else (the pair section too).
-    Unlike Zoology (which puts a random filler token after the query), ``x[p+1]`` is the value itself, so the sequence
-    reads as a consistent key→value stream.
+
+    Why filler after the query: with the echo, every answered value is visible to later queries, and a model with no
+    recall at all scores about half the queries by guessing among the values not yet answered (chance 1/N, 1/(N-1),
+    ..., 1 by query order). Without it a model that cannot look a key up sits at ~1/N.
     """
 
     vocab_size: int = 64
@@ -416,6 +418,7 @@ class MQARConfig:
     power_a: float = 0.01
     n_queries: int | None = None
     random_filler: bool = False
+    echo_value: bool = False  # True: x[p+1] is the queried value (a key -> value stream; leaks answers, see above)
 
     @property
     def key_range(self) -> tuple[int, int]:
@@ -443,6 +446,13 @@ class MQARConfig:
         """Raise ``ValueError`` if the layout does not fit."""
         k_lo, k_hi = self.key_range
         v_lo, v_hi = self.value_range
+        for f in ("vocab_size", "seq_len", "n_pairs", "query_min_pos"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"MQARConfig.{f} must be an int, got {v!r}")
+        for f in ("random_filler", "echo_value"):
+            if not isinstance(getattr(self, f), bool):
+                raise ValueError(f"MQARConfig.{f} must be a bool, got {getattr(self, f)!r}")
         if self.n_pairs < 1:
             raise ValueError(f"n_pairs must be >= 1, got {self.n_pairs}")
         if k_hi - k_lo < self.n_pairs or v_hi - v_lo < self.n_pairs:
@@ -489,7 +499,8 @@ def make_mqar_batch(cfg: MQARConfig, batch_size: int, generator: torch.Generator
     q_keys = keys.gather(1, which)  # [B, Q]
     q_vals = values.gather(1, which)  # [B, Q]
     x.scatter_(1, pos, q_keys)
-    x.scatter_(1, pos + 1, q_vals)
+    if cfg.echo_value:
+        x.scatter_(1, pos + 1, q_vals)
     y.scatter_(1, pos, q_vals)
     return x, y
 

@@ -147,6 +147,18 @@ class EditorBlock(nn.Module):
         """Keys | values `[..., 2w]` of slot states X `[..., w]` (no step conditioning: cacheable)."""
         return self.slot_kv(self.norm_slot(X))
 
+    def bank_attention(self, x: torch.Tensor, step: torch.Tensor, remaining: torch.Tensor, K: torch.Tensor,
+                       bank_mask: torch.Tensor) -> torch.Tensor:
+        """Diagnostics: the cross-attention weights `[B, nh, Tq, Tb]` sub-block (a) gives a slot state x `[B, Tq, w]`
+        at step/remaining `[B, Tq]` over the bank K `[B, Tb, w]` (the same scores as `forward`'s attention)."""
+        B, Tq, w = x.shape
+        hd = w // self.n_heads
+        e = self.step_emb(step) + self.rem_emb(remaining)  # [B, Tq, w]
+        q = self.src_q(self.norm_src(x) + e).view(B, Tq, self.n_heads, hd).transpose(1, 2)  # [B, nh, Tq, hd]
+        k = K.view(B, K.shape[1], self.n_heads, hd).transpose(1, 2)  # [B, nh, Tb, hd]
+        scores = (q @ k.transpose(-1, -2)) * hd ** -0.5  # [B, nh, Tq, Tb]
+        return scores.masked_fill(~bank_mask.unsqueeze(1), float("-inf")).softmax(-1)
+
     def forward(self, x: torch.Tensor, step: torch.Tensor, remaining: torch.Tensor, bank: BankView,
                 slot_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x `[N, k, w]` chosen slots; step, remaining `[N]`; slot_kv `[N, M, 2w]` -> (x_out, gate `[N, k, 1]`)."""

@@ -306,8 +306,8 @@ def greedy_oracle(model: PrismeModel, tokens: torch.Tensor, targets: torch.Tenso
     cost = model.action_cost if cost is None else torch.as_tensor(cost).to(model.action_cost)
     A, stop, P = cfg.n_actions, cfg.stop_action, positions.shape[1]
 
-    H = model.backbone(tokens)  # [B, T, d]
-    ctx = model.context_from_H(H, H[rows, positions], query_pos=positions)  # Tq = P
+    st = model.streams(tokens)  # H [B, T, d] and the source streams
+    ctx = model.context_from_H(st, st.index(rows, positions), query_pos=positions)  # Tq = P
     logits = model.backbone.head(ctx.H)  # [B, P, V]
     loss = _token_ce(logits, y)  # [B, P]
     base = loss.clone()
@@ -470,10 +470,11 @@ def default_lambdas(model: PrismeModel, tokens: torch.Tensor, quantiles: Sequenc
     ctx = model.encode(tokens)
     B, T = tokens.shape
     dev = tokens.device
-    preds = model.controller(ctx.z, ctx.S0, ctx.S0, torch.zeros(B, T, cfg.n_slots, dtype=torch.long, device=dev),
+    zc, match = model.controller_inputs(ctx)
+    preds = model.controller(zc, ctx.S0, ctx.S0, torch.zeros(B, T, cfg.n_slots, dtype=torch.long, device=dev),
                              torch.zeros(B, T, cfg.n_actions, dtype=torch.bool, device=dev),
                              torch.zeros(B, T, dtype=torch.long, device=dev),
-                             torch.full((B, T), cfg.r_max, dtype=torch.long, device=dev))
+                             torch.full((B, T), cfg.r_max, dtype=torch.long, device=dev), match)
     lam_star = (preds.value / cost).amax(-1).flatten().double()  # [B*T]
     lam_star = lam_star[lam_star > 0]
     grid = [0.0]

@@ -31,7 +31,7 @@ import torch
 
 from .backbone import check_tokens
 from .costs import trace_cost
-from .model import EncodedContext, PrismeModel
+from .model import EncodedContext, PrismeModel, Streams
 
 LOGITS_MODES = ("last", "all", "none")
 
@@ -110,6 +110,9 @@ class DecodeState:
         self.has_bank = bank
         self.K = param.new_zeros(batch_size, self.max_len, cfg.w) if bank else None  # [B, T_max, w]
         self.V = param.new_zeros(batch_size, self.max_len, cfg.w) if bank else None  # [B, T_max, w]
+        # bank_shift: each bank term's normed stream at each row's last position, read by the next key
+        n_shift = len(cfg.bank_terms) if bank and cfg.bank_shift else 0
+        self.prev = [param.new_zeros(batch_size, cfg.d_model) for _ in range(n_shift)]  # [B, d] each
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -121,6 +124,7 @@ class DecodeState:
     def nbytes(self) -> int:
         """Exact payload bytes of the backbone K/V cache and the source bank."""
         bank = 0 if self.K is None else 2 * self.K.numel() * self.K.element_size()
+        bank += sum(p.numel() * p.element_size() for p in self.prev)
         return self.cache.nbytes + bank
 
     def reset(self) -> None:
@@ -129,6 +133,8 @@ class DecodeState:
         if self.K is not None:
             self.K.zero_()
             self.V.zero_()
+        for p in self.prev:
+            p.zero_()
 
     # ------------------------------------------------------------------ public steps
     @torch.no_grad()
@@ -196,36 +202,47 @@ class DecodeState:
                               **{f: torch.cat([getattr(o, f) for o in outs], 1)
                                  for f in ("actions", "n_edits", "controller_steps", "positions", "valid")})
         start = self.lengths
-        H = torch.cat([self._advance(tokens[:, i:i + c], n) for (i, c), n in zip(chunks, n_new)], 1)  # [B, T, d]
-        pos = torch.tensor([s + L - 1 for s, L in zip(start, lengths)], device=H.device).unsqueeze(1)  # [B, 1]
+        parts = [self._advance(tokens[:, i:i + c], n) for (i, c), n in zip(chunks, n_new)]
+        dev = parts[0].H.device
+        pos = torch.tensor([s + L - 1 for s, L in zip(start, lengths)], device=dev).unsqueeze(1)  # [B, 1]
         if logits == "none":
             empty = pos[:, :0]
             return StepOutput(logits=None, actions=empty.unsqueeze(-1), n_edits=empty, controller_steps=empty,
                               positions=empty, valid=empty.bool())
-        last = torch.tensor(lengths, device=H.device) - 1  # [B]
-        H_last = H[torch.arange(B, device=H.device), last].unsqueeze(1)  # [B, 1, d]
-        return self._workspace(H_last, pos, None, None, ws)
+        st = Streams(torch.cat([p.H for p in parts], 1), {k: torch.cat([p.src[k] for p in parts], 1)
+                                                           for k in parts[0].src})  # [B, T, d] each
+        last = (torch.tensor(lengths, device=dev) - 1).unsqueeze(1)  # [B, 1]
+        return self._workspace(st.index(torch.arange(B, device=dev).unsqueeze(1), last), pos, None, None, ws)
 
     # ------------------------------------------------------------------ internals (inputs already checked)
     def _step(self, tokens: torch.Tensor, n_new: list[int], ws: _Workspace) -> StepOutput:
         B, C = tokens.shape
         start = self.lengths
-        H = self._advance(tokens, n_new)  # [B, C, d]
+        st = self._advance(tokens, n_new)  # H [B, C, d] and the source streams
         offsets = torch.arange(C, device=tokens.device)  # [C]
         pos = torch.tensor(start, device=tokens.device).unsqueeze(1) + offsets  # [B, C]
         if all(n == C for n in n_new):
-            return self._workspace(H, pos, None, None, ws)
+            return self._workspace(st, pos, None, None, ws)
         valid = offsets < torch.tensor(n_new, device=tokens.device)[:, None]  # [B, C]
         keep = [b for b in range(B) if n_new[b] > 0]
-        return self._workspace(H, pos, valid, keep, ws)
+        return self._workspace(st, pos, valid, keep, ws)
 
-    def _advance(self, tokens: torch.Tensor, n_new: list[int]) -> torch.Tensor:
-        """Backbone step with the cache, then append the new positions' bank entries. Returns H `[B, C, d]`."""
+    def _advance(self, tokens: torch.Tensor, n_new: list[int]) -> Streams:
+        """Backbone step with the cache, then append the new positions' bank entries. Returns their streams
+        (H `[B, C, d]` and the workspace's source streams)."""
         B, C = tokens.shape
         start = self.lengths
-        H = self.model.backbone(tokens, self.cache, n_new)  # [B, C, d]
+        st = self.model.streams(tokens, self.cache, n_new)  # H [B, C, d]
+        H = st.H
         if self.K is not None:
-            K, V = self.model.bank_entries(H)  # [B, C, w] each: only the new positions are projected
+            hs = self.model.bank_inputs(st)  # [B, C, d] per bank term: only the new positions are projected
+            K, V = self.model.bank_from_inputs(hs, self.prev if self.prev else None)  # [B, C, w] each
+            if self.prev:  # the shift's memory: each row's last real position (padding is never read)
+                n_t = torch.tensor(n_new, device=H.device)
+                moved = (n_t > 0).unsqueeze(1)  # [B, 1]
+                last = (n_t - 1).clamp(min=0).view(B, 1, 1).expand(B, 1, H.shape[-1])  # [B, 1, d]
+                for p, h in zip(self.prev, hs):
+                    p.copy_(torch.where(moved, h.gather(1, last).squeeze(1).to(p.dtype), p))
             if len(set(start)) == 1 and all(n == C for n in n_new):
                 self.K.narrow(1, start[0], C).copy_(K)
                 self.V.narrow(1, start[0], C).copy_(V)
@@ -235,15 +252,17 @@ class DecodeState:
                 at = cols + torch.tensor(start, device=H.device)[rows]  # their absolute positions
                 self.K[rows, at] = K[rows, cols]
                 self.V[rows, at] = V[rows, cols]
-        return H
+        return st
 
-    def _workspace(self, H: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor | None, keep: list[int] | None,
+    def _workspace(self, st: Streams, pos: torch.Tensor, valid: torch.Tensor | None, keep: list[int] | None,
                    ws: _Workspace) -> StepOutput:
-        """Run the workspace of queries H `[B, Q, d]` at absolute positions `pos` `[B, Q]` against the cached bank.
+        """Run the workspace of queries `st` (H `[B, Q, d]`, ...) at absolute positions `pos` `[B, Q]` against the
+        cached bank.
 
         valid `[B, Q]` marks real queries (None: all are); keep lists the rows that have one (None: all do).
         """
         model, cfg = self.model, self.cfg
+        H = st.H
         B, Q = pos.shape
         dev = H.device
         valid_t = torch.ones(B, Q, dtype=torch.bool, device=dev) if valid is None else valid
@@ -261,12 +280,13 @@ class DecodeState:
         Tb = max(lengths) if keep is None else max(lengths[b] for b in keep)
         keep = None if keep is None or len(keep) == B else torch.tensor(keep, dtype=torch.long, device=dev)
         sub = (lambda x: x) if keep is None else (lambda x: x[keep])
-        H_q, pos_q, valid_q = sub(H), sub(pos), sub(valid_t)
+        st_q = st if keep is None else Streams(H[keep], {k: v[keep] for k, v in st.src.items()})
+        H_q, pos_q, valid_q = st_q.H, sub(pos), sub(valid_t)
         bank_len = sub(torch.tensor(lengths, device=dev))  # [b]
         K, V = sub(self.K.narrow(1, 0, Tb)), sub(self.V.narrow(1, 0, Tb))  # [b, Tb, w]
-        z, S0 = model.query_state(H_q)  # [b, Q, w], [b, Q, M, w]
+        z, S0 = model.query_state(st_q)  # [b, Q, w], [b, Q, M, w]
         mask = model.bank_mask(H_q.shape[0], Q, Tb, pos_q, bank_len, dev)  # [b, Q, Tb]
-        ctx = EncodedContext(H=H_q, K=K, V=V, z=z, bank_mask=mask, S0=S0)
+        ctx = EncodedContext(H=H_q, K=K, V=V, z=z, bank_mask=mask, S0=S0, ctrl_in=model.controller_stream(st_q))
         if ws.actions is not None:
             w_sub = ws.rows(keep) if keep is not None else ws
             roll = model.rollout_forced(ctx, w_sub.actions, w_sub.budget)
@@ -727,11 +747,23 @@ def main(args: argparse.Namespace) -> int:
         print(f"note: preset {args.preset!r} with random weights (pass --checkpoint for a trained model)",
               file=sys.stderr)
     model.eval()
-    prompt = tokenizer.encode(args.prompt)
+    ids_mode = getattr(args, "prompt_ids", None) is not None
+    if ids_mode:
+        try:
+            prompt = [int(v) for v in args.prompt_ids.split(",") if v.strip()]
+        except ValueError:
+            raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
+        if not prompt:
+            raise ValueError("--prompt-ids lists no token id")
+        decode = lambda ids: " " + " ".join(str(i) for i in ids)  # noqa: E731
+        args.prompt = ",".join(str(i) for i in prompt)
+    else:
+        prompt = tokenizer.encode(args.prompt)
+        decode = tokenizer.decode
     out = generate(model, [prompt], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, max_budget=args.budget, lambda_cost=args.lambda_cost,
                    kappa_risk=args.kappa_risk, target_cost=args.target_cost)
-    print(args.prompt + tokenizer.decode(out.tokens[0]))
+    print(args.prompt + decode(out.tokens[0]))
     cal = "" if out.calibration is None else (f", calibrated on the prompt to {out.calibration.relative_cost:.4f} "
                                               f"(target {out.calibration.target_cost})")
     print(f"[{len(out.tokens[0])} tokens, budget {args.budget}, lambda {out.lambda_cost:.6g}{cal}; "
@@ -741,7 +773,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"{'pos':>5}  {'token':<8}{'edits':>6}{'steps':>6}  actions")
         for i, tok in enumerate(out.tokens[0]):
             acts = [a for a in out.actions[0][i].tolist() if a != stop]
-            print(f"{len(prompt) + i:>5}  {tokenizer.decode([tok])!r:<8}{out.n_edits[0][i]:>6}"
+            print(f"{len(prompt) + i:>5}  {decode([tok]).strip() if ids_mode else repr(decode([tok])):<8}"
+                  f"{out.n_edits[0][i]:>6}"
                   f"{out.controller_steps[0][i]:>6}  {'#' * out.n_edits[0][i]:<{max(args.budget, 1)}} {acts}")
     return 0
 

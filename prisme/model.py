@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from .attention import RMSNorm
 from .backbone import Backbone, check_tokens
-from .config import PrismeConfig
+from .config import PrismeConfig, source_layer
 from .controller import ValueController
 from .editor import EditInfo, SlotKV, SparseEditor
 from .readout import DifferentialReadout
@@ -33,6 +33,21 @@ from .workspace import absorb_stop, action_groups, check_actions, init_workspace
 
 if TYPE_CHECKING:
     from .generate import DecodeState
+
+
+@dataclass
+class Streams:
+    """What the workspace reads of a backbone pass: H and the source streams its bank and query terms name."""
+
+    H: torch.Tensor  # [B, T, d] final residual stream (before the final norm)
+    src: dict[str, torch.Tensor]  # {term: [B, T, d]} for every source term ("residual" is H itself)
+
+    def index(self, rows: torch.Tensor, pos: torch.Tensor) -> Streams:
+        """The streams at `[rows, pos]` (e.g. query positions `[B, P]` with rows `[B, 1]`)."""
+        return Streams(self.H[rows, pos], {k: v[rows, pos] for k, v in self.src.items()})
+
+    def detach(self) -> Streams:
+        return Streams(self.H.detach(), {k: v.detach() for k, v in self.src.items()})
 
 
 @dataclass
@@ -45,6 +60,7 @@ class EncodedContext:
     z: torch.Tensor  # [B, Tq, w] query summary
     bank_mask: torch.Tensor  # [B, Tq, Tb] bool: query t may read key j
     S0: torch.Tensor  # [B, Tq, M, w] initial workspace
+    ctrl_in: torch.Tensor | None = None  # [B, Tq, d] normed stream the controller projects (cfg.controller_source)
 
 
 @dataclass
@@ -80,16 +96,13 @@ class PrismeModel(nn.Module):
         if cfg.use_workspace:
             from .costs import action_cost_proxy
 
-            self.bank_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-            self.W_K = nn.Linear(cfg.d_model, cfg.w, bias=False)
-            self.W_V = nn.Linear(cfg.d_model, cfg.w, bias=False)
-            self.P = nn.Linear(cfg.d_model, cfg.w, bias=False)
+            self._build_sources(cfg)
             seed_slots = cfg.ws_init == "seed" and cfg.z_norm
             self.slot_embed = nn.Parameter(torch.randn(cfg.n_slots, cfg.w) * (1.0 if seed_slots else cfg.init_std))
             self.editor = SparseEditor(cfg)
             self.readout = DifferentialReadout(cfg)
             self.controller = ValueController(cfg)
-            for module in (self.W_K, self.W_V, self.P, self.editor, self.readout, self.controller):
+            for module in (*self._source_projections(), self.editor, self.readout, self.controller):
                 for name, p in module.named_parameters():
                     if p.dim() >= 2 and not name.startswith("U."):
                         nn.init.normal_(p, std=self._init_std(module, name, p))
@@ -97,6 +110,42 @@ class PrismeModel(nn.Module):
                 nn.init.constant_(block.gate.bias, cfg.gate_bias_init)
             self.register_buffer("action_slot_counts", self._slot_counts(cfg), persistent=False)  # [A+2, M]
             self.register_buffer("action_cost", torch.tensor(action_cost_proxy(cfg)), persistent=False)  # [A]
+
+    def _build_sources(self, cfg: PrismeConfig) -> None:
+        """The source bank's modules. The seed's inputs keep the seed's names: one norm `bank_norm` and `W_K`, `W_V`,
+        `P`, all reading H. Other sources (`cfg.bank_source`, `cfg.query_source`): the first bank term's stream is
+        normed by `bank_norm` and projected by `W_K`, `W_V`; the first query term's by `P`; every other stream has its
+        own norm in `src_norm`, every other term its projections in `W_K_more`, `W_V_more`, `P_more`; the token shift
+        adds `W_K_shift` (and `W_K_shift_more`), applied to the previous position's normed stream."""
+        d, w = cfg.d_model, cfg.w
+        lin = lambda: nn.Linear(d, w, bias=False)  # noqa: E731
+        bank, query = cfg.bank_terms, cfg.query_terms
+        self.bank_norm = RMSNorm(d, cfg.norm_eps)
+        self.W_K, self.W_V, self.P = lin(), lin(), lin()
+        extra_streams = [t for t in dict.fromkeys(bank + query) if t != bank[0]]
+        if extra_streams:
+            self.src_norm = nn.ModuleDict({t: RMSNorm(d, cfg.norm_eps) for t in extra_streams})
+        if len(bank) > 1:
+            self.W_K_more = nn.ModuleDict({t: lin() for t in bank[1:]})
+            self.W_V_more = nn.ModuleDict({t: lin() for t in bank[1:]})
+        if len(query) > 1:
+            self.P_more = nn.ModuleDict({t: lin() for t in query[1:]})
+        if cfg.bank_shift:
+            self.W_K_shift = lin()
+            if len(bank) > 1:
+                self.W_K_shift_more = nn.ModuleDict({t: lin() for t in bank[1:]})
+        if cfg.controller_terms:  # the controller's own input projection (trained with the controller)
+            self.P_ctrl = lin()
+        layers = {source_layer(t, cfg.n_layer) for t in bank + query + cfg.controller_terms}
+        self.source_layers = tuple(sorted(layers - {cfg.n_layer}))
+
+    def _source_projections(self) -> list[nn.Module]:
+        """Every d -> w projection of the source bank and the query (modules whose weights are matrices)."""
+        names = ("W_K", "W_V", "P", "W_K_shift", "W_K_more", "W_V_more", "P_more", "W_K_shift_more", "P_ctrl")
+        return [self._modules[n] for n in names if n in self._modules]
+
+    def _norm_of(self, term: str) -> nn.Module:
+        return self.bank_norm if term == self.cfg.bank_terms[0] else self.src_norm[term]
 
     def _init_std(self, module: nn.Module, name: str, p: nn.Parameter) -> float:
         """"seed": every matrix at init_std. "fan_in": the bank, editor and readout projections at 1/sqrt(fan_in),
@@ -131,44 +180,115 @@ class PrismeModel(nn.Module):
         return list(self.backbone.parameters())
 
     def workspace_parameters(self) -> list[nn.Parameter]:
-        names = ("bank_norm", "W_K", "W_V", "P", "slot_embed", "editor", "readout")
+        names = ("bank_norm", "W_K", "W_V", "P", "src_norm", "W_K_more", "W_V_more", "P_more", "W_K_shift",
+                 "W_K_shift_more", "slot_embed", "editor", "readout")
         return [p for n, p in self.named_parameters() if n.split(".")[0] in names]
 
     def controller_parameters(self) -> list[nn.Parameter]:
-        return list(self.controller.parameters()) if self.cfg.use_workspace else []
+        if not self.cfg.use_workspace:
+            return []
+        own = list(self.P_ctrl.parameters()) if "P_ctrl" in self._modules else []
+        return list(self.controller.parameters()) + own
 
     # ------------------------------------------------------------------ encoding
-    def bank_entries(self, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Bank keys and values `[B, T, w]` of positions with residual stream H `[B, T, d]`."""
-        h = self.bank_norm(H)
-        return self.W_K(h), self.W_V(h)
+    def streams(self, tokens: torch.Tensor, cache: object | None = None,
+                n_new: list[int] | None = None) -> Streams:
+        """A backbone pass (`Backbone.forward` arguments) that also keeps the source streams the workspace reads."""
+        H, kept = self.backbone.streams(tokens, cache, n_new, getattr(self, "source_layers", ()))
+        if not self.cfg.use_workspace:
+            return Streams(H, {})
+        L = self.cfg.n_layer
+        terms = dict.fromkeys(self.cfg.bank_terms + self.cfg.query_terms + self.cfg.controller_terms)
+        return Streams(H, {t: H if source_layer(t, L) == L else kept[source_layer(t, L)] for t in terms})
 
-    def query_state(self, H_query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """z `[B, Tq, w]` and S0 `[B, Tq, M, w]` of query positions."""
-        z = self.P(self.bank_norm(H_query))
+    def _as_streams(self, x: Streams | torch.Tensor) -> Streams:
+        if isinstance(x, Streams):
+            return x
+        if not self.cfg.default_sources and set(self.cfg.bank_terms + self.cfg.query_terms) != {"residual"}:
+            raise ValueError(f"this model's workspace reads {self.cfg.bank_source!r} / {self.cfg.query_source!r}, "
+                             f"not only H: pass model.streams(tokens) instead of a residual-stream tensor")
+        return Streams(x, {"residual": x})
+
+    def bank_inputs(self, st: Streams | torch.Tensor) -> list[torch.Tensor]:
+        """The normed source stream of each bank term, `[B, T, d]` each."""
+        st = self._as_streams(st)
+        return [self._norm_of(t)(st.src[t]) for t in self.cfg.bank_terms]
+
+    def bank_from_inputs(self, hs: list[torch.Tensor], prev: list[torch.Tensor] | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bank keys and values `[B, T, w]` from the normed streams `hs` of `bank_inputs`.
+
+        With `bank_shift`, key j also reads position j-1: `prev` holds each term's normed stream `[B, d]` of the
+        position before the first of `hs` (None: the first position is position 0, whose shifted part is zero).
+        """
+        terms = self.cfg.bank_terms
+        K, V = self.W_K(hs[0]), self.W_V(hs[0])
+        for t, h in zip(terms[1:], hs[1:]):
+            K, V = K + self.W_K_more[t](h), V + self.W_V_more[t](h)
+        if self.cfg.bank_shift:
+            for i, (t, h) in enumerate(zip(terms, hs)):
+                before = h.new_zeros(h[:, :1].shape) if prev is None else prev[i].unsqueeze(1).to(h.dtype)
+                shifted = torch.cat([before, h[:, :-1]], dim=1)  # [B, T, d]: position j holds n(X_{j-1})
+                K = K + (self.W_K_shift if i == 0 else self.W_K_shift_more[t])(shifted)
+        return K, V
+
+    def bank_entries(self, st: Streams | torch.Tensor,
+                     prev: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bank keys and values `[B, T, w]` of the positions of `st` (`Streams`, or H for the seed's sources)."""
+        return self.bank_from_inputs(self.bank_inputs(st), prev)
+
+    def query_state(self, st: Streams | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """z `[B, Tq, w]` and S0 `[B, Tq, M, w]` of query positions (`Streams`, or H for the seed's sources)."""
+        st = self._as_streams(st)
+        terms = self.cfg.query_terms
+        z = self.P(self._norm_of(terms[0])(st.src[terms[0]]))
+        for t in terms[1:]:
+            z = z + self.P_more[t](self._norm_of(t)(st.src[t]))
         if self.cfg.z_norm:
             z = F.rms_norm(z, (self.cfg.w,), eps=self.cfg.norm_eps)
         return z, init_workspace(self.slot_embed, z)
 
     def encode(self, tokens: torch.Tensor) -> EncodedContext:
         """Teacher-forced parallel encoding of all positions; the bank mask is causal (key j <= query t)."""
-        H = self.backbone(tokens)
-        return self.context_from_H(H, H)
+        st = self.streams(tokens)
+        return self.context_from_H(st, st)
 
-    def context_from_H(self, H_bank: torch.Tensor, H_query: torch.Tensor, query_pos: torch.Tensor | None = None,
-                       bank_len: torch.Tensor | None = None) -> EncodedContext:
+    def context_from_H(self, H_bank: Streams | torch.Tensor, H_query: Streams | torch.Tensor,
+                       query_pos: torch.Tensor | None = None, bank_len: torch.Tensor | None = None) -> EncodedContext:
         """Args:
-            H_bank: `[B, Tb, d]` history, including the query positions.
-            H_query: `[B, Tq, d]`.
+            H_bank: `[B, Tb, d]` history, including the query positions (`Streams`, or H for the seed's sources).
+            H_query: `[B, Tq, d]` (`Streams`, or H).
             query_pos: `[B, Tq]` absolute positions of the queries inside the bank (default 0..Tq-1).
             bank_len: `[B]` valid bank length per row (padded batches).
         """
-        B, Tb, _ = H_bank.shape
-        Tq = H_query.shape[1]
-        K, V = self.bank_entries(H_bank)
-        z, S0 = self.query_state(H_query)
-        return EncodedContext(H=H_query, K=K, V=V, z=z, bank_mask=self.bank_mask(B, Tq, Tb, query_pos, bank_len,
-                                                                                  H_bank.device), S0=S0)
+        bank, query = self._as_streams(H_bank), self._as_streams(H_query)
+        B, Tb, _ = bank.H.shape
+        Tq = query.H.shape[1]
+        K, V = self.bank_entries(bank)
+        z, S0 = self.query_state(query)
+        return EncodedContext(H=query.H, K=K, V=V, z=z, bank_mask=self.bank_mask(B, Tq, Tb, query_pos, bank_len,
+                                                                                  bank.H.device), S0=S0,
+                              ctrl_in=self.controller_stream(query))
+
+    def controller_stream(self, st: Streams | torch.Tensor) -> torch.Tensor | None:
+        """The normed stream `[B, Tq, d]` the controller projects (`cfg.controller_source`), or None (it reads z)."""
+        if not self.cfg.controller_terms:
+            return None
+        X = self._as_streams(st).src[self.cfg.controller_terms[0]]
+        return F.rms_norm(X, (X.shape[-1],), eps=self.cfg.norm_eps)
+
+    def controller_z(self, ctx: EncodedContext) -> torch.Tensor:
+        """The controller's first feature `[B, Tq, w]`: z, or its own projection of `cfg.controller_source`."""
+        if ctx.ctrl_in is None:
+            return ctx.z
+        return F.rms_norm(self.P_ctrl(ctx.ctrl_in), (self.cfg.w,), eps=self.cfg.norm_eps)
+
+    def controller_inputs(self, ctx: EncodedContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What the controller reads of each position once, before its loop: z_c `[B, Tq, w]` and, with
+        `cfg.controller_bank`, the bank-match features `[B, Tq, 2]` (else None)."""
+        zc = self.controller_z(ctx)
+        match = self.controller.bank_match(zc, ctx.K, ctx.bank_mask) if self.cfg.controller_bank else None
+        return zc, match
 
     @staticmethod
     def bank_mask(B: int, Tq: int, Tb: int, query_pos: torch.Tensor | None = None,
@@ -251,13 +371,15 @@ class PrismeModel(nn.Module):
         trace = torch.full((B, Tq, max_budget), stop, dtype=torch.long, device=dev)
         ctrl_steps = torch.zeros(B, Tq, dtype=torch.long, device=dev)
         budget = torch.full((B, Tq), max_budget, dtype=torch.long, device=dev)
+        zc, match = self.controller_inputs(ctx)  # [B, Tq, w], [B, Tq, 2] or None
         infos = []
         for r in range(max_budget):
             b, t = torch.nonzero(~stopped, as_tuple=True)  # only positions still deciding
             if b.numel() == 0:
                 break
             step = torch.full_like(b, r)
-            preds = self.controller(ctx.z[b, t], S[b, t], ctx.S0[b, t], edits[b, t], taken[b, t], step, budget[b, t])
+            preds = self.controller(zc[b, t], S[b, t], ctx.S0[b, t], edits[b, t], taken[b, t], step, budget[b, t],
+                                    None if match is None else match[b, t])
             chosen = self.controller.select(preds, cost, lambda_cost, kappa_risk)  # [N]
             a = torch.full((B, Tq), stop, dtype=torch.long, device=dev).index_put((b, t), chosen)
             trace[:, :, r] = a

@@ -136,10 +136,13 @@ class WorkspaceObjective(nn.Module):
         model, cfg = self.model, self.cfg
         actions, budget = extra["actions"], extra["budget"]  # [b, T, R], [b, T]
         with torch.set_grad_enabled(self.train_backbone and torch.is_grad_enabled()):
-            H_own = model.backbone(x)  # [b, T, d]
-        H = H_own.detach() if self.isolate else H_own
+            st_own = model.streams(x)  # H [b, T, d] and the workspace's source streams
+        H_own = st_own.H
+        st = st_own.detach() if self.isolate else st_own
+        H = st.H
         head = _head_without_weight_grads(model.backbone) if self.isolate else None
-        ctx = model.context_from_H(H, H)
+        y_all = y
+        ctx, actions, budget, y = self._labelled_queries(st, actions, budget, y)  # [b, Tq, ...], Tq <= T
         S, slot_kv = ctx.S0, model.new_slot_kv(ctx.S0)
         ds_sum = H.new_zeros((), dtype=torch.float32)
         gate_sum = [H.new_zeros((), dtype=torch.float32) for _ in range(cfg.n_edit_blocks)]
@@ -155,16 +158,16 @@ class WorkspaceObjective(nn.Module):
                 more = budget > r + 1  # [b, T] positions whose final state is later
                 logits_r, _ = model.logits_from_state(S, ctx, more, head)
                 ds_sum = ds_sum + _ce_sum(logits_r, y.masked_fill(~more, IGNORE_INDEX))
-        edited = (actions != cfg.stop_action).any(-1)  # [b, T]
+        edited = (actions != cfg.stop_action).any(-1)  # [b, Tq]
         logits, delta = model.logits_from_state(S, ctx, edited, head)
         ce = _ce_sum(logits, y)
         loss = ce / denom["tokens"]
         if self.ds > 0:
             loss = loss + self.ds * ds_sum / denom["ds"]
         with torch.no_grad():
-            ce_bb = _ce_sum(model.backbone.head(H.detach()), y)
+            ce_bb = _ce_sum(model.backbone.head(ctx.H.detach()), y)
         if self.aux > 0:
-            loss = loss + self.aux * _ce_sum(model.backbone.head(H_own), y) / denom["tokens"]
+            loss = loss + self.aux * _ce_sum(model.backbone.head(H_own), y_all) / denom["tokens"]
         prev_ce = H.new_zeros((), dtype=torch.float32)
         if self.aux_prev > 0:
             prev_ce = _ce_sum(self.prev_probe(H_own[:, 1:]), x[:, :-1])  # H[t] [b, T-1, d] -> token t-1
@@ -172,13 +175,30 @@ class WorkspaceObjective(nn.Module):
         with torch.no_grad():
             e = edited.float()
             s_rel = ((S - ctx.S0).flatten(-2).norm(dim=-1) / ctx.S0.flatten(-2).norm(dim=-1).clamp(min=1e-12))
-            d_rel = delta.norm(dim=-1) / H.norm(dim=-1).clamp(min=1e-12)  # [b, T]
+            d_rel = delta.norm(dim=-1) / ctx.H.norm(dim=-1).clamp(min=1e-12)  # [b, Tq]
             stats = {"ce": ce.detach(), "ce_backbone": ce_bb, "n": (y != IGNORE_INDEX).sum().float(),
                      "n_edited": e.sum(), "s_rel": (s_rel.float() * e).sum(), "delta_rel": (d_rel.float() * e).sum(),
                      "gate_n": gate_n, **{f"gate{i}": g for i, g in enumerate(gate_sum)}}
             if self.aux_prev > 0:
                 stats["prev_ce"], stats["n_prev"] = prev_ce.detach(), H.new_tensor(float(x.shape[0] * (x.shape[1] - 1)))
         return loss, stats
+
+    def _labelled_queries(self, st, actions: torch.Tensor, budget: torch.Tensor, y: torch.Tensor):
+        """The workspace runs only where a label is: a position's workspace reads the bank and its own slots, never
+        another position's, so positions without a label add nothing to the loss or its gradient. When some row has
+        fewer labels than positions (MQAR: queries only), queries are the labelled positions of each row (padded
+        with unlabelled ones to the longest row; their CE is ignored). Returns (ctx, actions, budget, y) at the
+        queries `[b, Tq, ...]`."""
+        model = self.model
+        labelled = y != IGNORE_INDEX  # [b, T]
+        b, T = y.shape
+        P = max(1, int(labelled.sum(1).max()))
+        if P == T:
+            return model.context_from_H(st, st), actions, budget, y
+        pos = torch.argsort((~labelled).to(torch.int8), dim=1, stable=True)[:, :P]  # [b, P] labelled first, in order
+        rows = torch.arange(b, device=y.device).unsqueeze(1)  # [b, 1]
+        ctx = model.context_from_H(st, st.index(rows, pos), query_pos=pos)
+        return ctx, actions[rows, pos], budget[rows, pos], y[rows, pos]
 
     @staticmethod
     def summarise(s: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -205,6 +225,7 @@ class ControllerObjective(nn.Module):
         self.greedy = scfg.oracle_greedy
         self.clip = scfg.value_clip
         self.risk_weight = scfg.risk_weight
+        self.unlabelled_zero = scfg.unlabelled_value == "zero"
         self.scale = 1.0  # dL scale (std at the start of the stage); set by `calibrate`, checkpointed
 
     # -------------------------------------------------------------------------------------------- randomness
@@ -226,7 +247,8 @@ class ControllerObjective(nn.Module):
 
     def denominators(self, x: torch.Tensor, y: torch.Tensor, extra: dict[str, torch.Tensor]) -> dict[str, float]:
         _, valid = self.positions(y, extra["scores"])
-        return {"targets": max(1, int(valid.sum()) * int(extra["budget"][0]) * self.cfg.n_actions)}
+        n = valid.numel() if self.unlabelled_zero else int(valid.sum())
+        return {"targets": max(1, n * int(extra["budget"][0]) * self.cfg.n_actions)}
 
     # ----------------------------------------------------------------------------------------------- oracle
     def oracle_rollout(self, x: torch.Tensor, y: torch.Tensor, extra: dict[str, torch.Tensor],
@@ -234,38 +256,51 @@ class ControllerObjective(nn.Module):
         """Walk a behaviour rollout at the sampled positions; at every state execute all A candidate actions.
 
         Calls `on_state(r, ctx, S, edits, taken, budget, dL, valid)` with dL `[b, P, A]` the true drop of the
-        position's next-token CE for each action, then moves on by the oracle's best action (with probability
+        position's next-token CE for each action (0 at positions without a label with `unlabelled_value="zero"`,
+        where every sampled position is then valid), then moves on by the oracle's best action (with probability
         `oracle_greedy`) or a random one.
         """
         model, cfg = self.model, self.cfg
         A, M = cfg.n_actions, cfg.n_slots
         b_budget = int(extra["budget"][0])
         with torch.no_grad():
-            H = model.backbone(x)  # [b, T, d]
+            st = model.streams(x)  # H [b, T, d] and the source streams
             pos, valid = self.positions(y, extra["scores"])  # [b, P]
             b, P = pos.shape
             rows = torch.arange(b, device=x.device).unsqueeze(1)  # [b, 1]
-            Hq, yq = H[rows, pos], y[rows, pos].masked_fill(~valid, 0)  # [b, P, d], [b, P]
-            ctx = model.context_from_H(H, Hq, query_pos=pos)  # Tq = P
+            Hq, yq = st.H[rows, pos], y[rows, pos].masked_fill(~valid, 0)  # [b, P, d], [b, P]
+            ctx = model.context_from_H(st, st.index(rows, pos), query_pos=pos)  # Tq = P
             rep = lambda t: t.repeat_interleave(A, dim=1)  # noqa: E731 - [b, P, ...] -> [b, P A, ...]
-            ctx_a = dataclasses.replace(ctx, H=rep(ctx.H), z=rep(ctx.z), S0=rep(ctx.S0), bank_mask=rep(ctx.bank_mask))
+            ctx_a = dataclasses.replace(ctx, H=rep(ctx.H), z=rep(ctx.z), S0=rep(ctx.S0), bank_mask=rep(ctx.bank_mask),
+                                        ctrl_in=None)
             cand = torch.arange(A, device=x.device).repeat(P).expand(b, P * A)  # [b, P A]
             loss_cur = _ce(model.backbone.head(Hq), yq)  # [b, P]: nothing edited yet
             S = ctx.S0
             edits = torch.zeros(b, P, M, dtype=torch.long, device=x.device)
             taken = torch.zeros(b, P, A, dtype=torch.bool, device=x.device)
             budget = torch.full((b, P), b_budget, dtype=torch.long, device=x.device)
+        # with unlabelled_value="zero", candidates run at labelled positions only: elsewhere dL = 0 is known, and the
+        # behaviour rollout there applies just its chosen action
+        zero = self.unlabelled_zero and not bool(valid.all())
+        cand = torch.where(rep(valid), cand, cfg.stop_action) if zero else cand  # STOP: the editor skips them
         for r in range(b_budget):
             with torch.no_grad():
                 S_c, _ = model.apply_action(rep(S), ctx_a, cand, r, b_budget - r - 1)  # [b, P A, M, w]
-                logits_c, _ = model.logits_from_state(S_c, ctx_a)
+                logits_c, _ = model.logits_from_state(S_c, ctx_a, rep(valid) if zero else None)
                 loss_c = _ce(logits_c, rep(yq)).view(b, P, A)
                 dL = loss_cur.unsqueeze(-1) - loss_c  # [b, P, A]
-            on_state(r, ctx, S, edits, taken, budget, dL, valid)
+                if self.unlabelled_zero:  # no label: no edit there changes the scored loss
+                    dL = dL.masked_fill(~valid.unsqueeze(-1), 0.0)
+            on_state(r, ctx, S, edits, taken, budget, dL, torch.ones_like(valid) if self.unlabelled_zero else valid)
             with torch.no_grad():
                 follow = extra["follow_oracle"][:, :P, r].to(x.device)
-                a = torch.where(follow, dL.argmax(-1), extra["random_action"][:, :P, r].to(x.device))  # [b, P]
-                S = S_c.view(b, P, A, *S_c.shape[2:])[rows, torch.arange(P, device=x.device), a]  # [b, P, M, w]
+                rand = extra["random_action"][:, :P, r].to(x.device)
+                a = torch.where(follow & valid, dL.argmax(-1), rand)  # [b, P]; no oracle to follow without a label
+                S_next = S_c.view(b, P, A, *S_c.shape[2:])[rows, torch.arange(P, device=x.device), a]  # [b, P, M, w]
+                if zero:  # unlabelled positions: run the behaviour action itself
+                    S_u, _ = model.apply_action(S, ctx, a.masked_fill(valid, cfg.stop_action), r, b_budget - r - 1)
+                    S_next = torch.where(valid[..., None, None], S_next, S_u)
+                S = S_next
                 loss_cur = loss_c.gather(-1, a.unsqueeze(-1)).squeeze(-1)
                 edits = edits + model.action_slot_counts[a]
                 taken = taken | F.one_hot(a, A).bool()
@@ -285,7 +320,8 @@ class ControllerObjective(nn.Module):
         def on_state(r, ctx, S, edits, taken, budget, dL, valid):
             dls.append(dL[valid].double())  # [n, A]
             if init_heads:
-                v = ctrl(ctx.z, S, ctx.S0, edits, taken, torch.full_like(budget, r), budget).value - ctrl.b_v
+                zc, match = self.model.controller_inputs(ctx)
+                v = ctrl(zc, S, ctx.S0, edits, taken, torch.full_like(budget, r), budget, match).value - ctrl.b_v
                 bilinear.append(v[valid].double())
 
         self.oracle_rollout(x, y, extra, on_state)
@@ -316,7 +352,8 @@ class ControllerObjective(nn.Module):
 
         def on_state(r, ctx, S, edits, taken, budget, dL, valid):
             steps = torch.full_like(budget, r)
-            pred = self.model.controller(ctx.z, S, ctx.S0, edits, taken, steps, budget)  # value, risk [b, P, A]
+            zc, match = self.model.controller_inputs(ctx)  # [b, P, w], [b, P, 2] (its own projections train here)
+            pred = self.model.controller(zc, S, ctx.S0, edits, taken, steps, budget, match)  # value, risk [b, P, A]
             t = dL.float().clamp(-self.clip * sc, self.clip * sc)  # [b, P, A]
             v = pred.value.float()
             m = valid.unsqueeze(-1).float().expand_as(t)  # [b, P, A]

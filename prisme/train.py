@@ -103,6 +103,9 @@ class StageConfig:
     oracle_greedy: float = 0.5  # behaviour policy: P(follow the oracle's best action), else a random action
     value_clip: float = 5.0  # dL targets are clipped to +- value_clip * scale (scale: std of dL at the start)
     risk_weight: float = 1.0  # weight of the risk head's loss
+    unlabelled_value: str = "zero"  # sampled positions without a label (MQAR: all but the queries): "zero" = targets
+    #   with dL = 0 for every action (an edit there changes no scored loss, and the controller must learn so);
+    #   "skip" = left out of the value loss
     # --- system
     device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:N"
     dtype: str = "float32"  # parameter dtype: "float32" | "float64"; "bfloat16" = bf16 autocast, fp32 weights
@@ -145,6 +148,8 @@ class StageConfig:
         need(0 <= self.p_dense <= 1, f"p_dense must be in [0, 1], got {self.p_dense}")
         need(0 <= self.oracle_greedy <= 1, f"oracle_greedy must be in [0, 1], got {self.oracle_greedy}")
         need(self.value_clip > 0, f"value_clip must be > 0, got {self.value_clip}")
+        need(self.unlabelled_value in ("zero", "skip"), f"unlabelled_value must be 'zero' or 'skip', got "
+             f"{self.unlabelled_value!r}")
         for f in ("backbone_aux_weight", "aux_prev_token", "deep_supervision", "risk_weight"):
             need(getattr(self, f) >= 0, f"{f} must be >= 0, got {getattr(self, f)}")
         need((self.backbone_lr is None and self.backbone_min_lr is None) or self.train_backbone_in_workspace_stage,

@@ -108,8 +108,8 @@ def test_split_timer_changes_nothing_sees_the_workspace_and_removes_itself(cfg):
     assert with_edits["workspace_modules"] > 0 and with_edits["backbone"] > 0 and with_edits["head"] > 0
     assert bypass["workspace_modules"] == 0 and bypass["backbone"] > 0
     for m in models.values():
-        assert "forward" not in m.backbone.__dict__ and "head" not in m.backbone.__dict__
-        assert not {"bank_entries", "rollout_forced", "logits_from_state"} & set(m.__dict__)
+        assert "streams" not in m.backbone.__dict__ and "head" not in m.backbone.__dict__
+        assert not {"bank_inputs", "bank_from_inputs", "rollout_forced", "logits_from_state"} & set(m.__dict__)
 
 
 def test_build_models_share_weights_and_differ_only_in_optimised(cfg):

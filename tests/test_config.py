@@ -44,13 +44,14 @@ def test_prisme_103m_derived_fields_match_the_spec():
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_derived_action_ids_and_controller_features_follow_the_formulas(name):
-    """A = M + M/2, STOP = A, DENSE = A + 1 and F = 4w + M + A + r_max + 1 for every preset."""
+    """A = M + M/2, STOP = A, DENSE = A + 1 and F = 4w + M + A + r_max + 1 (+ 2 bank-match features with
+    controller_bank) for every preset."""
     cfg = PrismeConfig.from_name(name)
     M = cfg.n_slots
     assert cfg.n_actions == M + M // 2
     assert cfg.stop_action == cfg.n_actions
     assert cfg.dense_action == cfg.n_actions + 1
-    assert cfg.controller_features == 4 * cfg.w + M + cfg.n_actions + cfg.r_max + 1
+    assert cfg.controller_features == 4 * cfg.w + M + cfg.n_actions + cfg.r_max + 1 + 2 * cfg.controller_bank
 
 
 def test_gpt2_family_defaults_to_an_untied_head_biases_and_a_4x_mlp():

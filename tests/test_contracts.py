@@ -20,6 +20,17 @@ from prisme.workspace import absorb_stop, slots_of_action
 
 torch.set_default_dtype(torch.float32)
 
+# What the workspace reads: the seed's inputs, and the source-bank options every contract must survive (a token shift
+# of the bank keys; embedding-level bank and query with the controller reading H and the bank's best match; two summed
+# sources with the query from an intermediate layer).
+SOURCES = {
+    "seed": {},
+    "shift": dict(bank_shift=True),
+    "embedding": dict(bank_source="embedding", bank_shift=True, controller_source="residual", controller_bank=True),
+    "two_sources": dict(bank_source="residual+embedding", query_source="layer1", bank_shift=True),
+}
+sources = pytest.mark.parametrize("src", list(SOURCES))
+
 
 def make_model(seed: int = 0, **overrides) -> PrismeModel:
     torch.manual_seed(seed)
@@ -80,9 +91,10 @@ def test_bypass_is_bit_identical_and_never_touches_the_workspace():
         assert torch.equal(logits, ref)
 
 
-def test_bypass_all_stop_positions_are_bit_identical():
+@sources
+def test_bypass_all_stop_positions_are_bit_identical(src):
     """Positions whose forced actions are all STOP get exactly the backbone's logits, in the same batch."""
-    model = make_model()
+    model = make_model(**SOURCES[src])
     cfg = model.cfg
     tokens = random_tokens(cfg, 2, 16)
     actions = random_actions(cfg, 2, 16, 3)
@@ -135,10 +147,11 @@ def causality_gap(model: PrismeModel, t: int, policy: bool, seed: int = 3) -> tu
     return dl, ds, torch.equal(a.actions[:, : t + 1], b.actions[:, : t + 1])
 
 
+@sources
 @pytest.mark.parametrize("policy", [False, True], ids=["forced", "controller"])
-def test_causality_later_tokens_change_nothing_at_or_before_t(policy):
+def test_causality_later_tokens_change_nothing_at_or_before_t(policy, src):
     """Changing tokens after position t leaves logits, final workspace and action traces at positions <= t unchanged."""
-    model = make_model()
+    model = make_model(**SOURCES[src])
     for t in (0, 7, 18):
         dl, ds, same_trace = causality_gap(model, t, policy)
         assert dl <= 1e-12 and ds <= 1e-12, (t, dl, ds)
@@ -155,6 +168,22 @@ def test_causality_negative_control_leaky_bank(monkeypatch):
         return original(B, Tq, Tb, q + 1, bank_len, device)
 
     monkeypatch.setattr(PrismeModel, "bank_mask", staticmethod(leaky))
+    dl, ds, _ = causality_gap(model, 7, policy=False)
+    assert dl > 1e-3 and ds > 1e-3
+
+
+def test_causality_negative_control_shift_reads_the_next_position(monkeypatch):
+    """A token shift that feeds key j from position j+1 instead of j-1 breaks the causality check."""
+    model = make_model(**SOURCES["embedding"])
+    original = PrismeModel.bank_from_inputs
+
+    def ahead(self, hs, prev=None):
+        K, V = original(self, hs, prev)
+        nxt = torch.cat([hs[0][:, 1:], torch.zeros_like(hs[0][:, :1])], dim=1)  # bug: n(X_{j+1}) at position j
+        return K + self.W_K_shift(nxt), V
+
+    assert causality_gap(model, 7, policy=False)[0] <= 1e-12  # clean first
+    monkeypatch.setattr(PrismeModel, "bank_from_inputs", ahead)
     dl, ds, _ = causality_gap(model, 7, policy=False)
     assert dl > 1e-3 and ds > 1e-3
 
@@ -183,9 +212,10 @@ def locality_violations(model: PrismeModel, actions: torch.Tensor, seed: int = 4
 
 @pytest.mark.parametrize("kind", ["single", "pair", "dense", "mixed"])
 @pytest.mark.parametrize("optimised", [True, False])
-def test_locality_only_the_actions_slots_change(kind, optimised):
+@pytest.mark.parametrize("src", ["seed", "embedding"])
+def test_locality_only_the_actions_slots_change(kind, optimised, src):
     """apply_action leaves every slot outside the action (and every STOP position) bitwise identical."""
-    model = make_model(optimised=optimised)
+    model = make_model(optimised=optimised, **SOURCES[src])
     cfg = model.cfg
     g = torch.Generator().manual_seed(5)
     lo, hi = {"single": (0, cfg.n_slots), "pair": (cfg.n_slots, cfg.n_actions),
@@ -212,17 +242,20 @@ def read_only_changes(model: PrismeModel) -> dict[str, bool]:
     tokens = random_tokens(cfg, 2, 12)
     with torch.no_grad():
         ctx = model.encode(tokens)
-        before = {k: getattr(ctx, k).clone() for k in ("H", "K", "V", "z", "S0", "bank_mask")}
+        before = {k: getattr(ctx, k).clone() for k in ("H", "K", "V", "z", "S0", "bank_mask", "ctrl_in")
+                  if getattr(ctx, k) is not None}
         model.rollout_forced(ctx, random_actions(cfg, 2, 12, cfg.r_max))
         model.rollout_policy(ctx, cfg.r_max, model.action_cost, lambda_cost=0.0)
         model.logits_from_state(ctx.S0 + 1.0, ctx)
     return {k: not torch.equal(v, getattr(ctx, k)) for k, v in before.items()}
 
 
+@sources
 @pytest.mark.parametrize("optimised", [True, False])
-def test_read_only_inputs_are_never_modified(optimised):
-    """H, K, V, z, S0 and the bank mask are bit-identical after forced and controller rollouts and the readout."""
-    assert not any(read_only_changes(make_model(optimised=optimised)).values())
+def test_read_only_inputs_are_never_modified(optimised, src):
+    """H, K, V, z, S0, the bank mask (and the controller's own input stream) are bit-identical after forced and
+    controller rollouts and the readout."""
+    assert not any(read_only_changes(make_model(optimised=optimised, **SOURCES[src])).values())
 
 
 def test_read_only_negative_control_in_place_editor(monkeypatch):
@@ -258,9 +291,10 @@ def editor_calls_match_trace(calls: list[tuple], trace: torch.Tensor, stop: int)
     return all(torch.equal(args[4], trace[..., r]) for r, args in enumerate(calls)) and len(calls) <= len(executed) + 1
 
 
-def test_target_free_editor_only_runs_chosen_actions():
+@sources
+def test_target_free_editor_only_runs_chosen_actions(src):
     """A spy on the editor shows forward_policy only ever applies the actions the controller chose."""
-    model = make_model()
+    model = make_model(**SOURCES[src])
     tokens = random_tokens(model.cfg, 2, 12)
     with spy(model.editor) as calls:
         out = model.forward_policy(tokens, max_budget=model.cfg.r_max, lambda_cost=0.1)

@@ -33,6 +33,10 @@ T_CTX = 11  # context of the decoded token in the FLOP ties (!= M, and > 1 so th
 VARIANTS = {  # small llama configs for the FLOP ties
     "tiny": {},  # M=4, w=32, 2 editor blocks, GQA 4/2
     "tiny_m2_b3": dict(n_slots=2, n_edit_blocks=3, n_kv_head=1, r_max=3),  # M=2: a pair and DENSE both edit 2 slots
+    # every source option at once: two summed bank sources with a token shift, z from an intermediate layer, and a
+    # controller with its own input projection and the bank-match features
+    "tiny_sources": dict(bank_source="residual+embedding", query_source="layer1", bank_shift=True,
+                         controller_source="residual", controller_bank=True),
 }
 WORKSPACE_TERMS = ("bank_projection", "editor_source_attn", "editor_slot_attn", "editor_ffn", "editor_gate",
                    "controller", "readout")
@@ -73,18 +77,23 @@ def decode_token(model: PrismeModel, workspace=None, T: int = T_CTX) -> tuple[Op
     tokens = torch.randint(0, cfg.vocab_size, (1, T), generator=torch.Generator().manual_seed(T))
     cache = model.backbone.new_cache(1, dtype=torch.float64)
     with torch.no_grad():
-        H_prev = model.backbone(tokens[:, :-1], cache)  # [1, T-1, d]
-        K_prev, V_prev = model.bank_entries(H_prev) if cfg.use_workspace else (None, None)
+        st_prev = model.streams(tokens[:, :-1], cache)  # H [1, T-1, d] and the source streams
+        if cfg.use_workspace:
+            hs_prev = model.bank_inputs(st_prev)
+            K_prev, V_prev = model.bank_from_inputs(hs_prev)
+            prev = [h[:, -1] for h in hs_prev]  # what a DecodeState keeps for the shift
         roll = None
         with OpsCounter(model) as oc:
-            H = model.backbone(tokens[:, -1:], cache)  # [1, 1, d]
+            st = model.streams(tokens[:, -1:], cache)  # [1, 1, d]
+            H = st.H
             if workspace is None:
                 model.backbone.head(H)
             else:
-                K, V = model.bank_entries(H)  # [1, 1, w]
-                z, S0 = model.query_state(H)
+                K, V = model.bank_from_inputs(model.bank_inputs(st), prev)  # [1, 1, w]
+                z, S0 = model.query_state(st)
                 ctx = EncodedContext(H=H, K=torch.cat([K_prev, K], 1), V=torch.cat([V_prev, V], 1), z=z,
-                                     bank_mask=torch.ones(1, 1, T, dtype=torch.bool), S0=S0)
+                                     bank_mask=torch.ones(1, 1, T, dtype=torch.bool), S0=S0,
+                                     ctrl_in=model.controller_stream(st))
                 roll = workspace(ctx)
                 model.logits_from_state(roll.S, ctx, roll.n_edits > 0)
     return oc, roll
@@ -94,14 +103,15 @@ def one_position_ctx(model: PrismeModel, T: int = T_CTX, seed: int = 3) -> Encod
     """The workspace inputs of one query position at T-1 with a bank of T entries (computed uncounted)."""
     tokens = torch.randint(0, model.cfg.vocab_size, (1, T), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
-        H = model.backbone(tokens)
-        return model.context_from_H(H, H[:, -1:], query_pos=torch.tensor([[T - 1]]))
+        st = model.streams(tokens)
+        pos = torch.tensor([[T - 1]])
+        return model.context_from_H(st, st.index(torch.zeros(1, 1, dtype=torch.long), pos), query_pos=pos)
 
 
 def measured_vs_analytic(measured: dict[str, int], analytic: dict[str, int], cfg: PrismeConfig) -> dict:
     """{component: (measured, analytic)} where they differ; `backbone_linear` gets the norm-gain allowance."""
     out = {}
-    for c in COMPONENTS:
+    for c in costs.components(cfg):
         m = measured.get(c, 0) + (costs.backbone_linear_allowance(cfg) if c == "backbone_linear" and
                                   measured.get(c, 0) else 0)
         if m != analytic.get(c, 0):
@@ -207,7 +217,7 @@ def test_model_price_vector_is_the_seed_proxy_at_cost_context():
 
 
 # ---------------------------------------------------------------------- parameter counts
-@pytest.mark.parametrize("preset", ["tiny", "demo", "seed001", "prisme_103m", "prisme_459m"])
+@pytest.mark.parametrize("preset", ["tiny", "demo", "recall", "seed001", "prisme_103m", "prisme_459m"])
 def test_analytic_parameter_counts_equal_module_numel(preset):
     """backbone_params / workspace_params equal sum(p.numel()) of each instantiated group (meta device)."""
     cfg = PrismeConfig.from_name(preset)
@@ -282,13 +292,22 @@ def test_backbone_decode_step_flops_tie_to_backbone_terms(preset):
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_bank_projection_of_one_position_ties(variant):
-    """bank_entries + query_state of the new position: K, V and z, 3 x 2 d w ops."""
+    """The bank entry and z of the new position: K, V and z, 3 x 2 d w ops with the seed's sources (one K and V per
+    bank term and one z per query term otherwise), and the shift's W_K' of the previous position as `bank_shift`."""
     model = make_model(variant, optimised=True)
-    H = torch.randn(1, 1, model.cfg.d_model, dtype=torch.float64)
-    with torch.no_grad(), OpsCounter(model) as oc:
-        model.bank_entries(H)
-        model.query_state(H)
-    assert oc.by_component["bank_projection"] == oc.total == costs.bank_projection_ops(model.cfg)
+    cfg = model.cfg
+    tokens = torch.randint(0, cfg.vocab_size, (1, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        st = model.streams(tokens)
+        last = st.index(torch.zeros(1, 1, dtype=torch.long), torch.tensor([[4]]))
+        prev = [h[:, -2] for h in model.bank_inputs(st)]
+        with OpsCounter(model) as oc:
+            model.bank_from_inputs(model.bank_inputs(last), prev)
+            model.query_state(last)
+    expected = costs.bank_ops(cfg)
+    assert {c: oc.by_component[c] for c in expected} == expected and oc.total == sum(expected.values())
+    if variant == "tiny":
+        assert expected == {"bank_projection": 3 * 2 * cfg.d_model * cfg.w}
 
 
 EDIT_CASES = [  # (label, actions applied before the counted one, the counted action as "k1" / "k2" / "dense")
@@ -337,11 +356,25 @@ def test_controller_step_flops_tie(variant, optimised):
     cfg = model.cfg
     ctx = one_position_ctx(model)
     z, S0 = ctx.z[:, 0], ctx.S0[:, 0]  # [1, w], [1, M, w]
+    match = torch.zeros(1, 2, dtype=torch.float64) if cfg.controller_bank else None
     with torch.no_grad(), OpsCounter(model) as oc:
         model.controller(z, S0, S0, torch.zeros(1, cfg.n_slots, dtype=torch.long),
                          torch.zeros(1, cfg.n_actions, dtype=torch.bool), torch.zeros(1, dtype=torch.long),
-                         torch.full((1,), cfg.r_max, dtype=torch.long))
+                         torch.full((1,), cfg.r_max, dtype=torch.long), match)
     assert oc.by_component["controller"] == oc.total == costs.controller_step_ops(cfg, optimised)
+
+
+def test_controller_inputs_of_one_position_tie():
+    """The controller's own inputs, read once per position: P_ctrl (d -> w, `controller_input`) and the bank match
+    (W_bank w x w plus T key scores, `controller_bank`)."""
+    model = make_model("tiny_sources", optimised=True)
+    cfg = model.cfg
+    ctx = one_position_ctx(model)
+    with torch.no_grad(), OpsCounter(model) as oc:
+        model.controller_inputs(ctx)
+    assert oc.by_component["controller_input"] == costs.controller_input_ops(cfg) == 2 * cfg.d_model * cfg.w
+    assert oc.by_component["controller_bank"] == costs.controller_bank_ops(cfg, T_CTX) == 2 * cfg.w * (cfg.w + T_CTX)
+    assert oc.total == costs.controller_input_ops(cfg) + costs.controller_bank_ops(cfg, T_CTX)
 
 
 @pytest.mark.parametrize("optimised", [False, True], ids=["seed", "optimised"])
@@ -636,3 +669,39 @@ def test_trace_cost_rejects_bad_input_with_value_errors():
         costs.trace_cost(cfg, [[0]], [3], [-1])
     with pytest.raises(ValueError, match="T_max"):
         costs.trace_cost(cfg, [[0]], [cfg.max_seq_len + 1])
+
+
+# ---------------------------------------------------------------------- the source-bank options
+def test_source_options_parameter_counts_equal_module_numel():
+    """Two summed bank sources with a shift, z from an intermediate layer, a controller projection and bank match:
+    workspace_params equals the instantiated groups (norm per stream, K/V per bank term, W_K' per term, ...)."""
+    cfg = PrismeConfig.from_name("tiny", **VARIANTS["tiny_sources"])
+    with torch.device("meta"):
+        model = PrismeModel(cfg)
+    assert model.num_parameters() == {"backbone": costs.backbone_params(cfg), **costs.workspace_params(cfg)}
+
+
+def test_new_terms_appear_only_where_configured():
+    """The seed's inputs keep exactly seed 000's ten terms (so `prisme costs --json` is unchanged); a shifted bank adds
+    `bank_shift` after `bank_projection`, a controller source and bank match add `controller_input` and
+    `controller_bank` after `controller`."""
+    plain = costs.seed_rows(PrismeConfig.from_name("tiny"), 16)["4_actions_k1"]
+    assert [c for c in plain if c not in ("backbone", "workspace", "total")] == list(COMPONENTS)
+    cfg = PrismeConfig.from_name("tiny", **VARIANTS["tiny_sources"])
+    row = costs.token_ops(cfg, 16, [1, 2])
+    assert list(row)[:12] == [*COMPONENTS[:4], "bank_shift", *COMPONENTS[4:9], "controller_input", "controller_bank"]
+    assert row["bank_shift"] == 2 * 2 * cfg.d_model * cfg.w  # one W_K' per bank term
+    assert costs.token_ops(cfg, 16, [1], controller_steps=0)["controller_input"] == 0  # forced runs pay none
+
+
+def test_negative_control_a_cost_model_without_the_shift_term_fails_the_tie(monkeypatch):
+    """If the analytic model forgot the shift's projection, the whole-token FLOP tie reports `bank_shift`."""
+    model = make_model("tiny_sources", optimised=True)
+    cfg = model.cfg
+    actions = torch.tensor([[[0, cfg.n_slots]]])
+    oc, _ = decode_token(model, lambda ctx: model.rollout_forced(ctx, actions))
+    expected = costs.trace_cost(cfg, actions[0], [T_CTX], None, optimised=True)
+    assert measured_vs_analytic(oc.by_component, expected.by_component, cfg) == {}
+    monkeypatch.setattr(costs, "bank_shift_ops", lambda cfg: 0)
+    broken = costs.trace_cost(cfg, actions[0], [T_CTX], None, optimised=True)
+    assert "bank_shift" in measured_vs_analytic(oc.by_component, broken.by_component, cfg)

@@ -231,7 +231,10 @@ def _check_mqar(cfg: MQARConfig, x: torch.Tensor, y: torch.Tensor) -> int:
         for t in labelled:
             assert t >= max(cfg.query_min_pos, 2 * N)
             assert yb[t] == kv[xb[t]]  # label = the value paired with this key in the context
-            assert xb[t + 1] == yb[t]  # the value token follows the query key
+            if cfg.echo_value:
+                assert xb[t + 1] == yb[t]  # the value token follows the query key
+            else:  # filler follows the query key: no value appears after the pairs
+                assert xb[t + 1] not in vals and (cfg.random_filler or xb[t + 1] == 0)
         n_labels += len(labelled)
     return n_labels
 
@@ -242,11 +245,16 @@ def test_mqar_structure():
     x, y = make_mqar_batch(cfg, 64, torch.Generator().manual_seed(0))
     assert x.shape == y.shape == (64, 32) and x.dtype == y.dtype == torch.long
     assert _check_mqar(cfg, x, y) == 64 * 4
-    # filler (non-pair, non-query) is 0 by default
-    query_or_value = (y != IGNORE_INDEX) | torch.roll(y != IGNORE_INDEX, 1, dims=1)
-    filler = ~query_or_value
+    # filler (everything after the pairs but the query keys) is 0 by default
+    filler = y == IGNORE_INDEX
     filler[:, : 2 * cfg.n_pairs] = False
     assert int(x[filler].abs().sum()) == 0
+    # the echo layout: the queried value follows each query key, and nothing else changes
+    echo = MQARConfig(vocab_size=64, seq_len=32, n_pairs=4, query_min_pos=8, echo_value=True)
+    xe, ye = make_mqar_batch(echo, 64, torch.Generator().manual_seed(0))
+    assert _check_mqar(echo, xe, ye) == 64 * 4 and torch.equal(ye, y)
+    after = torch.roll(y != IGNORE_INDEX, 1, dims=1)
+    assert torch.equal(xe[after], y[torch.roll(after, -1, dims=1)]) and torch.equal(xe[~after], x[~after])
     x2, y2 = make_mqar_batch(cfg, 64, torch.Generator().manual_seed(0))
     assert torch.equal(x, x2) and torch.equal(y, y2)
 

@@ -184,6 +184,55 @@ def test_forced_actions_decode_equals_forward_with_the_same_actions(model64):
     assert torch.equal(out.controller_steps, torch.zeros_like(ref.n_edits))
 
 
+# ---------------------------------------------------------------------- what the workspace reads
+SOURCES = {  # the source-bank options beside the seed's inputs (tests/test_contracts.py runs the contracts on them)
+    "shift": dict(bank_shift=True),
+    "embedding": dict(bank_source="embedding", bank_shift=True, controller_source="residual", controller_bank=True),
+    "two_sources": dict(bank_source="residual+embedding", query_source="layer1", bank_shift=True),
+}
+
+
+@pytest.fixture(scope="module", params=list(SOURCES))
+def model64_src(request) -> PrismeModel:
+    return make_model(torch.float64, **SOURCES[request.param])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("chunk", [1, 2, 5])
+def test_chunked_decoding_equals_forward_policy_with_every_source_option(model64_src, case, chunk):
+    """With a shifted bank (its key at j reads j-1 across chunk boundaries: the state keeps each row's last stream),
+    embedding-level sources, a controller source and bank match, or two summed sources, chunked decoding still gives
+    forward_policy's logits to 1e-12 and identical traces, for one row and a ragged batch."""
+    err, same = decode_errors(model64_src, case, chunk)
+    assert err <= 1e-12, f"max |diff| = {err:.3e}"
+    assert same
+
+
+def test_negative_control_decoding_that_forgets_the_shift_fails(monkeypatch):
+    """A DecodeState that never updates the shift's memory (each chunk's first key reads zeros, as position 0 does)
+    differs from forward_policy at every chunk size that splits the sequence."""
+    model = make_model(torch.float64, **SOURCES["embedding"])
+    refs = parallel_reference(model, random_tokens(model.cfg.vocab_size, 3, 19), CASES["ragged"])
+    original = PrismeModel.bank_from_inputs
+    monkeypatch.setattr(PrismeModel, "bank_from_inputs", lambda self, hs, prev=None: original(self, hs, None))
+    for chunk in (1, 2, 5):
+        err, _ = decode_errors(model, "ragged", chunk, refs=refs)
+        assert err > 1e-3, f"chunk {chunk}: the check did not catch the forgotten shift ({err:.3e})"
+
+
+def test_decode_state_holds_the_shift_memory_in_its_bytes_and_reset_clears_it():
+    """A shifted bank's state carries each row's last normed stream [B, d] per bank term: counted in nbytes and zeroed
+    by reset()."""
+    model = make_model(torch.float64, **SOURCES["two_sources"])
+    state = model.new_decode_state(2, max_len=8)
+    plain = make_model(torch.float64).new_decode_state(2, max_len=8)
+    assert len(state.prev) == 2 and state.nbytes - plain.nbytes == 2 * 2 * model.cfg.d_model * 8
+    state.decode_step(random_tokens(model.cfg.vocab_size, 2, 3), max_budget=1, lambda_cost=0.0)
+    assert all(p.abs().sum() > 0 for p in state.prev)
+    state.reset()
+    assert all(p.abs().sum() == 0 for p in state.prev) and state.lengths == [0, 0]
+
+
 # ---------------------------------------------------------------------- negative controls
 def _leaky_bank_mask(monkeypatch):
     original = PrismeModel.bank_mask
@@ -201,8 +250,8 @@ def _stale_bank(monkeypatch):
     return contextlib.nullcontext()
 
 
-def _advance_without_bank(self: DecodeState, tokens: torch.Tensor, n_new: list[int]) -> torch.Tensor:
-    return self.model.backbone(tokens, self.cache, n_new)  # bug: the new positions' bank entries are never written
+def _advance_without_bank(self: DecodeState, tokens: torch.Tensor, n_new: list[int]):
+    return self.model.streams(tokens, self.cache, n_new)  # bug: the new positions' bank entries are never written
 
 
 FAULTS = {

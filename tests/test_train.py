@@ -298,9 +298,13 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(data, tmp_path
 
 
 def test_run_configs_in_repo_load():
-    """Every configs/*.json parses into a valid StageConfig (and model config where given)."""
-    files = sorted((REPO / "configs").glob("*.json"))
+    """Every configs/*.json run config parses into a valid StageConfig (and model config where given); the study
+    settings (*_study.json) parse into theirs."""
+    from prisme.study_recall import study_config
+
+    files = sorted(f for f in (REPO / "configs").glob("*.json") if not f.name.endswith("_study.json"))
     assert files, "no example configs"
+    assert study_config({}).seeds == [0, 1, 2, 3, 4]
     stages = set()
     for f in files:
         model_cfg, scfg = load_run_config(f)
