@@ -154,9 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--checkpoint", required=True, help="checkpoint to evaluate (written by `prisme train`)")
     s.add_argument("--matched-backbone", default=None,
                    help="checkpoint whose backbone alone is the 'backbone + matched tokens' baseline")
-    s.add_argument("--corpus", default=None, help="austen (embedded), a UTF-8 text file or folder, or mqar "
-                   "(default: the checkpoint's training dataset)")
-    s.add_argument("--batches", type=int, default=8, help="validation batches (default 8)")
+    s.add_argument("--corpus", default=None, help="austen or mqar (their validation split), or a held-out text scored "
+                   "whole: devils_dictionary (embedded), a UTF-8 file or folder (default: the checkpoint's dataset)")
+    s.add_argument("--batches", default="8", help="validation batches, or 'all' for the whole split (default 8)")
     s.add_argument("--batch-size", type=int, default=16, help="sequences per batch (default 16)")
     s.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: MQAR length or T_max)")
     s.add_argument("--policies", default=None, help="comma-separated families (default: all that apply): "
@@ -168,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     s.add_argument("--json", default=None, help="write the JSON report to this file")
     s.add_argument("--plot", default=None, help="write the loss-vs-ops Pareto plot (PNG) to this file")
+    s.add_argument("--threads", type=int, default=-1, help="torch CPU threads (-1 = leave as is)")
+    s.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples of the paired intervals")
+    s.add_argument("--bootstrap-seed", type=int, default=0, help="seed of the bootstrap resamples")
     s.set_defaults(func=_cmd_eval)
 
     s = sub.add_parser("generate", help="generate text with the workspace (greedy or sampled, budget, lambda)")
@@ -249,6 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--threads", type=int, default=-1, help="torch CPU threads (-1 = leave as is)")
     s.add_argument("--seed", type=int, default=1337, help="seed for init, data order and random actions")
     s.add_argument("--eval-batches", type=int, default=16, help="validation batches (8 x 128 tokens) per policy")
+    s.add_argument("--recall-seeds", default="0,1",
+                   help="seeds of the recall study run first (comma-separated; 'none' skips it)")
     s.add_argument("--backbone-keeps-learning", action="store_true",
                    help="stage 2 also trains the backbone, from its own loss only, on exactly the matched baseline's "
                         "steps (default: frozen, as SPEC stage 2)")

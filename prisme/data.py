@@ -30,6 +30,9 @@ if TYPE_CHECKING:  # pragma: no cover
 IGNORE_INDEX = -100
 EMBEDDED_CORPUS = "austen"
 EMBEDDED_CORPUS_PATH = Path(__file__).parent / "corpora" / "austen.txt.xz"
+HELD_OUT_TEXT = "devils_dictionary"  # Bierce, The Devil's Dictionary (public domain): another author and genre
+EMBEDDED_TEXTS = {EMBEDDED_CORPUS: EMBEDDED_CORPUS_PATH,
+                  HELD_OUT_TEXT: Path(__file__).parent / "corpora" / "devils_dictionary.txt.xz"}
 TEXT_SUFFIXES = (".txt", ".md")
 _CACHE_FORMAT = "prisme-token-cache-v1"
 
@@ -190,9 +193,10 @@ def get_tokenizer(
 
 
 @lru_cache(maxsize=1)
-def _load_embedded() -> str:
-    with lzma.open(EMBEDDED_CORPUS_PATH, "rb") as f:
-        return _decode_utf8(f.read(), EMBEDDED_CORPUS_PATH)
+def _load_embedded(name: str = EMBEDDED_CORPUS) -> str:
+    path = EMBEDDED_TEXTS[name]
+    with lzma.open(path, "rb") as f:
+        return _decode_utf8(f.read(), path)
 
 
 def _decode_utf8(data: bytes, path: Path) -> str:
@@ -213,12 +217,13 @@ def _read_text_file(path: Path) -> str:
 def load_text(source: str | Path | None = None) -> str:
     """Load a corpus as one string.
 
-    ``None`` or ``"austen"``: the embedded corpus. A file: read as UTF-8 (``.xz`` files are decompressed). A folder:
+    ``None`` or ``"austen"``: the embedded corpus; ``"devils_dictionary"``: the embedded held-out text (Bierce). A file:
+    read as UTF-8 (``.xz`` files are decompressed). A folder:
     every ``*.txt`` / ``*.md`` file directly inside it (not recursive), sorted by name, joined with ``"\\n\\n"``.
     Raises ``ValueError`` for a missing path, an empty corpus, or a file that is not valid UTF-8.
     """
-    if source is None or (isinstance(source, str) and source == EMBEDDED_CORPUS):
-        return _load_embedded()
+    if source is None or (isinstance(source, str) and source in EMBEDDED_TEXTS):
+        return _load_embedded(source or EMBEDDED_CORPUS)
     path = Path(source)
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in TEXT_SUFFIXES)
@@ -316,6 +321,23 @@ class TokenDataset:
         if vocab_size is None:
             vocab_size = tokenizer.vocab_size if tokenizer is not None else int(t.max()) + 1
         self.vocab_size = vocab_size
+
+    @classmethod
+    def held_out(cls, text: str, tokenizer: Tokenizer, seq_len: int, cache_dir: str | Path | None = None,
+                 name: str = "held_out") -> TokenDataset:
+        """A held-out text: every token in the "val" split (nothing to train on). ValueError if the text is empty or
+        shorter than one sequence of `seq_len` (+ 1 target)."""
+        if not text or not text.strip():
+            raise ValueError(f"held-out text {name!r} is empty")
+        arr = _encode_cached(text, tokenizer, cache_dir, name)
+        if len(arr) < seq_len + 1:
+            raise ValueError(f"held-out text {name!r} has {len(arr)} tokens, fewer than one sequence of {seq_len} "
+                             f"(+ 1 target); use a longer text or a smaller --seq-len")
+        ds = cls(arr, val_fraction=0.0, vocab_size=tokenizer.vocab_size, tokenizer=tokenizer)
+        ds.split_index = 0
+        ds.train_tokens, ds.val_tokens = ds.tokens[:0], ds.tokens
+        ds.name = name
+        return ds
 
     @classmethod
     def from_text(

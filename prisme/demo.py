@@ -1,5 +1,7 @@
-"""`prisme demo` (`make demo`): the whole pipeline on the embedded Austen corpus, in minutes on a laptop CPU.
+"""`prisme demo` (`make demo`): the recall study, then the whole pipeline on the embedded Austen corpus, in minutes on
+a laptop CPU.
 
+0. recall        `prisme study recall` on a few seeds (MQAR: where the workspace solves what its backbone cannot)
 1. backbone      stage 1 on byte-level Austen (the `demo` preset)
 2. workspace     stage 2 from stage 1's checkpoint (backbone frozen, random forced actions)
 3. matched       the stage-1 backbone trained further on as many tokens as stage 2 used (the fair baseline)
@@ -90,10 +92,11 @@ def _stage_summary(r: TrainResult, wall: float) -> dict[str, Any]:
 
 def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | None = None, seed: int = 1337,
              backbone_keeps_learning: bool = False, eval_batches: int = 16, progress: bool = True,
-             model_cfg: PrismeConfig | None = None) -> dict[str, Any]:
+             model_cfg: PrismeConfig | None = None, recall_seeds: list[int] | None = None) -> dict[str, Any]:
     """Run the demo end to end; returns the summary (also written to <run>/summary.json).
 
-    `model_cfg` replaces the `demo` preset (tests run the same pipeline on a byte-level `tiny`).
+    `model_cfg` replaces the `demo` preset (tests run the same pipeline on a byte-level `tiny`). `recall_seeds`: the
+    recall study's seeds (None or [] skips it; with `scale` < 1 it runs in its quick mode).
     """
     if scale <= 0:
         raise ValueError(f"scale must be > 0, got {scale}")
@@ -113,8 +116,20 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
     run.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     walls: dict[str, float] = {}
+    recall = None
+    if recall_seeds:
+        from .study_recall import format_table, run_study, study_config
+
+        rcfg = study_config({"seeds": list(recall_seeds), "out_dir": str(run / "recall"), "quick": scale < 1})
+        print(f"demo: the recall study (seeds {','.join(map(str, rcfg.seeds))}) in {run / 'recall'}")
+        doc = run_study(rcfg, progress=progress)
+        print(format_table(doc) + "\n")
+        recall = {"summary": doc["summary"], "controls": {k: v["accuracy"] for k, v in doc["controls"].items()},
+                  "json": str(run / "recall" / "recall.json"), "wall_s": round(doc["wall_s"]["total"], 1)}
+        walls["recall"] = time.perf_counter() - t0
+    t_data = time.perf_counter()
     data = TokenDataset.from_text(load_text("austen"), ByteTokenizer(), val_fraction=0.1)
-    walls["data"] = time.perf_counter() - t0
+    walls["data"] = time.perf_counter() - t_data
     print(f"demo: {cfg.name} preset ({sum(model_params(cfg).values()):,} parameters), {data}, run folder {run}")
     results: dict[str, TrainResult] = {}
     for name in ("backbone", "workspace", "matched", "controller"):
@@ -156,7 +171,7 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
                "threads": torch.get_num_threads(), "stages": {k: _stage_summary(results[k], walls[k])
                                                               for k in results},
                "stage_configs": {k: v.to_dict() for k, v in stages.items()}, "verdict": verdict,
-               "sample": {"prompt": PROMPT, "text": text, **info}}
+               "sample": {"prompt": PROMPT, "text": text, **info}, "recall": recall}
     write_text_atomic(run / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
     print(verdict["text"])
     print(f"wall time {walls['total']:.0f} s ({', '.join(f'{k} {v:.0f} s' for k, v in walls.items() if k != 'total')})")
@@ -201,9 +216,13 @@ def compare_to_matched(rows: list) -> dict[str, Any]:
 
 def main(args: argparse.Namespace) -> int:
     """Entry point of `prisme demo`."""
+    from .study_recall import parse_seeds
+
     threads = getattr(args, "threads", -1)
+    text = getattr(args, "recall_seeds", "0,1")
+    recall_seeds = [] if text in ("", "none") else parse_seeds(text)
     run_demo(out=getattr(args, "out", None), scale=getattr(args, "scale", 1.0),
              threads=threads if threads and threads > 0 else None, seed=getattr(args, "seed", 1337),
              backbone_keeps_learning=getattr(args, "backbone_keeps_learning", False),
-             eval_batches=getattr(args, "eval_batches", 16))
+             eval_batches=getattr(args, "eval_batches", 16), recall_seeds=recall_seeds)
     return 0

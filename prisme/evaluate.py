@@ -35,6 +35,7 @@ import math
 import os
 import platform
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -48,8 +49,10 @@ from .config import PrismeConfig
 from .costs import TraceCost, trace_cost
 from .data import IGNORE_INDEX, MQARDataset, TokenDataset
 from .model import EncodedContext, PrismeModel
+from .stats import N_BOOT, PairedDelta, check_bootstrap_args, paired_bootstrap
 
 POLICY_FAMILIES = ("backbone", "matched", "fixed", "random", "dense", "controller", "oracle")
+ROW_FAMILIES = (*POLICY_FAMILIES, "equal_edits")  # equal_edits rows come with the controller's
 WORKSPACE_FAMILIES = ("fixed", "random", "dense", "controller", "oracle")
 BUDGETS = (1, 2, 4, 8)
 LAMBDA_QUANTILES = (0.25, 0.5, 0.75, 0.95)
@@ -78,6 +81,16 @@ class EvalRow:
     budget: int | None = None  # n for forced rows, max_budget for controller / oracle rows
     n_positions: int = 0  # positions the ops cover
     n_targets: int = 0  # labelled targets the loss covers
+    # paired differences on the same targets (loss of this row minus the reference's, nats per token), each
+    # {mean, lo, hi, n_sequences, n_tokens} with a 95% bootstrap interval over sequences
+    delta_vs_backbone: dict[str, Any] | None = None
+    delta_vs_matched: dict[str, Any] | None = None  # with a matched backbone
+    delta_vs_equal_edits: dict[str, Any] | None = None  # controller rows: minus their equal-edits baseline
+    verdict_vs_backbone: str | None = None  # "beats" | "ties" | "loses", from the interval
+    verdict_vs_matched: str | None = None
+    verdict_vs_equal_edits: str | None = None
+    tokens_per_s: float = 0.0  # positions per second of this policy's forwards during the evaluation
+    equal_edits_of: str | None = None  # equal_edits rows: the controller row they match
 
 
 @dataclass
@@ -97,6 +110,11 @@ class EvalReport:
     oracle_positions: int | None
     seed: int
     environment: dict[str, Any] = field(default_factory=dict)
+    n_sequences: int = 0  # sequences every full-position row scored (the bootstrap's resampling unit)
+    split: str = "val"
+    bootstrap_samples: int = N_BOOT
+    bootstrap_seed: int = 0
+    oracle_targets: int | None = None  # labelled positions the oracle rows saw (it is subsampled)
 
     @property
     def alt_accounting(self) -> str:
@@ -110,22 +128,35 @@ class EvalReport:
         raise ValueError(f"no row named {policy!r}; rows: {[r.policy for r in self.rows]}")
 
     def table(self) -> str:
-        """A fixed-width table for humans, one row per policy."""
-        head = (f"{'policy':<30}{'loss':>8}{'dloss':>9}{'ops/tok':>11}{'rel':>8}{'ops/tok':>11}{'rel':>8}"
-                f"{'edits':>7}{'acc':>7}  deployable")
-        sub = f"{'':<47}{'(' + self.accounting + ')':>19}{'(' + self.alt_accounting + ')':>19}"
-        lines = [head, sub, "-" * len(head)]
+        """A fixed-width table for humans, one row per policy: loss, the paired differences to the backbone and the
+        matched backbone with their 95% intervals and verdicts, ops, edits, throughput."""
+        has_m = any(r.delta_vs_matched for r in self.rows)
+        ci = lambda d: "-" if not d else f"{d['mean']:+.4f} [{d['lo']:+.4f},{d['hi']:+.4f}]"  # noqa: E731
+        head = (f"{'policy':<30}{'loss':>8}  {'vs backbone [95% CI]':<28}" + (f"{'vs matched [95% CI]':<28}" if has_m
+                                                                              else "")
+                + f"{'rel ops':>8}{'edits':>7}{'acc':>7}{'tok/s':>9}  deployable")
+        lines = [head, "-" * len(head)]
         for r in self.rows:
             acc = "-" if r.accuracy is None else f"{r.accuracy:.3f}"
             dep = "yes" if r.deployable else "no (upper bound)"
-            lines.append(f"{r.policy:<30}{r.loss:>8.4f}{r.delta_loss:>+9.4f}{r.ops_per_token:>11.4g}"
-                         f"{r.relative_ops:>8.3f}{r.ops_per_token_alt:>11.4g}{r.relative_ops_alt:>8.3f}"
-                         f"{r.mean_edits:>7.2f}{acc:>7}  {dep}")
-        foot = (f"{self.dataset}; val split, {self.n_batches} batches x {self.batch_size} x {self.seq_len}, "
-                f"{self.n_tokens} scored targets")
+            vb = ci(r.delta_vs_backbone) + ("" if not r.verdict_vs_backbone or r.family == "backbone"
+                                            else f" {r.verdict_vs_backbone}")
+            vm = ci(r.delta_vs_matched) + ("" if not r.verdict_vs_matched or r.family == "matched"
+                                           else f" {r.verdict_vs_matched}")
+            lines.append(f"{r.policy:<30}{r.loss:>8.4f}  {vb:<28}" + (f"{vm:<28}" if has_m else "")
+                         + f"{r.relative_ops:>8.3f}{r.mean_edits:>7.2f}{acc:>7}{r.tokens_per_s:>9.0f}  {dep}")
+            if r.delta_vs_equal_edits:
+                lines.append(f"{'':<4}controller - equal_edits: {ci(r.delta_vs_equal_edits)} "
+                             f"{r.verdict_vs_equal_edits}")
+        foot = (f"{self.dataset}; {self.split} split, {self.n_batches} batches x {self.batch_size} x {self.seq_len} = "
+                f"{self.n_sequences} sequences, {self.n_tokens} scored targets; differences are this row's loss minus "
+                f"the reference's on the same targets (nats/token), 95% bootstrap over sequences "
+                f"({self.bootstrap_samples} resamples, seed {self.bootstrap_seed}); ops in the {self.accounting} "
+                f"accounting")
         if any(r.family == "oracle" for r in self.rows):
             per = "all" if self.oracle_positions is None else self.oracle_positions
-            foot += f"; oracle rows: {per} sampled positions per sequence, dloss vs the backbone on those positions"
+            foot += (f"; oracle rows: {per} sampled positions per sequence ({self.oracle_targets} in all), compared "
+                     f"on those positions")
         lines.append(foot)
         return "\n".join(lines)
 
@@ -137,43 +168,42 @@ class EvalReport:
         return _json_safe(doc)
 
     def plot(self, path: str | Path) -> None:
-        """Loss versus relative ops (PNG): one marker per family, the deployable Pareto front, the backbone line.
-
-        The oracle's points sit at backbone loss + its delta on its own sampled positions (hollow markers).
-        """
+        """Loss difference to the backbone versus relative ops (PNG, log ops axis): one marker per family with its
+        95% paired interval as an error bar, the deployable Pareto front, zero (the backbone) and the matched
+        backbone's difference. The oracle's points are its difference on its own sampled positions (hollow)."""
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
         style = {"backbone": ("s", "C0"), "matched": ("D", "C1"), "fixed": ("o", "C2"), "random": ("x", "C3"),
-                 "dense": ("^", "C4"), "controller": ("*", "C5"), "oracle": ("P", "C6")}
-        base = next((r for r in self.rows if r.family == "backbone"), None)
-        fig, ax = plt.subplots(figsize=(7.5, 5), dpi=120)
-        for fam in POLICY_FAMILIES:
-            rows = [r for r in self.rows if r.family == fam]
+                 "dense": ("^", "C4"), "controller": ("*", "C5"), "oracle": ("P", "C6"), "equal_edits": ("v", "C7")}
+        fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+        for fam in ROW_FAMILIES:
+            rows = [r for r in self.rows if r.family == fam and r.delta_vs_backbone]
             if not rows:
                 continue
             xs = [r.relative_ops for r in rows]
+            ys = [r.delta_vs_backbone["mean"] for r in rows]
+            err = [[y - r.delta_vs_backbone["lo"] for y, r in zip(ys, rows)],
+                   [r.delta_vs_backbone["hi"] - y for y, r in zip(ys, rows)]]
             marker, color = style[fam]
-            if fam == "oracle" and base is not None:
-                ys = [base.loss + r.delta_loss for r in rows]
-                ax.scatter(xs, ys, marker=marker, facecolors="none", edgecolors=color, s=60,
-                           label="oracle (not deployable; delta on sampled positions)")
-            else:
-                ax.scatter(xs, [r.loss for r in rows], marker=marker, color=color, s=50, label=fam)
-        front = pareto_front(self.rows)
+            hollow = fam == "oracle"
+            ax.errorbar(xs, ys, yerr=err, fmt=marker, color=color, ms=6, capsize=2, lw=1,
+                        mfc="none" if hollow else color,
+                        label="oracle (not deployable; on its sampled positions)" if hollow else fam)
+        front = [r for r in pareto_front(self.rows) if r.delta_vs_backbone]
         if front:  # a staircase from the cheapest row, held to the right edge
             x_max = max(r.relative_ops for r in self.rows)
             xs = [r.relative_ops for r in front] + [x_max]
-            ys = [r.loss for r in front] + [front[-1].loss]
-            ax.step(xs, ys, where="post", color="k", lw=1, alpha=0.6, label="Pareto front (deployable)")
-        if base is not None:
-            ax.axhline(base.loss, color="gray", ls="--", lw=1, label="backbone only")
-        ax.set_xlabel(f"ops per token / backbone only ({self.accounting} accounting)")
-        ax.set_ylabel("validation loss (nats / token)")
-        ax.set_title(f"{self.config.get('name', '?')}: loss vs compute")
-        ax.grid(alpha=0.3)
+            ys = [r.delta_vs_backbone["mean"] for r in front] + [front[-1].delta_vs_backbone["mean"]]
+            ax.step(xs, ys, where="post", color="k", lw=1, alpha=0.5, label="Pareto front (deployable)")
+        ax.axhline(0.0, color="gray", ls="--", lw=1, label="backbone only")
+        ax.set_xscale("log")
+        ax.set_xlabel(f"ops per token / backbone only ({self.accounting} accounting, log scale)")
+        ax.set_ylabel("loss minus the backbone's (nats / token), 95% CI")
+        ax.set_title(f"{self.config.get('name', '?')}: {self.split} split, {self.n_sequences} sequences")
+        ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7, loc="best")
         fig.tight_layout()
         path = Path(path)
@@ -200,6 +230,7 @@ class _Policy:
     n: int = 0  # actions (forced) or max budget (controller / oracle)
     k: int = 0  # 1 (slots), 2 (pairs), M (dense)
     lam: float | None = None
+    of: str | None = None  # equal_edits: the controller row whose mean edits it matches
 
 
 def forced_actions(cfg: PrismeConfig, family: str, n: int, k: int, shape: tuple[int, int],
@@ -243,8 +274,28 @@ def _plan(model: PrismeModel, families: Sequence[str], lambdas: Sequence[float])
         elif fam == "dense":
             out += [_Policy(f"dense_{n}", fam, n, cfg.n_slots) for n in ns]
         elif fam in ("controller", "oracle"):
-            out += [_Policy(f"{fam}(lambda={_fmt_lambda(lam)})", fam, cfg.r_max, 0, float(lam)) for lam in lambdas]
+            for lam in lambdas:
+                name = f"{fam}(lambda={_fmt_lambda(lam)})"
+                out.append(_Policy(name, fam, cfg.r_max, 0, float(lam)))
+                if fam == "controller":  # right after it: uniform allocation of the same mean number of edits
+                    out.append(_Policy(f"equal_edits(lambda={_fmt_lambda(lam)})", "equal_edits", cfg.r_max, 1,
+                                       float(lam), of=name))
     return out
+
+
+def thinned_actions(cfg: PrismeConfig, mean_edits: float, max_n: int, shape: tuple[int, int],
+                    generator: torch.Generator, device: torch.device | None = None) -> torch.Tensor:
+    """The equal-edits baseline `[B, T, max_n]`: fixed round-robin single-slot edits, thinned per position at random
+    (seeded) to `mean_edits` per position on average: each position gets floor(m) or floor(m) + 1 edits (the latter
+    with probability m - floor(m)), so the same edit count is spread uniformly instead of allocated."""
+    B, T = shape
+    m = min(max(float(mean_edits), 0.0), float(max_n))
+    base = int(math.floor(m))
+    n = base + (torch.rand(B, T, generator=generator) < (m - base)).long()  # [B, T] edits per position
+    steps = torch.arange(max_n)
+    acts = (steps % cfg.n_slots).view(1, 1, max_n).expand(B, T, max_n)
+    acts = torch.where(steps.view(1, 1, max_n) < n.unsqueeze(-1), acts, torch.full_like(acts, cfg.stop_action))
+    return acts.to(device=device, dtype=torch.long).contiguous()
 
 
 # ---------------------------------------------------------------------------------------------------------- oracle
@@ -374,15 +425,33 @@ class _Acc:
     actions: list[torch.Tensor] = field(default_factory=list)  # [N, R] each
     contexts: list[torch.Tensor] = field(default_factory=list)  # [N] each
     steps: list[torch.Tensor] = field(default_factory=list)  # [N] each
+    seq_loss: list[torch.Tensor] = field(default_factory=list)  # [B] summed CE per sequence, each batch
+    seq_n: list[torch.Tensor] = field(default_factory=list)  # [B] scored targets per sequence
+    seq_base: list[torch.Tensor] = field(default_factory=list)  # [B] the backbone's summed CE on the same targets
+    seq_matched: list[torch.Tensor] = field(default_factory=list)  # [B] the matched backbone's, when there is one
+    time_s: float = 0.0  # wall time of this policy's forwards
+    n_timed: int = 0  # positions those forwards covered
 
-    def add_loss(self, logits: torch.Tensor, y: torch.Tensor, base_ce: torch.Tensor | None = None) -> None:
+    def add_loss(self, logits: torch.Tensor, y: torch.Tensor, base_ce: torch.Tensor | None = None,
+                 matched_ce: torch.Tensor | None = None) -> None:
+        """Add a batch: logits `[B, T, V]`, targets `[B, T]`, the references' per-position CE `[B, T]` on them."""
         mask = y != IGNORE_INDEX
-        ce = _token_ce(logits, y)
-        self.loss_sum += float(ce[mask].double().sum())
+        ce = _token_ce(logits, y).double().masked_fill(~mask, 0.0)  # [B, T]
+        self.loss_sum += float(ce.sum())
         self.n_targets += int(mask.sum())
         self.n_correct += int((logits.argmax(-1)[mask] == y[mask]).sum())
+        self.seq_loss.append(ce.sum(-1).cpu())
+        self.seq_n.append(mask.sum(-1).cpu().double())
         if base_ce is not None:
-            self.base_loss_sum += float(base_ce[mask].double().sum())
+            base = base_ce.double().masked_fill(~mask, 0.0)
+            self.base_loss_sum += float(base.sum())
+            self.seq_base.append(base.sum(-1).cpu())
+        if matched_ce is not None:
+            self.seq_matched.append(matched_ce.double().masked_fill(~mask, 0.0).sum(-1).cpu())
+
+    def paired(self, other: list[torch.Tensor], n_boot: int, seed: int) -> PairedDelta:
+        """This row minus a reference (per-sequence sums on the same targets), with its bootstrap interval."""
+        return paired_bootstrap(torch.cat(self.seq_loss), torch.cat(other), torch.cat(self.seq_n), n_boot, seed)
 
     def add_trace(self, actions: torch.Tensor | None, contexts: torch.Tensor, steps: torch.Tensor | None) -> None:
         N = contexts.numel()
@@ -487,8 +556,10 @@ def default_lambdas(model: PrismeModel, tokens: torch.Tensor, quantiles: Sequenc
 def evaluate_policies(model: PrismeModel, dataset: TokenDataset | MQARDataset, policies: Sequence[str] | None = None,
                       *, batch_size: int = 16, seq_len: int | None = None, max_batches: int | None = 8,
                       matched_backbone: PrismeModel | None = None, lambdas: Sequence[float] | None = None,
-                      oracle_positions: int | None = 16, seed: int = 0, progress: bool = False) -> EvalReport:
-    """Evaluate every policy on the validation split of `dataset`.
+                      oracle_positions: int | None = 16, seed: int = 0, progress: bool = False,
+                      bootstrap_samples: int = N_BOOT, bootstrap_seed: int = 0,
+                      split: str = "val") -> EvalReport:
+    """Evaluate every policy on the validation split of `dataset` (`split`; a held-out text holds all its tokens there).
 
     Args:
         model: the model; evaluated in eval mode under no_grad, its mode restored afterwards.
@@ -498,14 +569,16 @@ def evaluate_policies(model: PrismeModel, dataset: TokenDataset | MQARDataset, p
         matched_backbone: a model whose backbone alone is the "backbone + matched tokens" baseline.
         lambdas: controller and oracle prices of compute (default: `default_lambdas` on the first batch).
         oracle_positions: labelled positions per sequence the oracle samples (None: all).
-        seed: random policies and oracle subsampling.
+        seed: random policies, the equal-edits thinning and oracle subsampling.
+        bootstrap_samples, bootstrap_seed: the paired intervals' resamples and seed (`prisme.stats`).
     Returns:
         `EvalReport` with one `EvalRow` per policy, families in the order of `policies` (default: as in
         `POLICY_FAMILIES`).
     """
+    check_bootstrap_args(bootstrap_samples, bootstrap_seed)
     families, seq_len = _check_inputs(model, dataset, policies, batch_size, seq_len, max_batches, matched_backbone,
                                       lambdas, oracle_positions)
-    batches = list(dataset.iter_eval("val", batch_size, seq_len, max_batches))
+    batches = list(dataset.iter_eval(split, batch_size, seq_len, max_batches))
     if not batches or all(x.numel() == 0 for x, _ in batches):
         raise ValueError(f"dataset {dataset!r} yielded no validation batches")
     if not any(bool((y != IGNORE_INDEX).any()) for _, y in batches):
@@ -528,13 +601,17 @@ def evaluate_policies(model: PrismeModel, dataset: TokenDataset | MQARDataset, p
         model.train(was_training)
         if matched_backbone is not None:
             matched_backbone.train(m_training)
-    rows = _finish_rows(model, plan, accs, matched_backbone, isinstance(dataset, MQARDataset))
+    rows = _finish_rows(model, plan, accs, matched_backbone, isinstance(dataset, MQARDataset), bootstrap_samples,
+                        bootstrap_seed)
     n_tok = sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)
+    oracle_seen = next((r.n_targets for r in rows if r.family == "oracle"), None)
     return EvalReport(rows=rows, config=cfg.to_dict(), dataset=repr(dataset), n_tokens=n_tok,
                       n_positions=sum(x.numel() for x, _ in batches), batch_size=batch_size, seq_len=seq_len,
                       n_batches=len(batches), accounting="optimised" if cfg.optimised else "seed",
                       lambdas=[float(x) for x in (lambdas or [])], oracle_positions=oracle_positions, seed=seed,
-                      environment=environment(model))
+                      environment=environment(model), n_sequences=sum(x.shape[0] for x, _ in batches),
+                      split=split, bootstrap_samples=bootstrap_samples, bootstrap_seed=bootstrap_seed,
+                      oracle_targets=oracle_seen)
 
 
 def _run_batches(model, plan, accs, batches, device, matched_backbone, oracle_positions, seed, progress) -> None:
@@ -549,31 +626,49 @@ def _run_batches(model, plan, accs, batches, device, matched_backbone, oracle_po
         x, y = x.to(device), y.to(device)
         B, T = x.shape
         contexts = torch.arange(1, T + 1).expand(B, T)  # [B, T] each position's own context t + 1
+        t0 = time.perf_counter()
         base_logits = model(x).logits  # [B, T, V] the backbone alone: every row's baseline
+        t_base = time.perf_counter() - t0
         base_ce = _token_ce(base_logits, y)  # [B, T]
+        matched_ce, t_matched = None, 0.0
+        if matched_backbone is not None:  # its CE on the same targets: every row's second reference
+            t0 = time.perf_counter()
+            m_logits = matched_backbone(x.to(next(matched_backbone.parameters()).device)).logits.to(device)
+            t_matched = time.perf_counter() - t0
+            matched_ce = _token_ce(m_logits, y)
         g_random = torch.Generator().manual_seed(seed + bi)
         rand_state = g_random.get_state()
         oracle_pos = None
+        edits_seen: dict[str, float] = {}  # controller row -> its mean edits per position on this batch
         for p in plan:
             acc = accs[p.name]
+            t0 = time.perf_counter()
             if p.family == "backbone":
-                acc.add_loss(base_logits, y, base_ce)
+                acc.add_loss(base_logits, y, base_ce, matched_ce)
                 acc.add_trace(None, contexts, None)
+                acc.time_s += t_base
             elif p.family == "matched":
-                logits = matched_backbone(x.to(next(matched_backbone.parameters()).device)).logits.to(device)
-                acc.add_loss(logits, y, base_ce)
+                acc.add_loss(m_logits, y, base_ce, matched_ce)
                 acc.add_trace(None, contexts, None)
-            elif p.family in ("fixed", "random", "dense"):
+                acc.time_s += t_matched
+            elif p.family in ("fixed", "random", "dense", "equal_edits"):
                 if p.family == "random":
                     g_random.set_state(rand_state)  # common random numbers: each random row starts from seed + bi
-                acts = forced_actions(cfg, p.family, p.n, p.k, (B, T), g_random, device)  # [B, T, n]
+                if p.family == "equal_edits":  # the controller's mean edits, spread uniformly over positions
+                    g_thin = torch.Generator().manual_seed(seed + 7919 * (bi + 1))
+                    acts = thinned_actions(cfg, edits_seen[p.of], p.n, (B, T), g_thin, device)
+                else:
+                    acts = forced_actions(cfg, p.family, p.n, p.k, (B, T), g_random, device)  # [B, T, n]
                 out = model(x, acts)
-                acc.add_loss(out.logits, y, base_ce)
+                acc.time_s += time.perf_counter() - t0
+                acc.add_loss(out.logits, y, base_ce, matched_ce)
                 acc.add_trace(out.actions, contexts, None)
             elif p.family == "controller":
                 out = model.forward_policy(x, max_budget=p.n, lambda_cost=p.lam)
-                acc.add_loss(out.logits, y, base_ce)
+                acc.time_s += time.perf_counter() - t0
+                acc.add_loss(out.logits, y, base_ce, matched_ce)
                 acc.add_trace(out.actions, contexts, out.controller_steps)
+                edits_seen[p.name] = float(out.n_edits.double().mean())
             elif p.family == "oracle":
                 if oracle_pos is None:  # the same positions for every oracle row of this batch
                     oracle_pos = sample_positions(y, oracle_positions, g_oracle)
@@ -581,13 +676,17 @@ def _run_batches(model, plan, accs, batches, device, matched_backbone, oracle_po
                 if rows.numel() == 0:
                     continue
                 res = greedy_oracle(model, x[rows], y[rows], pos, p.n, p.lam)
+                acc.time_s += time.perf_counter() - t0
                 yq = y[rows].gather(1, pos)  # [B', P]
-                acc.add_loss(res.logits, yq, res.base_loss)
+                m_q = None if matched_ce is None else matched_ce[rows].gather(1, pos)
+                acc.add_loss(res.logits, yq, res.base_loss, m_q)
                 steps = torch.clamp(res.n_edits + 1, max=p.n)  # as if a controller had chosen the trace
                 acc.add_trace(res.actions, pos + 1, steps)
+            acc.n_timed += B * T if p.family != "oracle" else int(pos.numel())
 
 
-def _finish_rows(model, plan, accs, matched_backbone, mqar: bool) -> list[EvalRow]:
+def _finish_rows(model, plan, accs, matched_backbone, mqar: bool, n_boot: int = N_BOOT,
+                 boot_seed: int = 0) -> list[EvalRow]:
     cfg = model.cfg
     rows = []
     for p in plan:
@@ -618,7 +717,20 @@ def _finish_rows(model, plan, accs, matched_backbone, mqar: bool) -> list[EvalRo
             family=p.family, delta_loss=loss - baseline, baseline_loss=baseline,
             mean_edits=float(n_edits.mean()), edited_fraction=float((n_edits > 0).double().mean()),
             controller_steps=steps, ops_per_token_alt=alt.ops_per_token, relative_ops_alt=rel_alt,
-            lambda_cost=p.lam, budget=p.n if p.n else None, n_positions=own.n_positions, n_targets=acc.n_targets))
+            lambda_cost=p.lam, budget=p.n if p.n else None, n_positions=own.n_positions, n_targets=acc.n_targets,
+            tokens_per_s=acc.n_timed / acc.time_s if acc.time_s > 0 else 0.0, equal_edits_of=p.of))
+        row = rows[-1]
+        if acc.seq_base:
+            d = acc.paired(acc.seq_base, n_boot, boot_seed)
+            row.delta_vs_backbone, row.verdict_vs_backbone = d.to_dict(), d.verdict
+        if acc.seq_matched:
+            d = acc.paired(acc.seq_matched, n_boot, boot_seed)
+            row.delta_vs_matched, row.verdict_vs_matched = d.to_dict(), d.verdict
+    by = {r.policy: r for r in rows}
+    for p in plan:  # controller minus its equal-edits baseline, on the same targets
+        if p.family == "equal_edits" and p.name in by and p.of in by:
+            d = accs[p.of].paired(accs[p.name].seq_loss, n_boot, boot_seed)
+            by[p.of].delta_vs_equal_edits, by[p.of].verdict_vs_equal_edits = d.to_dict(), d.verdict
     return rows
 
 
@@ -659,17 +771,47 @@ def _json_safe(x: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------------- CLI
-def dataset_for_checkpoint(meta: Any, vocab_size: int, corpus: str | None = None):
-    """The evaluation dataset of a checkpoint: its training stage's dataset (tokenizer, val split, MQAR settings),
-    or `corpus` ("austen", a text path, or "mqar") with the checkpoint's other data settings. Returns
+def dataset_for_checkpoint(meta: Any, vocab_size: int, corpus: str | None = None, seq_len: int | None = None):
+    """The evaluation dataset of a checkpoint: its training stage's dataset (tokenizer, val split, MQAR settings), or
+    `corpus`: "austen" / "mqar" with the checkpoint's other data settings (their val split), or a held-out text (the
+    embedded "devils_dictionary", a UTF-8 file or folder) scored whole with the checkpoint's tokenizer. Returns
     (dataset, seq_len or None)."""
+    from .data import EMBEDDED_CORPUS, BPETokenizer, ByteTokenizer, load_text
     from .train import StageConfig, build_dataset
 
     sc = getattr(meta, "stage_config", None) or {}
     scfg = StageConfig.from_dict(sc) if sc else StageConfig()
+    if corpus is not None and corpus not in (EMBEDDED_CORPUS, "mqar") and corpus != scfg.dataset:
+        tok = ByteTokenizer() if scfg.tokenizer == "byte" else BPETokenizer.load(scfg.tokenizer)
+        if tok.vocab_size > vocab_size:
+            raise ValueError(f"the checkpoint's tokenizer has {tok.vocab_size} ids but the model has {vocab_size}")
+        T = seq_len or scfg.seq_len
+        if T is None:
+            raise ValueError("a held-out text needs a sequence length: pass --seq-len")
+        return TokenDataset.held_out(load_text(corpus), tok, T, name=Path(str(corpus)).name), scfg.seq_len
     if corpus is not None and corpus != scfg.dataset:
         scfg = scfg.replace(dataset=corpus)
     return build_dataset(scfg, vocab_size), scfg.seq_len
+
+
+def n_eval_batches(dataset: Any, split: str, batch_size: int, seq_len: int) -> int | None:
+    """How many batches the whole split holds (None for a synthetic dataset, which has no end)."""
+    if isinstance(dataset, TokenDataset):
+        return math.ceil(dataset.n_eval_windows(split, seq_len) / batch_size)
+    return None
+
+
+def parse_batches(text: str | int | None) -> int | None:
+    """`--batches`: a positive int, or "all" (None: the whole split)."""
+    if text is None or (isinstance(text, str) and text.strip().lower() == "all"):
+        return None
+    try:
+        n = int(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"--batches must be a positive integer or 'all', got {text!r}") from None
+    if n < 1:
+        raise ValueError(f"--batches must be >= 1 (or 'all'), got {n}")
+    return n
 
 
 def _parse_floats(s: str | None) -> list[float] | None:
@@ -684,20 +826,38 @@ def _parse_floats(s: str | None) -> list[float] | None:
 def main(args: argparse.Namespace) -> int:
     """`prisme eval`: load a checkpoint, evaluate every policy, print the table, write JSON / PNG if asked."""
     from .checkpoint import load_model
+    from .stats import check_bootstrap_args
 
+    if getattr(args, "threads", -1) and args.threads > 0:
+        torch.set_num_threads(args.threads)
+    max_batches = parse_batches(args.batches)
+    check_bootstrap_args(args.bootstrap, args.bootstrap_seed)
+    if args.device is not None and args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device!r} requested but CUDA is not available")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model, meta = load_model(args.checkpoint, map_location=device)
     matched = None
     if args.matched_backbone:
         matched, _ = load_model(args.matched_backbone, map_location=device)
-    dataset, train_seq_len = dataset_for_checkpoint(meta, model.cfg.vocab_size, args.corpus)
+        diff = {k for k in ("vocab_size", "max_seq_len") if getattr(matched.cfg, k) != getattr(model.cfg, k)}
+        if diff:
+            raise ValueError(f"--matched-backbone {args.matched_backbone} has another {', '.join(sorted(diff))} than "
+                             f"the evaluated model; it must be the same backbone trained further")
+    dataset, train_seq_len = dataset_for_checkpoint(meta, model.cfg.vocab_size, args.corpus, args.seq_len)
     seq_len = args.seq_len if args.seq_len is not None else train_seq_len
+    if seq_len is None:
+        seq_len = dataset.cfg.seq_len if isinstance(dataset, MQARDataset) else model.cfg.max_seq_len
+    available = n_eval_batches(dataset, "val", args.batch_size, seq_len)
+    if max_batches is not None and available is not None and max_batches > available:
+        raise ValueError(f"--batches {max_batches} exceeds the split: {dataset!r} holds {available} batches of "
+                         f"{args.batch_size} x {seq_len} (pass --batches all for the whole split)")
     policies = [s.strip() for s in args.policies.split(",") if s.strip()] if args.policies else None
     oracle_positions = None if args.oracle_positions == -1 else args.oracle_positions
     report = evaluate_policies(model, dataset, policies, batch_size=args.batch_size, seq_len=seq_len,
-                               max_batches=args.batches, matched_backbone=matched,
+                               max_batches=max_batches, matched_backbone=matched,
                                lambdas=_parse_floats(args.lambdas), oracle_positions=oracle_positions,
-                               seed=args.seed, progress=sys.stderr.isatty())
+                               seed=args.seed, progress=sys.stderr.isatty(), bootstrap_samples=args.bootstrap,
+                               bootstrap_seed=args.bootstrap_seed)
     print(report.table())
     if args.json:
         doc = report.to_json()

@@ -290,26 +290,32 @@ def _forced_actions(cfg: PrismeConfig, family: str, n: int, k: int, shape: tuple
     return forced_actions(cfg, family, n, k, shape, g)
 
 
-def _controller_row(model, mcfg, seed_base, n_seq, lam) -> dict[str, Any]:
-    """The controller at price `lam`: every position decides; accuracy at queries, ops and edits over all."""
+def _controller_rows(model, mcfg, data_seed, n_seq, lambdas) -> list[dict[str, Any]]:
+    """The controller at each price in `lambdas`: every position decides; accuracy at the queries, ops and edits over
+    all positions. Each batch is encoded once and rolled out at every price (what `forward_policy` does per call)."""
     cfg = model.cfg
     T = mcfg.seq_len
-    hit = tot = 0
-    edits = edits_q = 0.0
-    acts, steps = [], []
-    for x, y in _batches(mcfg, n_seq, seed_base):
-        out = model.forward_policy(x, cfg.r_max, lambda_cost=lam)
+    acc = [{"hit": 0, "tot": 0, "edits": 0.0, "edits_q": 0.0, "acts": [], "steps": []} for _ in lambdas]
+    for x, y in _batches(mcfg, n_seq, data_seed):
+        ctx = model.encode(x)
         lab = y != IGNORE_INDEX
-        hit += int((out.logits.argmax(-1)[lab] == y[lab]).sum())
-        tot += int(lab.sum())
-        edits += float(out.n_edits.sum())
-        edits_q += float(out.n_edits[lab].sum())
-        acts.append(out.actions.reshape(-1, out.actions.shape[-1]))
-        steps.append(out.controller_steps.reshape(-1))
-    ctx = torch.arange(1, T + 1).repeat(n_seq)
-    ops = trace_cost(cfg, torch.cat(acts), ctx, torch.cat(steps), optimised=cfg.optimised)
-    return {"lambda": float(lam), "accuracy": hit / tot, "ops_ratio": ops.relative,
-            "edits_per_token": edits / (n_seq * T), "query_edit_share": edits_q / edits if edits else 0.0}
+        for a, lam in zip(acc, lambdas):
+            roll = model.rollout_policy(ctx, cfg.r_max, model.action_cost, lambda_cost=lam)
+            logits, _ = model.logits_from_state(roll.S, ctx, roll.n_edits > 0)
+            a["hit"] += int((logits.argmax(-1)[lab] == y[lab]).sum())
+            a["tot"] += int(lab.sum())
+            a["edits"] += float(roll.n_edits.sum())
+            a["edits_q"] += float(roll.n_edits[lab].sum())
+            a["acts"].append(roll.actions.reshape(-1, roll.actions.shape[-1]))
+            a["steps"].append(roll.controller_steps.reshape(-1))
+    contexts = torch.arange(1, T + 1).repeat(n_seq)
+    rows = []
+    for a, lam in zip(acc, lambdas):
+        ops = trace_cost(cfg, torch.cat(a["acts"]), contexts, torch.cat(a["steps"]), optimised=cfg.optimised)
+        rows.append({"lambda": float(lam), "accuracy": a["hit"] / a["tot"], "ops_ratio": ops.relative,
+                     "edits_per_token": a["edits"] / (n_seq * T),
+                     "query_edit_share": a["edits_q"] / a["edits"] if a["edits"] else 0.0})
+    return rows
 
 
 def _oracle_row(model, mcfg, seed, n_seq) -> dict[str, Any]:
@@ -375,13 +381,13 @@ def evaluate_run(model: torch.nn.Module, mcfg: MQARConfig, seed: int, cfg: Recal
     fixed += [_forced_row(model, mcfg, data, n_eval, f"random_{n}xk1", "random", n, 1) for n in ns[:2]]
     fixed += [_forced_row(model, mcfg, data, n_eval, "dense_1", "dense", 1, mc.n_slots)]
     lambdas = sorted({float(v) for v in cfg.lambdas})
-    calib = [_controller_row(model, mcfg, CALIBRATION_SEED + seed, cfg.calibration_sequences, lam) for lam in lambdas]
+    calib = _controller_rows(model, mcfg, CALIBRATION_SEED + seed, cfg.calibration_sequences, lambdas)
     budget1_calib = _forced_row(model, mcfg, CALIBRATION_SEED + seed, cfg.calibration_sequences, "fixed_1xk1",
                                 "fixed", 1, 1)["accuracy"]
     ok = [r for r in calib if r["accuracy"] >= budget1_calib - cfg.accuracy_tolerance]
     best = min(ok, key=lambda r: r["ops_ratio"]) if ok else max(calib, key=lambda r: r["accuracy"])
     chosen = best["lambda"]
-    controllers = [_controller_row(model, mcfg, EVAL_SEED + seed, n_eval, lam) for lam in lambdas]
+    controllers = _controller_rows(model, mcfg, EVAL_SEED + seed, n_eval, lambdas)
     controller = dict(next(r for r in controllers if r["lambda"] == chosen))
     controller["calibration_accuracy"] = next(r for r in calib if r["lambda"] == chosen)["accuracy"]
     controller["calibration_budget1_accuracy"] = budget1_calib

@@ -196,7 +196,7 @@ def test_controller_rows_give_fewer_edits_and_ops_as_lambda_grows(monkeypatch):
         model.controller.b_v[M:] = c1 + 0.5 * (c2 - c1)
     ds, lambdas = text_dataset(), [0.0, 0.25, 0.75, 2.0]
     report = evaluate_policies(model, ds, ["controller"], batch_size=B, seq_len=T, max_batches=1, lambdas=lambdas)
-    rows = report.rows
+    rows = [r for r in report.rows if r.family == "controller"]
     assert [r.mean_edits for r in rows] == [cfg.r_max, cfg.r_max, cfg.r_max, 0]
     assert rows[0].ops_per_token == rows[1].ops_per_token > rows[2].ops_per_token > rows[3].ops_per_token
     assert rows[3].controller_steps == 1.0 and rows[3].relative_ops > 1.0  # one controller step + the bank
@@ -205,7 +205,7 @@ def test_controller_rows_give_fewer_edits_and_ops_as_lambda_grows(monkeypatch):
     select = model.controller.select  # negative control: a controller blind to lambda fails the check
     monkeypatch.setattr(model.controller, "select", lambda preds, cost, lam=None, kap=None: select(preds, cost, 0.0))
     broken = evaluate_policies(model, ds, ["controller"], batch_size=B, seq_len=T, max_batches=1, lambdas=lambdas)
-    assert not spans_and_is_monotone(broken.rows)
+    assert not spans_and_is_monotone([r for r in broken.rows if r.family == "controller"])
 
 
 def test_default_lambda_grid_spans_and_edited_fraction_is_monotone(run):
@@ -391,8 +391,9 @@ def test_json_is_strict_and_png_is_written(run, tmp_path):
     with pytest.raises(ValueError):  # negative control: the raw dataclass is not strict JSON
         json.dumps(asdict(nan_report), allow_nan=False)
     table = report.table().splitlines()
-    assert len(table) == len(report.rows) + 4 and all(any(ln.startswith(r.policy) for ln in table)
-                                                     for r in report.rows)
+    n_eq = sum(r.delta_vs_equal_edits is not None for r in report.rows)  # one comparison line under each controller
+    assert len(table) == len(report.rows) + n_eq + 3 and all(any(ln.startswith(r.policy) for ln in table)
+                                                              for r in report.rows)
     path = tmp_path / "sub" / "pareto.png"
     report.plot(path)
     data = path.read_bytes()
@@ -453,3 +454,101 @@ def test_cli_eval_prints_the_table_and_writes_json_and_png(tmp_path, capsys):
     assert out_png.stat().st_size > 0 and "fixed_4xk2" in capsys.readouterr().out
     rc = cli.main(["eval", "--checkpoint", str(ckpt), "--policies", "greedy", "--device", "cpu"])
     assert rc == 2 and "unknown policy" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------- paired
+def test_every_row_carries_its_paired_difference_to_the_backbone_and_the_matched_backbone():
+    """delta_vs_backbone (and, with a matched backbone, delta_vs_matched) = {mean, lo, hi, n_sequences, n_tokens}:
+    the mean is loss minus the reference's loss on the same targets, the interval holds it, the verdict follows the
+    interval; the matched row's own difference to itself is exactly zero."""
+    model = make_model(vocab_size=256)
+    matched = make_model(seed=5, vocab_size=256, use_workspace=False)
+    report = evaluate_policies(model, text_dataset(), batch_size=B, seq_len=T, max_batches=NB, oracle_positions=4,
+                               matched_backbone=matched, seed=SEED, bootstrap_samples=200)
+    base, mrow = report.row("backbone"), report.row("backbone+matched")
+    for r in report.rows:
+        d, m = r.delta_vs_backbone, r.delta_vs_matched
+        assert set(d) == {"mean", "lo", "hi", "n_sequences", "n_tokens"} and set(m) == set(d)
+        assert d["lo"] <= d["mean"] <= d["hi"] and m["lo"] <= m["mean"] <= m["hi"]
+        assert abs(d["mean"] - (r.loss - r.baseline_loss)) < 1e-9
+        assert r.verdict_vs_backbone == ("beats" if d["hi"] < 0 else "loses" if d["lo"] > 0 else "ties")
+        if r.family != "oracle":
+            assert d["n_sequences"] == NB * B and d["n_tokens"] == NB * B * T
+            assert abs(m["mean"] - (r.loss - mrow.loss)) < 1e-9
+    assert base.delta_vs_backbone["mean"] == base.delta_vs_backbone["hi"] == 0.0
+    assert mrow.delta_vs_matched["lo"] == mrow.delta_vs_matched["hi"] == 0.0
+    doc = json.loads(json.dumps(report.to_json(), allow_nan=False))
+    assert doc["rows"][1]["delta_vs_matched"] == mrow.delta_vs_matched and doc["n_sequences"] == NB * B
+    assert "[" in report.table() and "vs matched" in report.table()
+
+
+def test_equal_edits_baseline_spreads_the_controllers_mean_edits_uniformly():
+    """Each controller row is followed by its equal-edits baseline: fixed single-slot edits thinned at random per
+    position to the controller's mean edits per token (no controller cost), and the controller row carries the paired
+    difference controller minus baseline."""
+    from prisme.evaluate import thinned_actions
+
+    cfg = PrismeConfig.from_name("tiny")
+    acts = thinned_actions(cfg, 1.3, cfg.r_max, (64, 50), torch.Generator().manual_seed(0))
+    n = (acts != cfg.stop_action).sum(-1).double()
+    assert set(n.unique().tolist()) == {1.0, 2.0} and abs(float(n.mean()) - 1.3) < 0.03
+    assert torch.equal(thinned_actions(cfg, 2.0, 4, (3, 5), torch.Generator()), forced_actions(
+        cfg, "fixed", 4, 1, (3, 5)).masked_fill(torch.arange(4) >= 2, cfg.stop_action))  # integer: exact
+    model = make_model(vocab_size=256)
+    report = evaluate_policies(model, text_dataset(), ["controller"], batch_size=B, seq_len=T, max_batches=NB,
+                               lambdas=[0.0, 0.3], seed=SEED, bootstrap_samples=100)
+    rows = report.rows
+    assert [r.family for r in rows] == ["controller", "equal_edits"] * 2
+    for ctrl, eq in zip(rows[::2], rows[1::2]):
+        assert eq.equal_edits_of == ctrl.policy and eq.controller_steps == 0.0
+        assert abs(eq.mean_edits - ctrl.mean_edits) < 0.25  # the same budget, drawn per position
+        d = ctrl.delta_vs_equal_edits
+        assert abs(d["mean"] - (ctrl.loss - eq.loss)) < 1e-9 and d["lo"] <= d["mean"] <= d["hi"]
+
+
+def test_cli_batches_all_scores_the_whole_split_and_bad_batches_fail_before_any_model_runs(tmp_path, capsys,
+                                                                                        monkeypatch):
+    """--batches all covers every window of the validation split; 0, 'x' or more batches than the split holds are a
+    one-line error (exit 2) before any evaluation runs; so are bad bootstrap settings."""
+    import prisme.evaluate as ev
+
+    model = make_model(vocab_size=256).float()
+    ckpt = save_checkpoint(tmp_path / "c" / "ckpt_000000", model, stage="controller", step=0,
+                           stage_config=StageConfig(stage="controller", dataset="austen", seq_len=64).to_dict())
+    out = tmp_path / "all.json"
+    assert cli.main(["eval", "--checkpoint", str(ckpt), "--batches", "all", "--batch-size", "64",
+                     "--policies", "backbone", "--json", str(out)]) == 0
+    from prisme.data import load_text
+
+    n_windows = TokenDataset.from_text(load_text("austen"), ByteTokenizer(), val_fraction=0.1).n_eval_windows("val", 64)
+    assert json.loads(out.read_text())["n_sequences"] == n_windows
+    monkeypatch.setattr(ev, "evaluate_policies", lambda *a, **k: pytest.fail("evaluation ran"))
+    for bad, msg in ((["--batches", "0"], "batches"), (["--batches", "x"], "batches"),
+                     (["--batches", "100000"], "exceeds the split"), (["--bootstrap", "0"], "bootstrap"),
+                     (["--bootstrap-seed", "-1"], "seed")):
+        assert cli.main(["eval", "--checkpoint", str(ckpt), "--policies", "backbone", *bad]) == 2
+        assert msg in capsys.readouterr().err
+
+
+def test_cli_corpus_file_is_scored_whole_as_a_held_out_text(tmp_path, capsys):
+    """--corpus FILE scores every window of the file (no 10% tail); the embedded held-out text works by name; an
+    empty file or one shorter than a sequence is a clear error."""
+    model = make_model(vocab_size=256).float()
+    ckpt = save_checkpoint(tmp_path / "c" / "ckpt_000000", model, stage="controller", step=0,
+                           stage_config=StageConfig(stage="controller", dataset="austen", seq_len=16).to_dict())
+    text = tmp_path / "held.txt"
+    text.write_text("a fresh text that the model never saw " * 20)
+    out = tmp_path / "h.json"
+    assert cli.main(["eval", "--checkpoint", str(ckpt), "--corpus", str(text), "--batches", "all",
+                     "--policies", "backbone", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["n_sequences"] == (len(text.read_bytes()) - 1) // 16
+    assert cli.main(["eval", "--checkpoint", str(ckpt), "--corpus", "devils_dictionary", "--batches", "2",
+                     "--policies", "backbone"]) == 0
+    empty, short = tmp_path / "empty.txt", tmp_path / "short.txt"
+    empty.write_text("")
+    short.write_text("tiny")
+    for path, msg in ((empty, "empty"), (short, "fewer than one sequence")):
+        capsys.readouterr()
+        assert cli.main(["eval", "--checkpoint", str(ckpt), "--corpus", str(path), "--policies", "backbone"]) == 2
+        assert msg in capsys.readouterr().err

@@ -217,3 +217,22 @@ def test_study_quick_run_writes_the_documented_json(tmp_path):
     assert (out / "recall_accuracy_vs_ops.png").stat().st_size > 0 and (out / "recall_edits.png").stat().st_size > 0
     model, meta = load_checkpoint(doc["seeds"][0]["controller_checkpoint"])
     assert meta.stage == "controller" and model.cfg.bank_shift
+
+
+def test_controller_rows_equal_forward_policy():
+    """The study's controller rows (one encoding per batch, rolled out at every price) equal forward_policy's
+    accuracy, edits and query share at each price."""
+    from prisme.study_recall import _batches, _controller_rows
+
+    model = recall_model(torch.float32).eval()
+    torch.nn.init.normal_(model.controller.mlp[-1].weight, std=0.3)  # a controller that edits at some positions
+    mcfg = MQARConfig(**MQ)
+    rows = _controller_rows(model, mcfg, 7, 32, [0.0, 0.5])
+    x, y = next(iter(_batches(mcfg, 32, 7)))
+    lab = y != IGNORE_INDEX
+    for r in rows:
+        with torch.no_grad():
+            out = model.forward_policy(x, model.cfg.r_max, lambda_cost=r["lambda"])
+        assert r["accuracy"] == float((out.logits.argmax(-1)[lab] == y[lab]).float().mean())
+        assert r["edits_per_token"] == float(out.n_edits.double().mean())
+    assert rows[0]["edits_per_token"] > rows[1]["edits_per_token"]
