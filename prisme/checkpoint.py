@@ -80,8 +80,13 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     pointer = Path(run_dir) / LATEST
     if not pointer.is_file():
         return None
-    target = Path(run_dir) / pointer.read_text().strip()
-    return target if target.is_dir() else None
+    try:
+        name = pointer.read_bytes().decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise ValueError(f"{pointer} is not a UTF-8 checkpoint name; the run's pointer is corrupt (write the name of "
+                         f"its newest ckpt_* folder into it, or remove it)") from None
+    target = Path(run_dir) / name
+    return target if name and target.is_dir() else None
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -164,6 +169,7 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+        raise
 
 
 def save_checkpoint(
@@ -240,6 +246,24 @@ def _json_default(o: Any) -> Any:
     raise TypeError(f"cannot store {type(o).__name__} in state.json")
 
 
+def clean_stale_temps(run_dir: str | Path) -> list[Path]:
+    """Remove what interrupted saves left in a run folder (`.ckpt_*.tmp-*` / `.ckpt_*.old-*` folders, `.*.tmp`
+    files of atomic writes); returns what was removed. Only call it where no save is in progress (one writer)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    gone = []
+    for p in run_dir.iterdir():
+        name = p.name
+        if p.is_dir() and name.startswith(".ckpt_") and (".tmp-" in name or ".old-" in name):
+            shutil.rmtree(p, ignore_errors=True)
+            gone.append(p)
+        elif p.is_file() and name.startswith(".") and name.endswith(".tmp"):
+            p.unlink(missing_ok=True)
+            gone.append(p)
+    return gone
+
+
 def prune_checkpoints(run_dir: str | Path, keep_last: int) -> None:
     """Delete all but the newest `keep_last` `ckpt_*` folders of a run (never the one `latest` names)."""
     if keep_last <= 0:
@@ -253,6 +277,38 @@ def prune_checkpoints(run_dir: str | Path, keep_last: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------------ loading
+
+
+STAGE_PREFERENCE = ("controller", "workspace", "backbone", "export")
+
+
+def find_model_checkpoint(path: str | Path) -> Path:
+    """`path` itself if it is a checkpoint (or a run folder with `latest`); else, for a folder holding runs (a demo or
+    study folder), the checkpoint of its most trained stage found up to three levels down (controller, then
+    workspace, then backbone; the newest if several). ValueError if there is none."""
+    p = Path(path)
+    try:
+        return resolve_checkpoint(p)
+    except ValueError:
+        if not p.is_dir():
+            raise
+    found = []
+    for depth in ("*", "*/*", "*/*/*"):
+        for run in sorted(p.glob(depth)):
+            if run.is_dir() and (run / LATEST).is_file() and latest_checkpoint(run) is not None:
+                found.append(latest_checkpoint(run))
+    if not found:
+        raise ValueError(f"{p} holds no checkpoint (no {STATE}, no `{LATEST}` pointer in it or in the folders below "
+                         f"it); pass a stage folder written by `prisme train`")
+
+    def rank(c: Path) -> tuple[int, float]:
+        try:
+            stage = json.loads((c / STATE).read_text()).get("stage")
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+            stage = None
+        return (STAGE_PREFERENCE.index(stage) if stage in STAGE_PREFERENCE else 9, -(c / STATE).stat().st_mtime)
+
+    return min(found, key=rank)
 
 
 def read_meta(path: str | Path) -> CheckpointMeta:
@@ -271,8 +327,11 @@ def read_meta(path: str | Path) -> CheckpointMeta:
         cfg = PrismeConfig.from_json(p / CONFIG)
     except ValueError as e:
         raise ValueError(f"{p / CONFIG}: {e}") from None
+    step = state.get("step", 0)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"{p / STATE}: step must be an integer >= 0, got {step!r}; the checkpoint is corrupt")
     return CheckpointMeta(path=p, config=cfg, schema_version=state["schema_version"], stage=state.get("stage", "?"),
-                          step=int(state.get("step", 0)), stage_config=state.get("stage_config", {}),
+                          step=step, stage_config=state.get("stage_config", {}),
                           rng=state.get("rng", {}), metrics=state.get("metrics", {}), extra=state.get("extra", {}))
 
 
@@ -352,3 +411,32 @@ def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu
 def load_model(path: str | Path, map_location: str | torch.device = "cpu") -> tuple[torch.nn.Module, CheckpointMeta]:
     """The model of a checkpoint (weights + config, no optimizer state), in eval mode."""
     return load_checkpoint(path, map_location=map_location, load_optimizer=False)
+
+
+BACKBONE_FIELDS = ("family", "vocab_size", "max_seq_len", "d_model", "n_layer", "n_head", "n_kv_head", "ffn_hidden",
+                   "ffn_multiple_of", "rope_theta", "norm_eps", "tie_embeddings", "init_std")
+
+
+def rebase_backbone(path: str | Path, cfg: PrismeConfig, out_dir: str | Path, seed: int) -> Path:
+    """A stage-1 (backbone) checkpoint of `path`'s trained backbone under another workspace config `cfg`.
+
+    Stage 1 trains the backbone alone and never touches the workspace, and `PrismeModel` builds (and seeds) the
+    backbone before the workspace, so training stage 1 with `cfg` and seed `seed` ends with exactly this checkpoint:
+    the same backbone weights, and the workspace of `cfg` as `torch.manual_seed(seed); PrismeModel(cfg)` initialises
+    it (tests/test_text_study.py checks it bitwise). ValueError if the backbones differ in any field
+    (`BACKBONE_FIELDS`) or `path` is not a backbone checkpoint. Returns the new checkpoint folder in `out_dir`.
+    """
+    from .model import PrismeModel
+
+    src, meta = load_checkpoint(path, load_optimizer=False)
+    if meta.stage != "backbone":
+        raise ValueError(f"{meta.path} is a {meta.stage!r} checkpoint; only a backbone checkpoint can be rebased")
+    diff = {k: v for k, v in config_diff(cfg, meta.config).items() if k in BACKBONE_FIELDS}
+    if diff:
+        raise ValueError(f"cannot rebase {meta.path}: the backbones differ in {sorted(diff)}")
+    torch.manual_seed(seed)
+    model = PrismeModel(cfg.validate()).to(next(src.parameters()).dtype)
+    model.backbone.load_state_dict(src.backbone.state_dict(), strict=True)
+    return save_checkpoint(Path(out_dir) / checkpoint_name(meta.step), model, stage="backbone", step=meta.step,
+                           stage_config=meta.stage_config, metrics=meta.metrics,
+                           extra={"rebased_from": str(meta.path)})

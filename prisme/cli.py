@@ -10,12 +10,16 @@
     prisme costs --preset NAME       analytic ops per generated token (seed 000's table; --optimised, --json)
     prisme train --config FILE       one training stage (backbone -> workspace -> controller); torchrun for DDP/FSDP2
     prisme study recall              MQAR: controls, 1-layer + workspace on every seed, the controller's allocation
+    prisme study text                Austen + a held-out text: every policy with paired intervals, per bank source
+    prisme tokenizer train           a byte-level BPE tokenizer (HF tokenizers)
+    prisme export-hf                 a checkpoint's backbone + tokenizer as a self-contained HF folder
     prisme demo                      the main job on the embedded default corpus
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -75,9 +79,39 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_study(args: argparse.Namespace) -> int:
+    if args.study == "text":
+        from . import study_text
+
+        return study_text.main(args)
     from . import study_recall
 
     return study_recall.main(args)
+
+
+def _cmd_tokenizer(args: argparse.Namespace) -> int:
+    from .data import BPETokenizer, load_text
+
+    if isinstance(args.vocab_size, bool) or args.vocab_size <= 256:
+        raise ValueError(f"--vocab-size must be > 256 (the 256 bytes come first), got {args.vocab_size}")
+    tok = BPETokenizer.train(load_text(args.corpus), args.vocab_size)
+    tok.save(args.out)
+    print(f"wrote {args.out}: a byte-level BPE of {tok.vocab_size} ids trained on {args.corpus}")
+    return 0
+
+
+def _cmd_export_hf(args: argparse.Namespace) -> int:
+    from .checkpoint import find_model_checkpoint, load_model
+    from .data import BPETokenizer
+    from .interop import export_hf
+
+    tokenizer = {"byte": "byte", "none": None}.get(args.tokenizer)
+    if args.tokenizer not in ("byte", "none"):
+        tokenizer = BPETokenizer.load(args.tokenizer)
+    model, _ = load_model(find_model_checkpoint(args.checkpoint))
+    export_hf(model, args.out, tokenizer)
+    print(f"wrote {args.out}: the backbone (the workspace is not exported) and its tokenizer, loadable with "
+          f"AutoModelForCausalLM / AutoTokenizer.from_pretrained")
+    return 0
 
 
 def _bench_parser(bsub, name: str, **kw) -> argparse.ArgumentParser:
@@ -176,7 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("generate", help="generate text with the workspace (greedy or sampled, budget, lambda)")
     src = s.add_mutually_exclusive_group()
     src.add_argument("--preset", default="demo", help="model preset with random weights (default: demo)")
-    src.add_argument("--checkpoint", default=None, help="checkpoint (or run folder) to load instead of a preset")
+    src.add_argument("--checkpoint", default=None, help="checkpoint, stage folder, or a demo/study folder (its most "
+                     "trained stage) to load instead of a preset")
     prompt = s.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--prompt-ids", default=None,
@@ -194,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=None, help="sampling seed (and the random weights' seed for --preset)")
     s.add_argument("--threads", type=int, default=-1, help="torch CPU threads (-1 = leave as is)")
     s.add_argument("--show-edits", action="store_true", help="print how many edits each generated token got")
+    s.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     s.set_defaults(func=_cmd_generate)
 
     s = sub.add_parser("costs", help="analytic ops per generated token: seed 000's rows (+ the optimised column)")
@@ -214,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--init-from", default=None, help="previous stage's checkpoint or run folder")
     s.add_argument("--out", default=None, help="run folder for checkpoints and metrics (StageConfig.out_dir)")
     s.add_argument("--resume", action="store_true", help="continue the latest checkpoint in --out exactly")
+    s.add_argument("--reschedule", action="store_true",
+                   help="with --resume and another --steps: accept the new learning-rate schedule")
     s.add_argument("--steps", type=int, default=None, help="optimizer steps")
     s.add_argument("--batch-size", type=int, default=None, help="global batch (sequences per optimizer step)")
     s.add_argument("--grad-accum", type=int, default=None, help="micro-batches per step on each process")
@@ -231,6 +269,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
     s.set_defaults(func=_cmd_train)
 
+    s = sub.add_parser("tokenizer", help="tokenizer tools")
+    tsub = s.add_subparsers(dest="tokenizer_cmd", required=True)
+    tt = tsub.add_parser("train", help="train a byte-level BPE (HF tokenizers; pip install 'prisme[bpe]')")
+    tt.add_argument("--corpus", default="austen", help="austen (embedded), devils_dictionary, or a text file / folder")
+    tt.add_argument("--vocab-size", type=int, required=True, help="ids in all (> 256: the bytes come first)")
+    tt.add_argument("--out", required=True, help="tokenizer JSON to write (use it as --tokenizer / \"tokenizer\")")
+    tt.set_defaults(func=_cmd_tokenizer)
+
+    s = sub.add_parser("export-hf", help="write a checkpoint's backbone and tokenizer as an HF folder (needs [hf])")
+    s.add_argument("--checkpoint", required=True, help="checkpoint, stage folder or demo/study folder")
+    s.add_argument("--out", required=True, help="folder to write (save_pretrained layout)")
+    s.add_argument("--tokenizer", default="byte", help="byte (default), a BPE tokenizer JSON, or none")
+    s.set_defaults(func=_cmd_export_hf)
+
     s = sub.add_parser("study", help="controlled studies with success rates over seeds")
     ssub = s.add_subparsers(dest="study", required=True)
     r = ssub.add_parser("recall", help="MQAR: 1-layer backbone + workspace vs controls, the controller's allocation")
@@ -245,15 +297,30 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--configs", default=None, help="folder holding recall_*.json (default: the project's configs/)")
     r.add_argument("--no-progress", action="store_true", help="no per-run progress lines on stderr")
     r.set_defaults(func=_cmd_study)
+    t = ssub.add_parser("text", help="Austen + a held-out text: every policy vs the backbone, the matched and a "
+                                     "deeper one, with paired intervals, for each bank source")
+    t.add_argument("--sources", default=None, help="comma-separated bank sources (default: residual,embedding)")
+    t.add_argument("--seed", type=int, default=1337, help="seed for init, data order and random actions")
+    t.add_argument("--scale", type=float, default=1.0, help="multiply every stage's steps (0.05 = smoke run)")
+    t.add_argument("--val-batches", default="8", help="validation batches of 64 x 128, or 'all' (default 8)")
+    t.add_argument("--held-out", default="devils_dictionary",
+                   help="held-out text, scored whole (default: the embedded devils_dictionary)")
+    t.add_argument("--out", default=None, help="study folder (default: runs/text)")
+    t.add_argument("--jobs", type=int, default=None, help="worker processes (default 0 = one per CPU core)")
+    t.add_argument("--threads", type=int, default=None, help="torch CPU threads per worker (default 1)")
+    t.add_argument("--json", default=None, help="also write the JSON document to this file (atomically)")
+    t.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    t.set_defaults(func=_cmd_study)
 
     s = sub.add_parser("demo", help="run the main job on the embedded default corpus")
     s.add_argument("--out", default=None, help="run folder (default: runs/demo-<timestamp>)")
     s.add_argument("--scale", type=float, default=1.0, help="multiply every stage's steps (e.g. 0.05 = smoke run)")
     s.add_argument("--threads", type=int, default=-1, help="torch CPU threads (-1 = leave as is)")
     s.add_argument("--seed", type=int, default=1337, help="seed for init, data order and random actions")
-    s.add_argument("--eval-batches", type=int, default=16, help="validation batches (8 x 128 tokens) per policy")
-    s.add_argument("--recall-seeds", default="0,1",
+    s.add_argument("--eval-batches", type=int, default=8, help="validation batches (64 x 128 tokens) per policy")
+    s.add_argument("--recall-seeds", default="0",
                    help="seeds of the recall study run first (comma-separated; 'none' skips it)")
+    s.add_argument("--jobs", type=int, default=0, help="worker processes (default 0 = one per CPU core)")
     s.add_argument("--backbone-keeps-learning", action="store_true",
                    help="stage 2 also trains the backbone, from its own loss only, on exactly the matched baseline's "
                         "steps (default: frozen, as SPEC stage 2)")
@@ -262,12 +329,38 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Every failure goes through here: a user error (ValueError, a missing or unreadable file) prints one line
+    `prisme: error: ...` and exits 2; anything else does the same with its type (PRISME_DEBUG=1 shows the traceback);
+    Ctrl-C exits 130 without a traceback; a closed output pipe (`prisme info | head -1`) exits quietly."""
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
+    except BrokenPipeError:
+        _silence_stdout()
+        return 0
+    except KeyboardInterrupt:
+        print("prisme: interrupted", file=sys.stderr)
+        return 130
     except ValueError as e:  # user errors: one clear line, no traceback
         print(f"prisme: error: {e}", file=sys.stderr)
         return 2
+    except (OSError, UnicodeError) as e:
+        print(f"prisme: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - one handler for every failure; the traceback on request
+        if os.environ.get("PRISME_DEBUG"):
+            raise
+        print(f"prisme: error: {type(e).__name__}: {e} (PRISME_DEBUG=1 shows the traceback)", file=sys.stderr)
+        return 2
+
+
+def _silence_stdout() -> None:
+    """After a closed pipe, point stdout at /dev/null so the interpreter's final flush cannot fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # pragma: no cover - stdout without a file descriptor (captured in tests)
+        pass
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .checks import check_fields
+
 FAMILIES = ("llama", "gpt2")
 
 
@@ -185,6 +187,7 @@ class PrismeConfig:
             if not ok:
                 raise ValueError(f"PrismeConfig({self.name!r}): {msg}")
 
+        check_fields(self, f"PrismeConfig({self.name!r}): ")  # bools are bools, floats finite, strings strings
         need(self.family in FAMILIES, f"family must be one of {FAMILIES}, got {self.family!r}")
         need(self.ws_init in ("fan_in", "seed"), f"ws_init must be 'fan_in' or 'seed', got {self.ws_init!r}")
         for f in ("vocab_size", "max_seq_len", "d_model", "n_layer", "n_head", "n_kv_head", "ffn_hidden",
@@ -241,7 +244,10 @@ class PrismeConfig:
         p = None if isinstance(s_or_path, str) and raw.lstrip()[:1] in ("{", "[") else Path(s_or_path)
         if p is not None and not p.is_file():
             raise ValueError(f"config file {p} does not exist (pass a JSON file or a JSON object string)")
-        text = p.read_text() if p is not None else raw
+        try:
+            text = p.read_bytes().decode("utf-8") if p is not None else raw
+        except UnicodeDecodeError as e:
+            raise ValueError(f"config file {p} is not UTF-8 text ({e.reason} at byte {e.start})") from None
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:

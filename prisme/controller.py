@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .checks import is_number
 from .config import PrismeConfig
 
 
@@ -111,10 +112,12 @@ class ValueController(nn.Module):
 
         cost `[A]` is the action's price (the cost model's `action_cost_proxy`). Returns `[...]` long.
         """
-        lam = self.cfg.lambda_cost if lambda_cost is None else float(lambda_cost)
-        kap = self.cfg.kappa_risk if kappa_risk is None else float(kappa_risk)
-        if lam < 0 or kap < 0:
-            raise ValueError(f"lambda_cost and kappa_risk must be >= 0, got {lam} and {kap}")
+        lam = self.cfg.lambda_cost if lambda_cost is None else lambda_cost
+        kap = self.cfg.kappa_risk if kappa_risk is None else kappa_risk
+        for name, v in (("lambda_cost", lam), ("kappa_risk", kap)):
+            if not is_number(v) or v < 0:  # NaN or inf would silently turn every action into STOP
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        lam, kap = float(lam), float(kap)
         score = preds.value - lam * cost - kap * preds.risk  # [..., A]
         best, idx = score.max(dim=-1)
         return torch.where(best > 0, idx, torch.full_like(idx, self.cfg.stop_action))

@@ -369,54 +369,51 @@ def trace_cost(cfg: PrismeConfig, actions: Any, contexts: Any, controller_steps:
     and one controller step, no readout; forced policies pay no controller (an all-STOP forced position still pays
     the bank projection: later positions read its bank entry); R == 0 or None is the backbone alone.
     """
-    ctx = torch.as_tensor(contexts).flatten().tolist()
-    N = len(ctx)
-    if any(int(T) != T for T in ctx):
+    ctx_t = torch.as_tensor(contexts).flatten()
+    if ctx_t.is_floating_point() and not bool((ctx_t == ctx_t.round()).all()):
         raise ValueError("contexts must hold integer context lengths")
-    acts = None
+    ctx_t = ctx_t.long().cpu()
+    N = int(ctx_t.numel())
+    kinds_t = None  # [N, R] per step: slots of the action (1, 2), -1 for DENSE, 0 from the first STOP on
     if actions is not None:
         a = torch.as_tensor(actions)
         if a.dim() == 0 or (a.shape[:-1].numel() != N):
             raise ValueError(f"actions must be [N, R] with N = {N} positions (as contexts), got {tuple(a.shape)}")
         if a.shape[-1] > 0:
-            acts = a.reshape(N, a.shape[-1]).tolist()
-    steps = [0] * N if controller_steps is None else torch.as_tensor(controller_steps).flatten().tolist()
-    if len(steps) != N or any(s < 0 for s in steps):
-        raise ValueError(f"controller_steps must be [N] = [{N}] counts >= 0, got {len(steps)} entries")
+            kinds_t = _kinds(cfg, a.reshape(N, a.shape[-1]).long().cpu())
+    steps_t = torch.zeros(N, dtype=torch.long) if controller_steps is None else \
+        torch.as_tensor(controller_steps).flatten().long().cpu()
+    if steps_t.numel() != N or bool((steps_t < 0).any()):
+        raise ValueError(f"controller_steps must be [N] = [{N}] counts >= 0, got {steps_t.numel()} entries")
     comps = components(cfg)
     comp = dict.fromkeys(comps, 0.0)
     base = 0.0
-    cache: dict[tuple, dict[str, int]] = {}
-    for i, T in enumerate(ctx):
-        kinds: tuple[int, ...] = ()
-        if acts is not None:
-            kinds = tuple(_kind_of(cfg, a) for a in _until_stop(acts[i], cfg.stop_action))
-        key = (int(T), kinds, int(steps[i]), acts is not None)
-        if key not in cache:
-            ks = [cfg.n_slots if k == -1 else k for k in kinds]
-            row = token_ops(cfg, int(T), ks, controller_steps=int(steps[i]), optimised=optimised,
-                            dense=[k == -1 for k in kinds])
-            if acts is not None and not ks and int(steps[i]) == 0:  # forced, all STOP: the bank entry still runs
-                row = _finish({**row, **bank_ops(cfg)}, cfg)
-            cache[key] = row
-        row = cache[key]
+    # positions with the same (context, action kinds, controller steps) cost the same: price each distinct one once
+    cols = [ctx_t.unsqueeze(1), steps_t.unsqueeze(1)] + ([kinds_t] if kinds_t is not None else [])
+    keys, counts = torch.unique(torch.cat(cols, 1), dim=0, return_counts=True)
+    for key, count in zip(keys.tolist(), counts.tolist()):
+        T, n_steps, kinds = int(key[0]), int(key[1]), [k for k in key[2:] if k != 0]
+        ks = [cfg.n_slots if k == -1 else k for k in kinds]
+        row = token_ops(cfg, T, ks, controller_steps=n_steps, optimised=optimised, dense=[k == -1 for k in kinds])
+        if kinds_t is not None and not ks and n_steps == 0:  # forced, all STOP: the bank entry still runs
+            row = _finish({**row, **bank_ops(cfg)}, cfg)
         for c in comps:
-            comp[c] += row[c]
-        base += row["backbone"]
+            comp[c] += row[c] * count
+        base += row["backbone"] * count
     return TraceCost(total_ops=sum(comp.values()), n_positions=N, backbone_ops=base, by_component=comp)
 
 
-def _until_stop(actions: list[int], stop: int) -> list[int]:
-    return actions[:actions.index(stop)] if stop in actions else actions
-
-
-def _kind_of(cfg: PrismeConfig, a: int) -> int:
-    """Slots of action id `a` (1 or 2), or -1 for DENSE."""
-    if a == cfg.dense_action:
-        return -1
-    if not 0 <= a < cfg.n_actions:
-        raise ValueError(f"action id {a} is not an edit (valid: [0, {cfg.n_actions}) or DENSE={cfg.dense_action})")
-    return 1 if a < cfg.n_slots else 2
+def _kinds(cfg: PrismeConfig, acts: torch.Tensor) -> torch.Tensor:
+    """`[N, R]` action ids -> per step the slots it edits (1 or 2), -1 for DENSE, and 0 from the first STOP on
+    (STOP is absorbing: later steps are never charged). ValueError for an id that is not an edit or STOP."""
+    stop, dense, A, M = cfg.stop_action, cfg.dense_action, cfg.n_actions, cfg.n_slots
+    after = torch.cumsum((acts == stop).long(), dim=-1) > 0  # [N, R] at or after the first STOP
+    bad = ~after & ((acts < 0) | (acts >= A)) & (acts != dense)
+    if bool(bad.any()):
+        a = int(acts[bad][0])
+        raise ValueError(f"action id {a} is not an edit (valid: [0, {A}) or DENSE={dense})")
+    kinds = torch.where(acts == dense, -1, torch.where(acts < M, 1, 2))
+    return kinds.masked_fill(after, 0)
 
 
 # ---------------------------------------------------------------------- measured ops (the tie to the modules)

@@ -98,6 +98,13 @@ def _split_for_encoding(text: str, chunk_chars: int) -> list[str]:
     return chunks
 
 
+def _need_tokenizers() -> None:
+    try:
+        import tokenizers  # noqa: F401
+    except ImportError:
+        raise ValueError("BPE tokenizers need the HF `tokenizers` package: pip install 'prisme[bpe]'") from None
+
+
 class BPETokenizer:
     """Byte-level BPE (GPT-2 style) backed by HF ``tokenizers``; lossless round-trip, no special tokens."""
 
@@ -107,6 +114,7 @@ class BPETokenizer:
     @classmethod
     def train(cls, text: str, vocab_size: int, chunk_chars: int = 1 << 16) -> BPETokenizer:
         """Train on ``text`` up to ``vocab_size`` tokens (>= 257: the 256 byte symbols come first)."""
+        _need_tokenizers()
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
         if vocab_size <= 256:
@@ -129,12 +137,18 @@ class BPETokenizer:
     @classmethod
     def load(cls, path: str | Path) -> BPETokenizer:
         """Load a tokenizer written by ``save``."""
+        _need_tokenizers()
         from tokenizers import Tokenizer
 
         path = Path(path)
         if not path.is_file():
-            raise ValueError(f"BPE tokenizer file {path} does not exist; train one with BPETokenizer.train and save it")
-        return cls(Tokenizer.from_file(str(path)))
+            raise ValueError(f"BPE tokenizer file {path} does not exist; train one with `prisme tokenizer train` "
+                             f"(or BPETokenizer.train) and save it")
+        try:
+            return cls(Tokenizer.from_file(str(path)))
+        except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own exception types
+            raise ValueError(f"{path} is not a tokenizer file written by `prisme tokenizer train` / HF tokenizers "
+                             f"({type(e).__name__}: {str(e)[:120]})") from None
 
     def save(self, path: str | Path) -> None:
         """Write the tokenizer as HF JSON (atomically)."""
@@ -468,13 +482,9 @@ class MQARConfig:
         """Raise ``ValueError`` if the layout does not fit."""
         k_lo, k_hi = self.key_range
         v_lo, v_hi = self.value_range
-        for f in ("vocab_size", "seq_len", "n_pairs", "query_min_pos"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise ValueError(f"MQARConfig.{f} must be an int, got {v!r}")
-        for f in ("random_filler", "echo_value"):
-            if not isinstance(getattr(self, f), bool):
-                raise ValueError(f"MQARConfig.{f} must be a bool, got {getattr(self, f)!r}")
+        from .checks import check_fields
+
+        check_fields(self, "MQARConfig.")
         if self.n_pairs < 1:
             raise ValueError(f"n_pairs must be >= 1, got {self.n_pairs}")
         if k_hi - k_lo < self.n_pairs or v_hi - v_lo < self.n_pairs:

@@ -1,16 +1,15 @@
-"""`prisme demo` (`make demo`): the recall study, then the whole pipeline on the embedded Austen corpus, in minutes on
-a laptop CPU.
+"""`prisme demo` (`make demo`): the recall study, then the text study on the embedded Austen corpus, in minutes on a
+laptop CPU.
 
-0. recall        `prisme study recall` on a few seeds (MQAR: where the workspace solves what its backbone cannot)
-1. backbone      stage 1 on byte-level Austen (the `demo` preset)
-2. workspace     stage 2 from stage 1's checkpoint (backbone frozen, random forced actions)
-3. matched       the stage-1 backbone trained further on as many tokens as stage 2 used (the fair baseline)
-4. controller    stage 3 from stage 2's checkpoint (value/risk regressed on the oracle's true loss drops)
-5. evaluate      every policy's validation loss vs measured ops per token: table, eval.json, pareto.png
-6. sample        a short greedy continuation with the controller
+1. recall        `prisme study recall` on a few seeds (MQAR: where the workspace solves what its backbone cannot)
+2. text          `prisme study text` (`prisme.study_text`): the three stages on byte-level Austen at the `demo` preset
+                 (stage 1 once, stage 2 and 3 per bank source), the matched and a one-layer-deeper backbone, every
+                 policy on the validation split and the whole held-out text with paired 95% intervals
+3. sample        a short greedy continuation with the controller
 
-Everything lands in one run folder (printed at the end): one sub-folder per stage (checkpoints, metrics.jsonl),
-eval.json, pareto.png, sample.txt and summary.json (wall time per phase, the stage results, the verdict).
+Everything lands in one run folder (printed at the end): recall/ (the recall study's folder), text/ (stage folders,
+one folder per bank source with its stages and Pareto plots, text.json), sample.txt and summary.json (wall time per
+phase, both studies' verdicts).
 """
 
 from __future__ import annotations
@@ -27,42 +26,53 @@ import torch
 
 from .checkpoint import load_model, write_text_atomic
 from .config import PrismeConfig
-from .data import ByteTokenizer, TokenDataset, load_text
-from .train import StageConfig, TrainResult, train_stage
+from .data import ByteTokenizer
+from .train import StageConfig
 
 PROMPT = "It is a truth universally acknowledged, that"
 
 
-def demo_stage_configs(run: Path, scale: float = 1.0, seed: int = 1337, backbone_keeps_learning: bool = False,
-                       seq_len: int = 128) -> dict[str, StageConfig]:
-    """The demo's four runs (configs/demo_*.json hold the same settings for `prisme train`).
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEMO_CONFIGS = {"backbone": "demo_backbone.json", "workspace": "demo_workspace.json",
+                "matched": "demo_backbone_matched.json", "controller": "demo_controller.json"}
+_FOLDERS = {"backbone": "1_backbone", "workspace": "2_workspace", "matched": "3_backbone_matched",
+            "controller": "4_controller"}
 
-    `scale` multiplies every step count (0.05 makes a smoke run). The matched run's steps are set so that it sees
-    as many tokens as the workspace stage.
+
+def demo_stage_configs(run: Path, scale: float = 1.0, seed: int = 1337, backbone_keeps_learning: bool = False,
+                       seq_len: int = 128, config_dir: str | Path | None = None) -> dict[str, StageConfig]:
+    """The demo's four runs, read from configs/demo_*.json (what `prisme train --config` runs), placed in `run`.
+
+    `scale` multiplies every step count (0.05 makes a smoke run); `seq_len` caps the sequence length (small test
+    models). The matched run's steps are set so that it sees as many tokens as the workspace stage.
     """
+    from .train import load_run_config
+
+    folder = Path(config_dir) if config_dir else CONFIG_DIR
+    missing = [str(folder / f) for f in DEMO_CONFIGS.values() if not (folder / f).is_file()]
+    if missing:
+        raise ValueError(f"the demo's recipe is missing {missing}")
 
     def steps(n: int) -> int:
         return max(2, round(n * scale))
 
-    common = dict(batch_size=16, seq_len=seq_len, seed=seed, dataset="austen", eval_batches=4, keep_last=1,
-                  log_every=10)
-    s1 = StageConfig(stage="backbone", steps=steps(3600), lr=3e-3, min_lr=3e-4, warmup=steps(40),
-                     eval_every=steps(1200),
-                     out_dir=str(run / "1_backbone"), **common)
-    s2 = StageConfig(stage="workspace", steps=steps(240), lr=1e-3, min_lr=3e-4, warmup=steps(20),
-                     eval_every=steps(120), out_dir=str(run / "2_workspace"), init_from=s1.out_dir,
-                     p_dense=0.05, deep_supervision=0.5, **common)
+    out: dict[str, StageConfig] = {}
+    for name, file in DEMO_CONFIGS.items():
+        _, s = load_run_config(folder / file)
+        s = s.replace(steps=steps(s.steps), warmup=min(steps(s.warmup), steps(s.steps)),
+                      eval_every=steps(s.eval_every) if s.eval_every else 0, seed=seed,
+                      seq_len=min(seq_len, s.seq_len or seq_len), out_dir=str(run / _FOLDERS[name]), keep_last=1,
+                      init_from=None if name == "backbone" else str(run / _FOLDERS["workspace" if name ==
+                                                                                     "controller" else "backbone"]))
+        out[name] = s
+    s2 = out["workspace"]
     if backbone_keeps_learning:  # the backbone takes exactly the matched baseline's steps; the workspace rides on it
-        s2 = s2.replace(train_backbone_in_workspace_stage=True, workspace_grad_to_backbone=False, backbone_lr=1e-3,
-                        backbone_min_lr=3e-4)
+        out["workspace"] = s2.replace(train_backbone_in_workspace_stage=True, workspace_grad_to_backbone=False,
+                                      backbone_lr=1e-3, backbone_min_lr=3e-4)
+    m = out["matched"]
     tokens_ws = s2.steps * s2.batch_size * s2.seq_len
-    s_matched = StageConfig(stage="backbone", steps=max(2, math.ceil(tokens_ws / (16 * seq_len))), lr=1e-3, min_lr=3e-4,
-                            warmup=steps(20), eval_every=0, out_dir=str(run / "3_backbone_matched"),
-                            init_from=s1.out_dir, **common)
-    s3 = StageConfig(stage="controller", steps=steps(150), lr=3e-3, min_lr=3e-4, warmup=steps(15),
-                     eval_every=steps(75), out_dir=str(run / "4_controller"), init_from=s2.out_dir,
-                     oracle_positions=16, **{**common, "batch_size": 8})
-    return {"backbone": s1, "workspace": s2, "matched": s_matched, "controller": s3}
+    out["matched"] = m.replace(steps=max(2, math.ceil(tokens_ws / (m.batch_size * m.seq_len))))
+    return out
 
 
 def _sample(model: torch.nn.Module, prompt: str, n_tokens: int, max_budget: int) -> tuple[str, dict[str, Any]]:
@@ -85,19 +95,22 @@ def _sample(model: torch.nn.Module, prompt: str, n_tokens: int, max_budget: int)
     return tok.decode(x[0, len(ids):].tolist()), {}
 
 
-def _stage_summary(r: TrainResult, wall: float) -> dict[str, Any]:
-    return {"steps": r.step, "tokens": r.tokens, "wall_s": round(wall, 1), "checkpoint": str(r.checkpoint),
-            "train": r.train, "val": r.val}
-
-
 def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | None = None, seed: int = 1337,
-             backbone_keeps_learning: bool = False, eval_batches: int = 16, progress: bool = True,
-             model_cfg: PrismeConfig | None = None, recall_seeds: list[int] | None = None) -> dict[str, Any]:
+             backbone_keeps_learning: bool = False, eval_batches: int = 8, progress: bool = True,
+             model_cfg: PrismeConfig | None = None, recall_seeds: list[int] | None = None, jobs: int = 0,
+             sources: list[str] | None = None, held_out: str | None = None) -> dict[str, Any]:
     """Run the demo end to end; returns the summary (also written to <run>/summary.json).
 
-    `model_cfg` replaces the `demo` preset (tests run the same pipeline on a byte-level `tiny`). `recall_seeds`: the
-    recall study's seeds (None or [] skips it; with `scale` < 1 it runs in its quick mode).
+    1. the recall study on `recall_seeds` (None or [] skips it; with `scale` < 1 it runs in its quick mode);
+    2. the text study (`prisme.study_text`): Austen with the demo preset (`model_cfg` replaces it: tests run a
+       byte-level `tiny`), every policy against the backbone, the matched and a deeper backbone, on `eval_batches`
+       validation batches and the whole held-out text (`held_out`, default the embedded devils_dictionary), for each
+       bank source (`sources`, default both);
+    3. a short greedy sample from the seed's-bank controller.
     """
+    from .study_text import SOURCES, TextStudyConfig, format_report
+    from .study_text import run_study as run_text
+
     if scale <= 0:
         raise ValueError(f"scale must be > 0, got {scale}")
     if isinstance(eval_batches, bool) or not isinstance(eval_batches, int) or eval_batches < 1:
@@ -110,9 +123,10 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
     cfg = model_cfg if model_cfg is not None else PrismeConfig.from_name("demo")
     if cfg.vocab_size < 256 or not cfg.use_workspace:
         raise ValueError(f"the demo needs a byte-level model (vocab_size >= 256) with a workspace, got {cfg.name!r}")
-    stages = demo_stage_configs(run, scale, seed, backbone_keeps_learning, seq_len=min(128, cfg.max_seq_len))
-    if not progress:
-        stages = {k: v.replace(progress=False) for k, v in stages.items()}
+    tcfg = TextStudyConfig(sources=list(sources or SOURCES), seed=seed, scale=scale, val_batches=eval_batches,
+                           out_dir=str(run / "text"), jobs=jobs, threads=max(1, threads or 1), progress=progress,
+                           backbone_keeps_learning=backbone_keeps_learning,
+                           **({} if held_out is None else {"held_out": held_out})).validate()
     run.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     walls: dict[str, float] = {}
@@ -120,62 +134,39 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
     if recall_seeds:
         from .study_recall import format_table, run_study, study_config
 
-        rcfg = study_config({"seeds": list(recall_seeds), "out_dir": str(run / "recall"), "quick": scale < 1})
-        print(f"demo: the recall study (seeds {','.join(map(str, rcfg.seeds))}) in {run / 'recall'}")
+        rcfg = study_config({"seeds": list(recall_seeds), "out_dir": str(run / "recall"), "quick": scale < 1,
+                             "jobs": jobs})
+        print(f"demo: the recall study (seeds {','.join(map(str, rcfg.seeds))}) in {run / 'recall'}", flush=True)
         doc = run_study(rcfg, progress=progress)
-        print(format_table(doc) + "\n")
+        print(format_table(doc) + "\n", flush=True)
         recall = {"summary": doc["summary"], "controls": {k: v["accuracy"] for k, v in doc["controls"].items()},
                   "json": str(run / "recall" / "recall.json"), "wall_s": round(doc["wall_s"]["total"], 1)}
         walls["recall"] = time.perf_counter() - t0
-    t_data = time.perf_counter()
-    data = TokenDataset.from_text(load_text("austen"), ByteTokenizer(), val_fraction=0.1)
-    walls["data"] = time.perf_counter() - t_data
-    print(f"demo: {cfg.name} preset ({sum(model_params(cfg).values()):,} parameters), {data}, run folder {run}")
-    results: dict[str, TrainResult] = {}
-    for name in ("backbone", "workspace", "matched", "controller"):
-        t = time.perf_counter()
-        results[name] = train_stage(cfg if name == "backbone" and stages[name].init_from is None else None,
-                                    stages[name], dataset=data)
-        walls[name] = time.perf_counter() - t
-        r = results[name]
-        shown = {k: round(v, 4) for k, v in r.val.items() if k in ("loss", "loss_backbone", "gain", "value_mse",
-                                                                    "value_mse_const", "value_r2", "top1_agree")}
-        print(f"  {name:<11} {r.step:>5} steps  {r.tokens:>9,} tokens  {walls[name]:6.1f} s  val {shown}")
-        if r.interrupted:
-            raise KeyboardInterrupt
-
-    from .evaluate import evaluate_policies
 
     t = time.perf_counter()
-    model, _ = load_model(stages["controller"].out_dir)
-    matched, _ = load_model(stages["matched"].out_dir)
-    report = evaluate_policies(model, data, batch_size=8, seq_len=stages["workspace"].seq_len,
-                               max_batches=eval_batches, matched_backbone=matched, oracle_positions=8,
-                               seed=seed, progress=progress)
-    walls["evaluate"] = time.perf_counter() - t
-    print(report.table())
-    doc = report.to_json()
-    write_text_atomic(run / "eval.json", json.dumps(doc, indent=2, allow_nan=False) + "\n")
-    report.plot(run / "pareto.png")
+    print(f"demo: the text study ({cfg.name} preset, {sum(model_params(cfg).values()):,} parameters; bank sources "
+          f"{', '.join(tcfg.sources)}) in {run / 'text'}", flush=True)
+    text_doc = run_text(tcfg, cfg)
+    walls["text"] = time.perf_counter() - t
+    print(format_report(text_doc), flush=True)
 
     t = time.perf_counter()
-    n_new = stages["workspace"].seq_len - len(ByteTokenizer().encode(PROMPT))  # stay within the trained positions
+    model, _ = load_model(run / "text" / tcfg.sources[0] / "4_controller")
+    T = text_doc["stages"]["workspace"]["seq_len"]
+    n_new = T - len(ByteTokenizer().encode(PROMPT))  # stay within the trained positions
     text, info = _sample(model, PROMPT, n_new, model.cfg.r_max)
     walls["sample"] = time.perf_counter() - t
     write_text_atomic(run / "sample.txt", PROMPT + text + "\n")
-    print(f"\nsample (greedy, controller budget {model.cfg.r_max}):\n{PROMPT}{text}\n")
-
-    verdict = compare_to_matched(report.rows)
+    print(f"\nsample ({tcfg.sources[0]} bank, greedy, controller budget {model.cfg.r_max}):\n{PROMPT}{text}\n")
     walls["total"] = time.perf_counter() - t0
     summary = {"run": str(run), "preset": cfg.to_dict(), "wall_s": {k: round(v, 1) for k, v in walls.items()},
-               "threads": torch.get_num_threads(), "stages": {k: _stage_summary(results[k], walls[k])
-                                                              for k in results},
-               "stage_configs": {k: v.to_dict() for k, v in stages.items()}, "verdict": verdict,
-               "sample": {"prompt": PROMPT, "text": text, **info}, "recall": recall}
+               "recall": recall, "text": {"json": str(run / "text" / "text.json"), "verdicts": text_doc["verdicts"],
+                                          "wall_s": {k: round(v, 1) for k, v in text_doc["wall_s"].items()
+                                                     if isinstance(v, (int, float))}},
+               "sample": {"prompt": PROMPT, "text": text, **info}}
     write_text_atomic(run / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
-    print(verdict["text"])
     print(f"wall time {walls['total']:.0f} s ({', '.join(f'{k} {v:.0f} s' for k, v in walls.items() if k != 'total')})")
-    print(f"run folder: {run}  (eval.json, pareto.png, sample.txt, summary.json, one folder per stage)")
+    print(f"run folder: {run}  (recall/, text/ with one folder per bank source, sample.txt, summary.json)")
     return summary
 
 
@@ -186,43 +177,16 @@ def model_params(cfg: PrismeConfig) -> dict[str, int]:
         return PrismeModel(cfg).num_parameters()
 
 
-def compare_to_matched(rows: list) -> dict[str, Any]:
-    """Does any deployable workspace policy beat the backbone trained on matched extra tokens, and at what ops?"""
-    by = {r.policy: r for r in rows}
-    base, matched = by.get("backbone"), next((r for r in rows if r.family == "matched"), None)
-    ws = [r for r in rows if r.deployable and r.family not in ("backbone", "matched")]
-    if base is None or matched is None or not ws:
-        return {"text": "verdict: not enough rows to compare", "beats_matched": None}
-    best = min(ws, key=lambda r: r.loss)
-    cheapest_win = min((r for r in ws if r.loss < matched.loss), key=lambda r: r.relative_ops, default=None)
-    out = {"backbone_loss": base.loss, "matched_loss": matched.loss, "best_policy": best.policy,
-           "best_loss": best.loss, "best_relative_ops": best.relative_ops,
-           "best_gain_vs_matched": matched.loss - best.loss, "best_gain_vs_backbone": base.loss - best.loss,
-           "beats_matched": best.loss < matched.loss,
-           "cheapest_winning_policy": None if cheapest_win is None else cheapest_win.policy,
-           "cheapest_winning_relative_ops": None if cheapest_win is None else cheapest_win.relative_ops}
-    if best.loss < matched.loss:
-        text = (f"verdict: the workspace beats the matched-token backbone: {best.policy} reaches {best.loss:.4f} vs "
-                f"{matched.loss:.4f} ({matched.loss - best.loss:+.4f} nats) at {best.relative_ops:.3f}x the backbone's "
-                f"ops; the cheapest winning policy is {cheapest_win.policy} at {cheapest_win.relative_ops:.3f}x")
-    else:
-        text = (f"verdict: the workspace does NOT beat the matched-token backbone: best {best.policy} "
-                f"{best.loss:.4f} at {best.relative_ops:.3f}x ops vs matched {matched.loss:.4f} (backbone "
-                f"{base.loss:.4f}; the workspace gains {base.loss - best.loss:+.4f} over its own backbone, "
-                f"more training of the backbone gains {base.loss - matched.loss:+.4f})")
-    out["text"] = text
-    return out
-
-
 def main(args: argparse.Namespace) -> int:
     """Entry point of `prisme demo`."""
     from .study_recall import parse_seeds
 
     threads = getattr(args, "threads", -1)
-    text = getattr(args, "recall_seeds", "0,1")
+    text = getattr(args, "recall_seeds", "0")
     recall_seeds = [] if text in ("", "none") else parse_seeds(text)
     run_demo(out=getattr(args, "out", None), scale=getattr(args, "scale", 1.0),
              threads=threads if threads and threads > 0 else None, seed=getattr(args, "seed", 1337),
              backbone_keeps_learning=getattr(args, "backbone_keeps_learning", False),
-             eval_batches=getattr(args, "eval_batches", 16), recall_seeds=recall_seeds)
+             eval_batches=getattr(args, "eval_batches", 8), recall_seeds=recall_seeds,
+             jobs=getattr(args, "jobs", 0) or 0)
     return 0

@@ -52,7 +52,8 @@ from .model import EncodedContext, PrismeModel
 from .stats import N_BOOT, PairedDelta, check_bootstrap_args, paired_bootstrap
 
 POLICY_FAMILIES = ("backbone", "matched", "fixed", "random", "dense", "controller", "oracle")
-ROW_FAMILIES = (*POLICY_FAMILIES, "equal_edits")  # equal_edits rows come with the controller's
+ROW_FAMILIES = (*POLICY_FAMILIES, "equal_edits", "reference")  # equal_edits rows come with the controller's;
+#   reference rows are other backbones scored on the same targets (`references`, e.g. one layer deeper)
 WORKSPACE_FAMILIES = ("fixed", "random", "dense", "controller", "oracle")
 BUDGETS = (1, 2, 4, 8)
 LAMBDA_QUANTILES = (0.25, 0.5, 0.75, 0.95)
@@ -177,7 +178,8 @@ class EvalReport:
         import matplotlib.pyplot as plt
 
         style = {"backbone": ("s", "C0"), "matched": ("D", "C1"), "fixed": ("o", "C2"), "random": ("x", "C3"),
-                 "dense": ("^", "C4"), "controller": ("*", "C5"), "oracle": ("P", "C6"), "equal_edits": ("v", "C7")}
+                 "dense": ("^", "C4"), "controller": ("*", "C5"), "oracle": ("P", "C6"), "equal_edits": ("v", "C7"),
+                 "reference": ("h", "C8")}
         fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
         for fam in ROW_FAMILIES:
             rows = [r for r in self.rows if r.family == fam and r.delta_vs_backbone]
@@ -260,9 +262,10 @@ def _fmt_lambda(lam: float) -> str:
     return "0" if lam == 0 else f"{lam:.3g}"
 
 
-def _plan(model: PrismeModel, families: Sequence[str], lambdas: Sequence[float]) -> list[_Policy]:
+def _plan(model: PrismeModel, families: Sequence[str], lambdas: Sequence[float],
+          budgets: Sequence[int] | None = None, oracle_lambdas: Sequence[float] | None = None) -> list[_Policy]:
     cfg = model.cfg
-    ns = [n for n in BUDGETS if n <= cfg.r_max]
+    ns = [n for n in (BUDGETS if budgets is None else budgets) if n <= cfg.r_max]
     out: list[_Policy] = []
     for fam in families:
         if fam == "backbone":
@@ -274,7 +277,7 @@ def _plan(model: PrismeModel, families: Sequence[str], lambdas: Sequence[float])
         elif fam == "dense":
             out += [_Policy(f"dense_{n}", fam, n, cfg.n_slots) for n in ns]
         elif fam in ("controller", "oracle"):
-            for lam in lambdas:
+            for lam in (oracle_lambdas if fam == "oracle" and oracle_lambdas is not None else lambdas):
                 name = f"{fam}(lambda={_fmt_lambda(lam)})"
                 out.append(_Policy(name, fam, cfg.r_max, 0, float(lam)))
                 if fam == "controller":  # right after it: uniform allocation of the same mean number of edits
@@ -558,7 +561,9 @@ def evaluate_policies(model: PrismeModel, dataset: TokenDataset | MQARDataset, p
                       matched_backbone: PrismeModel | None = None, lambdas: Sequence[float] | None = None,
                       oracle_positions: int | None = 16, seed: int = 0, progress: bool = False,
                       bootstrap_samples: int = N_BOOT, bootstrap_seed: int = 0,
-                      split: str = "val") -> EvalReport:
+                      split: str = "val", references: dict[str, PrismeModel] | None = None,
+                      budgets: Sequence[int] | None = None,
+                      oracle_lambdas: Sequence[float] | None = None) -> EvalReport:
     """Evaluate every policy on the validation split of `dataset` (`split`; a held-out text holds all its tokens there).
 
     Args:
@@ -571,6 +576,10 @@ def evaluate_policies(model: PrismeModel, dataset: TokenDataset | MQARDataset, p
         oracle_positions: labelled positions per sequence the oracle samples (None: all).
         seed: random policies, the equal-edits thinning and oracle subsampling.
         bootstrap_samples, bootstrap_seed: the paired intervals' resamples and seed (`prisme.stats`).
+        budgets: n of the fixed / random n x k rows and the dense rows (default 1, 2, 4, 8 up to r_max).
+        oracle_lambdas: the oracle rows' prices (default: `lambdas`).
+        references: other models whose backbone alone is scored on the same targets, one row each (family
+            "reference", named by its key; e.g. a deeper backbone trained on the same tokens), after the matched row.
     Returns:
         `EvalReport` with one `EvalRow` per policy, families in the order of `policies` (default: as in
         `POLICY_FAMILIES`).
@@ -594,15 +603,25 @@ def evaluate_policies(model: PrismeModel, dataset: TokenDataset | MQARDataset, p
         with torch.no_grad():
             if lambdas is None and ("controller" in families or "oracle" in families):
                 lambdas = default_lambdas(model, batches[0][0].to(device))
-            plan = _plan(model, families, [float(x) for x in (lambdas or [0.0])])
+            plan = _plan(model, families, [float(x) for x in (lambdas or [0.0])], budgets,
+                         None if oracle_lambdas is None else [float(x) for x in oracle_lambdas])
+            refs = dict(references or {})
+            for name, ref in refs.items():
+                if not isinstance(ref, PrismeModel) or ref.cfg.vocab_size != cfg.vocab_size:
+                    raise ValueError(f"reference {name!r} must be a PrismeModel with vocab_size={cfg.vocab_size}")
+                ref.eval()
+            at = next((i + 1 for i, q in enumerate(plan) if q.family in ("backbone", "matched")), 0)
+            at = max([at] + [i + 1 for i, q in enumerate(plan) if q.family == "matched"])
+            plan[at:at] = [_Policy(name, "reference") for name in refs]
             accs = {p.name: _Acc() for p in plan}
-            _run_batches(model, plan, accs, batches, device, matched_backbone, oracle_positions, seed, progress)
+            _run_batches(model, plan, accs, batches, device, matched_backbone, oracle_positions, seed, progress,
+                         refs)
     finally:
         model.train(was_training)
         if matched_backbone is not None:
             matched_backbone.train(m_training)
     rows = _finish_rows(model, plan, accs, matched_backbone, isinstance(dataset, MQARDataset), bootstrap_samples,
-                        bootstrap_seed)
+                        bootstrap_seed, refs)
     n_tok = sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)
     oracle_seen = next((r.n_targets for r in rows if r.family == "oracle"), None)
     return EvalReport(rows=rows, config=cfg.to_dict(), dataset=repr(dataset), n_tokens=n_tok,
@@ -614,7 +633,8 @@ def evaluate_policies(model: PrismeModel, dataset: TokenDataset | MQARDataset, p
                       oracle_targets=oracle_seen)
 
 
-def _run_batches(model, plan, accs, batches, device, matched_backbone, oracle_positions, seed, progress) -> None:
+def _run_batches(model, plan, accs, batches, device, matched_backbone, oracle_positions, seed, progress,
+                 refs=None) -> None:
     cfg = model.cfg
     it = batches
     if progress:
@@ -651,6 +671,12 @@ def _run_batches(model, plan, accs, batches, device, matched_backbone, oracle_po
                 acc.add_loss(m_logits, y, base_ce, matched_ce)
                 acc.add_trace(None, contexts, None)
                 acc.time_s += t_matched
+            elif p.family == "reference":
+                ref = refs[p.name]
+                logits = ref(x.to(next(ref.parameters()).device)).logits.to(device)
+                acc.time_s += time.perf_counter() - t0
+                acc.add_loss(logits, y, base_ce, matched_ce)
+                acc.add_trace(None, contexts, None)
             elif p.family in ("fixed", "random", "dense", "equal_edits"):
                 if p.family == "random":
                     g_random.set_state(rand_state)  # common random numbers: each random row starts from seed + bi
@@ -686,7 +712,7 @@ def _run_batches(model, plan, accs, batches, device, matched_backbone, oracle_po
 
 
 def _finish_rows(model, plan, accs, matched_backbone, mqar: bool, n_boot: int = N_BOOT,
-                 boot_seed: int = 0) -> list[EvalRow]:
+                 boot_seed: int = 0, refs=None) -> list[EvalRow]:
     cfg = model.cfg
     rows = []
     for p in plan:
@@ -696,10 +722,11 @@ def _finish_rows(model, plan, accs, matched_backbone, mqar: bool, n_boot: int = 
         loss = acc.loss_sum / acc.n_targets
         if not math.isfinite(loss):
             raise ValueError(f"policy {p.name}: non-finite validation loss {loss}")
-        own_cfg = matched_backbone.cfg if p.family == "matched" else cfg
+        own_cfg = matched_backbone.cfg if p.family == "matched" else refs[p.name].cfg if p.family == "reference" \
+            else cfg
         own = acc.cost(own_cfg, cfg.optimised)
         alt = acc.cost(own_cfg, not cfg.optimised)
-        if p.family == "matched":  # relative to this model's backbone on the same positions
+        if p.family in ("matched", "reference"):  # relative to this model's backbone on the same positions
             base_ops = acc.cost(cfg, cfg.optimised).backbone_ops
             rel, rel_alt = own.total_ops / base_ops, alt.total_ops / base_ops
         else:
@@ -835,14 +862,22 @@ def main(args: argparse.Namespace) -> int:
     if args.device is not None and args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device!r} requested but CUDA is not available")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model, meta = load_model(args.checkpoint, map_location=device)
+    from .checkpoint import find_model_checkpoint
+
+    path = find_model_checkpoint(args.checkpoint)
+    if str(path) != str(args.checkpoint):
+        print(f"note: using {path}", file=sys.stderr)
+    model, meta = load_model(path, map_location=device)
     matched = None
     if args.matched_backbone:
+        from .checkpoint import BACKBONE_FIELDS, config_diff
+
         matched, _ = load_model(args.matched_backbone, map_location=device)
-        diff = {k for k in ("vocab_size", "max_seq_len") if getattr(matched.cfg, k) != getattr(model.cfg, k)}
+        diff = {k: v for k, v in config_diff(model.cfg, matched.cfg).items() if k in BACKBONE_FIELDS}
         if diff:
-            raise ValueError(f"--matched-backbone {args.matched_backbone} has another {', '.join(sorted(diff))} than "
-                             f"the evaluated model; it must be the same backbone trained further")
+            shown = ", ".join(f"{k} {a!r} vs {b!r}" for k, (a, b) in sorted(diff.items()))
+            raise ValueError(f"--matched-backbone {args.matched_backbone} is another backbone ({shown}); the matched "
+                             f"baseline is the evaluated model's backbone trained on more tokens (same architecture)")
     dataset, train_seq_len = dataset_for_checkpoint(meta, model.cfg.vocab_size, args.corpus, args.seq_len)
     seq_len = args.seq_len if args.seq_len is not None else train_seq_len
     if seq_len is None:

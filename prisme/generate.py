@@ -26,10 +26,12 @@ import random
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .backbone import check_tokens
+from .checks import is_int, is_number
 from .costs import trace_cost
 from .model import EncodedContext, PrismeModel, Streams
 
@@ -388,6 +390,16 @@ def _check_price(name: str, value: float | None) -> None:
 
 
 # ====================================================================== sampling
+def check_sampling(temperature: Any, top_k: Any, top_p: Any) -> None:
+    """ValueError unless temperature is a finite number >= 0, top_k None or an int >= 1, top_p None or in (0, 1]."""
+    if not is_number(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if top_k is not None and (not is_int(top_k) or top_k < 1):
+        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+    if top_p is not None and (not is_number(top_p) or not 0 < top_p <= 1):
+        raise ValueError(f"top_p must be None or a number in (0, 1], got {top_p!r}")
+
+
 def sample_logits(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
                   top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
     """Next tokens `[N]` from logits `[N, V]`.
@@ -396,6 +408,7 @@ def sample_logits(logits: torch.Tensor, temperature: float = 0.0, top_k: int | N
     logits and then to the smallest set of tokens whose probability reaches `top_p` (nucleus), sampled with
     `generator` (same generator state -> same sample).
     """
+    check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return logits.argmax(-1)
     logits = logits / temperature
@@ -732,22 +745,35 @@ def _collect(run: _Run) -> GenerationOutput:
 # ====================================================================== command line
 def main(args: argparse.Namespace) -> int:
     """`prisme generate`: load a model (checkpoint, or a preset with random weights), generate, print the text."""
-    from .checkpoint import load_model
+    from .checkpoint import find_model_checkpoint, load_model
     from .config import PrismeConfig
     from .data import BPETokenizer, ByteTokenizer
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    device = getattr(args, "device", None) or "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device!r} requested but CUDA is not available")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise ValueError(f"--device must be cpu or cuda[:N], got {device!r}")
     tokenizer = ByteTokenizer() if args.tokenizer == "byte" else BPETokenizer.load(args.tokenizer)
     if args.checkpoint is not None:
-        model, _meta = load_model(args.checkpoint)
+        path = find_model_checkpoint(args.checkpoint)
+        if str(path) != str(args.checkpoint):
+            print(f"note: using {path}", file=sys.stderr)
+        model, _meta = load_model(path, map_location=device)
     else:
         torch.manual_seed(0 if args.seed is None else args.seed)
         model = PrismeModel(PrismeConfig.from_name(args.preset))
         print(f"note: preset {args.preset!r} with random weights (pass --checkpoint for a trained model)",
               file=sys.stderr)
-    model.eval()
+    model = model.to(device).eval()
     ids_mode = getattr(args, "prompt_ids", None) is not None
+    if not ids_mode and tokenizer.vocab_size > model.cfg.vocab_size:
+        what = "the byte tokenizer" if args.tokenizer == "byte" else f"tokenizer {args.tokenizer}"
+        raise ValueError(f"{what} has {tokenizer.vocab_size} ids but the model's vocab_size is {model.cfg.vocab_size}: "
+                         f"use a model with vocab_size >= {tokenizer.vocab_size} (e.g. --preset demo), another "
+                         f"--tokenizer, or --prompt-ids")
     if ids_mode:
         try:
             prompt = [int(v) for v in args.prompt_ids.split(",") if v.strip()]
@@ -769,7 +795,13 @@ def main(args: argparse.Namespace) -> int:
     print(f"[{len(out.tokens[0])} tokens, budget {args.budget}, lambda {out.lambda_cost:.6g}{cal}; "
           f"mean relative cost {out.relative_cost:.4f} x the backbone]", file=sys.stderr)
     if args.show_edits:
-        stop = model.cfg.stop_action
+        from .workspace import slots_of_action
+
+        stop, cfg = model.cfg.stop_action, model.cfg
+        legend = ", ".join(f"{a}={'+'.join(map(str, slots_of_action(cfg, a)))}" for a in range(cfg.n_actions))
+        print(f"legend: edits = actions applied at that position; steps = controller evaluations (the edits plus "
+              f"the STOP that ended them, at most the budget); actions = the action ids, each editing the slots "
+              f"{legend} (STOP={stop})")
         print(f"{'pos':>5}  {'token':<8}{'edits':>6}{'steps':>6}  actions")
         for i, tok in enumerate(out.tokens[0]):
             acts = [a for a in out.actions[0][i].tolist() if a != stop]

@@ -31,6 +31,7 @@ import functools
 import importlib
 import inspect
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -323,3 +324,54 @@ def from_hf(hf_model: nn.Module, **overrides: Any) -> Backbone:
     _check_covers(_table(cfg), set(backbone.state_dict()), set(hf_sd))
     backbone.load_state_dict(from_hf_state_dict(cfg, hf_sd), strict=True)
     return backbone.eval()
+
+
+# ---------------------------------------------------------------------------------------------- a self-contained folder
+def byte_tokenizer_hf():
+    """The byte tokenizer as an HF `tokenizers.Tokenizer`: id b is byte b (GPT-2's byte-to-unicode symbols, no
+    merges), so `encode(text).ids == list(text.encode("utf-8"))` and decoding inverts it, for any text."""
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    except ImportError:
+        raise ValueError("exporting a tokenizer needs the HF `tokenizers` package: pip install 'prisme[bpe]'") from None
+    symbols = pre_tokenizers.ByteLevel.alphabet()  # the 256 symbols, in no particular order
+    to_byte = {c: _unicode_to_byte(c) for c in symbols}
+    vocab = {c: to_byte[c] for c in symbols}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _unicode_to_byte(c: str) -> int:
+    """Inverse of GPT-2's bytes_to_unicode: printable bytes map to themselves, the others to 256 + their rank."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    others = [b for b in range(256) if b not in printable]
+    code = ord(c)
+    return code if code in printable else others[code - 256]
+
+
+def export_hf(model: nn.Module, folder: str | Path, tokenizer: Any = "byte") -> Path:
+    """Write `model`'s backbone as an HF folder that works on its own: `save_pretrained` weights and config, and the
+    tokenizer (`"byte"`, a `prisme.data.BPETokenizer`, or None) as `tokenizer.json` + `tokenizer_config.json`, so that
+    `AutoModelForCausalLM.from_pretrained(folder)` and `AutoTokenizer.from_pretrained(folder)` both load it. The byte
+    tokenizer has no spare id for special tokens, so byte 0 (NUL) is the model config's bos / eos / pad id; the
+    tokenizer declares no special token strings (any string it could use can occur in text, and would then no longer
+    encode as its bytes)."""
+    from transformers import PreTrainedTokenizerFast
+
+    folder = Path(folder)
+    hf = to_hf(model)
+    if tokenizer == "byte":
+        tok = byte_tokenizer_hf()
+        hf.config.bos_token_id = hf.config.eos_token_id = hf.config.pad_token_id = 0
+        if getattr(hf, "generation_config", None) is not None:
+            hf.generation_config.bos_token_id = hf.generation_config.eos_token_id = 0
+            hf.generation_config.pad_token_id = 0
+    elif tokenizer is not None:
+        tok = tokenizer._tok
+    hf.save_pretrained(folder)
+    if tokenizer is not None:
+        PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(folder)
+    return folder

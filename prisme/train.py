@@ -30,6 +30,7 @@ import json
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -41,13 +42,14 @@ import torch
 import torch.nn as nn
 
 from . import checkpoint as ckpt
+from .checks import check_fields
 from .config import PrismeConfig, reject_unknown_fields
 from .data import MQARConfig, MQARDataset, TokenDataset
 from .objectives import OBJECTIVES
 
 STAGES = ("backbone", "workspace", "controller")
-_RESUME_FREE = ("steps", "resume", "out_dir", "init_from", "progress", "log_every", "eval_every", "eval_batches",
-                "ckpt_every", "keep_last", "log_tensorboard", "device", "cache_dir")
+_RESUME_FREE = ("steps", "resume", "reschedule", "out_dir", "init_from", "progress", "log_every", "eval_every",
+                "eval_batches", "ckpt_every", "keep_last", "log_tensorboard", "device", "cache_dir")
 PREVIOUS = {"workspace": "backbone", "controller": "workspace"}
 ACCEPTS_INIT = {"backbone": ("backbone", "workspace", "controller", "export"),
                 "workspace": ("backbone", "workspace"), "controller": ("workspace", "controller")}
@@ -86,6 +88,7 @@ class StageConfig:
     out_dir: str = "runs/stage"  # run folder: ckpt_* folders, `latest`, metrics.jsonl, stage_config.json
     init_from: str | None = None  # checkpoint (or run folder) to start from; required by workspace/controller
     resume: bool = False  # continue out_dir's latest checkpoint exactly (weights, optimizer, step, RNGs)
+    reschedule: bool = False  # with resume: accept another `steps` than the run was started with (a new lr schedule)
     # --- workspace stage
     train_backbone_in_workspace_stage: bool = False  # let the backbone keep learning in stage 2 (SPEC §5 lesson)
     backbone_aux_weight: float = 1.0  # with the option above: weight of the backbone head's own LM loss
@@ -121,6 +124,7 @@ class StageConfig:
             if not ok:
                 raise ValueError(f"StageConfig: {msg}")
 
+        check_fields(self, "StageConfig: ")  # bools are bools, floats finite, strings strings
         need(self.stage in STAGES, f"stage must be one of {STAGES}, got {self.stage!r}")
         for f in ("steps", "batch_size", "grad_accum", "eval_batches", "log_every", "oracle_positions",
                   "min_budget"):
@@ -194,7 +198,9 @@ def load_run_config(path: str | Path) -> tuple[PrismeConfig | None, StageConfig]
     if not p.is_file():
         raise ValueError(f"run config {p} does not exist")
     try:
-        d = json.loads(p.read_text())
+        d = json.loads(p.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"run config {p} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"run config {p} is not valid JSON: {e}") from None
     if not isinstance(d, dict):
@@ -435,6 +441,7 @@ def _load_start(model_cfg: PrismeConfig | None, scfg: StageConfig) -> tuple[nn.M
 
     out = Path(scfg.out_dir)
     if scfg.resume:
+        ckpt.clean_stale_temps(out)  # what a killed save left behind
         found = ckpt.latest_checkpoint(out)
         if found is None:
             raise ValueError(f"resume=True but {out} holds no checkpoint ({out / ckpt.LATEST} is missing); "
@@ -444,6 +451,13 @@ def _load_start(model_cfg: PrismeConfig | None, scfg: StageConfig) -> tuple[nn.M
             raise ValueError(f"{found} has no {ckpt.OPTIMIZER}; it cannot be resumed (use it as init_from instead)")
         if meta.stage != scfg.stage:
             raise ValueError(f"{found} is a {meta.stage!r} checkpoint; cannot resume it as stage {scfg.stage!r}")
+        saved = meta.stage_config.get("steps")
+        if saved is not None and saved != scfg.steps and not scfg.reschedule:
+            raise ValueError(f"resume asks for steps={scfg.steps} but {found} was trained toward steps={saved}: the "
+                             f"learning-rate schedule (warm-up, then cosine to the last step) would change under it; "
+                             f"pass --steps {saved} to continue exactly, or --reschedule to accept the new schedule")
+        if scfg.steps < meta.step:
+            raise ValueError(f"resume asks for steps={scfg.steps} but {found} is already at step {meta.step}")
         return model, meta
     if ckpt.latest_checkpoint(out) is not None:
         raise ValueError(f"{out} already holds a run ({out / ckpt.LATEST} -> {ckpt.latest_checkpoint(out).name}); "
@@ -592,8 +606,12 @@ class _Trainer:
         """Append a JSONL row to out_dir/metrics.jsonl (and tensorboard), rank 0 only."""
         if not self.di.main:
             return
-        with open(self.out / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
+        line = (json.dumps(row) + "\n").encode()
+        fd = os.open(self.out / "metrics.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        try:  # one write of the whole line: an interrupted append leaves at most a torn last line
+            os.write(fd, line)
+        finally:
+            os.close(fd)
         if self.writer is not None:
             for k, v in row.items():
                 if isinstance(v, (int, float)) and k != "step":
@@ -627,6 +645,7 @@ class _Trainer:
         if aux:  # the objective's own weights (the aux_prev_token probe) travel with the optimizer state
             opt_state = {**opt_state, "objective": aux}
         if self.di.main:
+            ckpt.clean_stale_temps(self.out)  # a killed earlier save's leftovers (this process is the only writer)
             ckpt.save_checkpoint(self.out / ckpt.checkpoint_name(self.step), self.model, stage=self.scfg.stage,
                                  step=self.step, stage_config=self.scfg.to_dict(), optimizer_state=opt_state,
                                  rng=self.rng, metrics=metrics, extra=self.extra_state, state_dict=state_dict)
@@ -665,12 +684,15 @@ class _Trainer:
             self.opt.zero_grad(set_to_none=True)
             self.log({"step": self.step, "event": "non_finite", "loss": objective, "grad_norm": grad_norm})
             what = "loss" if not math.isfinite(objective) else "gradient norm"
-            where = (f"the last good checkpoint is {self.last_ckpt}" if self.last_ckpt is not None
-                     else "no checkpoint had been written yet")
+            if self.last_ckpt is not None:
+                where = (f"the last good checkpoint is {self.last_ckpt}. Lower lr, enable grad_clip or check the "
+                         f"data, then resume with --resume")
+            else:
+                where = ("nothing was saved (no checkpoint had been written yet). Lower lr, enable grad_clip or "
+                         "check the data, then start the stage again")
             raise NonFiniteLossError(
                 f"stage {scfg.stage!r}: non-finite {what} (loss={objective}, grad_norm={grad_norm}) at step "
-                f"{self.step + 1}; training stopped and nothing was saved after it; {where}. Lower lr, enable "
-                f"grad_clip or check the data, then resume with --resume")
+                f"{self.step + 1}; training stopped and nothing was written after it; {where}")
         self.updating = True  # an interrupt from here to the end of the step would leave a torn state
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -747,11 +769,27 @@ def _own_parameters(objective: nn.Module) -> dict[str, nn.Parameter]:
 
 
 def _drop_rows_after(path: Path, step: int) -> None:
-    """Forget metrics rows logged after `step` (the resumed checkpoint): the resumed run logs them again."""
+    """Forget metrics rows logged after `step` (the resumed checkpoint): the resumed run logs them again. A torn
+    last line (a kill in the middle of an append) is dropped with a note; a torn line elsewhere is an error naming
+    the file and line."""
     if not path.exists():
         return
-    lines = path.read_text().splitlines()
-    keep = [line for line in lines if not line.strip() or json.loads(line).get("step", 0) <= step]
+    lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()
+    keep = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                print(f"note: {path}: dropped a torn last line (an interrupted append): {line[:60]!r}",
+                      file=sys.stderr)
+                continue
+            raise ValueError(f"{path} line {i + 1} is not JSON ({line[:60]!r}); fix or remove that line to resume")\
+                from None
+        if row.get("step", 0) <= step:
+            keep.append(line)
     if len(keep) != len(lines):
         ckpt.write_text_atomic(path, "".join(line + "\n" for line in keep))
 
@@ -850,6 +888,8 @@ def main(args: Any) -> int:
             changes[name] = value
     if args.resume:
         changes["resume"] = True
+    if getattr(args, "reschedule", False):
+        changes["reschedule"] = True
     if args.no_progress:
         changes["progress"] = False
     if args.backbone_keeps_learning:
@@ -867,7 +907,7 @@ def main(args: Any) -> int:
     try:
         result = train_stage(model_cfg, scfg)
     except NonFiniteLossError as e:
-        print(f"prisme train: {e}")
+        print(f"prisme train: error: {e}", file=sys.stderr)
         return 1
     if int(os.environ.get("RANK", "0")) == 0:
         shown = ", ".join(f"{k} {v:.4g}" for k, v in result.val.items())

@@ -543,8 +543,9 @@ def test_cli_generate_prints_text_and_per_token_edits(capsys):
     assert rc == 0
     lines = out.out.splitlines()
     assert lines[0].startswith("Emma")
-    assert lines[1].split()[:3] == ["pos", "token", "edits"] and len(lines) == 2 + 5
-    assert [int(line.split()[0]) for line in lines[2:]] == [4, 5, 6, 7, 8]
+    assert lines[1].startswith("legend:") and "0=0" in lines[1] and "8=0+1" in lines[1]  # action id -> its slots
+    assert lines[2].split()[:3] == ["pos", "token", "edits"] and len(lines) == 3 + 5
+    assert [int(line.split()[0]) for line in lines[3:]] == [4, 5, 6, 7, 8]
     assert "mean relative cost" in out.err
     assert cli.main(["generate", "--preset", "demo", "--prompt", "x", "--budget", "99"]) == 2
     assert "r_max" in capsys.readouterr().err

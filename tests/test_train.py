@@ -415,21 +415,35 @@ def test_demo_rejects_bad_settings_before_training(tmp_path):
 
 
 def test_demo_pipeline_writes_every_output(tmp_path):
-    """The demo's glue (4 runs, evaluation, sample) on a byte-level tiny model writes the table, plot and summary."""
+    """The demo's glue on a byte-level tiny model (the text study in one process: stage 1, the deeper and matched
+    backbones, each bank source's stages 2-3 and evaluation on validation and the held-out text, then a sample) writes
+    the reports, plots and summary, and its verdict lines follow from the intervals."""
     from prisme.demo import run_demo
 
     cfg = PrismeConfig.from_name("tiny", vocab_size=256)
-    summary = run_demo(tmp_path / "demo", scale=0.01, eval_batches=1, progress=False, model_cfg=cfg)
+    held = tmp_path / "held_out.txt"
+    held.write_text("Abasement, n. A decent and customary mental attitude in the presence of wealth. " * 6)
+    summary = run_demo(tmp_path / "demo", scale=0.01, eval_batches=1, progress=False, model_cfg=cfg, jobs=1,
+                       sources=["residual", "embedding"], held_out=str(held))
     run = tmp_path / "demo"
-    assert {p.name for p in run.iterdir()} >= {"1_backbone", "2_workspace", "3_backbone_matched", "4_controller",
-                                               "eval.json", "pareto.png", "sample.txt", "summary.json"}
-    doc = json.loads((run / "eval.json").read_text())
-    policies = {r["policy"] for r in doc["rows"]}
-    assert {"backbone", "backbone+matched"} <= policies and any(p.startswith("controller") for p in policies)
-    assert (run / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    s = summary["stages"]
-    assert s["matched"]["tokens"] == s["workspace"]["tokens"]  # the baseline saw as many extra tokens
-    assert summary["verdict"]["beats_matched"] in (True, False) and summary["wall_s"]["total"] > 0
+    assert {p.name for p in run.iterdir()} >= {"text", "sample.txt", "summary.json"}
+    text = run / "text"
+    assert {"1_backbone", "3_backbone_matched", "deeper_backbone", "residual", "embedding", "text.json"} <= \
+        {p.name for p in text.iterdir()}
+    doc = json.loads((text / "text.json").read_text())
+    for src in ("residual", "embedding"):
+        for split in ("val", "held_out"):
+            rows = doc["sources"][src][split]["rows"]
+            policies = {r["policy"] for r in rows}
+            assert {"backbone", "backbone+matched", "deeper_backbone"} <= policies
+            assert any(p.startswith("equal_edits") for p in policies)
+            assert all(r["delta_vs_matched"] is not None for r in rows)
+        assert (text / src / "pareto_held_out.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    held = doc["sources"]["residual"]["held_out"]
+    assert held["n_sequences"] == held["n_tokens"] // doc["stages"]["workspace"]["seq_len"]  # all of the text
+    steps = doc["training"]
+    assert steps["deeper"]["tokens"] == steps["backbone"]["tokens"] + steps["source:residual"]["workspace"]["tokens"]
+    assert summary["text"]["verdicts"] and summary["wall_s"]["total"] > 0
     with pytest.raises(ValueError, match="not empty"):
         run_demo(run, scale=0.01, model_cfg=cfg)
 

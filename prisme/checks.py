@@ -1,0 +1,83 @@
+"""Shared input validators: one place that decides what a bool, a finite float or a choice is, and how a bad one is
+reported (a `ValueError` naming the field and the value).
+
+`check_fields(obj, where)` validates every field of a config dataclass against its annotation: `bool` fields hold
+bools (not 0/1 or "no"), `int` fields ints (not bools), `float` fields finite real numbers (ints allowed), `str`
+fields strings, `X | None` also None, `tuple[float, float]` two finite numbers, `dict[...]` dicts. Ranges and
+allowed sets are each config's own `validate()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from typing import Any
+
+
+def is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_number(v: Any) -> bool:
+    """A finite real number (int or float, not bool)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def check_number(name: str, v: Any, lo: float | None = None, hi: float | None = None, lo_open: bool = False,
+                 where: str = "") -> float:
+    """ValueError unless `v` is a finite number in the range; returns it as a float."""
+    rng = ""
+    if lo is not None or hi is not None:
+        rng = f" in {'(' if lo_open else '['}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
+    ok = is_number(v) and (lo is None or (v > lo if lo_open else v >= lo)) and (hi is None or v <= hi)
+    if not ok:
+        raise ValueError(f"{where}{name} must be a finite number{rng}, got {v!r}")
+    return float(v)
+
+
+def check_choice(name: str, v: Any, choices: tuple[Any, ...], where: str = "") -> Any:
+    if v not in choices:
+        raise ValueError(f"{where}{name} must be one of {choices}, got {v!r}")
+    return v
+
+
+def _matches(v: Any, ann: str) -> bool:
+    ann = ann.replace(" ", "")
+    if "|" in ann:
+        return any(_matches(v, part) for part in ann.split("|"))
+    if ann == "None":
+        return v is None
+    if ann == "bool":
+        return isinstance(v, bool)
+    if ann == "int":
+        return is_int(v)
+    if ann == "float":
+        return is_number(v)
+    if ann == "str":
+        return isinstance(v, str)
+    if ann.startswith("dict"):
+        return isinstance(v, dict)
+    if ann.startswith("list"):
+        inner = ann[5:-1]
+        return isinstance(v, list) and all(_matches(x, inner) for x in v)
+    if ann.startswith("tuple"):
+        inner = ann[6:-1].split(",")
+        return isinstance(v, (tuple, list)) and len(v) == len(inner) and all(_matches(x, t) for x, t in zip(v, inner))
+    return True  # an annotation this checker does not know: the config's validate() decides
+
+
+_KIND = {"bool": "a bool (true/false)", "int": "an integer", "float": "a finite number", "str": "a string"}
+
+
+def check_fields(obj: Any, where: str = "") -> None:
+    """ValueError naming the first field of dataclass `obj` whose value does not match its annotation."""
+    hints = {f.name: f.type if isinstance(f.type, str) else typing.get_type_hints(type(obj)).get(f.name)
+             for f in dataclasses.fields(obj)}
+    for name, ann in hints.items():
+        ann = str(ann)
+        v = getattr(obj, name)
+        if not _matches(v, ann):
+            kinds = [(_KIND.get(p.strip()) or p.strip()) for p in ann.split("|")]
+            want = " or ".join("None" if k == "None" else k for k in kinds)
+            raise ValueError(f"{where}{name} must be {want}, got {v!r} ({type(v).__name__})")
