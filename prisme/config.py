@@ -104,7 +104,10 @@ class PrismeConfig:
     controller_source: str | None = None  # None: the controller's first feature is z (the seed); a source ("residual",
     #   ...): its own projection of that stream instead, so it can see what the workspace's inputs leave out
     controller_bank: bool = False  # the controller also reads how well its position matches the causal bank: two
-    #   features, the max and the log-mean-exp of q_c . K_j / sqrt(w) over j <= t, with q_c = W_bank z_c (F + 2)
+    #   features, the max and the log-mean-exp of q_c . K_j / sqrt(w) over j < t, with q_c = W_bank z_c (F + 2)
+    controller_entropy: bool = False  # ... and the entropy of the backbone's own next-token distribution at the
+    #   position, / log V (F + 1): where the backbone is sure, an edit has little to gain
+    controller_select: str = "max"  # STOP unless the best ("max", the seed) or the mean ("mean") action score > 0
     extra: dict[str, Any] = field(default_factory=dict)  # free-form metadata carried in checkpoints
 
     def __post_init__(self) -> None:
@@ -149,8 +152,14 @@ class PrismeConfig:
 
     @property
     def controller_features(self) -> int:
-        """F = 4w + M + A + r_max + 1 (SPEC §3), + 2 bank-match features with `controller_bank`."""
-        return 4 * self.w + self.n_slots + self.n_actions + self.r_max + 1 + (2 if self.controller_bank else 0)
+        """F = 4w + M + A + r_max + 1 (SPEC §3), + 2 bank-match features with `controller_bank`, + 1 with
+        `controller_entropy`."""
+        return (4 * self.w + self.n_slots + self.n_actions + self.r_max + 1 + self.n_position_features)
+
+    @property
+    def n_position_features(self) -> int:
+        """Controller features read once per position before its loop: bank match (2), backbone entropy (1)."""
+        return 2 * bool(self.controller_bank) + bool(self.controller_entropy)
 
     @property
     def use_bias(self) -> bool:
@@ -177,7 +186,7 @@ class PrismeConfig:
     def default_sources(self) -> bool:
         """The seed's workspace inputs: bank and query from the final residual stream, no shift."""
         return (self.bank_terms == ("residual",) and self.query_terms == ("residual",) and not self.bank_shift
-                and self.controller_source is None and not self.controller_bank)
+                and self.controller_source is None and not self.controller_bank and not self.controller_entropy)
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> PrismeConfig:
@@ -208,6 +217,10 @@ class PrismeConfig:
         need(self.w % 2 == 0, f"w={self.w} must be even (value and risk heads split it in halves)")
         need(isinstance(self.bank_shift, bool), f"bank_shift must be a bool, got {self.bank_shift!r}")
         need(isinstance(self.controller_bank, bool), f"controller_bank must be a bool, got {self.controller_bank!r}")
+        need(self.controller_select in ("max", "mean"), f"controller_select must be 'max' or 'mean', got "
+             f"{self.controller_select!r}")
+        need(isinstance(self.controller_entropy, bool), f"controller_entropy must be a bool, got "
+             f"{self.controller_entropy!r}")
         for f in ("bank_source", "query_source"):
             v = getattr(self, f)
             need(isinstance(v, str), f"{f} must be a string such as 'residual', 'embedding', 'layer1' or "

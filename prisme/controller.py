@@ -16,6 +16,8 @@ slots once and the pair summaries are averaged afterwards (linearity): M w^2 ins
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +57,16 @@ class BankMatch(nn.Module):
         return torch.stack([top, lme], dim=-1)
 
 
+class BackboneEntropy(nn.Module):
+    """The entropy of the backbone's own next-token distribution at each position, / log V (`cfg.controller_entropy`):
+    `[..., 1]` in [0, 1]. It runs the LM head on H (no target is read)."""
+
+    def forward(self, H: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        logp = torch.log_softmax(head(H).float(), dim=-1)  # [..., V]
+        ent = -(logp.exp() * logp).sum(-1, keepdim=True)  # [..., 1]
+        return (ent / math.log(logp.shape[-1])).to(H.dtype)
+
+
 @dataclass
 class ControllerOutput:
     value: torch.Tensor  # [..., A]
@@ -72,17 +84,21 @@ class ValueController(nn.Module):
         self.b_r = nn.Parameter(torch.zeros(cfg.n_actions))
         if cfg.controller_bank:
             self.bank_match = BankMatch(cfg)
+        if cfg.controller_entropy:
+            self.entropy = BackboneEntropy()
 
     def features(self, z: torch.Tensor, S: torch.Tensor, S0: torch.Tensor, edits: torch.Tensor,
                  taken: torch.Tensor, step: torch.Tensor, budget: torch.Tensor,
                  match: torch.Tensor | None = None) -> torch.Tensor:
-        """Target-free features `[..., F]`; remaining = budget - step - 1, as the editor defines it."""
+        """Target-free features `[..., F]`; remaining = budget - step - 1, as the editor defines it. `match`: the
+        position features `[..., n_position_features]` (bank match, backbone entropy) where the config has them."""
         remaining = (budget - step - 1).to(S.dtype) / budget.to(S.dtype)
         parts = [z, S.mean(-2), (S - S0).mean(-2), S.amax(-2), edits.to(S.dtype), taken.to(S.dtype),
                  F.one_hot(step, self.cfg.r_max).to(S.dtype), remaining.unsqueeze(-1)]
-        if self.cfg.controller_bank:
-            if match is None:
-                raise ValueError("this controller reads the bank (controller_bank=True): pass its match features")
+        if self.cfg.n_position_features:
+            if match is None or match.shape[-1] != self.cfg.n_position_features:
+                raise ValueError(f"this controller reads {self.cfg.n_position_features} position features (bank "
+                                 f"match, backbone entropy): pass them (model.controller_inputs)")
             parts.append(match.to(S.dtype))
         return torch.cat(parts, dim=-1)
 
@@ -110,6 +126,10 @@ class ValueController(nn.Module):
                kappa_risk: float | None = None) -> torch.Tensor:
         """argmax_a value - lambda cost - kappa risk, or STOP when no score beats STOP's 0 (ties go to STOP).
 
+        With `cfg.controller_select="mean"` the STOP decision compares the mean score over the A actions with 0
+        instead of the best one (the max of A noisy estimates is biased up, so the seed's rule edits where the noise
+        is largest); the action taken is still the argmax.
+
         cost `[A]` is the action's price (the cost model's `action_cost_proxy`). Returns `[...]` long.
         """
         lam = self.cfg.lambda_cost if lambda_cost is None else lambda_cost
@@ -120,4 +140,6 @@ class ValueController(nn.Module):
         lam, kap = float(lam), float(kap)
         score = preds.value - lam * cost - kap * preds.risk  # [..., A]
         best, idx = score.max(dim=-1)
+        if self.cfg.controller_select == "mean":  # edit or STOP by the action-averaged score: no winner's curse
+            best = score.mean(dim=-1)
         return torch.where(best > 0, idx, torch.full_like(idx, self.cfg.stop_action))

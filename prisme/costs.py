@@ -38,7 +38,7 @@ from .config import PrismeConfig
 COMPONENTS = ("backbone_linear", "backbone_attention", "lm_head", "bank_projection", "editor_source_attn",
               "editor_slot_attn", "editor_ffn", "editor_gate", "controller", "readout")
 BACKBONE = COMPONENTS[:3]
-OPTIONAL_COMPONENTS = ("bank_shift", "controller_input", "controller_bank")  # only where configured: `components`
+OPTIONAL_COMPONENTS = ("bank_shift", "controller_input", "controller_bank", "controller_entropy")  # `components`
 
 
 def components(cfg: PrismeConfig) -> tuple[str, ...]:
@@ -50,9 +50,19 @@ def components(cfg: PrismeConfig) -> tuple[str, ...]:
         out.insert(out.index("bank_projection") + 1, "bank_shift")
     if cfg.controller_source is not None:
         out.insert(out.index("controller") + 1, "controller_input")
+    at = out.index("controller") + 1 + (cfg.controller_source is not None)
     if cfg.controller_bank:
-        out.insert(out.index("controller") + 1 + (cfg.controller_source is not None), "controller_bank")
+        out.insert(at, "controller_bank")
+        at += 1
+    if cfg.controller_entropy:
+        out.insert(at, "controller_entropy")
     return tuple(out)
+
+
+def controller_entropy_ops(cfg: PrismeConfig) -> int:
+    """The backbone's entropy as a controller feature (`cfg.controller_entropy`): the LM head on H, 2 d V, once per
+    position the controller runs at (the softmax and the sum are not counted)."""
+    return 2 * cfg.d_model * cfg.vocab_size if cfg.controller_entropy else 0
 
 
 def controller_bank_ops(cfg: PrismeConfig, T: int) -> int:
@@ -282,6 +292,8 @@ def token_ops(cfg: PrismeConfig, T: int, ks: Sequence[int] = (), controller_step
         row["controller_input"] = controller_input_ops(cfg)
     if steps > 0 and cfg.controller_bank:
         row["controller_bank"] = controller_bank_ops(cfg, T)
+    if steps > 0 and cfg.controller_entropy:
+        row["controller_entropy"] = controller_entropy_ops(cfg)
     if n > 0 if readout is None else readout:
         row["readout"] = readout_ops(cfg, optimised)
     return _finish(row, cfg)
@@ -483,6 +495,8 @@ class OpsCounter:
             tags[m.controller] = "controller"
             if getattr(m.controller, "bank_match", None) is not None:
                 tags[m.controller.bank_match] = "controller_bank"
+            if getattr(m.controller, "entropy", None) is not None:
+                tags[m.controller.entropy] = "controller_entropy"
             tags[m.readout] = "readout"
         return tags
 
@@ -524,8 +538,8 @@ class OpsCounter:
         backbone = getattr(self.model, "backbone", self.model)
         head = backbone.head
 
-        def tagged_head(H: Any) -> Any:
-            self._stack.append("lm_head")
+        def tagged_head(H: Any) -> Any:  # the head inside the controller's entropy feature is that feature's cost
+            self._stack.append("controller_entropy" if self._stack[-1:] == ["controller_entropy"] else "lm_head")
             try:
                 return head(H)
             finally:

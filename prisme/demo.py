@@ -75,7 +75,8 @@ def demo_stage_configs(run: Path, scale: float = 1.0, seed: int = 1337, backbone
     return out
 
 
-def _sample(model: torch.nn.Module, prompt: str, n_tokens: int, max_budget: int) -> tuple[str, dict[str, Any]]:
+def _sample(model: torch.nn.Module, prompt: str, n_tokens: int, max_budget: int,
+            kappa_risk: float | None = None) -> tuple[str, dict[str, Any]]:
     """Greedy continuation with the controller (prisme.generate if present, else a plain forward loop)."""
     tok = ByteTokenizer()
     ids = tok.encode(prompt)
@@ -84,7 +85,7 @@ def _sample(model: torch.nn.Module, prompt: str, n_tokens: int, max_budget: int)
     except ImportError:  # pragma: no cover - the decoding module is optional for the demo
         generate = None
     if generate is not None:
-        out = generate(model, [ids], n_tokens, max_budget=max_budget)
+        out = generate(model, [ids], n_tokens, max_budget=max_budget, kappa_risk=kappa_risk)
         return tok.decode(out.tokens[0]), {"relative_cost": out.relative_cost, "lambda_cost": out.lambda_cost,
                                            "mean_edits": sum(out.n_edits[0]) / max(1, len(out.n_edits[0]))}
     x = torch.tensor([ids])
@@ -135,7 +136,7 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
         from .study_recall import format_table, run_study, study_config
 
         rcfg = study_config({"seeds": list(recall_seeds), "out_dir": str(run / "recall"), "quick": scale < 1,
-                             "jobs": jobs})
+                             "jobs": jobs, "eval_sequences": 1024, "calibration_sequences": 512})  # the demo's share
         print(f"demo: the recall study (seeds {','.join(map(str, rcfg.seeds))}) in {run / 'recall'}", flush=True)
         doc = run_study(rcfg, progress=progress)
         print(format_table(doc) + "\n", flush=True)
@@ -154,10 +155,11 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
     model, _ = load_model(run / "text" / tcfg.sources[0] / "4_controller")
     T = text_doc["stages"]["workspace"]["seq_len"]
     n_new = T - len(ByteTokenizer().encode(PROMPT))  # stay within the trained positions
-    text, info = _sample(model, PROMPT, n_new, model.cfg.r_max)
+    budget = tcfg.controller_budget  # the deployed controller's budget, as the study evaluates it
+    text, info = _sample(model, PROMPT, n_new, budget, tcfg.kappa_risk)
     walls["sample"] = time.perf_counter() - t
     write_text_atomic(run / "sample.txt", PROMPT + text + "\n")
-    print(f"\nsample ({tcfg.sources[0]} bank, greedy, controller budget {model.cfg.r_max}):\n{PROMPT}{text}\n")
+    print(f"\nsample ({tcfg.sources[0]} bank, greedy, controller budget {budget}):\n{PROMPT}{text}\n")
     walls["total"] = time.perf_counter() - t0
     summary = {"run": str(run), "preset": cfg.to_dict(), "wall_s": {k: round(v, 1) for k, v in walls.items()},
                "recall": recall, "text": {"json": str(run / "text" / "text.json"), "verdicts": text_doc["verdicts"],

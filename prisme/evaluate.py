@@ -263,8 +263,12 @@ def _fmt_lambda(lam: float) -> str:
 
 
 def _plan(model: PrismeModel, families: Sequence[str], lambdas: Sequence[float],
-          budgets: Sequence[int] | None = None, oracle_lambdas: Sequence[float] | None = None) -> list[_Policy]:
+          budgets: Sequence[int] | None = None, oracle_lambdas: Sequence[float] | None = None,
+          ks: Sequence[int] = (1, 2), controller_budget: int | None = None) -> list[_Policy]:
     cfg = model.cfg
+    R = cfg.r_max if controller_budget is None else controller_budget
+    if not isinstance(R, int) or isinstance(R, bool) or not 1 <= R <= cfg.r_max:
+        raise ValueError(f"controller_budget must be an int in [1, r_max={cfg.r_max}], got {R!r}")
     ns = [n for n in (BUDGETS if budgets is None else budgets) if n <= cfg.r_max]
     out: list[_Policy] = []
     for fam in families:
@@ -273,15 +277,15 @@ def _plan(model: PrismeModel, families: Sequence[str], lambdas: Sequence[float],
         elif fam == "matched":
             out.append(_Policy("backbone+matched", fam))
         elif fam in ("fixed", "random"):
-            out += [_Policy(f"{fam}_{n}xk{k}", fam, n, k) for k in (1, 2) for n in ns]
+            out += [_Policy(f"{fam}_{n}xk{k}", fam, n, k) for k in ks for n in ns]
         elif fam == "dense":
             out += [_Policy(f"dense_{n}", fam, n, cfg.n_slots) for n in ns]
         elif fam in ("controller", "oracle"):
             for lam in (oracle_lambdas if fam == "oracle" and oracle_lambdas is not None else lambdas):
                 name = f"{fam}(lambda={_fmt_lambda(lam)})"
-                out.append(_Policy(name, fam, cfg.r_max, 0, float(lam)))
+                out.append(_Policy(name, fam, R, 0, float(lam)))
                 if fam == "controller":  # right after it: uniform allocation of the same mean number of edits
-                    out.append(_Policy(f"equal_edits(lambda={_fmt_lambda(lam)})", "equal_edits", cfg.r_max, 1,
+                    out.append(_Policy(f"equal_edits(lambda={_fmt_lambda(lam)})", "equal_edits", R, 1,
                                        float(lam), of=name))
     return out
 
@@ -530,14 +534,16 @@ def _check_inputs(model, dataset, policies, batch_size, seq_len, max_batches, ma
 
 @torch.no_grad()
 def default_lambdas(model: PrismeModel, tokens: torch.Tensor, quantiles: Sequence[float] = LAMBDA_QUANTILES,
-                    cost: torch.Tensor | None = None) -> list[float]:
+                    cost: torch.Tensor | None = None, budget: int | None = None) -> list[float]:
     """A lambda grid from 0 (edit whenever some value is positive) to where few positions still edit.
 
     At step 0 a position edits iff some action has value_a - lambda * cost_a > 0, i.e. lambda < lambda* =
     max_a value_a / cost_a (the price is the `action_cost` proxy). The grid is 0 plus quantiles of lambda* over the
-    positions of `tokens` `[B, T]` that would edit at lambda = 0, rounded to 3 significant digits.
+    positions of `tokens` `[B, T]` that would edit at lambda = 0, rounded to 3 significant digits. `budget`: the
+    controller's max_budget (default r_max), which its features see.
     """
     cfg = model.cfg
+    budget = cfg.r_max if budget is None else budget
     cost = model.action_cost if cost is None else cost
     ctx = model.encode(tokens)
     B, T = tokens.shape
@@ -546,7 +552,7 @@ def default_lambdas(model: PrismeModel, tokens: torch.Tensor, quantiles: Sequenc
     preds = model.controller(zc, ctx.S0, ctx.S0, torch.zeros(B, T, cfg.n_slots, dtype=torch.long, device=dev),
                              torch.zeros(B, T, cfg.n_actions, dtype=torch.bool, device=dev),
                              torch.zeros(B, T, dtype=torch.long, device=dev),
-                             torch.full((B, T), cfg.r_max, dtype=torch.long, device=dev), match)
+                             torch.full((B, T), budget, dtype=torch.long, device=dev), match)
     lam_star = (preds.value / cost).amax(-1).flatten().double()  # [B*T]
     lam_star = lam_star[lam_star > 0]
     grid = [0.0]
@@ -562,8 +568,9 @@ def evaluate_policies(model: PrismeModel, dataset: TokenDataset | MQARDataset, p
                       oracle_positions: int | None = 16, seed: int = 0, progress: bool = False,
                       bootstrap_samples: int = N_BOOT, bootstrap_seed: int = 0,
                       split: str = "val", references: dict[str, PrismeModel] | None = None,
-                      budgets: Sequence[int] | None = None,
-                      oracle_lambdas: Sequence[float] | None = None) -> EvalReport:
+                      budgets: Sequence[int] | None = None, ks: Sequence[int] = (1, 2),
+                      oracle_lambdas: Sequence[float] | None = None,
+                      controller_budget: int | None = None, kappa_risk: float | None = None) -> EvalReport:
     """Evaluate every policy on the validation split of `dataset` (`split`; a held-out text holds all its tokens there).
 
     Args:
@@ -577,7 +584,11 @@ def evaluate_policies(model: PrismeModel, dataset: TokenDataset | MQARDataset, p
         seed: random policies, the equal-edits thinning and oracle subsampling.
         bootstrap_samples, bootstrap_seed: the paired intervals' resamples and seed (`prisme.stats`).
         budgets: n of the fixed / random n x k rows and the dense rows (default 1, 2, 4, 8 up to r_max).
+        ks: slots per action of the fixed / random rows (1: single slots, 2: pairs).
         oracle_lambdas: the oracle rows' prices (default: `lambdas`).
+        controller_budget: max_budget of the controller, equal-edits and oracle rows (default r_max; pass the budget
+            the workspace and controller were trained for).
+        kappa_risk: the controller rows' risk aversion (default: the config's `kappa_risk`).
         references: other models whose backbone alone is scored on the same targets, one row each (family
             "reference", named by its key; e.g. a deeper backbone trained on the same tokens), after the matched row.
     Returns:
@@ -585,6 +596,9 @@ def evaluate_policies(model: PrismeModel, dataset: TokenDataset | MQARDataset, p
         `POLICY_FAMILIES`).
     """
     check_bootstrap_args(bootstrap_samples, bootstrap_seed)
+    if kappa_risk is not None and (isinstance(kappa_risk, bool) or not isinstance(kappa_risk, (int, float))
+                                   or not math.isfinite(kappa_risk) or kappa_risk < 0):
+        raise ValueError(f"kappa_risk must be a finite number >= 0, got {kappa_risk!r}")
     families, seq_len = _check_inputs(model, dataset, policies, batch_size, seq_len, max_batches, matched_backbone,
                                       lambdas, oracle_positions)
     batches = list(dataset.iter_eval(split, batch_size, seq_len, max_batches))
@@ -602,9 +616,10 @@ def evaluate_policies(model: PrismeModel, dataset: TokenDataset | MQARDataset, p
     try:
         with torch.no_grad():
             if lambdas is None and ("controller" in families or "oracle" in families):
-                lambdas = default_lambdas(model, batches[0][0].to(device))
+                lambdas = default_lambdas(model, batches[0][0].to(device), budget=controller_budget)
             plan = _plan(model, families, [float(x) for x in (lambdas or [0.0])], budgets,
-                         None if oracle_lambdas is None else [float(x) for x in oracle_lambdas])
+                         None if oracle_lambdas is None else [float(x) for x in oracle_lambdas], ks,
+                         controller_budget)
             refs = dict(references or {})
             for name, ref in refs.items():
                 if not isinstance(ref, PrismeModel) or ref.cfg.vocab_size != cfg.vocab_size:
@@ -615,7 +630,7 @@ def evaluate_policies(model: PrismeModel, dataset: TokenDataset | MQARDataset, p
             plan[at:at] = [_Policy(name, "reference") for name in refs]
             accs = {p.name: _Acc() for p in plan}
             _run_batches(model, plan, accs, batches, device, matched_backbone, oracle_positions, seed, progress,
-                         refs)
+                         refs, kappa_risk)
     finally:
         model.train(was_training)
         if matched_backbone is not None:
@@ -634,7 +649,7 @@ def evaluate_policies(model: PrismeModel, dataset: TokenDataset | MQARDataset, p
 
 
 def _run_batches(model, plan, accs, batches, device, matched_backbone, oracle_positions, seed, progress,
-                 refs=None) -> None:
+                 refs=None, kappa_risk=None) -> None:
     cfg = model.cfg
     it = batches
     if progress:
@@ -690,7 +705,7 @@ def _run_batches(model, plan, accs, batches, device, matched_backbone, oracle_po
                 acc.add_loss(out.logits, y, base_ce, matched_ce)
                 acc.add_trace(out.actions, contexts, None)
             elif p.family == "controller":
-                out = model.forward_policy(x, max_budget=p.n, lambda_cost=p.lam)
+                out = model.forward_policy(x, max_budget=p.n, lambda_cost=p.lam, kappa_risk=kappa_risk)
                 acc.time_s += time.perf_counter() - t0
                 acc.add_loss(out.logits, y, base_ce, matched_ce)
                 acc.add_trace(out.actions, contexts, out.controller_steps)

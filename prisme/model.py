@@ -284,11 +284,16 @@ class PrismeModel(nn.Module):
         return F.rms_norm(self.P_ctrl(ctx.ctrl_in), (self.cfg.w,), eps=self.cfg.norm_eps)
 
     def controller_inputs(self, ctx: EncodedContext) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """What the controller reads of each position once, before its loop: z_c `[B, Tq, w]` and, with
-        `cfg.controller_bank`, the bank-match features `[B, Tq, 2]` (else None)."""
+        """What the controller reads of each position once, before its loop: z_c `[B, Tq, w]` and its position features
+        `[B, Tq, n_position_features]` (the bank match with `cfg.controller_bank`, the backbone's entropy with
+        `cfg.controller_entropy`; None without either)."""
         zc = self.controller_z(ctx)
-        match = self.controller.bank_match(zc, ctx.K, ctx.bank_mask) if self.cfg.controller_bank else None
-        return zc, match
+        feats = []
+        if self.cfg.controller_bank:
+            feats.append(self.controller.bank_match(zc, ctx.K, ctx.bank_mask))  # [B, Tq, 2]
+        if self.cfg.controller_entropy:
+            feats.append(self.controller.entropy(ctx.H, self.backbone.head))  # [B, Tq, 1]
+        return zc, torch.cat(feats, -1) if feats else None
 
     @staticmethod
     def bank_mask(B: int, Tq: int, Tb: int, query_pos: torch.Tensor | None = None,

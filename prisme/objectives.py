@@ -226,6 +226,9 @@ class ControllerObjective(nn.Module):
         self.clip = scfg.value_clip
         self.risk_weight = scfg.risk_weight
         self.unlabelled_zero = scfg.unlabelled_value == "zero"
+        self.max_budget = scfg.max_budget or cfg.r_max  # budgets of the behaviour rollouts: 1..max_budget
+        if self.max_budget > cfg.r_max:
+            raise ValueError(f"StageConfig.max_budget={self.max_budget} exceeds the model's r_max={cfg.r_max}")
         self.scale = 1.0  # dL scale (std at the start of the stage); set by `calibrate`, checkpointed
 
     # -------------------------------------------------------------------------------------------- randomness
@@ -233,7 +236,7 @@ class ControllerObjective(nn.Module):
         """Budget (one per batch, as a `[B]` row tensor), position scores `[B, T]`, behaviour draws `[B, P, r_max]`."""
         cfg, (B, T) = self.cfg, x.shape
         P, R = min(self.P, T), cfg.r_max
-        budget = torch.randint(1, R + 1, (1,), generator=g).expand(B).clone()  # [B]
+        budget = torch.randint(1, self.max_budget + 1, (1,), generator=g).expand(B).clone()  # [B]
         return {"budget": budget, "scores": torch.rand(B, T, generator=g),
                 "random_action": torch.randint(0, cfg.n_actions, (B, P, R), generator=g),
                 "follow_oracle": torch.rand(B, P, R, generator=g) < self.greedy}

@@ -57,11 +57,13 @@ class TextStudyConfig:
     held_out_batches: int | None = None  # batches of the held-out text (None: all of it)
     eval_batch_size: int = 64
     held_out: str = HELD_OUT_TEXT  # an embedded text's name, or a UTF-8 file / folder
-    lambdas: list[float] | None = None  # controller prices (default: calibrated on the first validation batch)
+    lambdas: list[float] = field(default_factory=lambda: [0.001, 0.003])  # the controller's prices
+    controller_budget: int = 1  # edits per position the deployed controller may make (its workspace trained 1..4)
+    kappa_risk: float = 0.3  # its risk aversion: value - lambda cost - kappa risk (docs/workspace_training.md)
     oracle_positions: int = 4  # labelled positions per sequence the oracle samples (validation)
     held_out_oracle_positions: int = 1  # ... and on the held-out text (all of it: more sequences)
-    fixed_budgets: list[int] = field(default_factory=lambda: [1, 4])  # n of the fixed/random/dense rows (validation)
-    held_out_budgets: list[int] = field(default_factory=lambda: [1])  # ... on the held-out text
+    fixed_budgets: list[int] = field(default_factory=lambda: [1, 2])  # n of the fixed/random/dense rows (validation)
+    held_out_budgets: list[int] = field(default_factory=lambda: [1])  # ... on the held-out text (single slots only)
     bootstrap_samples: int = 1000
     out_dir: str = "runs/text"
     jobs: int = 0  # worker processes (0 = one per CPU core)
@@ -86,6 +88,13 @@ class TextStudyConfig:
             need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{f} must be an int >= 1, got {v!r}")
         need(isinstance(self.jobs, int) and self.jobs >= 0, f"jobs must be an int >= 0, got {self.jobs!r}")
         need(all(isinstance(n, int) and n >= 1 for n in self.fixed_budgets), "fixed_budgets must be ints >= 1")
+        need(len(self.lambdas) > 0 and all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0
+                                           for v in self.lambdas), f"lambdas must be finite numbers >= 0, got "
+             f"{self.lambdas!r}")
+        need(isinstance(self.controller_budget, int) and self.controller_budget >= 1,
+             f"controller_budget must be an int >= 1, got {self.controller_budget!r}")
+        need(isinstance(self.kappa_risk, (int, float)) and math.isfinite(self.kappa_risk) and self.kappa_risk >= 0,
+             f"kappa_risk must be a finite number >= 0, got {self.kappa_risk!r}")
         return self
 
 
@@ -151,7 +160,7 @@ def _summary(r: Any) -> dict[str, Any]:
 
 def _evaluate(cfg: TextStudyConfig, stages: dict[str, StageConfig], source: str, data: TokenDataset) -> dict:
     """Every policy of one source on the validation split and the held-out text, with paired intervals."""
-    from .evaluate import default_lambdas, evaluate_policies
+    from .evaluate import evaluate_policies
 
     run = Path(cfg.out_dir)
     model, _ = load_model(run / source / "4_controller")
@@ -159,23 +168,19 @@ def _evaluate(cfg: TextStudyConfig, stages: dict[str, StageConfig], source: str,
     deeper, _ = load_model(stages["deeper"].out_dir)
     T = stages["workspace"].seq_len
     held = TokenDataset.held_out(load_text(cfg.held_out), ByteTokenizer(), T, name=Path(cfg.held_out).name)
-    lambdas = cfg.lambdas
-    if lambdas is None:  # two prices from the controller's own values on the first validation batch: where a quarter
-        x, _ = next(data.iter_eval("val", cfg.eval_batch_size, T, 1))  # and where three quarters of the positions
-        grid = default_lambdas(model, x, quantiles=(0.25, 0.75))  # that would edit at lambda 0 still edit
-        lambdas = grid[1:] or grid
-    held_lambdas = lambdas[-1:]  # the held-out text is scored whole: the cheaper price only
+    lambdas = list(cfg.lambdas)
     out = {}
-    for name, ds, batches, policies, budgets, oracle_pos in (
-            ("val", data, cfg.val_batches, VAL_POLICIES, cfg.fixed_budgets, cfg.oracle_positions),
-            ("held_out", held, cfg.held_out_batches, HELD_OUT_POLICIES, cfg.held_out_budgets,
+    for name, ds, batches, policies, budgets, ks, oracle_pos in (
+            ("val", data, cfg.val_batches, VAL_POLICIES, cfg.fixed_budgets, (1, 2), cfg.oracle_positions),
+            ("held_out", held, cfg.held_out_batches, HELD_OUT_POLICIES, cfg.held_out_budgets, (1,),
              cfg.held_out_oracle_positions)):
         t0 = time.perf_counter()
-        lam = lambdas if name == "val" else held_lambdas
+        lam = lambdas
         rep = evaluate_policies(model, ds, policies, batch_size=cfg.eval_batch_size, seq_len=T, max_batches=batches,
                                 matched_backbone=matched, references={"deeper_backbone": deeper}, lambdas=lam,
                                 oracle_positions=oracle_pos, seed=cfg.seed, oracle_lambdas=[0.0],
-                                bootstrap_samples=cfg.bootstrap_samples, budgets=budgets)
+                                bootstrap_samples=cfg.bootstrap_samples, budgets=budgets, ks=ks,
+                                controller_budget=cfg.controller_budget, kappa_risk=cfg.kappa_risk)
         if name == "held_out":
             rep.split = f"held-out text {Path(cfg.held_out).name} (all of it)"
         rep.plot(run / source / f"pareto_{name}.png")

@@ -99,7 +99,8 @@ class StageConfig:
     backbone_min_lr: float | None = None  # with the option above: its final lr (default: min_lr, at most backbone_lr)
     deep_supervision: float = 0.0  # weight of the CE after every intermediate forced step (0 = final state only)
     min_budget: int = 1  # forced budgets are drawn uniformly per position from [min_budget, max_budget]
-    max_budget: int | None = None  # default: the model's r_max
+    max_budget: int | None = None  # default: the model's r_max (also bounds the controller stage's rollouts: train the
+    #   controller for the budgets its workspace was trained for)
     p_dense: float = 0.0  # probability that a forced step is DENSE (trains the dense baseline's path too)
     # --- controller stage
     oracle_positions: int = 16  # positions per sequence where every candidate action is executed

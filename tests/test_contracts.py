@@ -26,7 +26,8 @@ torch.set_default_dtype(torch.float32)
 SOURCES = {
     "seed": {},
     "shift": dict(bank_shift=True),
-    "embedding": dict(bank_source="embedding", bank_shift=True, controller_source="residual", controller_bank=True),
+    "embedding": dict(bank_source="embedding", bank_shift=True, controller_source="residual", controller_bank=True,
+                      controller_entropy=True),
     "two_sources": dict(bank_source="residual+embedding", query_source="layer1", bank_shift=True),
 }
 sources = pytest.mark.parametrize("src", list(SOURCES))

@@ -36,7 +36,7 @@ VARIANTS = {  # small llama configs for the FLOP ties
     # every source option at once: two summed bank sources with a token shift, z from an intermediate layer, and a
     # controller with its own input projection and the bank-match features
     "tiny_sources": dict(bank_source="residual+embedding", query_source="layer1", bank_shift=True,
-                         controller_source="residual", controller_bank=True),
+                         controller_source="residual", controller_bank=True, controller_entropy=True),
 }
 WORKSPACE_TERMS = ("bank_projection", "editor_source_attn", "editor_slot_attn", "editor_ffn", "editor_gate",
                    "controller", "readout")
@@ -356,7 +356,7 @@ def test_controller_step_flops_tie(variant, optimised):
     cfg = model.cfg
     ctx = one_position_ctx(model)
     z, S0 = ctx.z[:, 0], ctx.S0[:, 0]  # [1, w], [1, M, w]
-    match = torch.zeros(1, 2, dtype=torch.float64) if cfg.controller_bank else None
+    match = torch.zeros(1, cfg.n_position_features, dtype=torch.float64) if cfg.n_position_features else None
     with torch.no_grad(), OpsCounter(model) as oc:
         model.controller(z, S0, S0, torch.zeros(1, cfg.n_slots, dtype=torch.long),
                          torch.zeros(1, cfg.n_actions, dtype=torch.bool), torch.zeros(1, dtype=torch.long),
@@ -365,8 +365,9 @@ def test_controller_step_flops_tie(variant, optimised):
 
 
 def test_controller_inputs_of_one_position_tie():
-    """The controller's own inputs, read once per position: P_ctrl (d -> w, `controller_input`) and the bank match
-    (W_bank w x w plus T key scores, `controller_bank`)."""
+    """The controller's own inputs, read once per position: P_ctrl (d -> w, `controller_input`), the bank match
+    (W_bank w x w plus T key scores, `controller_bank`) and the backbone's entropy (the LM head,
+    `controller_entropy`)."""
     model = make_model("tiny_sources", optimised=True)
     cfg = model.cfg
     ctx = one_position_ctx(model)
@@ -374,7 +375,11 @@ def test_controller_inputs_of_one_position_tie():
         model.controller_inputs(ctx)
     assert oc.by_component["controller_input"] == costs.controller_input_ops(cfg) == 2 * cfg.d_model * cfg.w
     assert oc.by_component["controller_bank"] == costs.controller_bank_ops(cfg, T_CTX) == 2 * cfg.w * (cfg.w + T_CTX)
-    assert oc.total == costs.controller_input_ops(cfg) + costs.controller_bank_ops(cfg, T_CTX)
+    assert oc.by_component["controller_entropy"] == costs.controller_entropy_ops(cfg) == 2 * cfg.d_model * \
+        cfg.vocab_size
+    assert oc.by_component["lm_head"] == 0  # the entropy feature's head is its own term
+    assert oc.total == (costs.controller_input_ops(cfg) + costs.controller_bank_ops(cfg, T_CTX)
+                        + costs.controller_entropy_ops(cfg))
 
 
 @pytest.mark.parametrize("optimised", [False, True], ids=["seed", "optimised"])
@@ -689,7 +694,8 @@ def test_new_terms_appear_only_where_configured():
     assert [c for c in plain if c not in ("backbone", "workspace", "total")] == list(COMPONENTS)
     cfg = PrismeConfig.from_name("tiny", **VARIANTS["tiny_sources"])
     row = costs.token_ops(cfg, 16, [1, 2])
-    assert list(row)[:12] == [*COMPONENTS[:4], "bank_shift", *COMPONENTS[4:9], "controller_input", "controller_bank"]
+    assert list(row)[:13] == [*COMPONENTS[:4], "bank_shift", *COMPONENTS[4:9], "controller_input", "controller_bank",
+                              "controller_entropy"]
     assert row["bank_shift"] == 2 * 2 * cfg.d_model * cfg.w  # one W_K' per bank term
     assert costs.token_ops(cfg, 16, [1], controller_steps=0)["controller_input"] == 0  # forced runs pay none
 

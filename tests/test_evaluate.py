@@ -552,3 +552,16 @@ def test_cli_corpus_file_is_scored_whole_as_a_held_out_text(tmp_path, capsys):
         capsys.readouterr()
         assert cli.main(["eval", "--checkpoint", str(ckpt), "--corpus", str(path), "--policies", "backbone"]) == 2
         assert msg in capsys.readouterr().err
+
+
+def test_controller_budget_caps_the_controller_and_equal_edits_rows():
+    """controller_budget (the budget stages 2 and 3 trained) bounds the controller's, the equal-edits and the
+    oracle rows' steps; a budget outside [1, r_max] is a ValueError."""
+    model = make_model(vocab_size=256)
+    report = evaluate_policies(model, text_dataset(), ["controller", "oracle"], batch_size=B, seq_len=T,
+                               max_batches=1, lambdas=[0.0], seed=SEED, bootstrap_samples=50, controller_budget=2,
+                               oracle_positions=2)
+    assert all(r.budget == 2 and r.mean_edits <= 2 for r in report.rows)
+    with pytest.raises(ValueError, match="controller_budget"):
+        evaluate_policies(model, text_dataset(), ["controller"], batch_size=B, seq_len=T, max_batches=1,
+                          lambdas=[0.0], controller_budget=model.cfg.r_max + 1)

@@ -467,3 +467,23 @@ def test_aux_prev_token_adds_the_probe_ce_on_the_previous_token(data):
     assert abs((wrong - want).detach().item()) > 1e-3
     with pytest.raises(ValueError, match="aux_prev_token"):
         StageConfig(stage="workspace", aux_prev_token=1.0).validate()
+
+
+def test_demo_stage_configs_are_the_recipe_files():
+    """The demo and the text study read configs/demo_*.json (what `prisme train --config` runs): same steps, lr,
+    budgets and objectives; only the folders, the seed and a --scale differ."""
+    from prisme.demo import CONFIG_DIR, DEMO_CONFIGS, demo_stage_configs
+
+    st = demo_stage_configs(Path("/tmp/run"), seed=5)
+    for name, file in DEMO_CONFIGS.items():
+        _, want = load_run_config(CONFIG_DIR / file)
+        got = st[name]
+        for f in ("stage", "lr", "min_lr", "batch_size", "max_budget", "deep_supervision", "oracle_positions",
+                  "p_dense"):
+            assert getattr(got, f) == getattr(want, f), (name, f)
+        if name != "matched":
+            assert got.steps == want.steps
+        assert got.seed == 5 and got.out_dir.startswith("/tmp/run/")
+    assert st["controller"].max_budget == st["workspace"].max_budget  # the controller trains for the same budgets
+    small = demo_stage_configs(Path("/tmp/run"), scale=0.1)
+    assert small["backbone"].steps == round(0.1 * st["backbone"].steps)
