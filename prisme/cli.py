@@ -203,6 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", default=None, help="write the JSON report to this file")
     s.add_argument("--plot", default=None, help="write the loss-vs-ops Pareto plot (PNG) to this file")
     s.add_argument("--threads", type=int, default=-1, help="torch CPU threads (-1 = leave as is)")
+    s.add_argument("--controller-budget", type=int, default=None,
+                   help="max edits per position of the controller rows (default r_max)")
+    s.add_argument("--kappa-risk", type=float, default=None, help="the controller rows' risk aversion "
+                   "(default: the config's)")
     s.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples of the paired intervals")
     s.add_argument("--bootstrap-seed", type=int, default=0, help="seed of the bootstrap resamples")
     s.set_defaults(func=_cmd_eval)

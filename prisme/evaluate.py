@@ -907,7 +907,9 @@ def main(args: argparse.Namespace) -> int:
                                max_batches=max_batches, matched_backbone=matched,
                                lambdas=_parse_floats(args.lambdas), oracle_positions=oracle_positions,
                                seed=args.seed, progress=sys.stderr.isatty(), bootstrap_samples=args.bootstrap,
-                               bootstrap_seed=args.bootstrap_seed)
+                               bootstrap_seed=args.bootstrap_seed,
+                               controller_budget=getattr(args, "controller_budget", None),
+                               kappa_risk=getattr(args, "kappa_risk", None))
     print(report.table())
     if args.json:
         doc = report.to_json()

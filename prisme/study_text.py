@@ -57,12 +57,13 @@ class TextStudyConfig:
     held_out_batches: int | None = None  # batches of the held-out text (None: all of it)
     eval_batch_size: int = 64
     held_out: str = HELD_OUT_TEXT  # an embedded text's name, or a UTF-8 file / folder
-    lambdas: list[float] = field(default_factory=lambda: [0.001, 0.003])  # the controller's prices
+    lambdas: list[float] = field(default_factory=lambda: [0.001, 0.003])  # the controller's prices (validation)
+    held_out_lambdas: list[float] = field(default_factory=lambda: [0.003])  # ... on the held-out text (all of it)
     controller_budget: int = 1  # edits per position the deployed controller may make (its workspace trained 1..4)
     kappa_risk: float = 0.3  # its risk aversion: value - lambda cost - kappa risk (docs/workspace_training.md)
     oracle_positions: int = 4  # labelled positions per sequence the oracle samples (validation)
     held_out_oracle_positions: int = 1  # ... and on the held-out text (all of it: more sequences)
-    fixed_budgets: list[int] = field(default_factory=lambda: [1, 2])  # n of the fixed/random/dense rows (validation)
+    fixed_budgets: list[int] = field(default_factory=lambda: [1])  # n of the fixed/random/dense rows (validation)
     held_out_budgets: list[int] = field(default_factory=lambda: [1])  # ... on the held-out text (single slots only)
     bootstrap_samples: int = 1000
     out_dir: str = "runs/text"
@@ -145,8 +146,8 @@ def _task(kind: str, cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict
         s3 = stages["controller"].replace(out_dir=str(folder / "4_controller"), init_from=s2.out_dir)
         r3 = train_stage(None, s3, dataset=data)
         out["result"] = {"workspace": _summary(r2), "controller": _summary(r3)}
-    elif kind == "eval":
-        out["result"] = _evaluate(cfg, stages, source, data)
+    elif kind in ("eval_val", "eval_held_out"):
+        out["result"] = _evaluate(cfg, stages, source, data, kind.removeprefix("eval_"))
     else:  # pragma: no cover
         raise ValueError(kind)
     out["wall_s"] = time.perf_counter() - t0
@@ -158,8 +159,10 @@ def _summary(r: Any) -> dict[str, Any]:
             "val": r.val}
 
 
-def _evaluate(cfg: TextStudyConfig, stages: dict[str, StageConfig], source: str, data: TokenDataset) -> dict:
-    """Every policy of one source on the validation split and the held-out text, with paired intervals."""
+def _evaluate(cfg: TextStudyConfig, stages: dict[str, StageConfig], source: str, data: TokenDataset,
+              split: str) -> dict:
+    """Every policy of one source on the validation split ("val") or the whole held-out text ("held_out"), with
+    paired intervals."""
     from .evaluate import evaluate_policies
 
     run = Path(cfg.out_dir)
@@ -167,15 +170,16 @@ def _evaluate(cfg: TextStudyConfig, stages: dict[str, StageConfig], source: str,
     matched, _ = load_model(stages["matched"].out_dir)
     deeper, _ = load_model(stages["deeper"].out_dir)
     T = stages["workspace"].seq_len
-    held = TokenDataset.held_out(load_text(cfg.held_out), ByteTokenizer(), T, name=Path(cfg.held_out).name)
-    lambdas = list(cfg.lambdas)
     out = {}
-    for name, ds, batches, policies, budgets, ks, oracle_pos in (
-            ("val", data, cfg.val_batches, VAL_POLICIES, cfg.fixed_budgets, (1, 2), cfg.oracle_positions),
-            ("held_out", held, cfg.held_out_batches, HELD_OUT_POLICIES, cfg.held_out_budgets, (1,),
-             cfg.held_out_oracle_positions)):
+    if split == "val":
+        plan = [("val", data, cfg.val_batches, VAL_POLICIES, cfg.fixed_budgets, (1, 2), cfg.oracle_positions,
+                 list(cfg.lambdas))]
+    else:
+        held = TokenDataset.held_out(load_text(cfg.held_out), ByteTokenizer(), T, name=Path(cfg.held_out).name)
+        plan = [("held_out", held, cfg.held_out_batches, HELD_OUT_POLICIES, cfg.held_out_budgets, (1,),
+                 cfg.held_out_oracle_positions, list(cfg.held_out_lambdas))]
+    for name, ds, batches, policies, budgets, ks, oracle_pos, lam in plan:
         t0 = time.perf_counter()
-        lam = lambdas
         rep = evaluate_policies(model, ds, policies, batch_size=cfg.eval_batch_size, seq_len=T, max_batches=batches,
                                 matched_backbone=matched, references={"deeper_backbone": deeper}, lambdas=lam,
                                 oracle_positions=oracle_pos, seed=cfg.seed, oracle_lambdas=[0.0],
@@ -187,7 +191,7 @@ def _evaluate(cfg: TextStudyConfig, stages: dict[str, StageConfig], source: str,
         doc = rep.to_json()
         doc["wall_s"] = time.perf_counter() - t0
         doc["table"] = rep.table()
-        out[name] = doc
+        out = doc
     return out
 
 
@@ -207,9 +211,10 @@ def run_study(cfg: TextStudyConfig, model_cfg: PrismeConfig | None = None) -> di
     graph = {"backbone": [], "deeper": [], "matched": ["backbone"]}  # task -> tasks it needs
     for s in cfg.sources:
         graph[f"source:{s}"] = ["backbone"]
-        graph[f"eval:{s}"] = [f"source:{s}", "matched", "deeper"]
+        graph[f"eval_val:{s}"] = [f"source:{s}", "matched", "deeper"]
+        graph[f"eval_held_out:{s}"] = [f"source:{s}", "matched", "deeper"]
     order = ["backbone", "deeper"] + [f"source:{s}" for s in cfg.sources] + ["matched"] + \
-            [f"eval:{s}" for s in cfg.sources]
+            [f"eval_held_out:{s}" for s in cfg.sources] + [f"eval_val:{s}" for s in cfg.sources]
     done: dict[str, dict[str, Any]] = {}
 
     def submit(pool, name):
@@ -291,8 +296,9 @@ def assemble(cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[str, St
              done: dict[str, dict[str, Any]], total_s: float, jobs: int) -> dict[str, Any]:
     doc = {"model": model_cfg.to_dict(), "study": dataclasses.asdict(cfg),
            "stages": {k: v.to_dict() for k, v in stages.items()},
-           "training": {k: v["result"] for k, v in done.items() if not k.startswith("eval:")},
-           "sources": {s: done[f"eval:{s}"]["result"] for s in cfg.sources},
+           "training": {k: v["result"] for k, v in done.items() if not k.startswith("eval_")},
+           "sources": {s: {split: done[f"eval_{split}:{s}"]["result"] for split in ("val", "held_out")}
+                       for s in cfg.sources},
            "wall_s": {"total": total_s, **{k: v["wall_s"] for k, v in done.items()}, "jobs": jobs}}
     doc["verdicts"] = verdicts(doc)
     return doc

@@ -565,3 +565,21 @@ def test_controller_budget_caps_the_controller_and_equal_edits_rows():
     with pytest.raises(ValueError, match="controller_budget"):
         evaluate_policies(model, text_dataset(), ["controller"], batch_size=B, seq_len=T, max_batches=1,
                           lambdas=[0.0], controller_budget=model.cfg.r_max + 1)
+
+
+def test_cli_eval_controller_budget_and_kappa_reach_the_controller_rows(tmp_path):
+    """--controller-budget and --kappa-risk set the controller rows' budget and risk aversion (a large kappa takes
+    fewer edits); a negative kappa is a one-line error."""
+    model = make_model(vocab_size=256).float()
+    ckpt = save_checkpoint(tmp_path / "c" / "ckpt_000000", model, stage="controller", step=0,
+                           stage_config=StageConfig(stage="controller", dataset="austen", seq_len=16).to_dict())
+    out = tmp_path / "e.json"
+    base = ["eval", "--checkpoint", str(ckpt), "--batches", "1", "--policies", "controller", "--lambdas", "0"]
+    assert cli.main([*base, "--controller-budget", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert rows[0]["budget"] == 1 and 0 < rows[0]["mean_edits"] <= 1
+    assert cli.main([*base, "--json", str(out)]) == 0
+    edits = json.loads(out.read_text())["rows"][0]["mean_edits"]
+    assert cli.main([*base, "--kappa-risk", "1e9", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["rows"][0]["mean_edits"] < edits  # risky actions are no longer taken
+    assert cli.main([*base, "--kappa-risk", "-1"]) == 2
