@@ -325,6 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--recall-seeds", default="0",
                    help="seeds of the recall study run first (comma-separated; 'none' skips it)")
     s.add_argument("--jobs", type=int, default=0, help="worker processes (default 0 = one per CPU core)")
+    s.add_argument("--sources", default=None, help="bank sources of the text study (default: residual; "
+                   "residual,embedding = the full `prisme study text`)")
     s.add_argument("--backbone-keeps-learning", action="store_true",
                    help="stage 2 also trains the backbone, from its own loss only, on exactly the matched baseline's "
                         "steps (default: frozen, as SPEC stage 2)")

@@ -33,6 +33,7 @@ PROMPT = "It is a truth universally acknowledged, that"
 
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEMO_SOURCES = ("residual",)  # the demo's text study: the seed's bank (`prisme study text` adds "embedding")
 DEMO_CONFIGS = {"backbone": "demo_backbone.json", "workspace": "demo_workspace.json",
                 "matched": "demo_backbone_matched.json", "controller": "demo_controller.json"}
 _FOLDERS = {"backbone": "1_backbone", "workspace": "2_workspace", "matched": "3_backbone_matched",
@@ -105,11 +106,12 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
     1. the recall study on `recall_seeds` (None or [] skips it; with `scale` < 1 it runs in its quick mode);
     2. the text study (`prisme.study_text`): Austen with the demo preset (`model_cfg` replaces it: tests run a
        byte-level `tiny`), every policy against the backbone, the matched and a deeper backbone, on `eval_batches`
-       validation batches and the whole held-out text (`held_out`, default the embedded devils_dictionary), for each
-       bank source (`sources`, default both);
+       validation batches and the whole held-out text (`held_out`, default the embedded devils_dictionary), for the
+       bank sources `sources` (default: the seed's, which keeps the demo within its time; `prisme study text` runs
+       both);
     3. a short greedy sample from the seed's-bank controller.
     """
-    from .study_text import SOURCES, TextStudyConfig, format_report
+    from .study_text import TextStudyConfig, format_report
     from .study_text import run_study as run_text
 
     if scale <= 0:
@@ -124,7 +126,7 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
     cfg = model_cfg if model_cfg is not None else PrismeConfig.from_name("demo")
     if cfg.vocab_size < 256 or not cfg.use_workspace:
         raise ValueError(f"the demo needs a byte-level model (vocab_size >= 256) with a workspace, got {cfg.name!r}")
-    tcfg = TextStudyConfig(sources=list(sources or SOURCES), seed=seed, scale=scale, val_batches=eval_batches,
+    tcfg = TextStudyConfig(sources=list(sources or DEMO_SOURCES), seed=seed, scale=scale, val_batches=eval_batches,
                            out_dir=str(run / "text"), jobs=jobs, threads=max(1, threads or 1), progress=progress,
                            backbone_keeps_learning=backbone_keeps_learning,
                            **({} if held_out is None else {"held_out": held_out})).validate()
@@ -190,5 +192,7 @@ def main(args: argparse.Namespace) -> int:
              threads=threads if threads and threads > 0 else None, seed=getattr(args, "seed", 1337),
              backbone_keeps_learning=getattr(args, "backbone_keeps_learning", False),
              eval_batches=getattr(args, "eval_batches", 8), recall_seeds=recall_seeds,
-             jobs=getattr(args, "jobs", 0) or 0)
+             jobs=getattr(args, "jobs", 0) or 0,
+             sources=[v.strip() for v in args.sources.split(",") if v.strip()] if getattr(args, "sources", None)
+             else None)
     return 0

@@ -143,7 +143,9 @@ class WorkspaceObjective(nn.Module):
         head = _head_without_weight_grads(model.backbone) if self.isolate else None
         y_all = y
         ctx, actions, budget, y = self._labelled_queries(st, actions, budget, y)  # [b, Tq, ...], Tq <= T
-        S, slot_kv = ctx.S0, model.new_slot_kv(ctx.S0)
+        # Under autograd the slot K/V cache costs more than it saves (each write is an out-of-place copy of the whole
+        # cache, and so is its backward): train on the reference path, which computes the same function.
+        S, slot_kv = ctx.S0, None if torch.is_grad_enabled() else model.new_slot_kv(ctx.S0)
         ds_sum = H.new_zeros((), dtype=torch.float32)
         gate_sum = [H.new_zeros((), dtype=torch.float32) for _ in range(cfg.n_edit_blocks)]
         gate_n = H.new_zeros((), dtype=torch.float32)
