@@ -138,7 +138,8 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
         from .study_recall import format_table, run_study, study_config
 
         rcfg = study_config({"seeds": list(recall_seeds), "out_dir": str(run / "recall"), "quick": scale < 1,
-                             "jobs": jobs, "eval_sequences": 1024, "calibration_sequences": 512})  # the demo's share
+                             "jobs": jobs, "eval_sequences": 1024,  # the demo's share of the time
+                             "calibration_sequences": 1024})  # the study's own calibration set: the same lambda
         print(f"demo: the recall study (seeds {','.join(map(str, rcfg.seeds))}) in {run / 'recall'}", flush=True)
         doc = run_study(rcfg, progress=progress)
         print(format_table(doc) + "\n", flush=True)
