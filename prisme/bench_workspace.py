@@ -58,6 +58,7 @@ from .model import PrismeModel
 
 ROWS = tuple(SEED_ROWS)  # backbone_only, 4_actions_k1, 4_actions_k2, 8_actions_k2, 8_actions_dense16
 VARIANTS = ("opt", "seed")  # cfg.optimised True / False, same weights
+COMPILED = "compiled"  # with --compile: the seed model with its editor under torch.compile (prisme.compile)
 DEFAULT_PRESETS = ("demo", "prisme_103m")
 DEFAULT_THREADS = {"prisme_103m": 2, "prisme_459m": 2}  # other presets: 1
 TARGET_SHARE_RATIO = 1.15  # workspace time share <= 1.15 x its analytic ops share, at batch 8
@@ -68,7 +69,7 @@ WORKSPACE_COMPONENTS = tuple(c for c in COMPONENTS if c not in BACKBONE)
 
 # --------------------------------------------------------------------------------------------------------------- model
 def build_models(cfg: PrismeConfig, seed: int, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu") -> dict[str, PrismeModel]:
+                 device: str | torch.device = "cpu", compile: bool = False) -> dict[str, PrismeModel]:
     """The same seeded, untrained weights as `{"opt": cfg.optimised=True, "seed": cfg.optimised=False}`, eval mode.
 
     The readout's U (zero-initialised) gets N(0, init_std) weights, so edits reach the logits. The global RNG is
@@ -82,7 +83,15 @@ def build_models(cfg: PrismeConfig, seed: int, dtype: torch.dtype = torch.float3
         torch.nn.init.normal_(opt.readout.U.weight, std=cfg.init_std)
         ref = PrismeModel(cfg.replace(optimised=False))
     ref.load_state_dict(opt.state_dict())
-    return {v: m.to(device=device, dtype=dtype).eval() for v, m in (("opt", opt), ("seed", ref))}
+    models = {v: m.to(device=device, dtype=dtype).eval() for v, m in (("opt", opt), ("seed", ref))}
+    if compile:  # the seed accounting (every slot's K/V recomputed, in one graph per action group), compiled
+        from .compile import compile_editor
+
+        comp = PrismeModel(cfg.replace(optimised=False))
+        comp.load_state_dict(opt.state_dict())
+        models[COMPILED] = comp.to(device=device, dtype=dtype).eval()
+        compile_editor(models[COMPILED], strict=True)
+    return models
 
 
 def row_plan(cfg: PrismeConfig, row: str, batch: int) -> tuple[torch.Tensor | None, list[int]]:
@@ -263,7 +272,7 @@ class _Path:
 
 
 def _paths(models: dict[str, PrismeModel], batch: int, P: int, N: int, prompt: torch.Tensor,
-           variants: Sequence[str] = ("-", *VARIANTS)) -> list[_Path]:
+           variants: Sequence[str] = ("-", *VARIANTS, COMPILED)) -> list[_Path]:
     """Every row x model (of `variants`; "-" = backbone_only) at one batch size.
 
     Paths of the same model share one state prefilled with the prompt `[B, P]` (untimed), which every run rewinds
@@ -275,7 +284,7 @@ def _paths(models: dict[str, PrismeModel], batch: int, P: int, N: int, prompt: t
     out = []
     for row in ROWS:
         acts, counts = row_plan(cfg, row, batch)
-        for variant in ("-",) if acts is None else VARIANTS:
+        for variant in ("-",) if acts is None else [v for v in (*VARIANTS, COMPILED) if v in models]:
             if variant not in variants:
                 continue
             model_name = "opt" if variant == "-" else variant
@@ -308,7 +317,7 @@ def workspace_checks(models: dict[str, PrismeModel], batch: int, P: int, seed: i
     seq = make_sequence(cfg.vocab_size, batch, P + 2, seed, dev)
     prompt, new = seq[:, :P], seq[:, P:]
     with torch.inference_mode():
-        paths = {p.name: p for p in _paths(models, batch, P, 2, prompt, variants=VARIANTS)}
+        paths = {p.name: p for p in _paths(models, batch, P, 2, prompt, variants=(*VARIANTS, COMPILED))}
         k2 = paths["opt/4_actions_k2"]
         fresh = torch.cat(_decode(k2, new), 1)  # [B, 2, V], on the freshly prefilled state
         _decode(rewind_path(k2, P), (new + 1) % cfg.vocab_size)  # other tokens written past P
@@ -316,15 +325,20 @@ def workspace_checks(models: dict[str, PrismeModel], batch: int, P: int, seed: i
         with SplitTimer(list(models.values())):
             timed = torch.cat(_decode(rewind_path(k2, P), new), 1)
         seed_model = torch.cat(_decode(paths["seed/4_actions_k2"], new), 1)
+        compiled = (torch.cat(_decode(paths[f"{COMPILED}/4_actions_k2"], new), 1)
+                    if f"{COMPILED}/4_actions_k2" in paths else None)
         other = torch.cat(_decode(rewind_path(paths["opt/4_actions_k1"], P), new), 1)
         short = torch.cat(_decode(rewind_path(k2, P - 1), new), 1)
 
     def err(a: torch.Tensor, b: torch.Tensor) -> float:
         return float((a.double() - b.double()).abs().max())
 
-    return {"rewind_vs_fresh": err(again, fresh), "timer_transparency": err(timed, fresh),
-            "optimised_vs_seed": err(seed_model, fresh), "negative_rewind_short": err(short, fresh),
-            "negative_other_slots": err(other, fresh)}
+    out = {"rewind_vs_fresh": err(again, fresh), "timer_transparency": err(timed, fresh),
+           "optimised_vs_seed": err(seed_model, fresh), "negative_rewind_short": err(short, fresh),
+           "negative_other_slots": err(other, fresh)}
+    if compiled is not None:
+        out["compiled_vs_seed"] = err(compiled, seed_model)
+    return out
 
 
 def rewind_path(path: _Path, length: int) -> _Path:
@@ -348,7 +362,11 @@ def time_batch(models: dict[str, PrismeModel], batch: int, P: int, N: int, warmu
     seq = make_sequence(cfg.vocab_size, batch, P + N, seed, dev)
     prompt, new = seq[:, :P], seq[:, P:]
     paths = _paths(models, batch, P, N, prompt)
-    measured = {p.name: _measured_workspace_ops(p.model, p.state, P, new[:, :1], p.acts, p.budget) for p in paths}
+    measured = {p.name: _measured_workspace_ops(p.model, p.state, P, new[:, :1], p.acts, p.budget) for p in paths
+                if p.variant != COMPILED}
+    for p in paths:  # the compiled graph runs the seed model's ops (counted eagerly: a dispatch mode cannot see in)
+        if p.variant == COMPILED:
+            measured[p.name] = measured[f"seed/{p.row}"]
     splits: dict[str, list[dict[str, int]]] = {p.name: [] for p in paths}
     with SplitTimer(list(models.values())) as st:
         def setup(p: _Path) -> Callable[[], _Path]:
@@ -380,7 +398,7 @@ def time_batch(models: dict[str, PrismeModel], batch: int, P: int, N: int, warmu
         ws = [t / N - x for t, x in zip(samples[p.name], bb[p.name])]
         mods = [m / N for m in split_ms[p.name]["workspace_modules"]]
         bb50, ws50, mod50 = (percentiles(x)[0] for x in (bb[p.name], ws, mods))
-        optimised = p.variant != "seed"
+        optimised = p.variant not in ("seed", COMPILED)  # the compiled editor runs the seed's accounting
         acts = None if p.acts is None else p.acts[:, 0]  # [B, n]
         total, backbone = _analytic(cfg, acts, batch, P, N, optimised)
         seed_total, _ = _analytic(cfg, acts, batch, P, N, False)
@@ -502,7 +520,7 @@ def model_facts(model: PrismeModel) -> dict[str, Any]:
 def run_workspace(presets: Sequence[str | PrismeConfig] = DEFAULT_PRESETS, batches: Sequence[int] = (1, 8),
                   prompt_len: int = 128, new_tokens: int = 16, warmups: int = 1, repeats: int = 5,
                   threads: int | None = None, seed: int = 42, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                  profile: bool = False, profile_steps: int = 4) -> dict[str, Any]:
+                  profile: bool = False, profile_steps: int = 4, compile: bool = False) -> dict[str, Any]:
     """The whole protocol (module docstring) on each preset; returns the JSON document.
 
     presets: preset names or configs (each needs a workspace and r_max >= 8).
@@ -533,7 +551,7 @@ def run_workspace(presets: Sequence[str | PrismeConfig] = DEFAULT_PRESETS, batch
     for i, cfg in enumerate(cfgs):
         n_threads = DEFAULT_THREADS.get(cfg.name, 1) if threads is None else threads
         with torch_threads(n_threads):
-            models = build_models(cfg, seed, dtype, device)
+            models = build_models(cfg, seed, dtype, device, compile=compile)
             checks[cfg.name] = workspace_checks(models, min(2, max(batches)), prompt_len, seed)
             per_batch = [{"batch": b, "rows": [asdict(r) for r in time_batch(models, b, prompt_len, new_tokens,
                                                                              warmups, repeats, seed)]}
@@ -550,6 +568,7 @@ def run_workspace(presets: Sequence[str | PrismeConfig] = DEFAULT_PRESETS, batch
         "rewind_and_timers_exact": all(c["rewind_vs_fresh"] == 0 and c["timer_transparency"] == 0
                                        for c in checks.values()),
         f"optimised_vs_seed_le_{tol:g}": all(c["optimised_vs_seed"] <= tol for c in checks.values()),
+        f"compiled_vs_seed_le_{tol:g}": all(c.get("compiled_vs_seed", 0.0) <= tol for c in checks.values()),
         f"negative_controls_ge_{NEGATIVE_CONTROL_MIN:g}": all(
             min(c["negative_rewind_short"], c["negative_other_slots"]) >= NEGATIVE_CONTROL_MIN
             for c in checks.values()),
@@ -562,7 +581,9 @@ def run_workspace(presets: Sequence[str | PrismeConfig] = DEFAULT_PRESETS, batch
         "protocol": {
             "rows": {r: {"actions": SEED_ROWS[r][0], "slots_per_action": SEED_ROWS[r][1]} for r in ROWS},
             "dense_row": "n DENSE actions (id A + 1, all M slots); dense16 at M = 16",
-            "models": "same weights as cfg.optimised=True (opt) and cfg.optimised=False (seed)",
+            "models": "same weights as cfg.optimised=True (opt) and cfg.optimised=False (seed); with --compile also "
+                      "the seed model with its editor compiled (compiled: prisme.compile.compile_editor, analytic "
+                      "ops of the seed column, compiled once in the warm-up runs)",
             "batch_gt_1_budgets": "row b takes ceil((b + 1) n / B) actions then STOP (budget = that count)",
             "prompt_tokens": prompt_len, "decoded_tokens": new_tokens, "warmups": warmups, "repeats": repeats,
             "timer": "perf_counter_ns", "gradients": "torch.inference_mode", "path_order": "rotated each repeat",
@@ -611,7 +632,7 @@ def format_workspace_table(doc: dict[str, Any]) -> str:
             B = bt["batch"]
             lines += ["", f"{pr['preset']} ({params:,} parameters), {pr['threads']} thread(s), batch {B}"
                       + ("" if B == 1 else ": row b takes ceil((b+1) n / B) actions")]
-            lines.append(f"  {'row':<18}{'model':>5}{'ms/step':>9}{'[p95]':>8}{'us/tok':>9}{'x bb':>7}"
+            lines.append(f"  {'row':<18}{'model':>9}{'ms/step':>9}{'[p95]':>8}{'us/tok':>9}{'x bb':>7}"
                          f"{'ops x (seed/opt)':>17}{'bb ms':>8}{'ws ms':>8}{'mod ms':>8}{'ws us/tok':>10}{'ws/bb t':>8}"
                          f"{'ws/bb ops':>10}{'t/ops':>7}{'ws GF/s':>8}{'bb GF/s':>8}{'matmul/an':>10}")
             for r in bt["rows"]:
@@ -619,7 +640,7 @@ def format_workspace_table(doc: dict[str, Any]) -> str:
                 mm = (r["measured_workspace_matmul_ops_per_token"] / r["analytic_workspace_ops_first_step"]
                       if has and r["analytic_workspace_ops_first_step"] else float("nan"))
                 lines.append(
-                    f"  {r['row']:<18}{r['variant']:>5}{r['step_ms_p50']:>9.3f}{r['step_ms_p95']:>8.3f}"
+                    f"  {r['row']:<18}{r['variant']:>9}{r['step_ms_p50']:>9.3f}{r['step_ms_p95']:>8.3f}"
                     f"{r['token_us_p50']:>9.1f}{r['ratio_to_backbone_only']:>7.3f}"
                     f"{r['analytic_ratio_seed']:>9.3f}/{r['analytic_ratio_optimised']:<7.3f}"
                     f"{r['backbone_ms']:>8.3f}{r['workspace_ms']:>8.3f}{r['workspace_modules_ms']:>8.3f}"
@@ -639,6 +660,10 @@ def format_workspace_table(doc: dict[str, Any]) -> str:
                     saving.append(f"{row} {s['workspace_ms'] - o['workspace_ms']:+.3f} ms "
                                   f"({1 - o['workspace_ms'] / s['workspace_ms']:.1%}; ops {ops_saving:.1%})")
             lines.append("  optimised saving in workspace time (seed - opt): " + ", ".join(saving))
+            speed = [f"{row} {by[(row, 'seed')]['workspace_ms'] / by[(row, COMPILED)]['workspace_ms']:.2f}x"
+                     for row in ROWS[1:] if (row, COMPILED) in by and (row, "seed") in by]
+            if speed:
+                lines.append("  compiled editor, workspace time seed / compiled: " + ", ".join(speed))
     lines += ["", "columns: ms/step = one decode step of B tokens (p50 [p95]); x bb = / backbone_only;",
               "  ops x = analytic total / backbone of the same traces (seed / optimised column);",
               "  bb ms = backbone step + LM head inside the row's steps; ws ms = total - bb (what the workspace adds);",
@@ -675,5 +700,5 @@ def main(args: argparse.Namespace) -> int:
                         new_tokens=4 if args.quick else args.new_tokens, warmups=args.warmups,
                         repeats=2 if args.quick else args.repeats, threads=None if args.threads < 0 else args.threads,
                         seed=args.seed, dtype=DTYPES[args.dtype], device=args.device, profile=args.profile,
-                        profile_steps=args.profile_steps)
+                        profile_steps=args.profile_steps, compile=getattr(args, "compile", False))
     return emit(doc, format_workspace_table(doc), args.json)

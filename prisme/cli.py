@@ -23,6 +23,14 @@ import os
 import sys
 
 
+def _add_compile(parser: argparse.ArgumentParser) -> None:
+    """`--compile` / `--compile strict` on a command that runs the workspace (`prisme.compile.maybe_compile`)."""
+    parser.add_argument("--compile", nargs="?", const="auto", default=None, choices=["auto", "strict"],
+                        help="run the workspace editor under torch.compile (same results; its first calls "
+                             "compile); '--compile strict': an error where it cannot compile, instead of one "
+                             "warning and the eager editor")
+
+
 def _cmd_info(args: argparse.Namespace) -> int:
     import torch
 
@@ -158,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     ws.add_argument("--profile", action="store_true",
                     help="profile the workspace's ATen ops (last preset, largest batch, optimised model)")
     ws.add_argument("--profile-steps", type=int, default=4, help="decode steps per profiled row")
+    ws.add_argument("--compile", action="store_true",
+                    help="also time the seed model with its editor under torch.compile (variant 'compiled')")
     hf = _bench_parser(bsub, "vs-hf", help="the backbone vs the same weights in HF transformers (needs the hf extra): "
                          "logits, cached decode and prefill, eager and compiled")
     hf.add_argument("--shapes", default="seed001,prisme_103m", help="comma-separated: seed001, prisme_103m")
@@ -209,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: the config's)")
     s.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples of the paired intervals")
     s.add_argument("--bootstrap-seed", type=int, default=0, help="seed of the bootstrap resamples")
+    _add_compile(s)
     s.set_defaults(func=_cmd_eval)
 
     s = sub.add_parser("generate", help="generate text with the workspace (greedy or sampled, budget, lambda)")
@@ -234,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--threads", type=int, default=-1, help="torch CPU threads (-1 = leave as is)")
     s.add_argument("--show-edits", action="store_true", help="print how many edits each generated token got")
     s.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    _add_compile(s)
     s.set_defaults(func=_cmd_generate)
 
     s = sub.add_parser("costs", help="analytic ops per generated token: seed 000's rows (+ the optimised column)")
@@ -271,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="workspace stage: train the backbone too (train_backbone_in_workspace_stage)")
     s.add_argument("--threads", type=int, default=-1, help="torch CPU threads per process (-1 = leave as is)")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_compile(s)
     s.set_defaults(func=_cmd_train)
 
     s = sub.add_parser("tokenizer", help="tokenizer tools")
@@ -300,6 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override the recipe's bank and query source (e.g. residual: the seed's, for comparison)")
     r.add_argument("--configs", default=None, help="folder holding recall_*.json (default: the project's configs/)")
     r.add_argument("--no-progress", action="store_true", help="no per-run progress lines on stderr")
+    _add_compile(r)
     r.set_defaults(func=_cmd_study)
     t = ssub.add_parser("text", help="Austen + a held-out text: every policy vs the backbone, the matched and a "
                                      "deeper one, with paired intervals, for each bank source")
@@ -314,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--threads", type=int, default=None, help="torch CPU threads per worker (default 1)")
     t.add_argument("--json", default=None, help="also write the JSON document to this file (atomically)")
     t.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    _add_compile(t)
     t.set_defaults(func=_cmd_study)
 
     s = sub.add_parser("demo", help="run the main job on the embedded default corpus")
@@ -330,6 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--backbone-keeps-learning", action="store_true",
                    help="stage 2 also trains the backbone, from its own loss only, on exactly the matched baseline's "
                         "steps (default: frozen, as SPEC stage 2)")
+    _add_compile(s)
     s.set_defaults(func=_cmd_demo)
     return p
 

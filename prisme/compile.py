@@ -250,3 +250,114 @@ def compile_decode(backbone: Backbone, batch_size: int, max_len: int | None = No
     step = fixed_step if mode is None else FrozenCompile(fixed_step, mode, False, freeze, cpp_wrapper, math_attention)
     prefill = prompt_step if prefill_mode is None else FrozenCompile(prompt_step, prefill_mode, None, freeze)
     return CompiledDecoder(backbone, cache, mode, prefill_mode, freeze, step, prefill)
+
+
+# ------------------------------------------------------------------------------------------------ the workspace editor
+EDITOR_MODE = "default"
+
+
+class CompiledEditor:
+    """`editor.blocks_pass` (one action group through every editor block) under `torch.compile`, one compiled
+    function per (group size k, bank layout, autograd on/off), each with dynamic sizes (positions N, bank length Tb,
+    rows B), so the number of graphs is bounded: at most a few per key, whatever the batch, budget or context.
+
+    Installed by `compile_editor`; `SparseEditor.forward` then routes every action group through it, on the
+    seed-accounting path (each block recomputes the K/V of all M slots of an edited position, inside one graph: the
+    slot K/V cache is neither read nor kept). Its first call per key compiles; if that fails (no C++ compiler, an
+    unsupported op), the editor falls back to the eager `blocks_pass` for the rest of the process with one warning,
+    or raises `ValueError` when `strict`. A failed graph never produces an output: the call that failed is rerun
+    eagerly, so no run is ever half-compiled.
+    """
+
+    source: Callable[..., Any] | None = None  # what is compiled (None: `editor.blocks_pass`); `prisme.faults` swaps it
+
+    def __init__(self, mode: str | None = EDITOR_MODE, strict: bool = False):
+        self.mode, self.strict = mode, strict
+        self.graphs: dict[tuple[int, bool, bool], Callable[..., Any]] = {}
+        self.failed: str | None = None
+        self.calls = {"compiled": 0, "eager": 0}
+
+    def _get(self, key: tuple[int, bool, bool]) -> Callable[..., Any]:
+        fn = self.graphs.get(key)
+        if fn is None:
+            from .editor import blocks_pass
+
+            fn = torch.compile(own_code(CompiledEditor.source or blocks_pass), fullgraph=True, dynamic=True,
+                               options=compile_options(self.mode))
+            self.graphs[key] = fn
+        return fn
+
+    def __call__(self, blocks: Any, x: torch.Tensor, st: torch.Tensor, rem: torch.Tensor, S_pos: torch.Tensor,
+                 slots: torch.Tensor, bank_parts: tuple[torch.Tensor, ...], full: bool
+                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        from .editor import blocks_pass
+
+        args = (blocks, x, st, rem, S_pos, slots, bank_parts, full)
+        if self.failed is None:
+            key = (x.shape[1], bool(full), torch.is_grad_enabled())
+            try:
+                out = self._get(key)(*args)
+            except Exception as e:  # noqa: BLE001 - any compiler failure: report once, then run eagerly
+                self.failed = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
+                if self.strict:
+                    raise ValueError(f"--compile: the editor could not be compiled ({self.failed})") from e
+                warnings.warn(f"prisme: compiling the editor failed ({self.failed}); running it eagerly",
+                              stacklevel=2)
+            else:
+                self.calls["compiled"] += 1
+                return out
+        self.calls["eager"] += 1
+        return blocks_pass(*args)
+
+
+def compiler_available() -> str | None:
+    """None if torch.compile's CPU backend can build a kernel here, else why not (checked once, by compiling a tiny
+    function)."""
+    global _COMPILER_PROBE
+    if _COMPILER_PROBE is None:
+        try:
+            f = torch.compile(own_code(_probe), fullgraph=True)
+            with torch.no_grad():
+                ok = bool(torch.equal(f(torch.arange(4.0)), _probe(torch.arange(4.0))))
+            _COMPILER_PROBE = "" if ok else "a compiled probe gave a wrong result"
+        except Exception as e:  # noqa: BLE001
+            _COMPILER_PROBE = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
+    return _COMPILER_PROBE or None
+
+
+def _probe(x: torch.Tensor) -> torch.Tensor:
+    return torch.sin(x) * 2 + 1
+
+
+_COMPILER_PROBE: str | None = None
+
+
+def compile_editor(model: Any, mode: str | None = EDITOR_MODE, strict: bool = False) -> bool:
+    """Route `model`'s editor through a `CompiledEditor` (see there). Returns True if it compiles here.
+
+    Where torch.compile cannot work (no C++ compiler, ...), prints nothing, leaves the eager editor and returns False
+    after one warning; with `strict`, raises `ValueError` instead. `uncompile_editor` undoes it.
+    """
+    if getattr(model, "editor", None) is None:
+        raise ValueError("compile_editor needs a model with a workspace (use_workspace=True)")
+    why = compiler_available()
+    if why is not None:
+        if strict:
+            raise ValueError(f"--compile: torch.compile does not work here ({why})")
+        warnings.warn(f"prisme: torch.compile does not work here ({why}); the editor runs eagerly", stacklevel=2)
+        return False
+    model.editor.compiled = CompiledEditor(mode, strict)
+    return True
+
+
+def uncompile_editor(model: Any) -> None:
+    """Back to the eager editor (and its slot K/V cache where `cfg.optimised`)."""
+    model.editor.compiled = None
+
+
+
+def maybe_compile(model: Any, how: str | None) -> bool:
+    """`compile_editor` as `--compile` asks (None: leave the model eager); True if the editor is now compiled."""
+    if how is None or getattr(model, "editor", None) is None:
+        return False
+    return compile_editor(model, strict=how == "strict")

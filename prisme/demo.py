@@ -100,7 +100,7 @@ def _sample(model: torch.nn.Module, prompt: str, n_tokens: int, max_budget: int,
 def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | None = None, seed: int = 1337,
              backbone_keeps_learning: bool = False, eval_batches: int = 8, progress: bool = True,
              model_cfg: PrismeConfig | None = None, recall_seeds: list[int] | None = None, jobs: int = 0,
-             sources: list[str] | None = None, held_out: str | None = None) -> dict[str, Any]:
+             sources: list[str] | None = None, held_out: str | None = None, compile: str = "off") -> dict[str, Any]:
     """Run the demo end to end; returns the summary (also written to <run>/summary.json).
 
     1. the recall study on `recall_seeds` (None or [] skips it; with `scale` < 1 it runs in its quick mode);
@@ -128,7 +128,7 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
         raise ValueError(f"the demo needs a byte-level model (vocab_size >= 256) with a workspace, got {cfg.name!r}")
     tcfg = TextStudyConfig(sources=list(sources or DEMO_SOURCES), seed=seed, scale=scale, val_batches=eval_batches,
                            out_dir=str(run / "text"), jobs=jobs, threads=max(1, threads or 1), progress=progress,
-                           backbone_keeps_learning=backbone_keeps_learning,
+                           backbone_keeps_learning=backbone_keeps_learning, compile=compile,
                            **({} if held_out is None else {"held_out": held_out})).validate()
     run.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -138,7 +138,7 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
         from .study_recall import format_table, run_study, study_config
 
         rcfg = study_config({"seeds": list(recall_seeds), "out_dir": str(run / "recall"), "quick": scale < 1,
-                             "jobs": jobs, "eval_sequences": 1024,  # the demo's share of the time
+                             "jobs": jobs, "eval_sequences": 1024, "compile": compile,  # the demo's share of the time
                              "calibration_sequences": 1024})  # the study's own calibration set: the same lambda
         print(f"demo: the recall study (seeds {','.join(map(str, rcfg.seeds))}) in {run / 'recall'}", flush=True)
         doc = run_study(rcfg, progress=progress)
@@ -195,5 +195,5 @@ def main(args: argparse.Namespace) -> int:
              eval_batches=getattr(args, "eval_batches", 8), recall_seeds=recall_seeds,
              jobs=getattr(args, "jobs", 0) or 0,
              sources=[v.strip() for v in args.sources.split(",") if v.strip()] if getattr(args, "sources", None)
-             else None)
+             else None, compile=getattr(args, "compile", None) or "off")
     return 0

@@ -91,17 +91,57 @@ class BankView:
             mask[b_idx, self.rank] = masks
         self.mask = mask.unsqueeze(2).expand(B, self.n_max, k, Tb).reshape(B, 1, self.n_max * k, Tb)
 
+    def parts(self) -> tuple[torch.Tensor, ...]:
+        """The tensors `bank_attend` reads: (K, V `[B, nh, Tb, hd]`, mask `[B, 1, N_max k, Tb]`, b_idx, rank `[N]`)."""
+        return self.K, self.V, self.mask, self.b_idx, self.rank
+
     def attend(self, q: torch.Tensor) -> torch.Tensor:
         """q `[N, k, w]` -> attention output `[N, k, w]` over each position's causal bank."""
-        N, k, w = q.shape
-        B, n = self.B, self.n_max
-        if self.full:
-            qp = q.reshape(B, n * k, self.nh, w // self.nh)
-        else:
-            qp = q.new_zeros(B, n, k, w).index_put((self.b_idx, self.rank), q).view(B, n * k, self.nh, w // self.nh)
-        y = F.scaled_dot_product_attention(qp.transpose(1, 2), self.K, self.V, attn_mask=self.mask)  # [B, nh, nk, hd]
-        y = y.transpose(1, 2).reshape(B, n, k, w)
-        return y.view(N, k, w) if self.full else y[self.b_idx, self.rank]
+        return bank_attend(q, *self.parts(), self.full)
+
+
+def bank_attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch.Tensor, b_idx: torch.Tensor,
+                rank: torch.Tensor, full: bool) -> torch.Tensor:
+    """`BankView.attend` from its parts (every size read from a shape, so one compiled graph serves all of them)."""
+    N, k, w = q.shape
+    B, nh = K.shape[0], K.shape[1]
+    n = mask.shape[2] // k
+    if full:
+        qp = q.reshape(B, n * k, nh, w // nh)
+    else:
+        qp = q.new_zeros(B, n, k, w).index_put((b_idx, rank), q).view(B, n * k, nh, w // nh)
+    y = F.scaled_dot_product_attention(qp.transpose(1, 2), K, V, attn_mask=mask)  # [B, nh, nk, hd]
+    y = y.transpose(1, 2).reshape(B, n, k, w)
+    return y.view(N, k, w) if full else y[b_idx, rank]
+
+
+class _Bank:
+    """`BankView`'s attention from its parts (what a compiled group pass builds inside its graph)."""
+
+    def __init__(self, parts: tuple[torch.Tensor, ...], full: bool):
+        self._parts, self.full = parts, full
+
+    def attend(self, q: torch.Tensor) -> torch.Tensor:
+        return bank_attend(q, *self._parts, self.full)
+
+
+def blocks_pass(blocks: nn.ModuleList, x: torch.Tensor, st: torch.Tensor, rem: torch.Tensor, S_pos: torch.Tensor,
+                slots: torch.Tensor, bank_parts: tuple[torch.Tensor, ...], full: bool
+                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One action group through every editor block, seed accounting: each block reads the K/V of all M slots of the
+    position at its input (S_pos `[N, M, w]` with the group's slots `[N, k]` replaced by x `[N, k, w]`).
+
+    A pure function of tensors (and the bool `full`), so that `prisme.compile.compile_editor` can compile it; the
+    eager editor runs the very same function. Returns (x_out `[N, k, w]`, gates: one `[N, k, 1]` per block).
+    """
+    rows = torch.arange(x.shape[0], device=x.device).unsqueeze(1)  # [N, 1]
+    bank = _Bank(bank_parts, full)
+    gates = []
+    for blk in blocks:
+        kv = blk.slot_keys_values(S_pos.index_put((rows, slots), x.to(S_pos.dtype)))  # [N, M, 2w]
+        x, g = blk(x, st, rem, bank, kv)
+        gates.append(g)
+    return x, gates
 
 
 def _index_put_fn():
@@ -181,6 +221,7 @@ class SparseEditor(nn.Module):
         self.register_buffer("act_group", group, persistent=False)  # [A+2]
         self.register_buffer("act_slots", slots, persistent=False)  # [A+2, M]
         self.group_sizes = sizes
+        self.compiled = None  # a compiled `blocks_pass` (`prisme.compile.compile_editor`), or None: eager
 
     def _apply(self, fn, *args, **kwargs):  # the tables are derived from the config: valid after `to_empty` too
         out = super()._apply(fn, *args, **kwargs)
@@ -202,6 +243,8 @@ class SparseEditor(nn.Module):
         Returns:
             (S_new `[B, Tq, M, w]`, EditInfo); S_new is S itself when no position edits.
         """
+        if self.compiled is not None:  # the compiled pass recomputes every slot's K/V: no cache is read or kept
+            slot_kv = None
         group = self.act_group[action]  # [B, Tq]
         counts = torch.bincount(group.flatten() + 1, minlength=len(self.group_sizes) + 1).tolist()  # STOP first
         if sum(counts[1:]) == 0:
@@ -224,16 +267,18 @@ class SparseEditor(nn.Module):
             st, rem = step[b_idx, t_idx], remaining[b_idx, t_idx]  # [N]
             bank = BankView(K, V, bank_mask, b_idx, t_idx, self.cfg.n_ws_heads, k)
             cached = slot_kv is not None and g_id != dense_group
-            S_pos = None if cached else S[b_idx, t_idx]  # [N, M, w]
-            for i, blk in enumerate(self.blocks):
-                if not cached:  # seed accounting: K/V of all M slots at the block's input
-                    kv = blk.slot_keys_values(S_pos.index_put((rows, slots), x.to(S_pos.dtype)))  # [N, M, 2w]
-                else:  # cached K/V of the untouched slots; recompute only the action's slots (none at block 0)
+            if not cached:  # seed accounting: K/V of all M slots at each block's input
+                run = blocks_pass if self.compiled is None else self.compiled
+                x, gs = run(self.blocks, x, st, rem, S[b_idx, t_idx], slots, bank.parts(), bank.full)
+                for i, g in enumerate(gs):
+                    gates[i].append(g)
+            else:  # cached K/V of the untouched slots; recompute only the action's slots (none at block 0)
+                for i, blk in enumerate(self.blocks):
                     kv = slot_kv.kv[i][b_idx, t_idx]  # [N, M, 2w]
                     if i > 0:
                         kv = kv.index_put((rows, slots), blk.slot_keys_values(x).to(kv.dtype))
-                x, g = blk(x, st, rem, bank, kv)
-                gates[i].append(g)
+                    x, g = blk(x, st, rem, bank, kv)
+                    gates[i].append(g)
             S_new[bi, ti, slots] = x.to(S_new.dtype)  # (autocast computes x in lower precision)
             if cached:
                 for i, blk in enumerate(self.blocks):

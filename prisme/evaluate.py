@@ -883,6 +883,9 @@ def main(args: argparse.Namespace) -> int:
     if str(path) != str(args.checkpoint):
         print(f"note: using {path}", file=sys.stderr)
     model, meta = load_model(path, map_location=device)
+    from .compile import maybe_compile
+
+    maybe_compile(model, getattr(args, "compile", None))
     matched = None
     if args.matched_backbone:
         from .checkpoint import BACKBONE_FIELDS, config_diff

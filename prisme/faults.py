@@ -43,3 +43,22 @@ def unshifted_mask() -> Iterator[None]:
         yield
     finally:
         attention.causal_mask = original
+
+
+@contextlib.contextmanager
+def compiled_editor_unmasked() -> Iterator[None]:
+    """Editors compiled inside this block (`prisme.compile.CompiledEditor`) build a graph that ignores the bank's
+    causal mask, as a compiled path reading its whole preallocated bank would; the eager editor is untouched."""
+    from . import compile as compile_mod
+    from .editor import blocks_pass
+
+    def broken(blocks, x, st, rem, S_pos, slots, bank_parts, full):  # noqa: ANN001, ANN202 - blocks_pass's signature
+        K, V, mask, b_idx, rank = bank_parts
+        return blocks_pass(blocks, x, st, rem, S_pos, slots, (K, V, torch.ones_like(mask), b_idx, rank), full)
+
+    original = compile_mod.CompiledEditor.source
+    compile_mod.CompiledEditor.source = broken
+    try:
+        yield
+    finally:
+        compile_mod.CompiledEditor.source = original

@@ -768,6 +768,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"note: preset {args.preset!r} with random weights (pass --checkpoint for a trained model)",
               file=sys.stderr)
     model = model.to(device).eval()
+    from .compile import maybe_compile
+
+    maybe_compile(model, getattr(args, "compile", None))
     ids_mode = getattr(args, "prompt_ids", None) is not None
     if not ids_mode and tokenizer.vocab_size > model.cfg.vocab_size:
         what = "the byte tokenizer" if args.tokenizer == "byte" else f"tokenizer {args.tokenizer}"

@@ -71,6 +71,7 @@ class RecallStudyConfig:
     quick: bool = False  # one seed, few steps: a smoke run of every phase
     bank_source: str | None = None  # override the recipe's bank source (and query source), e.g. "residual"
     config_dir: str | None = None  # where the recall_*.json recipe lives (default: the project's configs/)
+    compile: str = "off"  # the editor under torch.compile in stages 2-3 and the evaluation ("auto" | "strict")
 
     def validate(self) -> RecallStudyConfig:
         def need(ok: bool, msg: str) -> None:
@@ -90,6 +91,8 @@ class RecallStudyConfig:
                                            for x in self.lambdas),
              f"lambdas must be a non-empty list of finite numbers >= 0, got {self.lambdas!r}")
         need(0 <= self.accuracy_tolerance < 1, f"accuracy_tolerance must be in [0, 1), got {self.accuracy_tolerance}")
+        need(self.compile in ("off", "auto", "strict"), f"compile must be 'off', 'auto' or 'strict', got "
+             f"{self.compile!r}")
         return self
 
 
@@ -209,13 +212,18 @@ def run_task(task: dict[str, Any]) -> dict[str, Any]:
     results = {}
     for name, s in zip(names, task["stages"]):
         t0 = time.perf_counter()
-        s = s.replace(seed=task["seed"], out_dir=str(folder / name), init_from=init, progress=False)
+        s = s.replace(seed=task["seed"], out_dir=str(folder / name), init_from=init, progress=False,
+                      compile=cfg.compile)
         res = train_stage(task["model"] if s.stage == "backbone" else None, s)
         wall[s.stage] = time.perf_counter() - t0
         init = str(res.checkpoint)
         results[s.stage] = res
     t0 = time.perf_counter()
     model, _ = load_model(init)
+    if cfg.compile != "off" and task["kind"] != "control":
+        from .compile import maybe_compile
+
+        maybe_compile(model, cfg.compile)
     if task["kind"] == "control":
         entry = {"accuracy": evaluate_backbone(model, task["mqar"], EVAL_SEED + task["seed"], cfg.eval_sequences),
                  "layers": task["layers"],
@@ -623,7 +631,8 @@ def main(args: Any) -> int:
     """`prisme study recall`."""
     seeds = parse_seeds(args.seeds) if args.seeds is not None else None
     cfg = study_config({"seeds": seeds, "out_dir": args.out, "jobs": args.jobs, "threads": args.threads,
-                        "quick": args.quick, "bank_source": args.bank_source}, args.configs)
+                        "quick": args.quick, "bank_source": args.bank_source,
+                        "compile": getattr(args, "compile", None) or "off"}, args.configs)
     doc = run_study(cfg, progress=not args.no_progress)
     print(format_table(doc))
     text = json.dumps(doc, indent=2, allow_nan=False)

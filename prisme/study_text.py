@@ -71,6 +71,7 @@ class TextStudyConfig:
     threads: int = 1  # torch threads per worker
     progress: bool = True
     backbone_keeps_learning: bool = False  # stage 2 also trains the backbone (from its own loss, the matched steps)
+    compile: str = "off"  # the editor under torch.compile in stages 2-3 and the evaluation ("auto" | "strict")
 
     def validate(self) -> TextStudyConfig:
         def need(ok: bool, msg: str) -> None:
@@ -96,6 +97,8 @@ class TextStudyConfig:
              f"controller_budget must be an int >= 1, got {self.controller_budget!r}")
         need(isinstance(self.kappa_risk, (int, float)) and math.isfinite(self.kappa_risk) and self.kappa_risk >= 0,
              f"kappa_risk must be a finite number >= 0, got {self.kappa_risk!r}")
+        need(self.compile in ("off", "auto", "strict"), f"compile must be 'off', 'auto' or 'strict', got "
+             f"{self.compile!r}")
         return self
 
 
@@ -110,7 +113,8 @@ def stage_configs(cfg: TextStudyConfig, model_cfg: PrismeConfig) -> dict[str, St
     s1, s2 = st["backbone"], st["workspace"]
     steps = s1.steps + math.ceil(s2.steps * s2.batch_size * s2.seq_len / (s1.batch_size * s1.seq_len))
     st["deeper"] = s1.replace(steps=steps, out_dir=str(run / "deeper_backbone"))
-    return {k: v.replace(progress=False) for k, v in st.items()}
+    ws_stages = ("workspace", "controller")
+    return {k: v.replace(progress=False, compile=cfg.compile if k in ws_stages else "off") for k, v in st.items()}
 
 
 def source_config(base: PrismeConfig, source: str) -> PrismeConfig:
@@ -167,6 +171,10 @@ def _evaluate(cfg: TextStudyConfig, stages: dict[str, StageConfig], source: str,
 
     run = Path(cfg.out_dir)
     model, _ = load_model(run / source / "4_controller")
+    if cfg.compile != "off":
+        from .compile import maybe_compile
+
+        maybe_compile(model, cfg.compile)
     matched, _ = load_model(stages["matched"].out_dir)
     deeper, _ = load_model(stages["deeper"].out_dir)
     T = stages["workspace"].seq_len
@@ -320,7 +328,7 @@ def main(args: Any) -> int:
     cfg = TextStudyConfig(sources=sources, seed=args.seed, scale=args.scale, out_dir=args.out or "runs/text",
                           jobs=args.jobs or 0, threads=args.threads or 1, progress=not args.no_progress,
                           val_batches=None if args.val_batches == "all" else int(args.val_batches),
-                          held_out=args.held_out)
+                          held_out=args.held_out, compile=getattr(args, "compile", None) or "off")
     doc = run_study(cfg)
     print(format_report(doc))
     text = json.dumps(doc, indent=2, allow_nan=False)

@@ -49,7 +49,7 @@ from .objectives import OBJECTIVES
 
 STAGES = ("backbone", "workspace", "controller")
 _RESUME_FREE = ("steps", "resume", "reschedule", "out_dir", "init_from", "progress", "log_every", "eval_every",
-                "eval_batches", "ckpt_every", "keep_last", "log_tensorboard", "device", "cache_dir")
+                "eval_batches", "ckpt_every", "keep_last", "log_tensorboard", "device", "cache_dir", "compile")
 PREVIOUS = {"workspace": "backbone", "controller": "workspace"}
 ACCEPTS_INIT = {"backbone": ("backbone", "workspace", "controller", "export"),
                 "workspace": ("backbone", "workspace"), "controller": ("workspace", "controller")}
@@ -117,6 +117,8 @@ class StageConfig:
     log_every: int = 10  # JSONL/tensorboard train row every this many steps
     log_tensorboard: bool = False  # also write tensorboard events to out_dir/tb (needs `pip install prisme[tb]`)
     progress: bool = True  # tqdm progress bar (rank 0)
+    compile: str = "off"  # workspace and controller stages: "auto" = the editor under torch.compile where it works
+    #   (one warning and eager elsewhere), "strict" = an error where it cannot compile, "off" = eager
 
     def validate(self) -> StageConfig:
         """Raise ValueError naming the field for every bad value; returns self."""
@@ -166,6 +168,8 @@ class StageConfig:
              f"aux_prev_token={self.aux_prev_token} needs train_backbone_in_workspace_stage=True (it trains H)")
         need(self.dtype in DTYPES, f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         need(self.parallel in ("ddp", "fsdp"), f"parallel must be 'ddp' or 'fsdp', got {self.parallel!r}")
+        need(self.compile in ("off", "auto", "strict"), f"compile must be 'off', 'auto' or 'strict', got "
+             f"{self.compile!r}")
         need(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
              f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         need(isinstance(self.mqar, dict), f"mqar must be a dict of MQARConfig fields, got {type(self.mqar).__name__}")
@@ -544,6 +548,10 @@ class _Trainer:
 
         # ---- model, objective, generators
         self.model = model = model.to(device=device, dtype=DTYPES[scfg.dtype])
+        if scfg.compile != "off" and scfg.stage != "backbone":
+            from .compile import maybe_compile
+
+            maybe_compile(model, scfg.compile)
         self.params = _trainable(model, scfg)
         if not self.params:
             raise ValueError(f"stage {scfg.stage!r} has no parameters to train in model {cfg.name!r}")
@@ -895,6 +903,8 @@ def main(args: Any) -> int:
         changes["progress"] = False
     if args.backbone_keeps_learning:
         changes["train_backbone_in_workspace_stage"] = True
+    if getattr(args, "compile", None):
+        changes["compile"] = args.compile
     if scfg is None:
         if "stage" not in changes:
             raise ValueError("pass --config FILE or at least --stage")

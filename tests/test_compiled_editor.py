@@ -1,0 +1,222 @@
+"""The compiled editor (`prisme.compile.compile_editor`): the same logits, traces and gradients as the eager editor
+on forced actions (singles, pairs, DENSE, STOP, ragged budgets), the controller's rollout, ragged batched decoding
+and a training step; the editor contracts hold on its padded graphs; a wrongly compiled graph is caught; and where
+torch.compile cannot work, one warning and the eager path (or a ValueError when asked strictly).
+
+Tolerance: float64, 1e-10 (the compiled graph sums in another order: differences are ~1e-15); `prisme bench
+workspace --compile` checks float32 at 1e-4. The models have one editor block, and the inference tests share one
+compiled editor (a module fixture), so the whole file compiles a handful of graphs: compilation is most of its time.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_close
+
+from prisme import faults
+from prisme.compile import CompiledEditor, compile_editor, uncompile_editor
+from prisme.config import PrismeConfig
+from prisme.model import PrismeModel
+
+TOL = {torch.float64: 1e-10}
+NEGATIVE_MIN = 1e-3
+
+
+def make_model(dtype: torch.dtype, seed: int = 0) -> PrismeModel:
+    """A random tiny model whose every edit shows in the logits and whose controller both edits and stops."""
+    torch.manual_seed(seed)
+    model = PrismeModel(PrismeConfig.from_name("tiny", ws_init="seed", n_edit_blocks=1)).to(dtype).eval()
+    torch.nn.init.normal_(model.readout.U.weight, std=0.5)
+    with torch.no_grad():
+        for p in model.controller.parameters():
+            torch.nn.init.normal_(p, std=0.3)
+    return model
+
+
+def forced_actions(cfg: PrismeConfig, B: int, T: int, R: int, seed: int = 3, singles_only: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random actions `[B, T, R]` over every group (singles, pairs, DENSE; or single slots only) with STOPs, and
+    budgets `[B, T]`."""
+    g = torch.Generator().manual_seed(seed)
+    acts = torch.randint(0, cfg.n_slots if singles_only else cfg.dense_action + 1, (B, T, R), generator=g)
+    budget = torch.randint(1, R + 1, (B, T), generator=g)
+    acts = torch.where(torch.arange(R).view(1, 1, R) < budget.unsqueeze(-1), acts, cfg.stop_action)
+    return acts, budget
+
+
+@pytest.fixture(scope="module")
+def pair64() -> tuple[PrismeModel, PrismeModel]:
+    """(eager, compiled) float64 models with the same weights."""
+    eager, comp = make_model(torch.float64), make_model(torch.float64)
+    assert compile_editor(comp, strict=True)
+    return eager, comp
+
+
+def test_compiled_editor_forced_actions_equal_eager_float64(pair64):
+    eager, comp = pair64
+    tokens = torch.randint(0, eager.cfg.vocab_size, (3, 12), generator=torch.Generator().manual_seed(1))
+    acts, budget = forced_actions(eager.cfg, 3, 12, 3)
+    with torch.no_grad():
+        ref = eager(tokens, acts, budget, return_state=True)
+        out = comp(tokens, acts, budget, return_state=True)
+    assert_close(out.logits, ref.logits, TOL[torch.float64], "compiled vs eager logits")
+    assert_close(out.S_final, ref.S_final, TOL[torch.float64], "compiled vs eager workspace")
+    assert comp.editor.compiled.calls["compiled"] > 0 and comp.editor.compiled.calls["eager"] == 0
+    # the same graphs serve another batch, length and budget (dynamic sizes)
+    tokens2 = torch.randint(0, eager.cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(2))
+    acts2, budget2 = forced_actions(eager.cfg, 2, 7, 2, seed=4)
+    with torch.no_grad():
+        assert_close(comp(tokens2, acts2, budget2).logits, eager(tokens2, acts2, budget2).logits,
+                     TOL[torch.float64], "second shape")
+
+
+def test_compiled_editor_contracts_idle_positions_and_untouched_slots_bitwise(pair64):
+    """Positions that STOP keep the backbone's logits bitwise, and slots outside an action keep their values bitwise,
+    on the compiled path too (its graphs run on the gathered, padded positions; nothing else is written)."""
+    eager, comp = pair64
+    cfg = comp.cfg
+    tokens = torch.randint(0, cfg.vocab_size, (2, 10), generator=torch.Generator().manual_seed(5))
+    acts = torch.full((2, 10, 1), cfg.stop_action)
+    # single-slot edits of slot 0 at (0, 3), (0, 5), (1, 2); pair edits of slots (0, 1) at (1, 7), (1, 8), (0, 9)
+    acts[0, 3, 0] = acts[0, 5, 0] = acts[1, 2, 0] = 0
+    acts[1, 7, 0] = acts[1, 8, 0] = acts[0, 9, 0] = cfg.n_slots
+    with torch.no_grad():
+        out = comp(tokens, acts, return_state=True)
+        backbone = comp.backbone.head(comp.backbone(tokens))
+    idle = acts[..., 0] == cfg.stop_action
+    assert torch.equal(out.logits[idle], backbone[idle])
+    assert not torch.equal(out.logits[0, 3], backbone[0, 3])
+    S0 = out.ctx.S0
+    for b, t in ((0, 3), (0, 5), (1, 2)):
+        assert torch.equal(out.S_final[b, t, 1:], S0[b, t, 1:]) and not torch.equal(out.S_final[b, t, 0], S0[b, t, 0])
+    for b, t in ((1, 7), (1, 8), (0, 9)):
+        assert torch.equal(out.S_final[b, t, 2:], S0[b, t, 2:]) and not torch.equal(out.S_final[b, t, :2],
+                                                                                      S0[b, t, :2])
+    assert torch.equal(out.S_final[idle], S0[idle])
+
+
+def test_compiled_editor_controller_rollout_equals_eager(pair64):
+    eager, comp = pair64
+    tokens = torch.randint(0, eager.cfg.vocab_size, (2, 11), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        ref = eager.forward_policy(tokens, 3, lambda_cost=0.0)
+        out = comp.forward_policy(tokens, 3, lambda_cost=0.0)
+    assert torch.equal(out.actions, ref.actions) and torch.equal(out.n_edits, ref.n_edits)
+    assert (ref.actions != eager.cfg.stop_action).any() and (ref.actions == eager.cfg.stop_action).any()
+    assert_close(out.logits, ref.logits, TOL[torch.float64], "controller logits")
+
+
+def test_compiled_editor_ragged_batched_decoding_equals_eager(pair64):
+    """Rows of different lengths, fed in chunks, with the controller deciding: the same traces and logits."""
+    eager, comp = pair64
+    lengths = [9, 5, 7]
+    tokens = torch.randint(0, eager.cfg.vocab_size, (3, 9), generator=torch.Generator().manual_seed(7))
+    outs = {}
+    for name, m in (("eager", eager), ("compiled", comp)):
+        state = m.new_decode_state(3, max_len=12)
+        logits, actions = [], []
+        with torch.inference_mode():
+            for i in range(0, 9, 2):
+                n_new = [min(max(L - i, 0), 2) for L in lengths]
+                o = state.decode_step(tokens[:, i:i + 2], n_new, max_budget=3, lambda_cost=0.0)
+                logits.append(o.logits)
+                actions.append(o.actions)
+        outs[name] = torch.cat(logits, 1), torch.cat(actions, 1)
+    assert torch.equal(outs["compiled"][1], outs["eager"][1])
+    for b, L in enumerate(lengths):
+        assert_close(outs["compiled"][0][b, :L], outs["eager"][0][b, :L], TOL[torch.float64], f"row {b}")
+
+
+def test_compiled_editor_training_gradients_equal_eager():
+    """A workspace-stage loss and its gradients through the compiled editor (autograd graphs) equal eager (single-slot
+    actions: one graph to compile)."""
+    eager, comp = make_model(torch.float64, seed=1).train(), make_model(torch.float64, seed=1).train()
+    assert compile_editor(comp, strict=True)
+    tokens = torch.randint(0, eager.cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(8))
+    acts, budget = forced_actions(eager.cfg, 2, 8, 2, seed=9, singles_only=True)
+    grads = {}
+    for name, m in (("eager", eager), ("compiled", comp)):
+        m.zero_grad()
+        logits = m(tokens[:, :-1], acts[:, :-1], budget[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        grads[name] = (loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()
+                                       if p.grad is not None and n.startswith("editor.")})
+    assert_close(grads["compiled"][0], grads["eager"][0], TOL[torch.float64], "loss")
+    assert grads["eager"][1].keys() == grads["compiled"][1].keys() and grads["eager"][1]
+    for n, g in grads["eager"][1].items():
+        assert_close(grads["compiled"][1][n], g, TOL[torch.float64], n)
+    assert comp.editor.compiled.calls["compiled"] > 0
+
+
+def test_negative_control_a_compiled_graph_that_ignores_the_bank_mask_is_caught(pair64):
+    """The equivalence check of the first test, on an editor compiled under `faults.compiled_editor_unmasked`
+    (every position reads the whole bank, the future included): the logits move far past the tolerance (single-slot
+    actions: one graph to compile)."""
+    eager, _ = pair64
+    broken = make_model(torch.float64)
+    tokens = torch.randint(0, eager.cfg.vocab_size, (3, 12), generator=torch.Generator().manual_seed(1))
+    acts, budget = forced_actions(eager.cfg, 3, 12, 3, singles_only=True)
+    with faults.compiled_editor_unmasked():
+        assert compile_editor(broken, strict=True)
+        with torch.no_grad():
+            bad = broken(tokens, acts, budget).logits
+    with torch.no_grad():
+        ref = eager(tokens, acts, budget).logits
+    assert (bad - ref).abs().max().item() > NEGATIVE_MIN
+    uncompile_editor(broken)  # the eager editor of the same model is right
+    with torch.no_grad():
+        assert_close(broken(tokens, acts, budget).logits, ref, 0.0, "uncompiled")
+
+
+def test_no_compiler_gives_one_warning_and_the_eager_editor_or_a_value_error_when_strict(monkeypatch):
+    import prisme.compile as pc
+
+    monkeypatch.setattr(pc, "_COMPILER_PROBE", "InvalidCxxCompiler: no working C++ compiler found")
+    model = make_model(torch.float32)
+    with pytest.warns(UserWarning, match="torch.compile does not work here"):
+        assert compile_editor(model) is False
+    assert model.editor.compiled is None
+    with pytest.raises(ValueError, match="torch.compile does not work here.*InvalidCxxCompiler"):
+        compile_editor(model, strict=True)
+
+
+def test_a_graph_that_fails_to_compile_reruns_eagerly_never_half_compiled(monkeypatch):
+    """The first compiled call raises (as a compiler crash would): that call's result comes from the eager pass,
+    with one warning, and every later call runs eagerly; strict mode raises ValueError instead."""
+    model, ref_model = make_model(torch.float32), make_model(torch.float32)
+    model.editor.compiled = CompiledEditor()
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("backend compiler failed")
+
+    monkeypatch.setattr(CompiledEditor, "_get", lambda self, key: crash)
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(3))
+    acts, budget = forced_actions(model.cfg, 2, 6, 2)
+    with torch.no_grad(), pytest.warns(UserWarning, match="compiling the editor failed.*backend compiler failed"):
+        out = model(tokens, acts, budget).logits
+    with torch.no_grad():
+        assert torch.equal(out, ref_model(tokens, acts, budget).logits)
+    assert model.editor.compiled.calls == {"compiled": 0, "eager": model.editor.compiled.calls["eager"]}
+    model.editor.compiled = CompiledEditor(strict=True)
+    with torch.no_grad(), pytest.raises(ValueError, match="could not be compiled"):
+        model(tokens, acts, budget)
+
+
+def test_compile_editor_rejects_a_model_without_a_workspace():
+    model = PrismeModel(PrismeConfig.from_name("tiny", use_workspace=False))
+    with pytest.raises(ValueError, match="workspace"):
+        compile_editor(model)
+
+
+@pytest.mark.gpu
+def test_compiled_editor_forced_actions_equal_eager_on_cuda():
+    eager = make_model(torch.float32).cuda()
+    comp = make_model(torch.float32).cuda()
+    assert compile_editor(comp, strict=True)
+    tokens = torch.randint(0, eager.cfg.vocab_size, (3, 12), generator=torch.Generator().manual_seed(1)).cuda()
+    acts, budget = forced_actions(eager.cfg, 3, 12, 3)
+    with torch.no_grad():
+        assert_close(comp(tokens, acts.cuda(), budget.cuda()).logits, eager(tokens, acts.cuda(), budget.cuda()).logits,
+                     1e-4, "cuda compiled vs eager")
