@@ -254,6 +254,11 @@ def compile_decode(backbone: Backbone, batch_size: int, max_len: int | None = No
 
 # ------------------------------------------------------------------------------------------------ the workspace editor
 EDITOR_MODE = "default"
+# Fewer active positions than this in one action group run the eager pass: below it the compiled graph's per-call
+# cost (guards, dynamic-size bookkeeping: ~1 ms on a 2-core x86 CPU) exceeds what it saves. Measured there (demo
+# preset, 1 thread, one single-slot action, bank of 128; eager vs compiled ms per call): N = 8 0.92 vs 1.93,
+# N = 64 2.53 vs 2.50, N = 128 4.17 vs 4.11, N = 256 12.9 vs 7.6 (scratch measurements, docs/benchmarks.md).
+MIN_POSITIONS = 128
 
 
 class CompiledEditor:
@@ -265,27 +270,37 @@ class CompiledEditor:
     seed-accounting path (each block recomputes the K/V of all M slots of an edited position, inside one graph: the
     slot K/V cache is neither read nor kept). Its first call per key compiles; if that fails (no C++ compiler, an
     unsupported op), the editor falls back to the eager `blocks_pass` for the rest of the process with one warning,
+    (groups with fewer than `min_positions` active positions always run eagerly: see `MIN_POSITIONS`)
     or raises `ValueError` when `strict`. A failed graph never produces an output: the call that failed is rerun
     eagerly, so no run is ever half-compiled.
     """
 
     source: Callable[..., Any] | None = None  # what is compiled (None: `editor.blocks_pass`); `prisme.faults` swaps it
 
-    def __init__(self, mode: str | None = EDITOR_MODE, strict: bool = False):
-        self.mode, self.strict = mode, strict
+    def __init__(self, mode: str | None = EDITOR_MODE, strict: bool = False, min_positions: int = MIN_POSITIONS,
+                 static_decode: bool = True):
+        self.mode, self.strict, self.min_positions = mode, strict, min_positions
+        self.static_decode = static_decode  # decode steps (one query per row) on fixed-shape graphs: `static`
         self.graphs: dict[tuple[int, bool, bool], Callable[..., Any]] = {}
         self.failed: str | None = None
-        self.calls = {"compiled": 0, "eager": 0}
+        self.calls = {"compiled": 0, "eager": 0, "eager_small": 0}  # eager_small: fewer than min_positions
 
-    def _get(self, key: tuple[int, bool, bool]) -> Callable[..., Any]:
+    def _get(self, key: tuple[Any, ...]) -> Callable[..., Any]:
         fn = self.graphs.get(key)
         if fn is None:
             from .editor import blocks_pass
 
-            fn = torch.compile(own_code(CompiledEditor.source or blocks_pass), fullgraph=True, dynamic=True,
-                               options=compile_options(self.mode))
+            fn = torch.compile(own_code(CompiledEditor.source or blocks_pass), fullgraph=True,
+                               dynamic=key[0] != "static", options=compile_options(self.mode))
             self.graphs[key] = fn
         return fn
+
+    def static(self, k: int) -> Callable[..., Any]:
+        """`blocks_pass` for a decode step of group size k on fixed shapes (all B rows, the bank at its capacity):
+        one graph per (k, B, capacity), each compiled without dynamic sizes, and so without their per-call cost."""
+        def run(*args: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+            return self._call(("static", k, torch.is_grad_enabled()), args)
+        return run
 
     def __call__(self, blocks: Any, x: torch.Tensor, st: torch.Tensor, rem: torch.Tensor, S_pos: torch.Tensor,
                  slots: torch.Tensor, bank_parts: tuple[torch.Tensor, ...], full: bool
@@ -293,8 +308,15 @@ class CompiledEditor:
         from .editor import blocks_pass
 
         args = (blocks, x, st, rem, S_pos, slots, bank_parts, full)
+        if x.shape[0] < self.min_positions:
+            self.calls["eager_small"] += 1
+            return blocks_pass(*args)
+        return self._call((x.shape[1], bool(full), torch.is_grad_enabled()), args)
+
+    def _call(self, key: tuple[Any, ...], args: tuple[Any, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        from .editor import blocks_pass
+
         if self.failed is None:
-            key = (x.shape[1], bool(full), torch.is_grad_enabled())
             try:
                 out = self._get(key)(*args)
             except Exception as e:  # noqa: BLE001 - any compiler failure: report once, then run eagerly
@@ -332,7 +354,8 @@ def _probe(x: torch.Tensor) -> torch.Tensor:
 _COMPILER_PROBE: str | None = None
 
 
-def compile_editor(model: Any, mode: str | None = EDITOR_MODE, strict: bool = False) -> bool:
+def compile_editor(model: Any, mode: str | None = EDITOR_MODE, strict: bool = False,
+                   min_positions: int = MIN_POSITIONS) -> bool:
     """Route `model`'s editor through a `CompiledEditor` (see there). Returns True if it compiles here.
 
     Where torch.compile cannot work (no C++ compiler, ...), prints nothing, leaves the eager editor and returns False
@@ -346,7 +369,9 @@ def compile_editor(model: Any, mode: str | None = EDITOR_MODE, strict: bool = Fa
             raise ValueError(f"--compile: torch.compile does not work here ({why})")
         warnings.warn(f"prisme: torch.compile does not work here ({why}); the editor runs eagerly", stacklevel=2)
         return False
-    model.editor.compiled = CompiledEditor(mode, strict)
+    if isinstance(min_positions, bool) or not isinstance(min_positions, int) or min_positions < 0:
+        raise ValueError(f"min_positions must be an int >= 0, got {min_positions!r}")
+    model.editor.compiled = CompiledEditor(mode, strict, min_positions)
     return True
 
 

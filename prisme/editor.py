@@ -250,6 +250,8 @@ class SparseEditor(nn.Module):
         if sum(counts[1:]) == 0:
             return S, EditInfo(0, [], slot_kv)
         dense_group = len(self.group_sizes) - 1
+        if self.compiled is not None and self.compiled.static_decode and bank_mask.shape[1] == 1 and S.shape[1] == 1:
+            return self._padded_forward(S, K, V, bank_mask, action, step, remaining, group, counts)
         if slot_kv is not None and sum(counts[1:-1]):  # DENSE rewrites every slot: no cache to reuse
             slot_kv = self._fill_slot_kv(S, slot_kv, (group >= 0) & (group != dense_group))
         S_new = S.clone()
@@ -287,6 +289,40 @@ class SparseEditor(nn.Module):
         if slot_kv is not None:
             out_kv = SlotKV(kv_new, slot_kv.ready & (group != dense_group) if counts[-1] else slot_kv.ready)
         return S_new, EditInfo(sum(counts[1:]), gates, out_kv)
+
+    def _padded_forward(self, S: torch.Tensor, K: torch.Tensor, V: torch.Tensor, bank_mask: torch.Tensor,
+                        action: torch.Tensor, step: torch.Tensor, remaining: torch.Tensor, group: torch.Tensor,
+                        counts: list[int]) -> tuple[torch.Tensor, EditInfo]:
+        """A decode step (one query per row, Tq = 1) on the compiled editor's fixed-shape graphs: every action group
+        present runs on all B rows (rows of other groups, or that STOP, run along on the group's first action's
+        slots) against the whole bank K, V `[B, Tb, w]` (the decode state passes its capacity, so Tb is fixed), and
+        only the rows that took an action of the group are written. Outputs of the other rows are dropped, so idle
+        rows and untouched slots stay bitwise unchanged. Seed accounting (no slot K/V cache)."""
+        B, _, M, w = S.shape
+        Tb = K.shape[1]
+        nh = self.cfg.n_ws_heads
+        Kh = K.view(B, Tb, nh, w // nh).transpose(1, 2)  # [B, nh, Tb, hd]
+        Vh = V.view(B, Tb, nh, w // nh).transpose(1, 2)
+        rows = torch.arange(B, device=S.device)
+        zero = torch.zeros_like(rows)
+        S_pos = S[:, 0]  # [B, M, w]
+        S_new = S.clone()
+        gates: list[list[torch.Tensor]] = [[] for _ in self.blocks]
+        for g_id, k in enumerate(self.group_sizes):
+            if counts[g_id + 1] == 0:
+                continue
+            mine = group[:, 0] == g_id  # [B]
+            first = int(torch.nonzero(self.act_group == g_id)[0])  # the group's first action id
+            slots = self.act_slots[torch.where(mine, action[:, 0], first), :k]  # [B, k]
+            x = S_pos[rows.unsqueeze(1), slots]  # [B, k, w]
+            mask = bank_mask.view(B, 1, 1, Tb).expand(B, 1, k, Tb)  # [B, 1, k, Tb]
+            x, gs = self.compiled.static(k)(self.blocks, x, step[:, 0], remaining[:, 0], S_pos, slots,
+                                            (Kh, Vh, mask, rows, zero), True)
+            b_act = torch.nonzero(mine).squeeze(1)  # [N]
+            S_new[b_act.unsqueeze(1), 0, slots[b_act]] = x[b_act].to(S_new.dtype)
+            for i, g in enumerate(gs):
+                gates[i].append(g[b_act])
+        return S_new, EditInfo(sum(counts[1:]), gates, None)
 
     def _fill_slot_kv(self, S: torch.Tensor, cache: SlotKV, active: torch.Tensor) -> SlotKV:
         """Compute all M slots' K/V for active positions that do not have them yet."""

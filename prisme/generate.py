@@ -280,6 +280,9 @@ class DecodeState:
             return StepOutput(logits=model.backbone.head(H), actions=stop, n_edits=zeros, controller_steps=zeros,
                               positions=pos, valid=valid_t)
         Tb = max(lengths) if keep is None else max(lengths[b] for b in keep)
+        compiled = getattr(model.editor, "compiled", None)
+        if Q == 1 and compiled is not None and compiled.static_decode:  # fixed shapes: the bank at its capacity
+            Tb = self.K.shape[1]  # (the mask hides every key past a row's length)
         keep = None if keep is None or len(keep) == B else torch.tensor(keep, dtype=torch.long, device=dev)
         sub = (lambda x: x) if keep is None else (lambda x: x[keep])
         st_q = st if keep is None else Streams(H[keep], {k: v[keep] for k, v in st.src.items()})

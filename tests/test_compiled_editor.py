@@ -49,7 +49,7 @@ def forced_actions(cfg: PrismeConfig, B: int, T: int, R: int, seed: int = 3, sin
 def pair64() -> tuple[PrismeModel, PrismeModel]:
     """(eager, compiled) float64 models with the same weights."""
     eager, comp = make_model(torch.float64), make_model(torch.float64)
-    assert compile_editor(comp, strict=True)
+    assert compile_editor(comp, strict=True, min_positions=0)
     return eager, comp
 
 
@@ -108,31 +108,49 @@ def test_compiled_editor_controller_rollout_equals_eager(pair64):
 
 
 def test_compiled_editor_ragged_batched_decoding_equals_eager(pair64):
-    """Rows of different lengths, fed in chunks, with the controller deciding: the same traces and logits."""
+    """Rows of different lengths, a 2-token chunk (the dynamic graphs) then one token per step (the fixed-shape decode
+    graphs, the bank at its capacity, every row padded in), the controller deciding: the same traces and logits."""
     eager, comp = pair64
-    lengths = [9, 5, 7]
-    tokens = torch.randint(0, eager.cfg.vocab_size, (3, 9), generator=torch.Generator().manual_seed(7))
+    lengths = [7, 4, 7]
+    tokens = torch.randint(0, eager.cfg.vocab_size, (3, 7), generator=torch.Generator().manual_seed(7))
+    chunks = [(0, 2)] + [(i, 1) for i in range(2, 7)]
     outs = {}
     for name, m in (("eager", eager), ("compiled", comp)):
         state = m.new_decode_state(3, max_len=12)
         logits, actions = [], []
         with torch.inference_mode():
-            for i in range(0, 9, 2):
-                n_new = [min(max(L - i, 0), 2) for L in lengths]
-                o = state.decode_step(tokens[:, i:i + 2], n_new, max_budget=3, lambda_cost=0.0)
+            for i, c in chunks:
+                n_new = [min(max(L - i, 0), c) for L in lengths]
+                o = state.decode_step(tokens[:, i:i + c], n_new, max_budget=3, lambda_cost=0.0)
                 logits.append(o.logits)
                 actions.append(o.actions)
         outs[name] = torch.cat(logits, 1), torch.cat(actions, 1)
     assert torch.equal(outs["compiled"][1], outs["eager"][1])
+    assert (outs["eager"][1] != eager.cfg.stop_action).any()
     for b, L in enumerate(lengths):
         assert_close(outs["compiled"][0][b, :L], outs["eager"][0][b, :L], TOL[torch.float64], f"row {b}")
+    assert any(k[0] == "static" for k in comp.editor.compiled.graphs)  # the fixed-shape decode graphs ran
+
+
+def test_small_groups_run_the_eager_pass_below_min_positions():
+    """With the default threshold, a group of fewer active positions than `MIN_POSITIONS` runs eagerly (bitwise the
+    eager editor), and nothing is compiled."""
+    model, ref = make_model(torch.float64), make_model(torch.float64)
+    assert compile_editor(model)
+    model.editor.compiled.static_decode = False
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(3))
+    acts, budget = forced_actions(model.cfg, 2, 6, 2)
+    with torch.no_grad():
+        assert torch.equal(model(tokens, acts, budget).logits, ref(tokens, acts, budget).logits)
+    calls = model.editor.compiled.calls
+    assert calls["eager_small"] > 0 and calls["compiled"] == 0 and not model.editor.compiled.graphs
 
 
 def test_compiled_editor_training_gradients_equal_eager():
     """A workspace-stage loss and its gradients through the compiled editor (autograd graphs) equal eager (single-slot
     actions: one graph to compile)."""
     eager, comp = make_model(torch.float64, seed=1).train(), make_model(torch.float64, seed=1).train()
-    assert compile_editor(comp, strict=True)
+    assert compile_editor(comp, strict=True, min_positions=0)
     tokens = torch.randint(0, eager.cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(8))
     acts, budget = forced_actions(eager.cfg, 2, 8, 2, seed=9, singles_only=True)
     grads = {}
@@ -159,7 +177,7 @@ def test_negative_control_a_compiled_graph_that_ignores_the_bank_mask_is_caught(
     tokens = torch.randint(0, eager.cfg.vocab_size, (3, 12), generator=torch.Generator().manual_seed(1))
     acts, budget = forced_actions(eager.cfg, 3, 12, 3, singles_only=True)
     with faults.compiled_editor_unmasked():
-        assert compile_editor(broken, strict=True)
+        assert compile_editor(broken, strict=True, min_positions=0)
         with torch.no_grad():
             bad = broken(tokens, acts, budget).logits
     with torch.no_grad():
@@ -186,7 +204,7 @@ def test_a_graph_that_fails_to_compile_reruns_eagerly_never_half_compiled(monkey
     """The first compiled call raises (as a compiler crash would): that call's result comes from the eager pass,
     with one warning, and every later call runs eagerly; strict mode raises ValueError instead."""
     model, ref_model = make_model(torch.float32), make_model(torch.float32)
-    model.editor.compiled = CompiledEditor()
+    model.editor.compiled = CompiledEditor(min_positions=0)
 
     def crash(*args, **kwargs):
         raise RuntimeError("backend compiler failed")
@@ -198,8 +216,8 @@ def test_a_graph_that_fails_to_compile_reruns_eagerly_never_half_compiled(monkey
         out = model(tokens, acts, budget).logits
     with torch.no_grad():
         assert torch.equal(out, ref_model(tokens, acts, budget).logits)
-    assert model.editor.compiled.calls == {"compiled": 0, "eager": model.editor.compiled.calls["eager"]}
-    model.editor.compiled = CompiledEditor(strict=True)
+    assert model.editor.compiled.calls["compiled"] == 0 and model.editor.compiled.calls["eager"] > 0
+    model.editor.compiled = CompiledEditor(strict=True, min_positions=0)
     with torch.no_grad(), pytest.raises(ValueError, match="could not be compiled"):
         model(tokens, acts, budget)
 
@@ -214,7 +232,7 @@ def test_compile_editor_rejects_a_model_without_a_workspace():
 def test_compiled_editor_forced_actions_equal_eager_on_cuda():
     eager = make_model(torch.float32).cuda()
     comp = make_model(torch.float32).cuda()
-    assert compile_editor(comp, strict=True)
+    assert compile_editor(comp, strict=True, min_positions=0)
     tokens = torch.randint(0, eager.cfg.vocab_size, (3, 12), generator=torch.Generator().manual_seed(1)).cuda()
     acts, budget = forced_actions(eager.cfg, 3, 12, 3)
     with torch.no_grad():
