@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The GPU pass: every `prisme bench` subcommand that takes --device, run with --device cuda, in under 5 minutes.
+# The GPU pass: the `gpu`-marked tests (CUDA versions of the contract and equivalence tests, the compiled editor's
+# included), then every `prisme bench` subcommand that takes --device, run with --device cuda (the workspace rows with
+# the compiled editor beside eager), in under 5 minutes.
 #
 #   benchmarks/run_gpu.sh                     # skips cleanly (exit 0) when CUDA is not available
 #   BUDGET_S=280 ONLY="workspace" benchmarks/run_gpu.sh
@@ -28,12 +30,17 @@ mkdir -p "$OUT"
 BENCHES=${ONLY:-"workspace vs-hf train"}
 # Per-bench settings sized for the window (the GPU is fast; model construction on the host dominates).
 declare -A EXTRA=(
-    [workspace]="--presets demo,prisme_103m --batches 1,8 --new-tokens 16 --repeats 5 --profile"
+    [workspace]="--presets demo,prisme_103m --batches 1,8 --new-tokens 16 --repeats 5 --profile --compile"
 )
 
 has_flag() { grep -qE -- "(^|[[:space:][])$1([[:space:]]|]|$)" <<<"$help"; }
 
 status=0
+if [[ -z "${ONLY:-}" ]]; then  # the gpu tests first, within 60 s of the budget
+    echo "== gpu tests: $PY -m pytest -q -m gpu tests"
+    timeout --signal=INT --kill-after=10 60 "$PY" -m pytest -q -m gpu tests | tee "$OUT/gpu_tests_cuda_${DATE}.txt"
+    [[ ${PIPESTATUS[0]} -ne 0 ]] && status=1
+fi
 for what in $BENCHES; do
     help=$("$PY" -m prisme bench "$what" --help 2>/dev/null)
     if [[ -z "$help" ]]; then

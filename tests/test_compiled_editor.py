@@ -238,3 +238,29 @@ def test_compiled_editor_forced_actions_equal_eager_on_cuda():
     with torch.no_grad():
         assert_close(comp(tokens, acts.cuda(), budget.cuda()).logits, eager(tokens, acts.cuda(), budget.cuda()).logits,
                      1e-4, "cuda compiled vs eager")
+
+
+def test_bad_compile_settings_are_value_errors_naming_the_field():
+    from prisme.study_recall import RecallStudyConfig
+    from prisme.study_text import TextStudyConfig
+    from prisme.train import StageConfig
+
+    for make in (lambda: StageConfig(stage="workspace", compile="yes").validate(),
+                 lambda: RecallStudyConfig(compile="on").validate(),
+                 lambda: TextStudyConfig(compile=True).validate()):
+        with pytest.raises(ValueError, match="compile"):
+            make()
+    with pytest.raises(ValueError, match="min_positions"):
+        compile_editor(make_model(torch.float32), min_positions=-1)
+
+
+def test_cli_compile_flag_choices(capsys):
+    from prisme.cli import build_parser
+
+    p = build_parser()
+    assert p.parse_args(["generate", "--prompt", "a", "--compile"]).compile == "auto"
+    assert p.parse_args(["generate", "--prompt", "a", "--compile", "strict"]).compile == "strict"
+    assert p.parse_args(["generate", "--prompt", "a"]).compile is None
+    with pytest.raises(SystemExit):
+        p.parse_args(["eval", "--checkpoint", "x", "--compile", "fast"])
+    assert "invalid choice" in capsys.readouterr().err
