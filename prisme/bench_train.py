@@ -209,13 +209,212 @@ def train_throughput(cfg: PrismeConfig, batch: int, seq_len: int, warmups: int =
                     batch * seq_len / p50 * 1e3, achieved, peak.peak_gflops, achieved / peak.peak_gflops, losses)
 
 
+# ------------------------------------------------------------------------------------- workspace and controller stages
+# The demo's stage 2 and 3 recipes (configs/demo_workspace.json, configs/demo_controller.json): what is timed.
+STAGE_RECIPES: dict[str, dict[str, Any]] = {
+    "workspace": dict(batch_size=16, seq_len=128, lr=1e-3, max_budget=4, deep_supervision=0.5, p_dense=0.05),
+    "controller": dict(batch_size=8, seq_len=128, lr=3e-3, max_budget=4, oracle_positions=16),
+}
+STAGES = ("workspace", "controller")
+TRAINED, THROUGH, NO_GRAD = 3, 2, 1  # forward-ops multipliers of `OPS_CONVENTION`
+STAGE_TARGET = 1.5  # stage tokens/s >= backbone-stage tokens/s / (1.5 x the analytic training-ops ratio)
+OPS_CONVENTION = (
+    "analytic ops of one step from the cost model (prisme.costs, seed accounting: the editor trains on the reference "
+    "path), from the timed steps' own sampled action traces, budgets and positions: forward ops x 3 for what is "
+    "trained (the workspace in stage 2: bank projections, editor, readout; the controller in stage 3), x 2 for a "
+    "frozen module the gradient passes through (the LM head on the workspace's logits, deep supervision included), "
+    "x 1 for what runs without gradient (the frozen backbone, the oracle's candidate edits, readouts and heads, the "
+    "backbone-loss reference); the backbone stage is 3 x (backbone + head) on every position; norms, softmax, "
+    "activations, embeddings and the optimizer are not counted")
+
+
+def _backbone_fwd_ops(cfg: PrismeConfig, B: int, T: int) -> float:
+    """Backbone blocks (linear + causal attention) over B rows of T positions, no head."""
+    from .costs import backbone_ops
+
+    return float(B * sum(backbone_ops(cfg, t)["backbone_linear"] + backbone_ops(cfg, t)["backbone_attention"]
+                         for t in range(1, T + 1)))
+
+
+def workspace_stage_ops(cfg: PrismeConfig, extra: dict[str, torch.Tensor], y: torch.Tensor,
+                        deep_supervision: float) -> float:
+    """Analytic ops of one workspace-stage step (`OPS_CONVENTION`) for its sampled actions `[B, T, R]` and budgets."""
+    from .costs import BACKBONE, backbone_ops, readout_ops, trace_cost
+    from .data import IGNORE_INDEX
+
+    acts, budget = extra["actions"], extra["budget"]
+    B, T, R = acts.shape
+    labelled = y != IGNORE_INDEX  # [B, T]
+    P = max(1, int(labelled.sum(1).max()))  # query positions per row (all T on text)
+    ctx = (torch.arange(T) + 1).expand(B, T)
+    tc = trace_cost(cfg, acts[labelled], ctx[labelled])  # the forced traces, seed accounting
+    ws = sum(v for k, v in tc.by_component.items() if k not in BACKBONE)  # bank projections, editor, readout
+    head = backbone_ops(cfg, 1)["lm_head"]  # one position
+    ops = NO_GRAD * _backbone_fwd_ops(cfg, B, T) + TRAINED * ws
+    ops += (THROUGH + NO_GRAD) * head * B * P  # the final logits, and the backbone's own (the logged reference)
+    if deep_supervision > 0:  # logits after every step but the last: the head on all queries, the readout where more
+        n_ds = sum(int((labelled & (budget > r + 1)).sum()) for r in range(R - 1))
+        ops += (R - 1) * THROUGH * head * B * P + TRAINED * readout_ops(cfg) * n_ds
+    return float(ops)
+
+
+def controller_stage_ops(cfg: PrismeConfig, objective: Any, extra: dict[str, torch.Tensor], y: torch.Tensor) -> float:
+    """Analytic ops of one controller-stage step (`OPS_CONVENTION`): the oracle's behaviour rollout at the sampled
+    positions, all A candidate edits at every state (x 1), and the controller's forward at every state (x 3)."""
+    from .costs import (
+        action_editor_ops,
+        backbone_ops,
+        bank_shift_ops,
+        controller_bank_ops,
+        controller_entropy_ops,
+        controller_input_ops,
+        controller_step_ops,
+        readout_ops,
+    )
+    from .workspace import action_group_size
+
+    B, T = y.shape
+    A = cfg.n_actions
+    b = int(extra["budget"][0])
+    pos, valid = objective.positions(y, extra["scores"])  # [B, P]
+    P = pos.shape[1]
+    head = backbone_ops(cfg, 1)["lm_head"]
+    d, w = cfg.d_model, cfg.w
+    ops = NO_GRAD * _backbone_fwd_ops(cfg, B, T)
+    ops += NO_GRAD * B * T * (2 * len(cfg.bank_terms) * 2 * d * w + bank_shift_ops(cfg))  # K, V at every position
+    ops += NO_GRAD * B * P * len(cfg.query_terms) * 2 * d * w  # z at the sampled positions
+    ops += NO_GRAD * head * B * P  # the loss before any edit
+    sizes = action_group_size(cfg).tolist()  # [A]
+    zero = objective.unlabelled_zero and not bool(valid.all())
+    cand = valid if zero else torch.ones_like(valid)  # positions whose A candidates run
+    ctrl = controller_step_ops(cfg)
+    if cfg.controller_source is not None:
+        ctrl += controller_input_ops(cfg)
+    if cfg.controller_entropy:
+        ctrl += controller_entropy_ops(cfg)
+    for r in range(b):
+        for p_len in (pos[cand] + 1).tolist():  # context of each candidate position
+            ops += NO_GRAD * sum(sum(action_editor_ops(cfg, k, p_len).values()) for k in sizes)
+        ops += NO_GRAD * (A * int(cand.sum()) * readout_ops(cfg) + head * B * P * A)
+        ops += TRAINED * B * P * ctrl
+        if cfg.controller_bank:
+            ops += TRAINED * sum(controller_bank_ops(cfg, t) for t in (pos + 1).flatten().tolist())
+        if zero:  # the behaviour action at unlabelled positions
+            rand = extra["random_action"][:, :P, r]
+            for p_len, a in zip((pos[~valid] + 1).tolist(), rand[~valid].tolist()):
+                ops += NO_GRAD * sum(action_editor_ops(cfg, sizes[a], p_len).values())
+    return float(ops)
+
+
+@dataclass
+class StageRow:
+    preset: str
+    stage: str
+    batch: int
+    seq_len: int
+    tokens_per_step: int
+    samples_ms: list[float]
+    step_p50_ms: float
+    step_p95_ms: float
+    tokens_per_s: float
+    analytic_ops_per_step: float  # mean over the timed steps (each its own sampled traces)
+    backbone_stage_ops_per_step: float  # 3 x (backbone + head) on the same tokens
+    analytic_training_ops_ratio: float
+    backbone_tokens_per_s: float  # the backbone stage of the same preset, same rotation
+    time_ratio: float  # backbone tokens/s / this stage's tokens/s
+    time_over_ops: float  # time_ratio / analytic_training_ops_ratio (1 = the backbone's achieved speed)
+    target_tokens_per_s: float  # backbone tokens/s / (STAGE_TARGET x ops ratio)
+    met: bool
+    compiled: bool
+    losses: list[float]
+
+
+def stage_paths(cfg: PrismeConfig, stage: str, seed: int = 42, batch: int | None = None, seq_len: int | None = None,
+                compile: bool = False) -> tuple[TimedPath, dict[str, Any]]:
+    """A timed path of `stage`'s real training step (its objective, AdamW, grad clip) on one fixed batch of random
+    tokens with fresh sampled actions each step, and the info to price it."""
+    from .model import PrismeModel
+    from .objectives import OBJECTIVES
+    from .train import StageConfig, _trainable
+
+    if not cfg.use_workspace:
+        raise ValueError(f"stage {stage!r} needs a preset with a workspace; {cfg.name!r} has none")
+    recipe = dict(STAGE_RECIPES[stage])
+    B = batch or recipe.pop("batch_size")
+    recipe.pop("batch_size", None)
+    T = min(seq_len or recipe.pop("seq_len"), cfg.max_seq_len - 1)
+    recipe.pop("seq_len", None)
+    recipe["max_budget"] = min(recipe["max_budget"], cfg.r_max)
+    scfg = StageConfig(stage=stage, batch_size=B, seq_len=T, seed=seed, progress=False, **recipe).validate()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = PrismeModel(cfg)
+    if compile:
+        from .compile import compile_editor
+
+        compile_editor(model, strict=True)
+    objective = OBJECTIVES[stage](model, scfg)
+    params = _trainable(model, scfg) + [p for n, p in objective.named_parameters() if not n.startswith("model.")]
+    opt = torch.optim.AdamW(params, lr=scfg.lr, betas=ADAMW["betas"], eps=ADAMW["eps"])
+    seq = bench.make_tokens(cfg.vocab_size, B, T + 1, seed)
+    x, y = seq[:, :-1], seq[:, 1:]
+    g = torch.Generator().manual_seed(seed + 1)
+    if stage == "controller":
+        objective.calibrate(x, y, objective.sample(x, y, g), init_heads=True)
+    info: dict[str, Any] = {"extras": [], "losses": [], "B": B, "T": T, "scfg": scfg, "objective": objective,
+                            "y": y, "compiled": compile}
+
+    def step(_: object) -> None:
+        with torch.inference_mode(False), torch.enable_grad():
+            ex = objective.sample(x, y, g)
+            loss, _ = objective(x, y, ex, objective.denominators(x, y, ex))
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        info["extras"].append(ex)
+        info["losses"].append(float(loss.detach()))
+
+    return (f"{stage}_step", lambda: None, step), info
+
+
+def stage_row(cfg: PrismeConfig, stage: str, samples: list[float], info: dict[str, Any], warmups: int,
+              backbone_tps: float) -> StageRow:
+    """Price the timed steps (their own traces) and set them against the backbone stage."""
+    B, T, y = info["B"], info["T"], info["y"]
+    timed = info["extras"][warmups:]
+    if stage == "workspace":
+        ops = [workspace_stage_ops(cfg, ex, y, info["scfg"].deep_supervision) for ex in timed]
+    else:
+        ops = [controller_stage_ops(cfg, info["objective"], ex, y) for ex in timed]
+    from .costs import backbone_ops
+
+    bb_stage = TRAINED * (_backbone_fwd_ops(cfg, B, T) + B * T * backbone_ops(cfg, 1)["lm_head"])
+    mean_ops = sum(ops) / len(ops)
+    ratio = mean_ops / bb_stage
+    p50, p95 = percentiles(samples)
+    tps = B * T / p50 * 1e3
+    target = backbone_tps / (STAGE_TARGET * ratio)
+    return StageRow(cfg.name, stage, B, T, B * T, samples, p50, p95, tps, mean_ops, bb_stage, ratio, backbone_tps,
+                    backbone_tps / tps, backbone_tps / tps / ratio, target, tps >= target, info["compiled"],
+                    info["losses"])
+
+
 # --------------------------------------------------------------------------------------------------------- report
 def run_train(presets: Sequence[str] = ("demo", "prisme_103m"), warmups: int = 1, repeats: int = 5,
               threads: int = 2, seed: int = 42, quick: bool = False,
-              shapes: dict[str, tuple[int, int]] | None = None) -> dict[str, Any]:
-    """The whole `prisme bench train` protocol; returns the JSON document."""
+              shapes: dict[str, tuple[int, int]] | None = None, stages: Sequence[str] = (),
+              stage_presets: Sequence[str] | None = None, compile: bool = False) -> dict[str, Any]:
+    """The whole `prisme bench train` protocol; returns the JSON document.
+
+    stages: also time these stages ("workspace", "controller") on `stage_presets` (default: the presets with a
+    workspace), each next to the backbone stage of its preset (`compile`: with the editor compiled)."""
     shapes = {**TRAIN_SHAPES, **(shapes or {})}
     cfgs = [PrismeConfig.from_name(p) for p in presets]  # ValueError for an unknown preset, before any timing
+    bad = [s for s in stages if s not in STAGES]
+    if bad:
+        raise ValueError(f"unknown stage(s) {bad}; choose from {list(STAGES)}")
+    stage_cfgs = [c for c in cfgs if c.use_workspace and (stage_presets is None or c.name in stage_presets)]
     sizes = MATMUL_SIZES[:2] if quick else MATMUL_SIZES
     with bench.torch_threads(threads):
         bandwidth = stream_read_bandwidth(BANDWIDTH_BYTES // (4 if quick else 1), warmups, max(3, repeats * 2))
@@ -227,6 +426,14 @@ def run_train(presets: Sequence[str] = ("demo", "prisme_103m"), warmups: int = 1
             rows.append(train_throughput(cfg, batch, seq_len, warmups, repeats, seed, sizes))
             with torch.device("meta"):
                 models[cfg.name] = bench.model_facts(Backbone(cfg))
+        stage_rows = []
+        for cfg in stage_cfgs if stages else []:
+            bb = next(r for r in rows if r.preset == cfg.name)
+            for stage in stages:
+                b = max(1, STAGE_RECIPES[stage]["batch_size"] // 4) if quick else None
+                path, info = stage_paths(cfg, stage, seed, batch=b, compile=compile)
+                samples = time_paths([path], warmups, repeats)[path[0]]
+                stage_rows.append(stage_row(cfg, stage, samples, info, warmups, bb.tokens_per_s))
         env = bench.environment(torch.float32, seed)
     big = [r for r in rows if r.parameters >= 50_000_000]
     targets = [{"name": f"training >= {TRAIN_TARGET:.0%} of the fp32 matmul peak ({r.preset})",
@@ -251,7 +458,15 @@ def run_train(presets: Sequence[str] = ("demo", "prisme_103m"), warmups: int = 1
         },
         "bandwidth": asdict(bandwidth),
         "train": [asdict(r) for r in rows],
-        "targets": targets,
+        "stages": [asdict(r) for r in stage_rows],
+        "stage_protocol": {"recipes": STAGE_RECIPES, "ops": OPS_CONVENTION, "data": "one fixed batch of random "
+                           "tokens, fresh sampled actions / positions / budgets each step (the stage's own sampler)",
+                           "target": f"stage tokens/s >= backbone-stage tokens/s / ({STAGE_TARGET} x analytic "
+                                     "training-ops ratio)",
+                           "model": "seeded, untrained (readout U zero: the steps still run every op)"},
+        "targets": targets + [{"name": f"{r.stage} stage tokens/s >= backbone's / ({STAGE_TARGET} x ops ratio) "
+                                       f"({r.preset})", "target": r.target_tokens_per_s, "measured": r.tokens_per_s,
+                               "met": r.met} for r in stage_rows],
         "checks": checks,
     }
 
@@ -269,6 +484,18 @@ def format_train_table(doc: dict[str, Any]) -> str:
                      f"{r['flops_per_step'] / 1e9:>12.2f}{r['achieved_gflops']:>9.1f}{r['matmul_peak_gflops']:>8.1f}"
                      f"{r['fraction_of_peak']:>9.1%}")
     lines.append("  peak = best fp32 square matmul (p50 GFLOP/s) timed in the same rotation as each row's steps")
+    if doc.get("stages"):
+        lines += ["", f"  {'preset':<12}{'stage':<12}{'batch':>6}{'seq':>5}{'step p50 ms':>13}{'[p95]':>10}"
+                      f"{'tokens/s':>10}{'bb tokens/s':>13}{'time x bb':>11}{'ops x bb':>10}{'t/ops':>7}"
+                      f"{'target tok/s':>14}  compiled"]
+        for r in doc["stages"]:
+            lines.append(f"  {r['preset']:<12}{r['stage']:<12}{r['batch']:>6}{r['seq_len']:>5}{r['step_p50_ms']:>13.1f}"
+                         f"{r['step_p95_ms']:>10.1f}{r['tokens_per_s']:>10.0f}{r['backbone_tokens_per_s']:>13.0f}"
+                         f"{r['time_ratio']:>11.2f}{r['analytic_training_ops_ratio']:>10.2f}"
+                         f"{r['time_over_ops']:>7.2f}{r['target_tokens_per_s']:>14.0f}  "
+                         f"{'yes' if r['compiled'] else 'no'}")
+        lines.append("  ops x bb = the stage's analytic training ops per step / the backbone stage's on the same "
+                     "tokens (docs/benchmarks.md: x3 trained, x2 frozen with gradient through, x1 no gradient)")
     for t in doc["targets"]:
         lines.append(f"target: {t['name']}: measured {t['measured']:.1%} -> {'met' if t['met'] else 'NOT met'}")
     return "\n".join(lines)
@@ -281,5 +508,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--presets is empty")
     if args.warmups < 0 or args.repeats < 1:
         raise ValueError(f"need --warmups >= 0 and --repeats >= 1, got {args.warmups} and {args.repeats}")
-    doc = run_train(presets, args.warmups, args.repeats, args.threads, args.seed, args.quick)
+    stages = tuple(s.strip() for s in getattr(args, "stages", "").split(",") if s.strip())
+    doc = run_train(presets, args.warmups, args.repeats, args.threads, args.seed, args.quick, stages=stages,
+                    compile=getattr(args, "compile", False))
     return bench.emit(doc, format_train_table(doc), args.json)

@@ -192,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--warmups", type=int, default=1, help="untimed steps before timing")
     tr.add_argument("--repeats", type=int, default=5, help="timed steps per preset")
     tr.add_argument("--threads", type=int, default=2, help="torch CPU threads (-1 = leave as is)")
+    tr.add_argument("--stages", default="workspace,controller",
+                    help="also time these stages on the presets with a workspace ('' = the backbone stage only)")
+    tr.add_argument("--compile", action="store_true", help="the stages with the editor under torch.compile")
     s.set_defaults(func=_cmd_bench)
 
     s = sub.add_parser("eval", help="every policy's validation loss vs measured ops per token (table, JSON, plot)")

@@ -4,6 +4,7 @@ the report, on tiny sizes (timings are only checked for consistency, never again
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -137,7 +138,8 @@ def small_machine(monkeypatch):
 def test_run_train_document_layout(small_machine):
     """run_train's JSON document: environment, bandwidth, one row per preset, checks passed; table renders."""
     doc = json.loads(json.dumps(bench_train.run_train(("tiny",), warmups=0, repeats=2, threads=1, quick=True)))
-    assert set(doc) == {"scope", "environment", "models", "protocol", "bandwidth", "train", "targets", "checks"}
+    assert set(doc) == {"scope", "environment", "models", "protocol", "bandwidth", "train", "targets", "checks",
+                        "stages", "stage_protocol"}
     assert doc["environment"]["threads"] == 1 and doc["checks"]["passed"] is True
     (row,) = doc["train"]
     assert row["preset"] == "tiny" and row["batch"] == 1 and row["seq_len"] == 16  # quick: a quarter of batch 2
@@ -163,3 +165,57 @@ def test_cli_bench_train_prints_json_last_and_writes_the_file(small_machine, cap
     doc = json.loads("\n".join(lines[max(i for i, line in enumerate(lines) if line == "{"):]))
     assert rc == 0 and doc == json.loads(path.read_text())
     assert cli_main(["bench", "train", "--presets", ",", "--threads", "1"]) == 2
+
+
+# ------------------------------------------------------------------------------ workspace and controller stages
+def _counted_step(cfg: PrismeConfig, stage: str) -> tuple[int, dict]:
+    """FlopCounterMode's matmul FLOPs of one real stage step (forward and backward; its CPU attention kernels count
+    0), and the step's info (its sampled traces)."""
+    path, info = bench_train.stage_paths(cfg, stage, seed=1, batch=2, seq_len=16)
+    with FlopCounterMode(display=False) as fc:
+        path[2](None)
+    return fc.get_total_flops(), info
+
+
+def _analytic(cfg: PrismeConfig, stage: str, info: dict) -> float:
+    ex = info["extras"][-1]
+    if stage == "workspace":
+        return bench_train.workspace_stage_ops(cfg, ex, info["y"], info["scfg"].deep_supervision)
+    return bench_train.controller_stage_ops(cfg, info["objective"], ex, info["y"])
+
+
+@pytest.mark.parametrize("stage,fault", [("workspace", ("TRAINED", 1)), ("controller", ("NO_GRAD", 0))])
+def test_stage_training_ops_bracket_the_counted_matmuls_of_a_real_step(stage, fault):
+    """The analytic training ops of a step (its own traces; x3 trained, x2 gradient through, x1 no gradient) lie
+    just above torch's count of the step's matmul FLOPs, forward and backward, which misses only the attention
+    kernels: within [counted, counted / 0.75]. Negative controls: pricing stage 2's trained workspace x1 instead of x3,
+    or leaving out stage 3's no-gradient oracle work (its candidate edits), falls below the count."""
+    cfg = PrismeConfig.from_name("tiny")
+    counted, info = _counted_step(cfg, stage)
+    analytic = _analytic(cfg, stage, info)
+    assert counted <= analytic <= counted / 0.75, (counted, analytic)
+    mp = pytest.MonkeyPatch()
+    mp.setattr(bench_train, *fault)
+    try:
+        assert _analytic(cfg, stage, info) < counted
+    finally:
+        mp.undo()
+
+
+def test_bench_train_stage_rows_and_their_json(capsys):
+    doc = bench_train.run_train(("tiny",), warmups=1, repeats=2, threads=1, quick=True,
+                                stages=("workspace", "controller"))
+    rows = {r["stage"]: r for r in doc["stages"]}
+    assert set(rows) == {"workspace", "controller"}
+    bb = doc["train"][0]["tokens_per_s"]
+    for r in rows.values():
+        assert r["analytic_training_ops_ratio"] > 1 and r["backbone_tokens_per_s"] == bb
+        assert r["time_ratio"] == pytest.approx(bb / r["tokens_per_s"])
+        assert r["met"] == (r["tokens_per_s"] >= bb / (bench_train.STAGE_TARGET * r["analytic_training_ops_ratio"]))
+        assert len(r["losses"]) == 3 and all(math.isfinite(v) for v in r["losses"])
+    assert "x 3 for what is trained" in doc["stage_protocol"]["ops"]
+    assert any("workspace stage" in t["name"] for t in doc["targets"])
+    with pytest.raises(ValueError, match="unknown stage"):
+        bench_train.run_train(("tiny",), stages=("decoder",))
+    table = bench_train.format_train_table(doc)
+    assert "controller" in table and "ops x bb" in table
