@@ -194,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--threads", type=int, default=2, help="torch CPU threads (-1 = leave as is)")
     tr.add_argument("--stages", default="workspace,controller",
                     help="also time these stages on the presets with a workspace ('' = the backbone stage only)")
+    tr.add_argument("--stage-presets", default="demo",
+                    help="presets whose workspace/controller stages are timed (default: demo; a prisme_103m stage step "
+                         "takes minutes on a CPU)")
     tr.add_argument("--compile", action="store_true", help="the stages with the editor under torch.compile")
     s.set_defaults(func=_cmd_bench)
 
