@@ -281,6 +281,7 @@ class CompiledEditor:
                  static_decode: bool = True):
         self.mode, self.strict, self.min_positions = mode, strict, min_positions
         self.static_decode = static_decode  # decode steps (one query per row) on fixed-shape graphs: `static`
+        self.cpp_wrapper = False  # the fixed-shape graphs' kernels called from generated C++ (see compile_options)
         self.graphs: dict[tuple[int, bool, bool], Callable[..., Any]] = {}
         self.failed: str | None = None
         self.calls = {"compiled": 0, "eager": 0, "eager_small": 0}  # eager_small: fewer than min_positions
@@ -290,8 +291,9 @@ class CompiledEditor:
         if fn is None:
             from .editor import blocks_pass
 
-            fn = torch.compile(own_code(CompiledEditor.source or blocks_pass), fullgraph=True,
-                               dynamic=key[0] != "static", options=compile_options(self.mode))
+            static = key[0] == "static"
+            fn = torch.compile(own_code(CompiledEditor.source or blocks_pass), fullgraph=True, dynamic=not static,
+                               options=compile_options(self.mode, cpp_wrapper=static and self.cpp_wrapper))
             self.graphs[key] = fn
         return fn
 
