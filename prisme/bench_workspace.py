@@ -59,6 +59,11 @@ from .model import PrismeModel
 ROWS = tuple(SEED_ROWS)  # backbone_only, 4_actions_k1, 4_actions_k2, 8_actions_k2, 8_actions_dense16
 VARIANTS = ("opt", "seed")  # cfg.optimised True / False, same weights
 COMPILED = "compiled"  # with --compile: the seed model with its editor under torch.compile (prisme.compile)
+PATHS = {"-": "backbone only (no source bank, no workspace)",
+         "opt": "eager editor with the slot K/V cache, folded readout (cfg.optimised=True)",
+         "seed": "eager editor, every slot's K/V recomputed in every block (cfg.optimised=False)",
+         COMPILED: "compiled editor: fixed-shape decode graphs, every row padded in, the bank at capacity; seed "
+                   "accounting (cfg.optimised=False)"}
 DEFAULT_PRESETS = ("demo", "prisme_103m")
 DEFAULT_THREADS = {"prisme_103m": 2, "prisme_459m": 2}  # other presets: 1
 TARGET_SHARE_RATIO = 1.15  # workspace time share <= 1.15 x its analytic ops share, at batch 8
@@ -211,7 +216,8 @@ class RowResult:
     """One row x model at one batch size. Times are per decode step (B tokens) unless named per token."""
 
     row: str
-    variant: str  # "opt" or "seed"; "-" for backbone_only (no workspace: the same for both)
+    variant: str  # "opt", "seed" or "compiled"; "-" for backbone_only (no workspace: the same for all)
+    path: str  # what ran (`PATHS`); the analytic columns price it
     batch: int
     actions_per_row: list[int]  # n_b
     samples_ms: list[float]  # per run of N steps
@@ -407,7 +413,7 @@ def time_batch(models: dict[str, PrismeModel], batch: int, P: int, N: int, warmu
         ws_ops = total - backbone
         has_ws = p.acts is not None
         rows.append(RowResult(
-            row=p.row, variant=p.variant, batch=batch, actions_per_row=p.counts, samples_ms=samples[p.name],
+            row=p.row, variant=p.variant, path=PATHS[p.variant], batch=batch, actions_per_row=p.counts, samples_ms=samples[p.name],
             step_ms_p50=s50, step_ms_p95=s95, token_us_p50=1e3 * s50 / batch,
             ratio_to_backbone_only=s50 / (base_p50 / N), backbone_ms=bb50, workspace_ms=ws50,
             workspace_modules_ms=mod50, workspace_token_us=1e3 * ws50 / batch,

@@ -215,3 +215,19 @@ def test_cli_reports_bad_flags_as_errors(capsys):
     assert "r_max" in capsys.readouterr().err
     assert cli_main(["bench", "workspace", "--batches", "1,x"]) == 2
     assert "--batches" in capsys.readouterr().err
+
+
+def test_compiled_variant_agrees_with_seed_is_priced_in_the_seed_column_and_says_what_ran(cfg):
+    """`--compile`: the compiled editor's rows (a ragged batch of 2: padded rows) pass the equivalence check against
+    the seed model, carry the seed column's analytic ops, and name their path."""
+    d = bw.run_workspace(presets=(cfg,), batches=(2,), prompt_len=6, new_tokens=2, warmups=1, repeats=1,
+                         compile=True)
+    checks = d["checks"]["by_preset"][cfg.name]
+    assert checks["compiled_vs_seed"] <= bw.TOLERANCE[torch.float32] and d["checks"]["passed"]
+    for bt in d["presets"][0]["batches"]:
+        by = {(r["row"], r["variant"]): r for r in bt["rows"]}
+        for row in bw.ROWS[1:]:
+            comp, seed = by[(row, bw.COMPILED)], by[(row, "seed")]
+            assert comp["analytic_ops_per_token"] == seed["analytic_ops_per_token"]
+            assert comp["path"] == bw.PATHS[bw.COMPILED] and "compiled" in comp["path"]
+    assert "compiled editor, workspace time seed / compiled" in bw.format_workspace_table(d)
