@@ -413,7 +413,8 @@ def time_batch(models: dict[str, PrismeModel], batch: int, P: int, N: int, warmu
         ws_ops = total - backbone
         has_ws = p.acts is not None
         rows.append(RowResult(
-            row=p.row, variant=p.variant, path=PATHS[p.variant], batch=batch, actions_per_row=p.counts, samples_ms=samples[p.name],
+            row=p.row, variant=p.variant, path=PATHS[p.variant], batch=batch, actions_per_row=p.counts,
+            samples_ms=samples[p.name],
             step_ms_p50=s50, step_ms_p95=s95, token_us_p50=1e3 * s50 / batch,
             ratio_to_backbone_only=s50 / (base_p50 / N), backbone_ms=bb50, workspace_ms=ws50,
             workspace_modules_ms=mod50, workspace_token_us=1e3 * ws50 / batch,
