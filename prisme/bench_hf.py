@@ -49,7 +49,7 @@ import torch.nn as nn
 from . import bench, bench_train
 from .backbone import Backbone
 from .bench import TimedPath, parse_ints, percentiles, time_paths
-from .compile import DEFAULT_MODE, CompiledDecoder, compile_decode, decode_step, in_out_layout_
+from .compile import DEFAULT_MODE, CompiledDecoder, compile_decode, decode_step, error_line, in_out_layout_
 from .config import PrismeConfig
 from .interop import INSTALL_HINT, hf_available, hf_cache_kwarg, to_hf
 
@@ -293,7 +293,7 @@ class ShapeBench:
                     dec.step(prompt[:, -1:])
                 t2 = time.perf_counter()
         except Exception as e:  # noqa: BLE001 - no C++ compiler, unsupported op, ...: report, time the rest
-            self.res.compile["errors"][key] = f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"[:300]
+            self.res.compile["errors"][key] = error_line(e)
             return None
         if prefill:
             self.res.compile["first_call_s"][f"{key} prefill"] = t1 - t0

@@ -232,8 +232,8 @@ def _backbone_fwd_ops(cfg: PrismeConfig, B: int, T: int) -> float:
     """Backbone blocks (linear + causal attention) over B rows of T positions, no head."""
     from .costs import backbone_ops
 
-    return float(B * sum(backbone_ops(cfg, t)["backbone_linear"] + backbone_ops(cfg, t)["backbone_attention"]
-                         for t in range(1, T + 1)))
+    rows = [backbone_ops(cfg, t) for t in range(1, T + 1)]
+    return float(B * sum(r["backbone_linear"] + r["backbone_attention"] for r in rows))
 
 
 def workspace_stage_ops(cfg: PrismeConfig, extra: dict[str, torch.Tensor], y: torch.Tensor,
@@ -339,11 +339,9 @@ def stage_paths(cfg: PrismeConfig, stage: str, seed: int = 42, batch: int | None
 
     if not cfg.use_workspace:
         raise ValueError(f"stage {stage!r} needs a preset with a workspace; {cfg.name!r} has none")
-    recipe = dict(STAGE_RECIPES[stage])
-    B = batch or recipe.pop("batch_size")
-    recipe.pop("batch_size", None)
-    T = min(seq_len or recipe.pop("seq_len"), cfg.max_seq_len - 1)
-    recipe.pop("seq_len", None)
+    full = STAGE_RECIPES[stage]
+    B, T = batch or full["batch_size"], min(seq_len or full["seq_len"], cfg.max_seq_len - 1)
+    recipe = {k: v for k, v in full.items() if k not in ("batch_size", "seq_len")}
     recipe["max_budget"] = min(recipe["max_budget"], cfg.r_max)
     scfg = StageConfig(stage=stage, batch_size=B, seq_len=T, seed=seed, progress=False, **recipe).validate()
     with torch.random.fork_rng(devices=[]):

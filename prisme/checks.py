@@ -36,6 +36,9 @@ def check_number(name: str, v: Any, lo: float | None = None, hi: float | None = 
     return float(v)
 
 
+COMPILE_SETTINGS = ("off", "auto", "strict")  # `compile` fields and `--compile`: eager, compile where it works, or must
+
+
 def check_choice(name: str, v: Any, choices: tuple[Any, ...], where: str = "") -> Any:
     if v not in choices:
         raise ValueError(f"{where}{name} must be one of {choices}, got {v!r}")

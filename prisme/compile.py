@@ -39,6 +39,7 @@ import torch
 from . import attention as attn
 from .attention import CacheStep, KVCache
 from .backbone import Backbone, check_tokens
+from .editor import blocks_pass
 
 DEFAULT_MODE = "max-autotune-no-cudagraphs"
 QUIET = {"autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}  # no autotune tables
@@ -289,26 +290,21 @@ class CompiledEditor:
     def _get(self, key: tuple[Any, ...]) -> Callable[..., Any]:
         fn = self.graphs.get(key)
         if fn is None:
-            from .editor import blocks_pass
-
             static = key[0] == "static"
             fn = torch.compile(own_code(CompiledEditor.source or blocks_pass), fullgraph=True, dynamic=not static,
                                options=compile_options(self.mode, cpp_wrapper=static and self.cpp_wrapper))
             self.graphs[key] = fn
         return fn
 
-    def static(self, k: int) -> Callable[..., Any]:
-        """`blocks_pass` for a decode step of group size k on fixed shapes (all B rows, the bank at its capacity):
-        one graph per (k, B, capacity), each compiled without dynamic sizes, and so without their per-call cost."""
-        def run(*args: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
-            return self._call(("static", k, torch.is_grad_enabled()), args)
-        return run
+    def static(self, k: int, *args: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`blocks_pass(*args)` for a decode step of group size k on fixed shapes (all B rows, the bank at its
+        capacity): one graph per (k, B, capacity), each compiled without dynamic sizes, and so without their per-call
+        cost."""
+        return self._call(("static", k, torch.is_grad_enabled()), args)
 
     def __call__(self, blocks: Any, x: torch.Tensor, st: torch.Tensor, rem: torch.Tensor, S_pos: torch.Tensor,
                  slots: torch.Tensor, bank_parts: tuple[torch.Tensor, ...], full: bool
                  ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        from .editor import blocks_pass
-
         args = (blocks, x, st, rem, S_pos, slots, bank_parts, full)
         if x.shape[0] < self.min_positions:
             self.calls["eager_small"] += 1
@@ -316,13 +312,11 @@ class CompiledEditor:
         return self._call((x.shape[1], bool(full), torch.is_grad_enabled()), args)
 
     def _call(self, key: tuple[Any, ...], args: tuple[Any, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        from .editor import blocks_pass
-
         if self.failed is None:
             try:
                 out = self._get(key)(*args)
             except Exception as e:  # noqa: BLE001 - any compiler failure: report once, then run eagerly
-                self.failed = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
+                self.failed = error_line(e)
                 if self.strict:
                     raise ValueError(f"--compile: the editor could not be compiled ({self.failed})") from e
                 warnings.warn(f"prisme: compiling the editor failed ({self.failed}); running it eagerly",
@@ -332,6 +326,12 @@ class CompiledEditor:
                 return out
         self.calls["eager"] += 1
         return blocks_pass(*args)
+
+
+def error_line(e: BaseException) -> str:
+    """`Type: first line of the message` (at most 300 characters): how a compiler failure is reported."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
 
 
 def compiler_available() -> str | None:
@@ -345,7 +345,7 @@ def compiler_available() -> str | None:
                 ok = bool(torch.equal(f(torch.arange(4.0)), _probe(torch.arange(4.0))))
             _COMPILER_PROBE = "" if ok else "a compiled probe gave a wrong result"
         except Exception as e:  # noqa: BLE001
-            _COMPILER_PROBE = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
+            _COMPILER_PROBE = error_line(e)
     return _COMPILER_PROBE or None
 
 
@@ -384,7 +384,8 @@ def uncompile_editor(model: Any) -> None:
 
 
 def maybe_compile(model: Any, how: str | None) -> bool:
-    """`compile_editor` as `--compile` asks (None: leave the model eager); True if the editor is now compiled."""
-    if how is None or getattr(model, "editor", None) is None:
+    """`compile_editor` as a `compile` setting asks (`checks.COMPILE_SETTINGS`; None or "off": leave the model
+    eager); True if the editor is now compiled."""
+    if how in (None, "off") or getattr(model, "editor", None) is None:
         return False
     return compile_editor(model, strict=how == "strict")

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from .attention import RMSNorm
 from .config import PrismeConfig
-from .workspace import action_groups
+from .workspace import action_groups, group_first_actions
 
 
 @dataclass
@@ -221,6 +221,7 @@ class SparseEditor(nn.Module):
         self.register_buffer("act_group", group, persistent=False)  # [A+2]
         self.register_buffer("act_slots", slots, persistent=False)  # [A+2, M]
         self.group_sizes = sizes
+        self.group_first = group_first_actions(cfg)
         self.compiled = None  # a compiled `blocks_pass` (`prisme.compile.compile_editor`), or None: eager
 
     def _apply(self, fn, *args, **kwargs):  # the tables are derived from the config: valid after `to_empty` too
@@ -312,12 +313,11 @@ class SparseEditor(nn.Module):
             if counts[g_id + 1] == 0:
                 continue
             mine = group[:, 0] == g_id  # [B]
-            first = int(torch.nonzero(self.act_group == g_id)[0])  # the group's first action id
-            slots = self.act_slots[torch.where(mine, action[:, 0], first), :k]  # [B, k]
+            slots = self.act_slots[torch.where(mine, action[:, 0], self.group_first[g_id]), :k]  # [B, k]
             x = S_pos[rows.unsqueeze(1), slots]  # [B, k, w]
             mask = bank_mask.view(B, 1, 1, Tb).expand(B, 1, k, Tb)  # [B, 1, k, Tb]
-            x, gs = self.compiled.static(k)(self.blocks, x, step[:, 0], remaining[:, 0], S_pos, slots,
-                                            (Kh, Vh, mask, rows, zero), True)
+            x, gs = self.compiled.static(k, self.blocks, x, step[:, 0], remaining[:, 0], S_pos, slots,
+                                         (Kh, Vh, mask, rows, zero), True)
             b_act = torch.nonzero(mine).squeeze(1)  # [N]
             S_new[b_act.unsqueeze(1), 0, slots[b_act]] = x[b_act].to(S_new.dtype)
             for i, g in enumerate(gs):

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from .checkpoint import load_model, write_text_atomic
+from .checks import COMPILE_SETTINGS, check_choice
 from .config import PrismeConfig
 from .costs import trace_cost
 from .data import IGNORE_INDEX, MQARConfig, make_mqar_batch
@@ -91,8 +92,7 @@ class RecallStudyConfig:
                                            for x in self.lambdas),
              f"lambdas must be a non-empty list of finite numbers >= 0, got {self.lambdas!r}")
         need(0 <= self.accuracy_tolerance < 1, f"accuracy_tolerance must be in [0, 1), got {self.accuracy_tolerance}")
-        need(self.compile in ("off", "auto", "strict"), f"compile must be 'off', 'auto' or 'strict', got "
-             f"{self.compile!r}")
+        check_choice("compile", self.compile, COMPILE_SETTINGS, "recall study: ")
         return self
 
 
@@ -220,7 +220,7 @@ def run_task(task: dict[str, Any]) -> dict[str, Any]:
         results[s.stage] = res
     t0 = time.perf_counter()
     model, _ = load_model(init)
-    if cfg.compile != "off" and task["kind"] != "control":
+    if task["kind"] != "control":
         from .compile import maybe_compile
 
         maybe_compile(model, cfg.compile)
@@ -633,10 +633,15 @@ def main(args: Any) -> int:
     cfg = study_config({"seeds": seeds, "out_dir": args.out, "jobs": args.jobs, "threads": args.threads,
                         "quick": args.quick, "bank_source": args.bank_source,
                         "compile": getattr(args, "compile", None) or "off"}, args.configs)
-    doc = run_study(cfg, progress=not args.no_progress)
-    print(format_table(doc))
+    return emit_study(run_study(cfg, progress=not args.no_progress), format_table, args.json)
+
+
+def emit_study(doc: dict[str, Any], table: Any, json_path: str | None) -> int:
+    """A study's report: `table(doc)`, then its JSON document as the last thing on stdout (also written atomically to
+    `json_path` when given). Returns 0."""
+    print(table(doc))
     text = json.dumps(doc, indent=2, allow_nan=False)
-    if args.json:
-        write_text_atomic(Path(args.json), text + "\n")
+    if json_path:
+        write_text_atomic(Path(json_path), text + "\n")
     print(text)
     return 0

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from .checkpoint import load_model, rebase_backbone, write_text_atomic
+from .checks import COMPILE_SETTINGS, check_choice
 from .config import PrismeConfig
 from .data import HELD_OUT_TEXT, ByteTokenizer, TokenDataset, load_text
 from .train import StageConfig, train_stage
@@ -97,8 +98,7 @@ class TextStudyConfig:
              f"controller_budget must be an int >= 1, got {self.controller_budget!r}")
         need(isinstance(self.kappa_risk, (int, float)) and math.isfinite(self.kappa_risk) and self.kappa_risk >= 0,
              f"kappa_risk must be a finite number >= 0, got {self.kappa_risk!r}")
-        need(self.compile in ("off", "auto", "strict"), f"compile must be 'off', 'auto' or 'strict', got "
-             f"{self.compile!r}")
+        check_choice("compile", self.compile, COMPILE_SETTINGS, "text study: ")
         return self
 
 
@@ -171,10 +171,9 @@ def _evaluate(cfg: TextStudyConfig, stages: dict[str, StageConfig], source: str,
 
     run = Path(cfg.out_dir)
     model, _ = load_model(run / source / "4_controller")
-    if cfg.compile != "off":
-        from .compile import maybe_compile
+    from .compile import maybe_compile
 
-        maybe_compile(model, cfg.compile)
+    maybe_compile(model, cfg.compile)
     matched, _ = load_model(stages["matched"].out_dir)
     deeper, _ = load_model(stages["deeper"].out_dir)
     T = stages["workspace"].seq_len
@@ -329,10 +328,6 @@ def main(args: Any) -> int:
                           jobs=args.jobs or 0, threads=args.threads or 1, progress=not args.no_progress,
                           val_batches=None if args.val_batches == "all" else int(args.val_batches),
                           held_out=args.held_out, compile=getattr(args, "compile", None) or "off")
-    doc = run_study(cfg)
-    print(format_report(doc))
-    text = json.dumps(doc, indent=2, allow_nan=False)
-    if args.json:
-        write_text_atomic(Path(args.json), text + "\n")
-    print(text)
-    return 0
+    from .study_recall import emit_study
+
+    return emit_study(run_study(cfg), format_report, args.json)

@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 
 from . import checkpoint as ckpt
-from .checks import check_fields
+from .checks import COMPILE_SETTINGS, check_choice, check_fields
 from .config import PrismeConfig, reject_unknown_fields
 from .data import MQARConfig, MQARDataset, TokenDataset
 from .objectives import OBJECTIVES
@@ -168,8 +168,7 @@ class StageConfig:
              f"aux_prev_token={self.aux_prev_token} needs train_backbone_in_workspace_stage=True (it trains H)")
         need(self.dtype in DTYPES, f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         need(self.parallel in ("ddp", "fsdp"), f"parallel must be 'ddp' or 'fsdp', got {self.parallel!r}")
-        need(self.compile in ("off", "auto", "strict"), f"compile must be 'off', 'auto' or 'strict', got "
-             f"{self.compile!r}")
+        check_choice("compile", self.compile, COMPILE_SETTINGS, "StageConfig: ")
         need(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
              f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         need(isinstance(self.mqar, dict), f"mqar must be a dict of MQARConfig fields, got {type(self.mqar).__name__}")
@@ -548,7 +547,7 @@ class _Trainer:
 
         # ---- model, objective, generators
         self.model = model = model.to(device=device, dtype=DTYPES[scfg.dtype])
-        if scfg.compile != "off" and scfg.stage != "backbone":
+        if scfg.stage != "backbone":
             from .compile import maybe_compile
 
             maybe_compile(model, scfg.compile)

@@ -45,6 +45,11 @@ def action_groups(cfg: PrismeConfig) -> tuple[torch.Tensor, torch.Tensor, tuple[
     return group, slots, (1, 2, M)
 
 
+def group_first_actions(cfg: PrismeConfig) -> tuple[int, int, int]:
+    """The first action id of each group of `action_groups`: singles (0), pairs (M), DENSE (A + 1)."""
+    return 0, cfg.n_slots, cfg.dense_action
+
+
 def slots_of_action(cfg: PrismeConfig, action: int) -> list[int]:
     """The slots an action id edits ([] for STOP)."""
     if action == cfg.stop_action:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import assert_close
+from test_generate import make_model as random_model
 
 from prisme import faults
 from prisme.compile import CompiledEditor, compile_editor, uncompile_editor
@@ -24,14 +25,8 @@ NEGATIVE_MIN = 1e-3
 
 
 def make_model(dtype: torch.dtype, seed: int = 0) -> PrismeModel:
-    """A random tiny model whose every edit shows in the logits and whose controller both edits and stops."""
-    torch.manual_seed(seed)
-    model = PrismeModel(PrismeConfig.from_name("tiny", ws_init="seed", n_edit_blocks=1)).to(dtype).eval()
-    torch.nn.init.normal_(model.readout.U.weight, std=0.5)
-    with torch.no_grad():
-        for p in model.controller.parameters():
-            torch.nn.init.normal_(p, std=0.3)
-    return model
+    """test_generate's random tiny model (every edit visible, a controller that edits and stops), one editor block."""
+    return random_model(dtype, seed, n_edit_blocks=1)
 
 
 def forced_actions(cfg: PrismeConfig, B: int, T: int, R: int, seed: int = 3, singles_only: bool = False

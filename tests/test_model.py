@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from prisme.config import PrismeConfig
@@ -67,3 +68,12 @@ def test_fan_in_init_lets_a_first_edit_move_a_slot_while_the_readout_stays_exact
             change[init] = ((out.S_final - S0).norm() / S0.norm()).item()
             assert torch.equal(out.logits, model.backbone.head(model.backbone(x)))
     assert change["fan_in"] > 0.3 > 0.1 > change["seed"], change
+
+
+@pytest.mark.parametrize("preset", ["tiny", "demo", "recall"])
+def test_group_first_actions_are_the_first_ids_of_each_action_group(preset):
+    from prisme.workspace import action_groups, group_first_actions
+
+    cfg = PrismeConfig.from_name(preset)
+    group, _, sizes = action_groups(cfg)
+    assert group_first_actions(cfg) == tuple(int(torch.nonzero(group == g)[0]) for g in range(len(sizes)))
