@@ -258,7 +258,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--preset", default="prisme_103m", help="model preset (default: prisme_103m)")
     s.add_argument("--context", type=int, default=None, help="context length T (default: the preset's cost_context)")
     s.add_argument("--optimised", action="store_true",
-                   help="add the optimised column (slot K/V cache, folded readout) and the saving per row")
+                   help="add the optimised column (folded readout, M-slot controller projection) and the saving "
+                        "per row")
+    s.add_argument("--slot-kv-cache", action="store_true",
+                   help="with --optimised: price the editor's slot K/V cache too (cfg.slot_kv_cache; off by default)")
     s.add_argument("--json", action="store_true", help="print one JSON document in seed 000's layout instead")
     s.set_defaults(func=_cmd_costs)
 

@@ -92,7 +92,10 @@ class PrismeConfig:
     gate_bias_init: float = 2.0  # editor gate bias at init (sigma(2) ~ 0.88: the path starts open)
     lambda_cost: float = 0.0  # default price of compute for the controller
     kappa_risk: float = 0.0  # default risk aversion for the controller
-    optimised: bool = True  # slot K/V cache in the editor, folded readout keys; False = every op seed 000 counts
+    optimised: bool = True  # folded readout keys, the controller projects M slots; False = every op seed 000 counts
+    slot_kv_cache: bool = False  # with `optimised`: the editor keeps each position's slot K/V and projects only the
+    #   slots an action changes. Off by default: it does fewer ops but ran slower on CPU at every preset's shape
+    #   measured (docs/benchmarks.md), so the editor recomputes every slot's K/V, as the seed counts
     z_norm: bool = True  # z = rms_normalise(P(norm(H))): keeps S0 at a fixed scale so edits stay visible
     ws_init: str = "fan_in"  # workspace weights: "fan_in" (std 1/sqrt(fan_in), slots start alike) or "seed" (init_std)
     # --- what the workspace reads (SPEC §3 source bank; defaults are the seed's)
@@ -187,6 +190,11 @@ class PrismeConfig:
         """The seed's workspace inputs: bank and query from the final residual stream, no shift."""
         return (self.bank_terms == ("residual",) and self.query_terms == ("residual",) and not self.bank_shift
                 and self.controller_source is None and not self.controller_bank and not self.controller_entropy)
+
+    @property
+    def uses_slot_kv_cache(self) -> bool:
+        """Whether the editor keeps the slot K/V cache (the optimised column counts it only then)."""
+        return self.optimised and self.slot_kv_cache
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> PrismeConfig:

@@ -12,11 +12,12 @@ Conventions (the seed's):
   * seed accounting (`optimised=False`, what `cfg.optimised=False` models run): every block refreshes the K/V of
     all M slots of the position for every action; the controller projects all A action summaries; the readout
     projects the M slots of both states with W_r;
-  * optimised accounting (`optimised=True`, what `cfg.optimised` models run): slot K/V are computed once per edited
-    position (all M slots, every block: the first sparse action pays it), then only for the slots an action changes
-    (its k slots in blocks >= 1, and a refresh of its k slots in every block after it); DENSE actions keep the
-    seed's path and leave the position without a slot K/V cache; the controller projects the M slots and averages
-    pairs (M w^2 instead of A w^2); the readout folds W_r into its query (2 w^2 once instead of 2 M w^2 per state).
+  * optimised accounting (`optimised=True`, what `cfg.optimised` models run): the controller projects the M slots
+    and averages pairs (M w^2 instead of A w^2); the readout folds W_r into its query (2 w^2 once instead of
+    2 M w^2 per state). With `cfg.slot_kv_cache` too (`cfg.uses_slot_kv_cache`), slot K/V are computed once per
+    edited position (all M slots, every block: the first sparse action pays it), then only for the slots an action
+    changes (its k slots in blocks >= 1, and a refresh of its k slots in every block after it); DENSE actions keep
+    the seed's path and leave the position without a slot K/V cache. Without it the editor counts as the seed's.
 
 Sources: seed 000 (cost table for prisme_103m at T = 512); SPEC §6. docs/costs.md derives every term;
 tests/test_costs.py checks every integer of the seed, ties each term to the matmul FLOPs that
@@ -98,11 +99,14 @@ SEED_ASSUMPTIONS = (
 ASSUMPTIONS = SEED_ASSUMPTIONS
 OPTIMISED_ASSUMPTIONS = (
     "Same conventions as the seed column, for the modules `cfg.optimised=True` runs:\n"
-    "  * slot K/V cache: the first sparse action of a position projects all M slots in every block; each sparse\n"
-    "    action then projects only its own k slots (blocks >= 1 at their input, and every block after the action);\n"
-    "    DENSE actions keep the seed's path and invalidate the cache;\n"
     "  * controller: W_act projects the M slots once per step; pair summaries are means of projected slots;\n"
-    "  * readout: W_r is folded into the query (q' = W_r^T W_q z), so slots are never projected.\n"
+    "  * readout: W_r is folded into the query (q' = W_r^T W_q z), so slots are never projected;\n"
+    "  * editor: as the seed counts it (every slot's K/V in every block), unless the slot K/V cache is on.\n"
+)
+SLOT_KV_ASSUMPTIONS = (
+    "  * slot K/V cache (`slot_kv_cache`): the first sparse action of a position projects all M slots in every block;\n"
+    "    each sparse action then projects only its own k slots (blocks >= 1 at their input, and every block after\n"
+    "    the action); DENSE actions keep the seed's path and invalidate the cache.\n"
 )
 
 
@@ -179,15 +183,17 @@ def action_editor_ops(cfg: PrismeConfig, k: int, T: int, optimised: bool = False
 
     Args:
         k: slots the action edits (1 single, 2 pair, M DENSE).
-        optimised: the optimised column (slot K/V cache). A sparse action whose position has no slot K/V cache yet
-            (`slot_kv_ready=False`: its first sparse action, or the first after a DENSE one) projects all M slots in
-            every block first; DENSE actions always take the seed's path.
+        optimised: the optimised column; the editor's ops change only where `cfg.uses_slot_kv_cache`. A sparse
+            action whose position has no slot K/V cache yet (`slot_kv_ready=False`: its first sparse action, or the
+            first after a DENSE one) projects all M slots in every block first; DENSE actions always take the
+            seed's path.
         dense: whether this is the DENSE action (default: k == M; pass it explicitly when M == 2).
     """
     w, M, B_e = cfg.w, cfg.n_slots, cfg.n_edit_blocks
     dense = k == M if dense is None else dense
     per_slot_kv = 4 * w * w  # K and V projections of one slot
-    if optimised and not dense:  # blocks >= 1 project the action's slots at their input; all blocks refresh after
+    if optimised and cfg.slot_kv_cache and not dense:  # blocks >= 1 project the action's slots at their input;
+        # every block refreshes them after
         slot_kv = ((B_e - 1) * k + B_e * k + (0 if slot_kv_ready else B_e * M)) * per_slot_kv
     else:  # every block projects all M slots
         slot_kv = B_e * M * per_slot_kv
@@ -327,7 +333,8 @@ def action_cost_proxy(cfg: PrismeConfig, T: int | None = None, optimised: bool =
 def cost_table(cfg: PrismeConfig, T: int, optimised: bool = False) -> dict[str, Any]:
     """Seed 000's JSON layout: config, T, assumptions, rows (five named rows), action_cost_proxy."""
     T = _check_T(cfg, T)
-    return {"config": cfg.name, "T": T, "assumptions": OPTIMISED_ASSUMPTIONS if optimised else SEED_ASSUMPTIONS,
+    return {"config": cfg.name, "T": T, "assumptions": SEED_ASSUMPTIONS if not optimised
+            else OPTIMISED_ASSUMPTIONS + (SLOT_KV_ASSUMPTIONS if cfg.slot_kv_cache else ""),
             "rows": seed_rows(cfg, T, optimised), "action_cost_proxy": action_cost_proxy(cfg, T, optimised)}
 
 
@@ -596,8 +603,10 @@ def format_table(doc: dict[str, Any]) -> str:
 
 
 def costs_cli(args: argparse.Namespace) -> int:
-    """`prisme costs --preset NAME [--context T] [--json] [--optimised]`."""
-    cfg = PrismeConfig.from_name(args.preset)
+    """`prisme costs --preset NAME [--context T] [--json] [--optimised [--slot-kv-cache]]`."""
+    if args.slot_kv_cache and not args.optimised:
+        raise ValueError("--slot-kv-cache prices the optimised column's editor: pass --optimised too")
+    cfg = PrismeConfig.from_name(args.preset, **({"slot_kv_cache": True} if args.slot_kv_cache else {}))
     T = cfg.cost_context if args.context is None else args.context
     doc = cost_document(cfg, T, optimised=args.optimised)
     print(json.dumps(doc, indent=2) if args.json else format_table(doc))

@@ -11,9 +11,10 @@ each pre-norm and residual, with step and remaining-budget embeddings added to e
 gate per block: g = sigmoid(w_g . norm(x_in) + b_g), x_out = x_in + g (x - x_in).
 
 Work follows the edits: the editor gathers the chosen slots of active positions, never computes every slot and
-masks. With `cfg.optimised`, the slot K/V of sub-block (b) are kept in a `SlotKV` cache and recomputed only for
-the slots an action changed (the seed's accounting recomputes all M slots in every block); DENSE actions, which
-change every slot, take the seed's path and leave the cache stale for that position.
+masks. With `cfg.uses_slot_kv_cache` (`optimised` and `slot_kv_cache`), the slot K/V of sub-block (b) are kept in a
+`SlotKV` cache and recomputed only for the slots an action changed (the seed's accounting, the default, recomputes
+all M slots in every block: on CPU the cache's extra gathers and scatters cost more time than its projections
+save); DENSE actions, which change every slot, take the seed's path and leave the cache stale for that position.
 
 Contracts: slots outside the action are bitwise unchanged; S, K, V and the bank mask are never written.
 """

@@ -309,8 +309,8 @@ class PrismeModel(nn.Module):
 
     # ------------------------------------------------------------------ one action, readout
     def new_slot_kv(self, S0: torch.Tensor) -> SlotKV | None:
-        """The editor's slot K/V cache for a fresh workspace (None on the reference path)."""
-        return SlotKV.empty(S0, self.cfg.n_edit_blocks) if self.cfg.optimised else None
+        """The editor's slot K/V cache for a fresh workspace (None unless `cfg.optimised and cfg.slot_kv_cache`)."""
+        return SlotKV.empty(S0, self.cfg.n_edit_blocks) if self.cfg.uses_slot_kv_cache else None
 
     def apply_action(self, S: torch.Tensor, ctx: EncodedContext, action: torch.Tensor, step: int | torch.Tensor,
                      remaining: int | torch.Tensor, slot_kv: SlotKV | None = None) -> tuple[torch.Tensor, EditInfo]:

@@ -113,11 +113,15 @@ def test_split_timer_changes_nothing_sees_the_workspace_and_removes_itself(cfg):
 
 
 def test_build_models_share_weights_and_differ_only_in_optimised(cfg):
-    """Both models hold the same tensors, one optimised and one not, with a non-zero readout U."""
+    """The three models hold the same tensors: optimised with and without the slot K/V cache, and the seed's, with a
+    non-zero readout U."""
     models = bw.build_models(cfg, seed=3)
-    a, b = models["opt"].state_dict(), models["seed"].state_dict()
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    a = models["opt"].state_dict()
+    for other in ("opt_kv", "seed"):
+        b = models[other].state_dict()
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert models["opt"].cfg.optimised and not models["seed"].cfg.optimised
+    assert models["opt_kv"].cfg.uses_slot_kv_cache and not models["opt"].cfg.uses_slot_kv_cache
     assert float(models["opt"].readout.U.weight.detach().abs().sum()) > 0
 
 
@@ -125,7 +129,7 @@ def test_workspace_checks_pass_and_negative_controls_fire(cfg):
     """Rewind and timers are exact, optimised and seed models agree to 1e-4 (float32), both controls exceed 1e-3."""
     checks = bw.workspace_checks(bw.build_models(cfg, seed=0), batch=2, P=6)
     assert checks["rewind_vs_fresh"] == 0 and checks["timer_transparency"] == 0
-    assert checks["optimised_vs_seed"] <= bw.TOLERANCE[torch.float32]
+    assert max(checks["optimised_vs_seed"], checks["slot_kv_cache_vs_seed"]) <= bw.TOLERANCE[torch.float32]
     assert min(checks["negative_rewind_short"], checks["negative_other_slots"]) >= bw.NEGATIVE_CONTROL_MIN
 
 
@@ -145,8 +149,11 @@ def test_document_rows_analytic_columns_and_shares(doc, cfg):
             assert r["actions_per_row"] == counts
             contexts = [6 + i + 1 for _ in counts for i in range(2)]
             traces = None if acts is None else acts.repeat_interleave(2, 0)
+            pc = cfg.replace(slot_kv_cache=r["variant"] == "opt_kv")  # the model that ran
             for column, optimised in (("analytic_ratio_seed", False), ("analytic_ratio_optimised", True)):
-                assert r[column] == pytest.approx(trace_cost(cfg, traces, contexts, None, optimised).relative, 1e-12)
+                assert r[column] == pytest.approx(trace_cost(pc, traces, contexts, None, optimised).relative, 1e-12)
+            ran = trace_cost(pc, traces, contexts, None, r["variant"] in ("opt", "opt_kv", "-"))  # its own column
+            assert r["analytic_ops_per_token"] == pytest.approx(ran.total_ops / ran.n_positions, 1e-12)
             if r["share_ratio"] is None:
                 assert r["row"] == "backbone_only" and r["analytic_ratio_seed"] == 1.0
                 continue
@@ -159,8 +166,20 @@ def test_document_rows_analytic_columns_and_shares(doc, cfg):
             else:  # ragged rows: padded bank attention may run extra matmuls, never fewer
                 assert ratio >= 1.0
     target = doc["target"][cfg.name]
-    assert len(target["share_ratio"]) == 8
+    assert len(target["share_ratio"]) == 4 * len(bw.VARIANTS)
     assert target["met"] == all(v <= bw.TARGET_SHARE_RATIO for v in target["share_ratio"].values())
+    by = {(r["row"], r["variant"]): r for r in preset["batches"][1]["rows"]}  # batch 8
+    for variant in ("opt", "opt_kv"):  # each optimised model against the seed's, on the whole decode step
+        o = target["optimised_vs_seed"][variant]
+        for row, v in o["rows"].items():
+            ratio = by[(row, variant)]["step_ms_p50"] / by[(row, "seed")]["step_ms_p50"]
+            saving = 1 - by[(row, variant)]["analytic_ops_per_token"] / by[(row, "seed")]["analytic_ops_per_token"]
+            assert v["time_ratio"] == pytest.approx(ratio, 1e-12) and v["ops_saving"] == pytest.approx(saving, 1e-12)
+            assert v["met"] == (ratio <= 1 + bw.OPTIMISED_SLOWDOWN_MAX
+                                and 1 - ratio >= bw.OPTIMISED_TIME_SHARE_MIN * saving)
+        assert list(o["rows"]) == list(bw.ROWS[1:]) and o["met"] == all(v["met"] for v in o["rows"].values())
+    kv_saving = target["optimised_vs_seed"]["opt_kv"]["rows"]["4_actions_k1"]["ops_saving"]
+    assert kv_saving > target["optimised_vs_seed"]["opt"]["rows"]["4_actions_k1"]["ops_saving"] > 0
 
 
 def test_profile_reports_each_workspace_row_and_model(cfg):

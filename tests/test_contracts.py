@@ -33,6 +33,14 @@ SOURCES = {
 sources = pytest.mark.parametrize("src", list(SOURCES))
 
 
+EDITOR_PATHS = ["kv", True, False]  # optimised with the slot K/V cache, optimised (the default), the seed's
+
+
+def editor_path(optimised: bool | str) -> dict[str, bool]:
+    """Config overrides of one of EDITOR_PATHS."""
+    return {"optimised": bool(optimised), "slot_kv_cache": optimised == "kv"}
+
+
 def make_model(seed: int = 0, **overrides) -> PrismeModel:
     torch.manual_seed(seed)
     cfg = PrismeConfig.from_name("tiny", **overrides)
@@ -216,7 +224,7 @@ def locality_violations(model: PrismeModel, actions: torch.Tensor, seed: int = 4
 @pytest.mark.parametrize("src", ["seed", "embedding"])
 def test_locality_only_the_actions_slots_change(kind, optimised, src):
     """apply_action leaves every slot outside the action (and every STOP position) bitwise identical."""
-    model = make_model(optimised=optimised, **SOURCES[src])
+    model = make_model(**editor_path(optimised), **SOURCES[src])
     cfg = model.cfg
     g = torch.Generator().manual_seed(5)
     lo, hi = {"single": (0, cfg.n_slots), "pair": (cfg.n_slots, cfg.n_actions),
@@ -252,11 +260,11 @@ def read_only_changes(model: PrismeModel) -> dict[str, bool]:
 
 
 @sources
-@pytest.mark.parametrize("optimised", [True, False])
+@pytest.mark.parametrize("optimised", EDITOR_PATHS, ids=str)
 def test_read_only_inputs_are_never_modified(optimised, src):
     """H, K, V, z, S0, the bank mask (and the controller's own input stream) are bit-identical after forced and
     controller rollouts and the readout."""
-    assert not any(read_only_changes(make_model(optimised=optimised, **SOURCES[src])).values())
+    assert not any(read_only_changes(make_model(**editor_path(optimised), **SOURCES[src])).values())
 
 
 def test_read_only_negative_control_in_place_editor(monkeypatch):
@@ -319,12 +327,12 @@ def test_target_free_negative_control_candidate_execution():
 # ---------------------------------------------------------------------- property-style runs
 @settings(max_examples=12, deadline=None)
 @given(B=st.integers(1, 3), T=st.integers(1, 12), M=st.sampled_from([2, 4, 6]), R=st.integers(1, 4),
-       optimised=st.booleans(), seed=st.integers(0, 10_000))
+       optimised=st.sampled_from(EDITOR_PATHS), seed=st.integers(0, 10_000))
 def test_property_forced_rollouts_keep_bypass_and_locality(B, T, M, R, optimised, seed):
     """For random shapes, slot counts, budgets and action sequences: idle positions are bit-identical to the backbone,
     and the reference and optimised editors agree to float64 precision."""
     torch.manual_seed(seed)
-    cfg = PrismeConfig.from_name("tiny", n_slots=M, optimised=optimised)
+    cfg = PrismeConfig.from_name("tiny", n_slots=M, **editor_path(optimised))
     model = PrismeModel(cfg).double().eval()
     torch.nn.init.normal_(model.readout.U.weight, std=0.5)
     g = torch.Generator().manual_seed(seed)
@@ -336,7 +344,7 @@ def test_property_forced_rollouts_keep_bypass_and_locality(B, T, M, R, optimised
     with torch.no_grad():
         out = model(tokens, actions, budget=budget)
         ref = model.backbone.head(model.backbone(tokens))
-        twin = PrismeModel(cfg.replace(optimised=not optimised)).double().eval()
+        twin = PrismeModel(cfg.replace(**editor_path(False if optimised else "kv"))).double().eval()
         twin.load_state_dict(model.state_dict())
         other = twin(tokens, actions, budget=budget)
     idle = out.n_edits == 0

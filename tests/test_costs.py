@@ -51,18 +51,25 @@ def run_cli(*argv: str) -> tuple[int, str]:
     return rc, buf.getvalue()
 
 
-def make_model(variant: str, optimised: bool, seed: int = 0) -> PrismeModel:
-    """A float64 model whose weights depend only on (variant, seed), never on `optimised`; U is non-zero."""
+OPT_MODES = [False, True, "kv"]  # the seed's accounting, cfg.optimised (the default), + cfg.slot_kv_cache
+OPT_IDS = ["seed", "optimised", "slot_kv_cache"]
+
+
+def make_model(variant: str, optimised: bool | str, seed: int = 0) -> PrismeModel:
+    """A float64 model whose weights depend only on (variant, seed), never on `optimised` (False, True, or "kv":
+    optimised with the slot K/V cache); U is non-zero."""
     torch.manual_seed(seed)
-    cfg = PrismeConfig.from_name("tiny", **VARIANTS[variant], optimised=optimised)
+    cfg = PrismeConfig.from_name("tiny", **VARIANTS[variant], optimised=bool(optimised),
+                                 slot_kv_cache=optimised == "kv")
     model = PrismeModel(cfg).double().eval()
     torch.nn.init.normal_(model.readout.U.weight, std=0.5)  # U starts at zero, which would hide every edit
     return model
 
 
-def model_pair(variant: str, seed: int = 0) -> tuple[PrismeModel, PrismeModel]:
-    """(reference, optimised) models holding the same weights."""
-    ref, opt = make_model(variant, False, seed), make_model(variant, True, seed + 1)
+def model_pair(variant: str, seed: int = 0, optimised: bool | str = "kv") -> tuple[PrismeModel, PrismeModel]:
+    """(reference, optimised) models holding the same weights (by default the optimised one keeps the slot K/V
+    cache: the path with the most to get wrong)."""
+    ref, opt = make_model(variant, False, seed), make_model(variant, optimised, seed + 1)
     opt.load_state_dict(ref.state_dict())
     return ref, opt
 
@@ -171,14 +178,24 @@ def test_cli_json_optimised_adds_the_optimised_column_next_to_the_seed_rows():
 
 def test_cli_table_shows_seed_and_optimised_totals_and_savings():
     """The human table prints each row's seed and optimised totals (millions) and the saving per row."""
-    rc, out = run_cli("--preset", "prisme_103m", "--optimised")
+    rc, out = run_cli("--preset", "prisme_103m", "--optimised", "--slot-kv-cache")
     total = next(line for line in out.splitlines() if line.startswith("total "))
     assert rc == 0 and total.split()[1:] == ["217.880", "217.880", "297.860", "266.533", "315.821", "287.640",
                                              "398.817", "340.228", "901.724", "889.272"]
     saving = next(line for line in out.splitlines() if line.startswith("saving"))
     assert "31.326 (10.5%)" in saving and "58.589 (14.7%)" in saving
+    rc, out = run_cli("--preset", "prisme_103m", "--optimised")  # the default editor: no slot K/V cache
+    total = next(line for line in out.splitlines() if line.startswith("total "))
+    assert rc == 0 and total.split()[1:] == ["217.880", "217.880", "297.860", "288.553", "315.821", "306.514",
+                                             "398.817", "386.365", "901.724", "889.272"]
     rc, out = run_cli("--preset", "prisme_103m")  # seed column alone: the seed's integers
     assert rc == 0 and "297,859,584" in out and "901,723,648" in out
+
+
+def test_cli_slot_kv_cache_needs_the_optimised_column(capsys):
+    """--slot-kv-cache prices the optimised column's editor: alone it is a one-line error (exit 2)."""
+    rc = cli.main(["costs", "--preset", "tiny", "--slot-kv-cache"])
+    assert rc == 2 and "--optimised" in capsys.readouterr().err
 
 
 def test_cli_rejects_a_context_past_t_max_with_a_clear_error(capsys):
@@ -195,8 +212,9 @@ def test_prisme_459m_backbone_only_total_is_1296e9():
 
 
 def test_optimised_rows_of_prisme_103m_are_the_documented_values():
-    """The optimised column for prisme_103m at T = 512 (docs/costs.md) and its saving on the seed column."""
-    cfg = PrismeConfig.from_name("prisme_103m")
+    """The optimised column with the slot K/V cache for prisme_103m at T = 512 (docs/costs.md) and its saving on the
+    seed column."""
+    cfg = PrismeConfig.from_name("prisme_103m", slot_kv_cache=True)
     seed, opt = costs.seed_rows(cfg, 512), costs.seed_rows(cfg, 512, optimised=True)
     assert {r: opt[r]["total"] for r in opt} == {
         "backbone_only": 217_880_064, "4_actions_k1": 266_533_376, "4_actions_k2": 287_640_064,
@@ -206,6 +224,11 @@ def test_optimised_rows_of_prisme_103m_are_the_documented_values():
         "8_actions_dense16": 12_451_840}
     for r in opt:  # only the three optimised terms move
         assert {c for c in COMPONENTS if opt[r][c] != seed[r][c]} <= {"editor_slot_attn", "controller", "readout"}
+    default = costs.seed_rows(cfg.replace(slot_kv_cache=False), 512, optimised=True)  # the editor as the seed's
+    assert {r: seed[r]["total"] - default[r]["total"] for r in default} == {
+        "backbone_only": 0, "4_actions_k1": 9_306_112, "4_actions_k2": 9_306_112, "8_actions_k2": 12_451_840,
+        "8_actions_dense16": 12_451_840}
+    assert all(default[r]["editor_slot_attn"] == seed[r]["editor_slot_attn"] for r in default)
 
 
 def test_model_price_vector_is_the_seed_proxy_at_cost_context():
@@ -321,7 +344,7 @@ def action_id(cfg: PrismeConfig, kind: str, i: int = 0) -> int:
     return {"k1": i % cfg.n_slots, "k2": cfg.n_slots + i % (cfg.n_slots // 2), "dense": cfg.dense_action}[kind]
 
 
-@pytest.mark.parametrize("optimised", [False, True], ids=["seed", "optimised"])
+@pytest.mark.parametrize("optimised", OPT_MODES, ids=OPT_IDS)
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("label,before,kind", EDIT_CASES, ids=[c[0] for c in EDIT_CASES])
 def test_editor_action_flops_tie_per_component(label, before, kind, variant, optimised):
@@ -331,7 +354,7 @@ def test_editor_action_flops_tie_per_component(label, before, kind, variant, opt
     cfg = model.cfg
     ctx = one_position_ctx(model)
     S, slot_kv = ctx.S0, model.new_slot_kv(ctx.S0)
-    assert (slot_kv is not None) == optimised
+    assert (slot_kv is not None) == (optimised == "kv")
     with torch.no_grad():
         for r, b in enumerate(before):
             S, info = model.apply_action(S, ctx, torch.tensor([[action_id(cfg, b, r)]]), r, 0, slot_kv)
@@ -340,14 +363,14 @@ def test_editor_action_flops_tie_per_component(label, before, kind, variant, opt
             model.apply_action(S, ctx, torch.tensor([[action_id(cfg, kind, 1)]]), len(before), 1, slot_kv)
     ready = bool(before) and before[-1] != "dense"
     k = {"k1": 1, "k2": 2, "dense": cfg.n_slots}[kind]
-    analytic = costs.action_editor_ops(cfg, k, T_CTX, optimised, ready, dense=kind == "dense")
+    analytic = costs.action_editor_ops(cfg, k, T_CTX, bool(optimised), ready, dense=kind == "dense")
     assert measured_vs_analytic(oc.by_component, analytic, cfg) == {}
-    if optimised and kind != "dense":  # the cache state matters: first actions pay all M slots' K/V
+    if optimised == "kv" and kind != "dense":  # the cache state matters: first actions pay all M slots' K/V
         assert ready or analytic["editor_slot_attn"] > costs.action_editor_ops(cfg, k, T_CTX, True, True,
                                                                                dense=False)["editor_slot_attn"]
 
 
-@pytest.mark.parametrize("optimised", [False, True], ids=["seed", "optimised"])
+@pytest.mark.parametrize("optimised", OPT_MODES[:2], ids=OPT_IDS[:2])  # the slot K/V cache is the editor's
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_controller_step_flops_tie(variant, optimised):
     """One controller forward on one position: state MLP F -> 2w -> w plus W_act on A summaries (M slots if
@@ -382,7 +405,7 @@ def test_controller_inputs_of_one_position_tie():
                         + costs.controller_entropy_ops(cfg))
 
 
-@pytest.mark.parametrize("optimised", [False, True], ids=["seed", "optimised"])
+@pytest.mark.parametrize("optimised", OPT_MODES[:2], ids=OPT_IDS[:2])  # the slot K/V cache is the editor's
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_readout_flops_tie(variant, optimised):
     """The readout on one position: W_q z, two attention reads over M slots (keys projected by W_r, or W_r folded
@@ -402,7 +425,7 @@ FORCED_TRACES = {  # action kinds in order; the trace is padded with STOP up to 
 }
 
 
-@pytest.mark.parametrize("optimised", [False, True], ids=["seed", "optimised"])
+@pytest.mark.parametrize("optimised", OPT_MODES, ids=OPT_IDS)
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("trace", list(FORCED_TRACES))
 def test_forced_trace_of_a_decoded_token_ties_to_trace_cost(trace, variant, optimised):
@@ -427,7 +450,7 @@ POLICY_SCRIPTS = {  # controller decisions per step (STOP = "stop"), budget
 }
 
 
-@pytest.mark.parametrize("optimised", [False, True], ids=["seed", "optimised"])
+@pytest.mark.parametrize("optimised", OPT_MODES, ids=OPT_IDS)
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("script", list(POLICY_SCRIPTS))
 def test_policy_trace_of_a_decoded_token_ties_to_trace_cost(script, variant, optimised, monkeypatch):
@@ -459,7 +482,7 @@ def test_budget_zero_decode_is_the_backbone_alone(variant):
     assert all(oc.by_component[c] == 0 for c in WORKSPACE_TERMS)
 
 
-@pytest.mark.parametrize("optimised", [False, True], ids=["seed", "optimised"])
+@pytest.mark.parametrize("optimised", OPT_MODES, ids=OPT_IDS)
 @pytest.mark.parametrize("row", list(costs.SEED_ROWS))
 def test_seed_rows_tie_on_a_tiny_model(row, optimised, monkeypatch):
     """Each seed row (n actions of k, or n DENSE; n capped at r_max = 4) decoded on tiny under the controller
@@ -541,10 +564,11 @@ def test_ops_counter_restores_the_model():
 
 
 # ---------------------------------------------------------------------- reference path == optimised path
+@pytest.mark.parametrize("optimised", OPT_MODES[1:], ids=OPT_IDS[1:])
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_reference_and_optimised_paths_agree_for_forced_actions(variant):
+def test_reference_and_optimised_paths_agree_for_forced_actions(variant, optimised):
     """Same weights, forced random actions (singles, pairs, DENSE, STOP): logits agree to 1e-12 in float64."""
-    ref, opt = model_pair(variant)
+    ref, opt = model_pair(variant, optimised=optimised)
     cfg = ref.cfg
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=g)
@@ -556,10 +580,11 @@ def test_reference_and_optimised_paths_agree_for_forced_actions(variant):
     assert float((a.logits - base).abs().max()) > 1e-3  # the edits are visible: the comparison is not vacuous
 
 
+@pytest.mark.parametrize("optimised", OPT_MODES[1:], ids=OPT_IDS[1:])
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_reference_and_optimised_paths_agree_under_the_controller(variant):
+def test_reference_and_optimised_paths_agree_under_the_controller(variant, optimised):
     """Same weights, forward_policy: identical action traces and logits to 1e-12 in float64."""
-    ref, opt = model_pair(variant)
+    ref, opt = model_pair(variant, optimised=optimised)
     cfg = ref.cfg
     with torch.no_grad():  # a controller whose decisions vary from position to position
         for m in (ref, opt):
@@ -645,11 +670,11 @@ def test_trace_cost_stop_is_absorbing():
     assert costs.trace_cost(cfg, [[0, stop, 1, 2]], [4]).total_ops == costs.trace_cost(cfg, [[0]], [4]).total_ops
 
 
-@pytest.mark.parametrize("optimised", [False, True], ids=["seed", "optimised"])
+@pytest.mark.parametrize("optimised", OPT_MODES, ids=OPT_IDS)
 def test_trace_cost_is_monotone_in_budget_and_terms_sum_to_totals(optimised):
     """Fixed n x k and n DENSE traces cost strictly more at every extra action (both columns), controller rows too;
     components sum to the totals and backbone + workspace = total."""
-    cfg = PrismeConfig.from_name("prisme_103m")
+    cfg = PrismeConfig.from_name("prisme_103m", slot_kv_cache=optimised == "kv")
     for ids in ([0] * cfg.r_max, [cfg.n_slots] * cfg.r_max, [cfg.dense_action] * cfg.r_max):
         last_forced = last_ctrl = -1.0
         for n in range(cfg.r_max + 1):

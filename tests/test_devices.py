@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import assert_close
-from test_contracts import make_model, random_actions, random_tokens
+from test_contracts import EDITOR_PATHS, editor_path, make_model, random_actions, random_tokens
 
 from prisme.workspace import absorb_stop, slots_of_action
 
@@ -60,9 +60,9 @@ def test_causality_later_tokens_change_nothing_at_or_before_t_on_device(device, 
 
 
 @device_param
-@pytest.mark.parametrize("optimised", [True, False])
+@pytest.mark.parametrize("optimised", EDITOR_PATHS, ids=str)
 def test_locality_only_the_actions_slots_change_on_device(device, optimised):
-    model = on(device, optimised=optimised)
+    model = on(device, **editor_path(optimised))
     cfg = model.cfg
     g = torch.Generator().manual_seed(5)
     actions = torch.randint(0, cfg.dense_action + 1, (2, 10), generator=g)
