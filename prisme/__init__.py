@@ -1,6 +1,25 @@
-"""PRISME: language models with an adaptive, sparse, per-token workspace."""
+"""PRISME: language models with an adaptive, sparse, per-token workspace.
 
-from .config import PRESETS, PrismeConfig
+The public face: `PrismeConfig` (and `PRESETS`), `PrismeModel`, `load_model` (a checkpoint folder -> (model, meta))
+and `generate`. The model, checkpoint and generation modules load on first use, so `import prisme` stays light.
+"""
 
-__all__ = ["PRESETS", "PrismeConfig"]
+from __future__ import annotations
+
+from typing import Any
+
+from prisme.config import PRESETS, PrismeConfig
+
+__all__ = ["PRESETS", "PrismeConfig", "PrismeModel", "generate", "load_model"]
 __version__ = "0.1.0"
+
+_LAZY = {"PrismeModel": "prisme.model.prisme", "load_model": "prisme.checkpoint",
+         "generate": "prisme.decoding.generate"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'prisme' has no attribute {name!r}")

@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from .config import PrismeConfig
+from prisme.config import PrismeConfig
+from prisme.io import current_umask, fsync_dir, json_default, write_file, write_text_atomic
 
 SCHEMA_VERSION = 1
 WEIGHTS = "model.safetensors"
@@ -124,54 +125,6 @@ def config_diff(a: PrismeConfig, b: PrismeConfig, ignore: tuple[str, ...] = ("na
 # ------------------------------------------------------------------------------------------------------------- saving
 
 
-def _write_bytes(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Replace `path` with `text` (UTF-8) atomically (temp file in the same folder, fsync, `os.replace`)."""
-    write_bytes_atomic(path, text.encode("utf-8"))
-
-
-def write_bytes_atomic(path: Path, data: bytes) -> None:
-    """Replace `path` with `data` atomically: a reader sees the old file or the new one, never a torn one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600 files
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-        raise
-
-
 def save_checkpoint(
     path: str | Path,
     model: torch.nn.Module,
@@ -204,28 +157,28 @@ def save_checkpoint(
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
     try:
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700 folders
+        os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes 0700 folders
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt", "schema_version": str(SCHEMA_VERSION)})
         with open(tmp / WEIGHTS, "rb+") as f:
             os.fsync(f.fileno())
         digest = hashlib.sha256((tmp / WEIGHTS).read_bytes()).hexdigest()
-        _write_bytes(tmp / CONFIG, (cfg.to_json() + "\n").encode())
+        write_file(tmp / CONFIG, (cfg.to_json() + "\n").encode())
         state = {"schema_version": SCHEMA_VERSION, "stage": stage, "step": int(step),
                  "stage_config": stage_config or {}, "rng": rng or {}, "metrics": metrics or {},
                  "extra": extra or {}, "weights_sha256": digest, "has_optimizer": optimizer_state is not None,
                  "torch_version": torch.__version__}
-        _write_bytes(tmp / STATE, (json.dumps(state, indent=2, sort_keys=True, default=_json_default) + "\n").encode())
+        write_file(tmp / STATE, (json.dumps(state, indent=2, sort_keys=True, default=json_default) + "\n").encode())
         if optimizer_state is not None:
             torch.save(optimizer_state, tmp / OPTIMIZER)
             with open(tmp / OPTIMIZER, "rb+") as f:
                 os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         old = None
         if path.exists():  # move the old folder aside first: a directory rename cannot replace a non-empty one
             old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.old-"))
             os.rename(path, old / path.name)
         os.rename(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:
@@ -234,16 +187,6 @@ def save_checkpoint(
     if update_latest:
         write_text_atomic(path.parent / LATEST, path.name + "\n")
     return path
-
-
-def _json_default(o: Any) -> Any:
-    if isinstance(o, Path):
-        return str(o)
-    if isinstance(o, torch.Tensor):
-        return o.tolist()
-    if isinstance(o, tuple):
-        return list(o)
-    raise TypeError(f"cannot store {type(o).__name__} in state.json")
 
 
 def clean_stale_temps(run_dir: str | Path) -> list[Path]:
@@ -365,7 +308,7 @@ def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu
     Returns:
         (PrismeModel in the saved dtype on `map_location`, in eval mode, CheckpointMeta).
     """
-    from .model import PrismeModel
+    from prisme.model.prisme import PrismeModel
 
     meta = read_meta(path)
     p = meta.path
@@ -428,7 +371,7 @@ def rebase(path: str | Path, cfg: PrismeConfig, out_dir: str | Path, seed: int,
     checkpoint whose controller (and controller features) are new, e.g. to train another controller recipe on a
     trained workspace. ValueError if the kept groups do not fit `cfg` (another backbone, other workspace shapes).
     """
-    from .model import PrismeModel
+    from prisme.model.prisme import PrismeModel
 
     if not keep or set(keep) - {"backbone", "workspace"} or "backbone" not in keep:
         raise ValueError(f"keep must be ('backbone',) or ('backbone', 'workspace'), got {keep!r}")

@@ -34,8 +34,8 @@ def _add_compile(parser: argparse.ArgumentParser) -> None:
 def _cmd_info(args: argparse.Namespace) -> int:
     import torch
 
-    from .backbone import Backbone
-    from .config import PRESETS, PrismeConfig
+    from prisme.config import PRESETS, PrismeConfig
+    from prisme.model.backbone import Backbone
 
     print(f"{'preset':<14}{'family':<8}{'V':>7}{'d':>6}{'L':>4}{'heads':>7}{'T_max':>7}{'w':>5}{'M':>4}"
           f"{'backbone params':>17}")
@@ -50,54 +50,62 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from . import bench
+BENCHES = {"kv": "prisme.bench.kv", "workspace": "prisme.bench.workspace", "vs-hf": "prisme.bench.vs_hf",
+           "train": "prisme.bench.train"}
 
-    return bench.main(args)
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    """`prisme bench <what>`: each benchmark prints its table, then its JSON document as the last thing on stdout."""
+    import importlib
+
+    if args.bench not in BENCHES:
+        raise ValueError(f"unknown benchmark {args.bench!r}")
+    return importlib.import_module(BENCHES[args.bench]).main(args)
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from . import evaluate
+    from prisme.evaluation import run as evaluate
 
     return evaluate.main(args)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from . import generate
+    from prisme.decoding import generate as generate
 
     return generate.main(args)
 
 
 def _cmd_costs(args: argparse.Namespace) -> int:
-    from .costs import costs_cli
+    from prisme.costs.table import costs_cli
 
     return costs_cli(args)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from . import train
+    from prisme.training import trainer as train
 
     return train.main(args)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from . import demo
+    from prisme.studies import demo as demo
 
     return demo.main(args)
 
 
 def _cmd_study(args: argparse.Namespace) -> int:
     if args.study == "text":
-        from . import study_text
+        from prisme.studies import text as study_text
 
         return study_text.main(args)
-    from . import study_recall
+    from prisme.studies import recall as study_recall
 
     return study_recall.main(args)
 
 
 def _cmd_tokenizer(args: argparse.Namespace) -> int:
-    from .data import BPETokenizer, load_text
+    from prisme.data.text import load_text
+    from prisme.data.tokenizers import BPETokenizer
 
     if isinstance(args.vocab_size, bool) or args.vocab_size <= 256:
         raise ValueError(f"--vocab-size must be > 256 (the 256 bytes come first), got {args.vocab_size}")
@@ -108,9 +116,9 @@ def _cmd_tokenizer(args: argparse.Namespace) -> int:
 
 
 def _cmd_export_hf(args: argparse.Namespace) -> int:
-    from .checkpoint import find_model_checkpoint, load_model
-    from .data import BPETokenizer
-    from .interop import export_hf
+    from prisme.checkpoint import find_model_checkpoint, load_model
+    from prisme.data.tokenizers import BPETokenizer
+    from prisme.interop import export_hf
 
     tokenizer = {"byte": "byte", "none": None}.get(args.tokenizer)
     if args.tokenizer not in ("byte", "none"):

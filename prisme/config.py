@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .checks import check_fields
+from prisme.checks import check_fields
 
 FAMILIES = ("llama", "gpt2")
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import torch
 
-from . import attention
+from prisme.model import attention as attention
 
 
 @contextlib.contextmanager
@@ -49,8 +49,8 @@ def unshifted_mask() -> Iterator[None]:
 def compiled_editor_unmasked() -> Iterator[None]:
     """Editors compiled inside this block (`prisme.compile.CompiledEditor`) build a graph that ignores the bank's
     causal mask, as a compiled path reading its whole preallocated bank would; the eager editor is untouched."""
-    from . import compile as compile_mod
-    from .editor import blocks_pass
+    from prisme.model import compiled as compile_mod
+    from prisme.model.editor import blocks_pass
 
     def broken(blocks, x, st, rem, S_pos, slots, bank_parts, full):  # noqa: ANN001, ANN202 - blocks_pass's signature
         K, V, mask, b_idx, rank = bank_parts

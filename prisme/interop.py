@@ -39,8 +39,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .backbone import Backbone
-from .config import PrismeConfig
+from prisme.config import PrismeConfig
+from prisme.model.backbone import Backbone
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -13,9 +13,9 @@ import torch
 from conftest import assert_close
 
 from prisme import faults
-from prisme.attention import apply_rope, rope_tables
-from prisme.backbone import Backbone
 from prisme.config import PrismeConfig
+from prisme.model.attention import apply_rope, rope_tables
+from prisme.model.backbone import Backbone
 
 FAMILIES = {"tiny": "llama", "seed001": "gpt2"}
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12}

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from prisme import bench
+from prisme.bench import harness, kv
 from prisme.cli import main as cli_main
 from prisme.config import PrismeConfig
 
@@ -32,36 +32,36 @@ def last_json_block(stdout: str) -> dict:
 @pytest.fixture(scope="module")
 def tiny_doc() -> dict:
     """run_kv on the tiny preset with a small protocol (computed once for the module)."""
-    return bench.run_kv(preset="tiny", prompts=(4, 8), new_tokens=3, warmups=1, repeats=2, seq_len=12)
+    return kv.run_kv(preset="tiny", prompts=(4, 8), new_tokens=3, warmups=1, repeats=2, seq_len=12)
 
 
 def test_correctness_rows_are_exact_on_tiny_settings(tiny_cfg):
     """kv_correctness covers dtype x batch x chunk with float64 errors <= 1e-12 and float32 <= 1e-5."""
-    rows = bench.kv_correctness(tiny_cfg, seq_len=12, seed=3)
+    rows = kv.kv_correctness(tiny_cfg, seq_len=12, seed=3)
     assert [(r.dtype, r.batch, r.chunk) for r in rows] == [
         (str(d), b, c) for d in (torch.float32, torch.float64) for b in (1, 2) for c in (1, 2, 5)]
     for r in rows:
-        assert r.max_abs_logit_error <= bench.TOLERANCE[getattr(torch, r.dtype.removeprefix("torch."))], r
+        assert r.max_abs_logit_error <= kv.TOLERANCE[getattr(torch, r.dtype.removeprefix("torch."))], r
 
 
 def test_position_errors_cover_every_position(tiny_cfg):
     """kv_position_errors returns one small float32 error per position of the sequence."""
-    errs = bench.kv_position_errors(tiny_cfg, seq_len=12)
+    errs = kv.kv_position_errors(tiny_cfg, seq_len=12)
     assert len(errs) == 12
     assert all(0 <= e <= 1e-5 for e in errs)
 
 
 def test_negative_controls_are_large(tiny_cfg):
     """Both deliberately broken caches give errors >= 1e-2 (the check can fail)."""
-    neg = bench.kv_negative_controls(tiny_cfg, seq_len=12)
+    neg = kv.kv_negative_controls(tiny_cfg, seq_len=12)
     assert set(neg) == {"reset_positions", "unshifted_mask"}
-    assert min(neg.values()) >= bench.NEGATIVE_CONTROL_MIN, neg
+    assert min(neg.values()) >= kv.NEGATIVE_CONTROL_MIN, neg
 
 
 def test_kv_timing_reports_samples_percentiles_and_per_token_figures(tiny_cfg):
     """kv_timing gives `repeats` positive samples per path, p50 <= p95, ms/token = p50 / tokens, ratio = full/cached."""
-    model = bench.build_model(tiny_cfg, seed=0)
-    (row,) = bench.kv_timing(model, prompts=[6], new_tokens=3, warmups=1, repeats=3)
+    model = harness.build_model(tiny_cfg, seed=0)
+    (row,) = kv.kv_timing(model, prompts=[6], new_tokens=3, warmups=1, repeats=3)
     assert set(row.samples_ms) == {"prefill", "full", "cached"}
     assert all(len(s) == 3 and min(s) > 0 for s in row.samples_ms.values())
     for path in ("prefill", "full", "cached"):
@@ -78,28 +78,28 @@ def test_time_paths_rotates_the_order_and_skips_warmups():
     """time_paths runs warmups untimed, rotates the path order each repeat, and keeps `repeats` samples per path."""
     order = []
     paths = [(n, lambda: None, lambda _, n=n: order.append(n)) for n in "abc"]
-    samples = bench.time_paths(paths, warmups=1, repeats=3)
+    samples = harness.time_paths(paths, warmups=1, repeats=3)
     assert "".join(order) == "abc" + "bca" + "cab" + "abc"
     assert {k: len(v) for k, v in samples.items()} == {"a": 3, "b": 3, "c": 3}
     with pytest.raises(ValueError):
-        bench.time_paths(paths, warmups=0, repeats=0)
+        harness.time_paths(paths, warmups=0, repeats=0)
 
 
 def test_percentiles_reproduce_seed001_p50_and_p95_from_its_samples():
     """percentiles() gives exactly seed 001's p50/p95 from its own raw samples (numpy's linear interpolation)."""
-    reference = bench.load_seed001()
+    reference = kv.load_seed001()
     for row in reference["timings"]:
         for path in ("prefill", "full", "cached"):
-            p50, p95 = bench.percentiles(row["samples_ms"][path])
+            p50, p95 = harness.percentiles(row["samples_ms"][path])
             assert (p50, p95) == (row[f"{path}_p50_ms"], row[f"{path}_p95_ms"]), (row["prompt_tokens"], path)
 
 
 def test_seed001_memory_matches_the_seed_report():
     """seed001's K/V payload at 16 + 16 and 256 + 16 tokens is seed 001's 32,768 and 278,528 bytes (1,024 a token)."""
-    model = bench.build_model(PrismeConfig.from_name("seed001"), seed=0)
-    assert bench.kv_payload_bytes(model, 16 + 16) == 32_768
-    assert bench.kv_payload_bytes(model, 256 + 16) == 278_528
-    (row,) = bench.kv_memory(model, prompts=[4], new_tokens=2)
+    model = harness.build_model(PrismeConfig.from_name("seed001"), seed=0)
+    assert kv.kv_payload_bytes(model, 16 + 16) == 32_768
+    assert kv.kv_payload_bytes(model, 256 + 16) == 278_528
+    (row,) = kv.kv_memory(model, prompts=[4], new_tokens=2)
     assert row.bytes_per_token == 1024 and row.cache_allocated_bytes == row.kv_payload_bytes == 6 * 1024
     assert set(row.python_tracemalloc_peak_bytes) == {"prefill", "full", "cached"}
 
@@ -123,9 +123,9 @@ def test_run_kv_document_has_the_documented_layout(tiny_doc):
 
 def test_human_table_labels_seed001_figures_as_another_machine(tiny_doc):
     """The table shows the correctness grid, timings, and seed 001's figures marked 'measured on another machine'."""
-    reference = bench.load_seed001()
+    reference = kv.load_seed001()
     assert reference is not None and reference["model"]["parameters"] == 145_280
-    text = bench.format_kv_table(tiny_doc, reference)
+    text = kv.format_kv_table(tiny_doc, reference)
     assert "measured on another machine" in text
     assert "negative controls" in text and "torch.float64" in text
 
@@ -133,8 +133,8 @@ def test_human_table_labels_seed001_figures_as_another_machine(tiny_doc):
 def test_write_json_atomic_leaves_only_the_final_file(tmp_path):
     """write_json_atomic writes parseable JSON and no temporary file stays behind."""
     path = tmp_path / "sub" / "kv.json"
-    bench.write_json_atomic({"a": 1}, path)
-    bench.write_json_atomic({"a": 2}, path)
+    harness.write_json_atomic({"a": 1}, path)
+    harness.write_json_atomic({"a": 2}, path)
     assert json.loads(path.read_text()) == {"a": 2}
     assert [p.name for p in path.parent.iterdir()] == ["kv.json"]
 
@@ -142,7 +142,7 @@ def test_write_json_atomic_leaves_only_the_final_file(tmp_path):
 def test_run_kv_rejects_prompts_past_t_max():
     """A prompt plus continuation longer than the preset's T_max is a ValueError naming T_max."""
     with pytest.raises(ValueError, match="T_max"):
-        bench.run_kv(preset="tiny", prompts=(60,), new_tokens=16)
+        kv.run_kv(preset="tiny", prompts=(60,), new_tokens=16)
 
 
 def test_cli_bench_kv_prints_json_last_and_writes_the_file(capsys, tmp_path):

@@ -10,12 +10,14 @@ import pytest
 import torch
 from conftest import assert_close
 
-from prisme import bench, bench_hf, bench_train
-from prisme.backbone import Backbone
+from prisme.bench import harness, kv
+from prisme.bench import train as bench_train
+from prisme.bench import vs_hf as bench_hf
 from prisme.cli import main as cli_main
-from prisme.compile import compile_decode, decode_step, in_out_layout_, prefill_step
 from prisme.config import PrismeConfig
 from prisme.interop import hf_available, to_hf
+from prisme.model.backbone import Backbone
+from prisme.model.compiled import compile_decode, decode_step, in_out_layout_, prefill_step
 
 PRESETS = pytest.mark.parametrize("preset", ["tiny", "seed001"])  # llama (RoPE, GQA), gpt2 (learned positions)
 needs_hf = pytest.mark.skipif(not hf_available(), reason="needs the optional transformers package (prisme[hf])")
@@ -24,7 +26,7 @@ needs_hf = pytest.mark.skipif(not hf_available(), reason="needs the optional tra
 def model(preset: str, dtype: torch.dtype = torch.float32) -> Backbone:
     """A seeded backbone with O(1)-scale weights (as tests/test_interop.py), so that position bugs move the logits:
     matrices ~ N(0, 1.2^2 / fan_in), gains ~ 1 + N(0, 0.1^2), biases ~ N(0, 0.1^2)."""
-    bb = bench.build_model(PrismeConfig.from_name(preset), seed=0, dtype=dtype)
+    bb = harness.build_model(PrismeConfig.from_name(preset), seed=0, dtype=dtype)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in bb.named_parameters():
@@ -53,7 +55,7 @@ def full_logits(bb: Backbone, tokens: torch.Tensor, prompt: int) -> torch.Tensor
 def test_fixed_shape_decoder_equals_full_forward_in_float64(preset, prompt):
     """The fixed-shape prefill + step (the functions torch.compile compiles), run eagerly, equal the full forward."""
     bb = model(preset, torch.float64)
-    x = bench.make_tokens(bb.cfg.vocab_size, 2, 20, seed=1)
+    x = harness.make_tokens(bb.cfg.vocab_size, 2, 20, seed=1)
     assert_close(decoder_logits(bb, x, prompt, mode=None, prefill_mode=None), full_logits(bb, x, prompt), 1e-12,
                  "fixed-shape decoder vs full forward")
 
@@ -62,7 +64,7 @@ def test_fixed_shape_decoder_equals_full_forward_in_float64(preset, prompt):
 def test_fixed_shape_step_with_shifted_positions_is_caught(preset):
     """Negative control: the same step with every position one too far gives O(0.1) logit errors."""
     bb = model(preset, torch.float64)
-    x = bench.make_tokens(bb.cfg.vocab_size, 2, 20, seed=1)
+    x = harness.make_tokens(bb.cfg.vocab_size, 2, 20, seed=1)
     with torch.inference_mode():
         dec = compile_decode(bb, 2, 21, mode=None, prefill_mode=None)
         dec.prefill(x[:, :8])
@@ -73,7 +75,7 @@ def test_fixed_shape_step_with_shifted_positions_is_caught(preset):
 def test_decoder_reset_reuses_the_cache():
     """After reset, a second prompt of another length decodes exactly as in a fresh decoder."""
     bb = model("tiny", torch.float64)
-    x, y = (bench.make_tokens(bb.cfg.vocab_size, 2, 16, seed=s) for s in (1, 2))
+    x, y = (harness.make_tokens(bb.cfg.vocab_size, 2, 16, seed=s) for s in (1, 2))
     with torch.inference_mode():
         dec = compile_decode(bb, 2, 16, mode=None, prefill_mode=None)
         dec.prefill(x[:, :10])
@@ -87,7 +89,7 @@ def test_decoder_reset_reuses_the_cache():
 def test_prefill_step_attends_within_the_prompt_only():
     """prefill_step over a prompt equals the uncached forward's last logits (no key past the prompt is read)."""
     bb = model("seed001", torch.float64)
-    x = bench.make_tokens(bb.cfg.vocab_size, 3, 9, seed=4)
+    x = harness.make_tokens(bb.cfg.vocab_size, 3, 9, seed=4)
     with torch.inference_mode():
         cache = bb.new_cache(3, 32)
         cache.layers[0].k.fill_(1e3)  # garbage past the prompt must not matter
@@ -98,7 +100,7 @@ def test_decoder_rejects_bad_input_before_changing_state():
     """Wrong batch, a full decoder, a non-empty prefill, a [B, 2] step, bad ids: ValueError, lengths unchanged."""
     bb = model("tiny")
     dec = compile_decode(bb, 2, 6, mode=None, prefill_mode=None)
-    x = bench.make_tokens(bb.cfg.vocab_size, 2, 6, seed=0)
+    x = harness.make_tokens(bb.cfg.vocab_size, 2, 6, seed=0)
     with torch.inference_mode():
         dec.prefill(x[:, :5])
         bad = [(dec.step, x[:1, :1], r"\[2, 1\]"), (dec.step, x[:, :2], r"\[2, 1\]"), (dec.prefill, x[:1, :1], "rows"),
@@ -128,7 +130,7 @@ def test_in_out_layout_changes_strides_only(preset):
     assert w.stride() == (1, w.shape[0]) and not w.is_contiguous()
     assert bb.tok_emb.weight.is_contiguous() == (bb.lm_head is not None)  # a tied head is re-laid out too
     assert all(torch.equal(a, b) for a, b in zip(bb.state_dict().values(), ref.state_dict().values()))
-    x = bench.make_tokens(bb.cfg.vocab_size, 2, 16, seed=1)
+    x = harness.make_tokens(bb.cfg.vocab_size, 2, 16, seed=1)
     with torch.inference_mode():
         assert_close(bb.head(bb(x)), ref.head(ref(x)), 1e-12, "in_out layout, full forward")
         c1, c2 = bb.new_cache(2, 16), ref.new_cache(2, 16)
@@ -141,7 +143,7 @@ def test_in_out_layout_check_catches_a_reinterpreted_buffer():
     w = bb.blocks[0].mlp.w2.weight  # [d, h], not square
     with torch.no_grad():
         w.data = w.data.t().contiguous().view(w.shape)  # the bug: values scrambled, shape kept
-    x = bench.make_tokens(bb.cfg.vocab_size, 2, 16, seed=1)
+    x = harness.make_tokens(bb.cfg.vocab_size, 2, 16, seed=1)
     with torch.inference_mode():
         assert (bb.head(bb(x)) - ref.head(ref(x))).abs().max() > 1e-2
 
@@ -154,14 +156,14 @@ def test_compiled_decoder_matches_full_forward_without_recompiling(preset):
     import torch._dynamo.utils as dynamo_utils
 
     bb = model(preset)
-    x = bench.make_tokens(bb.cfg.vocab_size, 2, 24, seed=1)
+    x = harness.make_tokens(bb.cfg.vocab_size, 2, 24, seed=1)
     dynamo_utils.counters.clear()
     with torch.inference_mode():
         dec = compile_decode(bb, 2, 24, cpp_wrapper=preset == "seed001", math_attention=preset == "seed001")
         for prompt in (8, 5, 12):
             dec.reset()
             out = torch.stack([dec.prefill(x[:, :prompt])] + [dec.step(x[:, t:t + 1]) for t in range(prompt, 24)], 1)
-            assert_close(out, full_logits(bb, x, prompt), bench.TOLERANCE[torch.float32], f"compiled P={prompt}")
+            assert_close(out, full_logits(bb, x, prompt), kv.TOLERANCE[torch.float32], f"compiled P={prompt}")
     assert dynamo_utils.counters["stats"]["unique_graphs"] == 2
 
 
@@ -203,7 +205,7 @@ def test_every_decode_and_prefill_path_matches_and_controls_are_caught(pairs, pr
     shifted HF positions and a shifted fixed-shape step are caught."""
     pair = pairs[preset]
     sb = bench_hf.ShapeBench(pair, None, seed=0)
-    seq = bench.make_tokens(pair.cfg.vocab_size, 2, 12, seed=3)
+    seq = harness.make_tokens(pair.cfg.vocab_size, 2, 12, seed=3)
     prompt, new = seq[:, :8], seq[:, 8:]
     dec = compile_decode(pair.backbone, 2, 12, mode=None, prefill_mode=None)
     sb.check_decode(bench_hf.decode_paths(pair, prompt, new, dec), prompt, new, negatives=True)
@@ -233,8 +235,8 @@ def test_decode_floor_is_bytes_over_bandwidth(pairs):
     bb = pairs["tiny"].backbone
     floor = bench_hf.decode_floor(bb, batch=2, prompt=10, new=4, bandwidth_gb_per_s=2.0,
                                   ms_per_step={"prisme": 1.0})
-    kv = bench.kv_payload_bytes(bb, 1, 2) * (10 + 2.5)  # steps attend to 11, 12, 13, 14 positions
-    assert floor.kv_bytes == round(kv) and floor.bytes_per_step == floor.weight_bytes + floor.kv_bytes
+    kv_bytes = kv.kv_payload_bytes(bb, 1, 2) * (10 + 2.5)  # steps attend to 11, 12, 13, 14 positions
+    assert floor.kv_bytes == round(kv_bytes) and floor.bytes_per_step == floor.weight_bytes + floor.kv_bytes
     assert floor.floor_ms == pytest.approx(floor.bytes_per_step / 2e6)
     assert floor.vs_floor["prisme"] == pytest.approx(1.0 / floor.floor_ms)
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from prisme import bench, bench_train
+from prisme.bench import harness
+from prisme.bench import train as bench_train
 from prisme.cli import main as cli_main
 from prisme.config import PrismeConfig
 
@@ -19,8 +20,8 @@ PRESETS = pytest.mark.parametrize("preset", ["tiny", "seed001"])  # llama (GQA, 
 
 def counted_flops(cfg: PrismeConfig, batch: int, seq_len: int) -> int:
     """FLOPs torch's FlopCounterMode sees in one forward with the head on every position (matmuls only on CPU)."""
-    model = bench.build_model(cfg, seed=0)
-    x = bench.make_tokens(cfg.vocab_size, batch, seq_len, seed=0)
+    model = harness.build_model(cfg, seed=0)
+    x = harness.make_tokens(cfg.vocab_size, batch, seq_len, seed=0)
     with FlopCounterMode(display=False) as counter, torch.no_grad():
         model.head(model(x))
     return counter.get_total_flops()

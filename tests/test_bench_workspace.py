@@ -9,10 +9,10 @@ import pytest
 import torch
 from conftest import assert_close
 
-from prisme import bench_workspace as bw
+from prisme.bench import workspace as bw
 from prisme.cli import main as cli_main
 from prisme.config import PrismeConfig
-from prisme.costs import token_ops, trace_cost
+from prisme.costs.analytic import token_ops, trace_cost
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import torch
 
 from prisme import checkpoint as ckpt
 from prisme.config import PrismeConfig
-from prisme.model import PrismeModel
+from prisme.model.prisme import PrismeModel
 
 
 def _model(cfg: PrismeConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> PrismeModel:

@@ -16,9 +16,9 @@ from conftest import assert_close
 from test_generate import make_model as random_model
 
 from prisme import faults
-from prisme.compile import CompiledEditor, compile_editor, uncompile_editor
 from prisme.config import PrismeConfig
-from prisme.model import PrismeModel
+from prisme.model.compiled import CompiledEditor, compile_editor, uncompile_editor
+from prisme.model.prisme import PrismeModel
 
 TOL = {torch.float64: 1e-10}
 NEGATIVE_MIN = 1e-3
@@ -184,7 +184,7 @@ def test_negative_control_a_compiled_graph_that_ignores_the_bank_mask_is_caught(
 
 
 def test_no_compiler_gives_one_warning_and_the_eager_editor_or_a_value_error_when_strict(monkeypatch):
-    import prisme.compile as pc
+    import prisme.model.compiled as pc
 
     monkeypatch.setattr(pc, "_COMPILER_PROBE", "InvalidCxxCompiler: no working C++ compiler found")
     model = make_model(torch.float32)
@@ -236,9 +236,9 @@ def test_compiled_editor_forced_actions_equal_eager_on_cuda():
 
 
 def test_bad_compile_settings_are_value_errors_naming_the_field():
-    from prisme.study_recall import RecallStudyConfig
-    from prisme.study_text import TextStudyConfig
-    from prisme.train import StageConfig
+    from prisme.studies.recall import RecallStudyConfig
+    from prisme.studies.text import TextStudyConfig
+    from prisme.training.config import StageConfig
 
     for make in (lambda: StageConfig(stage="workspace", compile="yes").validate(),
                  lambda: RecallStudyConfig(compile="on").validate(),

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prisme.backbone import Backbone
 from prisme.config import PRESETS, PrismeConfig
+from prisme.model.backbone import Backbone
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prisme.config import PrismeConfig
-from prisme.model import PrismeModel
-from prisme.workspace import absorb_stop, slots_of_action
+from prisme.model.prisme import PrismeModel
+from prisme.model.workspace import absorb_stop, slots_of_action
 
 torch.set_default_dtype(torch.float32)
 
@@ -284,7 +284,7 @@ def test_read_only_negative_control_in_place_editor(monkeypatch):
 # ---------------------------------------------------------------------- target-free controller
 def test_target_free_controller_structure():
     """No target, label or token input exists anywhere on the controller path's signatures."""
-    from prisme.controller import ValueController
+    from prisme.model.controller import ValueController
 
     for fn in (ValueController.forward, ValueController.features, ValueController.select,
                PrismeModel.rollout_policy):

@@ -24,8 +24,10 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from prisme import cli, costs
 from prisme.config import PrismeConfig
-from prisme.costs import COMPONENTS, OpsCounter
-from prisme.model import EncodedContext, PrismeModel, Rollout
+from prisme.costs.analytic import COMPONENTS
+from prisme.costs.counting import OpsCounter
+from prisme.model.outputs import EncodedContext, Rollout
+from prisme.model.prisme import PrismeModel
 
 SEED000 = json.loads((Path(__file__).parent / "data" / "seed000_costs.json").read_text())
 SEED_LAYOUT = {k: v for k, v in SEED000.items() if k != "brief_reference_459m_T4096"}  # a note, not the table
@@ -297,7 +299,8 @@ def test_plain_flop_counter_sees_no_cpu_attention_so_a_formula_is_registered():
     with FlopCounterMode(display=False) as fc:
         F.scaled_dot_product_attention(q, k, k)
     assert fc.get_total_flops() == 0
-    assert costs._sdpa_cpu_flops(q, k, k) == sdpa_flop_count(q.shape, k.shape, k.shape) == 4 * 2 * 4 * 3 * 7 * 16
+    flops = costs.counting._sdpa_cpu_flops(q, k, k)
+    assert flops == sdpa_flop_count(q.shape, k.shape, k.shape) == 4 * 2 * 4 * 3 * 7 * 16
 
 
 @pytest.mark.parametrize("preset", ["tiny", "seed001"])
@@ -733,6 +736,6 @@ def test_negative_control_a_cost_model_without_the_shift_term_fails_the_tie(monk
     oc, _ = decode_token(model, lambda ctx: model.rollout_forced(ctx, actions))
     expected = costs.trace_cost(cfg, actions[0], [T_CTX], None, optimised=True)
     assert measured_vs_analytic(oc.by_component, expected.by_component, cfg) == {}
-    monkeypatch.setattr(costs, "bank_shift_ops", lambda cfg: 0)
+    monkeypatch.setattr(costs.analytic, "bank_shift_ops", lambda cfg: 0)
     broken = costs.trace_cost(cfg, actions[0], [T_CTX], None, optimised=True)
     assert "bank_shift" in measured_vs_analytic(oc.by_component, broken.by_component, cfg)

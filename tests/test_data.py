@@ -8,20 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prisme.data import (
-    IGNORE_INDEX,
-    BPETokenizer,
-    ByteTokenizer,
-    MQARConfig,
-    MQARDataset,
-    TokenDataset,
-    _split_for_encoding,
-    get_tokenizer,
-    load_text,
-    make_mqar_batch,
-    mqar_accuracy,
-    token_cache_path,
-)
+from prisme.data.mqar import MQARConfig, MQARDataset, make_mqar_batch, mqar_accuracy
+from prisme.data.text import IGNORE_INDEX, TokenDataset, load_text, token_cache_path
+from prisme.data.tokenizers import BPETokenizer, ByteTokenizer, _split_for_encoding, get_tokenizer
 
 SMALL_TEXT = (
     "It is a truth universally acknowledged, that a single man in possession of a good fortune, "

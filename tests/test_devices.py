@@ -11,7 +11,7 @@ import torch
 from conftest import assert_close
 from test_contracts import EDITOR_PATHS, editor_path, make_model, random_actions, random_tokens
 
-from prisme.workspace import absorb_stop, slots_of_action
+from prisme.model.workspace import absorb_stop, slots_of_action
 
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
 device_param = pytest.mark.parametrize("device", DEVICES)

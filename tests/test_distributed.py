@@ -14,10 +14,11 @@ import torch
 import torch.multiprocessing as mp
 
 from prisme import checkpoint as ckpt
-from prisme import train as train_mod
 from prisme.config import PrismeConfig
-from prisme.data import TokenDataset
-from prisme.train import StageConfig, train_stage
+from prisme.data.text import TokenDataset
+from prisme.training import trainer as train_mod
+from prisme.training.config import StageConfig
+from prisme.training.trainer import train_stage
 
 TOL = 1e-10  # float64, 3 steps: the two runs differ only in the order of the gradient sums
 

@@ -19,18 +19,16 @@ import torch.nn.functional as F
 from prisme import cli
 from prisme.checkpoint import save_checkpoint
 from prisme.config import PrismeConfig
-from prisme.costs import token_ops
-from prisme.data import IGNORE_INDEX, ByteTokenizer, MQARConfig, MQARDataset, TokenDataset, mqar_accuracy
-from prisme.evaluate import (
-    EvalRow,
-    evaluate_policies,
-    forced_actions,
-    greedy_oracle,
-    pareto_front,
-    sample_positions,
-)
-from prisme.model import PrismeModel
-from prisme.train import StageConfig
+from prisme.costs.analytic import token_ops
+from prisme.data.mqar import MQARConfig, MQARDataset, mqar_accuracy
+from prisme.data.text import IGNORE_INDEX, TokenDataset
+from prisme.data.tokenizers import ByteTokenizer
+from prisme.evaluation.oracle import greedy_oracle
+from prisme.evaluation.policies import forced_actions, sample_positions
+from prisme.evaluation.report import EvalRow, pareto_front
+from prisme.evaluation.run import evaluate_policies
+from prisme.model.prisme import PrismeModel
+from prisme.training.config import StageConfig
 
 B, T, NB, SEED = 3, 16, 2, 7  # batch size, sequence length, batches, evaluation seed
 
@@ -486,7 +484,7 @@ def test_equal_edits_baseline_spreads_the_controllers_mean_edits_uniformly():
     """Each controller row is followed by its equal-edits baseline: fixed single-slot edits thinned at random per
     position to the controller's mean edits per token (no controller cost), and the controller row carries the paired
     difference controller minus baseline."""
-    from prisme.evaluate import thinned_actions
+    from prisme.evaluation.policies import thinned_actions
 
     cfg = PrismeConfig.from_name("tiny")
     acts = thinned_actions(cfg, 1.3, cfg.r_max, (64, 50), torch.Generator().manual_seed(0))
@@ -510,7 +508,7 @@ def test_cli_batches_all_scores_the_whole_split_and_bad_batches_fail_before_any_
                                                                                         monkeypatch):
     """--batches all covers every window of the validation split; 0, 'x' or more batches than the split holds are a
     one-line error (exit 2) before any evaluation runs; so are bad bootstrap settings."""
-    import prisme.evaluate as ev
+    import prisme.evaluation.run as ev
 
     model = make_model(vocab_size=256).float()
     ckpt = save_checkpoint(tmp_path / "c" / "ckpt_000000", model, stage="controller", step=0,
@@ -518,7 +516,7 @@ def test_cli_batches_all_scores_the_whole_split_and_bad_batches_fail_before_any_
     out = tmp_path / "all.json"
     assert cli.main(["eval", "--checkpoint", str(ckpt), "--batches", "all", "--batch-size", "64",
                      "--policies", "backbone", "--json", str(out)]) == 0
-    from prisme.data import load_text
+    from prisme.data.text import load_text
 
     n_windows = TokenDataset.from_text(load_text("austen"), ByteTokenizer(), val_fraction=0.1).n_eval_windows("val", 64)
     assert json.loads(out.read_text())["n_sequences"] == n_windows

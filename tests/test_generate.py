@@ -18,17 +18,11 @@ from conftest import assert_close
 
 from prisme import cli, faults
 from prisme.config import PrismeConfig
-from prisme.costs import token_ops, trace_cost
-from prisme.generate import (
-    DecodeState,
-    GenerationOutput,
-    StepOutput,
-    calibrate_lambda,
-    generate,
-    generate_stream,
-    sample_logits,
-)
-from prisme.model import PrismeModel
+from prisme.costs.analytic import token_ops, trace_cost
+from prisme.decoding.generate import GenerationOutput, calibrate_lambda, generate, generate_stream
+from prisme.decoding.sampling import sample_logits
+from prisme.model.prisme import PrismeModel
+from prisme.model.state import DecodeState, StepOutput
 
 BUDGET = 3
 
@@ -556,7 +550,7 @@ def test_cli_generate_prints_text_and_per_token_edits(capsys):
 def test_cli_generate_from_a_checkpoint_matches_the_library(tmp_path, capsys):
     """`prisme generate --checkpoint` decodes the saved weights: its text is the library's greedy continuation."""
     from prisme.checkpoint import save_checkpoint
-    from prisme.data import ByteTokenizer
+    from prisme.data.tokenizers import ByteTokenizer
 
     torch.manual_seed(3)
     model = PrismeModel(PrismeConfig.from_name("demo")).eval()

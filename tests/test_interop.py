@@ -18,10 +18,10 @@ transformers = pytest.importorskip("transformers")
 from conftest import assert_close  # noqa: E402
 
 import prisme.interop  # noqa: E402
-from prisme.backbone import Backbone  # noqa: E402
 from prisme.config import PrismeConfig  # noqa: E402
 from prisme.interop import from_hf, hf_available, hf_cache_kwarg, to_hf  # noqa: E402
-from prisme.model import PrismeModel  # noqa: E402
+from prisme.model.backbone import Backbone  # noqa: E402
+from prisme.model.prisme import PrismeModel  # noqa: E402
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}  # max |logit difference|; logits are O(5)
 BUG_MIN = 1e-2  # a converter bug must move the logits by more than this

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from prisme.config import PrismeConfig
-from prisme.model import PrismeModel
+from prisme.model.prisme import PrismeModel
 
 
 def test_meta_init_then_to_empty_and_load_matches_a_cpu_model():
@@ -72,7 +72,7 @@ def test_fan_in_init_lets_a_first_edit_move_a_slot_while_the_readout_stays_exact
 
 @pytest.mark.parametrize("preset", ["tiny", "demo", "recall"])
 def test_group_first_actions_are_the_first_ids_of_each_action_group(preset):
-    from prisme.workspace import action_groups, group_first_actions
+    from prisme.model.workspace import action_groups, group_first_actions
 
     cfg = PrismeConfig.from_name(preset)
     group, _, sizes = action_groups(cfg)

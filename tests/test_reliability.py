@@ -17,9 +17,10 @@ import torch
 from prisme import checkpoint as ckpt
 from prisme import cli
 from prisme.config import PrismeConfig
-from prisme.generate import sample_logits
-from prisme.model import PrismeModel
-from prisme.train import NonFiniteLossError, StageConfig, load_run_config, train_stage
+from prisme.decoding.sampling import sample_logits
+from prisme.model.prisme import PrismeModel
+from prisme.training.config import StageConfig, load_run_config
+from prisme.training.trainer import NonFiniteLossError, train_stage
 
 T = 16
 
@@ -144,7 +145,7 @@ def test_resume_with_another_steps_refuses_unless_rescheduled(tmp_path):
 
 def test_a_non_finite_loss_before_any_checkpoint_says_nothing_was_saved(tmp_path, capsys, monkeypatch):
     """NaN at the first step: stderr says nothing was saved (not 'resume with --resume'), exit status 1."""
-    import prisme.objectives as objectives
+    import prisme.training.objectives as objectives
 
     monkeypatch.setattr(objectives.BackboneObjective, "forward",
                         lambda self, x, y, e, d: (torch.tensor(float("nan"), requires_grad=True), {}))
@@ -225,7 +226,7 @@ def test_tokenizer_train_command_and_its_missing_extra(tmp_path, monkeypatch, ca
     rc, text = run_cli("tokenizer", "train", "--corpus", "devils_dictionary", "--vocab-size", "300", "--out",
                        str(out))
     assert rc == 0 and out.is_file()
-    from prisme.data import BPETokenizer
+    from prisme.data.tokenizers import BPETokenizer
 
     tok = BPETokenizer.load(out)
     assert tok.vocab_size == 300 and tok.decode(tok.encode("Ambrose — Bierce")) == "Ambrose — Bierce"

@@ -8,9 +8,10 @@ import torch
 
 from prisme.checkpoint import load_model, rebase, rebase_backbone
 from prisme.config import PrismeConfig
-from prisme.model import PrismeModel
-from prisme.study_text import verdicts
-from prisme.train import StageConfig, train_stage
+from prisme.model.prisme import PrismeModel
+from prisme.studies.text import verdicts
+from prisme.training.config import StageConfig
+from prisme.training.trainer import train_stage
 
 MQ = dict(vocab_size=64, seq_len=16, n_pairs=2, query_min_pos=4)
 

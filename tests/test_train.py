@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from prisme import checkpoint as ckpt
-from prisme import objectives
-from prisme import train as train_mod
 from prisme.config import PrismeConfig
-from prisme.data import TokenDataset
-from prisme.model import PrismeModel
-from prisme.train import NonFiniteLossError, StageConfig, load_run_config, train_stage
+from prisme.data.text import TokenDataset
+from prisme.model.prisme import PrismeModel
+from prisme.training import objectives as objectives
+from prisme.training import trainer as train_mod
+from prisme.training.config import StageConfig, load_run_config
+from prisme.training.trainer import NonFiniteLossError, train_stage
 
 REPO = Path(__file__).resolve().parents[1]
 T = 32
@@ -304,7 +305,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(data, tmp_path
 def test_run_configs_in_repo_load():
     """Every configs/*.json run config parses into a valid StageConfig (and model config where given); the study
     settings (*_study.json) parse into theirs."""
-    from prisme.study_recall import study_config
+    from prisme.studies.recall import study_config
 
     files = sorted(f for f in (REPO / "configs").glob("*.json") if not f.name.endswith("_study.json"))
     assert files, "no example configs"
@@ -409,7 +410,7 @@ def test_lr_schedule_warms_up_then_decays_to_min_lr():
 
 def test_demo_rejects_bad_settings_before_training(tmp_path):
     """A zero scale or zero evaluation batches is a ValueError before any run folder is written."""
-    from prisme.demo import run_demo
+    from prisme.studies.demo import run_demo
 
     with pytest.raises(ValueError, match="scale"):
         run_demo(tmp_path / "a", scale=0, progress=False)
@@ -422,7 +423,7 @@ def test_demo_pipeline_writes_every_output(tmp_path):
     """The demo's glue on a byte-level tiny model (the text study in one process: stage 1, the deeper and matched
     backbones, each bank source's stages 2-3 and evaluation on validation and the held-out text, then a sample) writes
     the reports, plots and summary, and its verdict lines follow from the intervals."""
-    from prisme.demo import run_demo
+    from prisme.studies.demo import run_demo
 
     cfg = PrismeConfig.from_name("tiny", vocab_size=256)
     held = tmp_path / "held_out.txt"
@@ -476,7 +477,7 @@ def test_aux_prev_token_adds_the_probe_ce_on_the_previous_token(data):
 def test_demo_stage_configs_are_the_recipe_files():
     """The demo and the text study read configs/demo_*.json (what `prisme train --config` runs): same steps, lr,
     budgets and objectives; only the folders, the seed and a --scale differ."""
-    from prisme.demo import CONFIG_DIR, DEMO_CONFIGS, demo_stage_configs
+    from prisme.studies.demo import CONFIG_DIR, DEMO_CONFIGS, demo_stage_configs
 
     st = demo_stage_configs(Path("/tmp/run"), seed=5)
     for name, file in DEMO_CONFIGS.items():

@@ -24,15 +24,15 @@ from typing import Any
 
 import torch
 
-from .checkpoint import load_model, write_text_atomic
-from .config import PrismeConfig
-from .data import ByteTokenizer
-from .train import StageConfig
+from prisme.checkpoint import load_model
+from prisme.config import PrismeConfig
+from prisme.data.tokenizers import ByteTokenizer
+from prisme.io import CONFIG_DIR, write_text_atomic
+from prisme.training.config import StageConfig
 
 PROMPT = "It is a truth universally acknowledged, that"
 
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEMO_SOURCES = ("residual",)  # the demo's text study: the seed's bank (`prisme study text` adds "embedding")
 DEMO_CONFIGS = {"backbone": "demo_backbone.json", "workspace": "demo_workspace.json",
                 "matched": "demo_backbone_matched.json", "controller": "demo_controller.json"}
@@ -47,7 +47,7 @@ def demo_stage_configs(run: Path, scale: float = 1.0, seed: int = 1337, backbone
     `scale` multiplies every step count (0.05 makes a smoke run); `seq_len` caps the sequence length (small test
     models). The matched run's steps are set so that it sees as many tokens as the workspace stage.
     """
-    from .train import load_run_config
+    from prisme.training.config import load_run_config
 
     folder = Path(config_dir) if config_dir else CONFIG_DIR
     missing = [str(folder / f) for f in DEMO_CONFIGS.values() if not (folder / f).is_file()]
@@ -82,7 +82,7 @@ def _sample(model: torch.nn.Module, prompt: str, n_tokens: int, max_budget: int,
     tok = ByteTokenizer()
     ids = tok.encode(prompt)
     try:
-        from .generate import generate
+        from prisme.decoding.generate import generate
     except ImportError:  # pragma: no cover - the decoding module is optional for the demo
         generate = None
     if generate is not None:
@@ -111,8 +111,8 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
        both);
     3. a short greedy sample from the seed's-bank controller.
     """
-    from .study_text import TextStudyConfig, format_report
-    from .study_text import run_study as run_text
+    from prisme.studies.text import TextStudyConfig, format_report
+    from prisme.studies.text import run_study as run_text
 
     if scale <= 0:
         raise ValueError(f"scale must be > 0, got {scale}")
@@ -135,7 +135,7 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
     walls: dict[str, float] = {}
     recall = None
     if recall_seeds:
-        from .study_recall import format_table, run_study, study_config
+        from prisme.studies.recall import format_table, run_study, study_config
 
         rcfg = study_config({"seeds": list(recall_seeds), "out_dir": str(run / "recall"), "quick": scale < 1,
                              "jobs": jobs, "eval_sequences": 1024, "compile": compile,  # the demo's share of the time
@@ -176,7 +176,7 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
 
 
 def model_params(cfg: PrismeConfig) -> dict[str, int]:
-    from .model import PrismeModel
+    from prisme.model.prisme import PrismeModel
 
     with torch.device("meta"):
         return PrismeModel(cfg).num_parameters()
@@ -184,7 +184,7 @@ def model_params(cfg: PrismeConfig) -> dict[str, int]:
 
 def main(args: argparse.Namespace) -> int:
     """Entry point of `prisme demo`."""
-    from .study_recall import parse_seeds
+    from prisme.studies.recall import parse_seeds
 
     threads = getattr(args, "threads", -1)
     text = getattr(args, "recall_seeds", "0")

@@ -36,7 +36,7 @@ Protocol (SPEC §7, "same protocol for the workspace"), per preset and batch siz
     at its largest batch, ops under the backbone and head wrappers excluded: the workspace's top ATen ops by self
     time with calls per decode step, the time inside each workspace method, and the ATen calls Python dispatched.
 
-Output: a table for humans, then one JSON document (with `bench.environment`'s block), the last thing on stdout.
+Output: a table for humans, then one JSON document (with `prisme.io.environment`'s block), the last thing on stdout.
 """
 
 from __future__ import annotations
@@ -51,12 +51,14 @@ from typing import Any
 
 import torch
 
-from .bench import emit, environment, parse_ints, percentiles, time_paths, torch_threads
-from .config import PrismeConfig
-from .costs import BACKBONE, COMPONENTS, SEED_ROWS, OpsCounter, trace_cost
-from .generate import DecodeState
-from .model import PrismeModel
-from .stats import paired_bootstrap
+from prisme.bench.harness import emit, parse_ints, percentiles, time_paths, torch_threads
+from prisme.config import PrismeConfig
+from prisme.costs.analytic import BACKBONE, COMPONENTS, SEED_ROWS, trace_cost
+from prisme.costs.counting import OpsCounter
+from prisme.io import environment
+from prisme.model.prisme import PrismeModel
+from prisme.model.state import DecodeState
+from prisme.stats import paired_bootstrap
 
 ROWS = tuple(SEED_ROWS)  # backbone_only, 4_actions_k1, 4_actions_k2, 8_actions_k2, 8_actions_dense16
 VARIANTS = ("opt", "opt_kv", "seed")  # cfg.optimised True (slot K/V cache off / on) / False, same weights
@@ -99,7 +101,7 @@ def build_models(cfg: PrismeConfig, seed: int, dtype: torch.dtype = torch.float3
     kv.load_state_dict(opt.state_dict())
     models = {v: m.to(device=device, dtype=dtype).eval() for v, m in (("opt", opt), ("opt_kv", kv), ("seed", ref))}
     if compile:  # the seed accounting (every slot's K/V recomputed, in one graph per action group), compiled
-        from .compile import compile_editor
+        from prisme.model.compiled import compile_editor
 
         comp = PrismeModel(cfg.replace(optimised=False))
         comp.load_state_dict(opt.state_dict())
@@ -561,7 +563,7 @@ def run_workspace(presets: Sequence[str | PrismeConfig] = DEFAULT_PRESETS, batch
         if prompt_len + new_tokens > cfg.max_seq_len:
             raise ValueError(f"prompt {prompt_len} + {new_tokens} new tokens exceeds T_max={cfg.max_seq_len} of "
                              f"preset {cfg.name!r}")
-    env = environment(dtype, seed)
+    env = environment(dtype=dtype, seed=seed)
     env["device"] = device
     if device.startswith("cuda"):
         env["gpu"] = torch.cuda.get_device_name(torch.device(device))

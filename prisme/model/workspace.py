@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import PrismeConfig
+from prisme.config import PrismeConfig
 
 
 def action_table(cfg: PrismeConfig) -> torch.Tensor:

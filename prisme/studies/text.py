@@ -33,11 +33,14 @@ from typing import Any
 
 import torch
 
-from .checkpoint import load_model, rebase_backbone, write_text_atomic
-from .checks import COMPILE_SETTINGS, check_choice
-from .config import PrismeConfig
-from .data import HELD_OUT_TEXT, ByteTokenizer, TokenDataset, load_text
-from .train import StageConfig, train_stage
+from prisme.checkpoint import load_model, rebase_backbone
+from prisme.checks import COMPILE_SETTINGS, check_choice
+from prisme.config import PrismeConfig
+from prisme.data.text import HELD_OUT_TEXT, TokenDataset, load_text
+from prisme.data.tokenizers import ByteTokenizer
+from prisme.io import write_text_atomic
+from prisme.training.config import StageConfig
+from prisme.training.trainer import train_stage
 
 SOURCES = {  # name -> PrismeConfig overrides of the demo preset
     "residual": {},
@@ -105,7 +108,7 @@ class TextStudyConfig:
 def stage_configs(cfg: TextStudyConfig, model_cfg: PrismeConfig) -> dict[str, StageConfig]:
     """The demo's recipe (`demo.demo_stage_configs`, configs/demo_*.json) in the study folder, plus the deeper
     backbone: one more layer, trained from scratch on stage 1's and stage 2's tokens."""
-    from .demo import demo_stage_configs
+    from prisme.studies.demo import demo_stage_configs
 
     run = Path(cfg.out_dir)
     st = demo_stage_configs(run, cfg.scale, cfg.seed, cfg.backbone_keeps_learning,
@@ -167,11 +170,11 @@ def _evaluate(cfg: TextStudyConfig, stages: dict[str, StageConfig], source: str,
               split: str) -> dict:
     """Every policy of one source on the validation split ("val") or the whole held-out text ("held_out"), with
     paired intervals."""
-    from .evaluate import evaluate_policies
+    from prisme.evaluation.run import evaluate_policies
 
     run = Path(cfg.out_dir)
     model, _ = load_model(run / source / "4_controller")
-    from .compile import maybe_compile
+    from prisme.model.compiled import maybe_compile
 
     maybe_compile(model, cfg.compile)
     matched, _ = load_model(stages["matched"].out_dir)
@@ -328,6 +331,6 @@ def main(args: Any) -> int:
                           jobs=args.jobs or 0, threads=args.threads or 1, progress=not args.no_progress,
                           val_batches=None if args.val_batches == "all" else int(args.val_batches),
                           held_out=args.held_out, compile=getattr(args, "compile", None) or "off")
-    from .study_recall import emit_study
+    from prisme.studies.recall import emit_study
 
     return emit_study(run_study(cfg), format_report, args.json)

@@ -39,14 +39,16 @@ from typing import Any
 
 import torch
 
-from .checkpoint import load_model, write_text_atomic
-from .checks import COMPILE_SETTINGS, check_choice
-from .config import PrismeConfig
-from .costs import trace_cost
-from .data import IGNORE_INDEX, MQARConfig, make_mqar_batch
-from .train import StageConfig, load_run_config, train_stage
+from prisme.checkpoint import load_model
+from prisme.checks import COMPILE_SETTINGS, check_choice
+from prisme.config import PrismeConfig
+from prisme.costs.analytic import trace_cost
+from prisme.data.mqar import MQARConfig, make_mqar_batch
+from prisme.data.text import IGNORE_INDEX
+from prisme.io import CONFIG_DIR, write_text_atomic
+from prisme.training.config import StageConfig, load_run_config
+from prisme.training.trainer import train_stage
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 RECIPE_FILES = {"backbone": "recall_backbone.json", "workspace": "recall_workspace.json",
                 "controller": "recall_controller.json", "study": "recall_study.json"}
 EVAL_SEED, CALIBRATION_SEED, RANDOM_POLICY_SEED = 100_003, 200_003, 300_007  # + the run's seed
@@ -221,7 +223,7 @@ def run_task(task: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     model, _ = load_model(init)
     if task["kind"] != "control":
-        from .compile import maybe_compile
+        from prisme.model.compiled import maybe_compile
 
         maybe_compile(model, cfg.compile)
     if task["kind"] == "control":
@@ -293,7 +295,7 @@ def _forced_row(model, mcfg, data_seed, n_seq, name, family, n, k) -> dict[str, 
 
 def _forced_actions(cfg: PrismeConfig, family: str, n: int, k: int, shape: tuple[int, int],
                     g: torch.Generator) -> torch.Tensor:
-    from .evaluate import forced_actions
+    from prisme.evaluation.policies import forced_actions
 
     return forced_actions(cfg, family, n, k, shape, g)
 
@@ -329,7 +331,7 @@ def _controller_rows(model, mcfg, data_seed, n_seq, lambdas) -> list[dict[str, A
 def _oracle_row(model, mcfg, seed, n_seq) -> dict[str, Any]:
     """The greedy oracle at lambda 0 at the query positions (it reads the targets, so it knows where they are and
     stops at once everywhere else); its trace is charged as if a controller had chosen it."""
-    from .evaluate import greedy_oracle
+    from prisme.evaluation.oracle import greedy_oracle
 
     cfg = model.cfg
     T = mcfg.seq_len

@@ -15,9 +15,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import attention as attn
-from .attention import CacheStep, CausalSelfAttention, KVCache, LayerKVCache, RMSNorm, linear
-from .config import PrismeConfig
+from prisme.config import PrismeConfig
+from prisme.model import attention as attn
+from prisme.model.attention import CacheStep, CausalSelfAttention, KVCache, LayerKVCache, RMSNorm, linear
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 

@@ -25,10 +25,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .data import IGNORE_INDEX
+from prisme.data.text import IGNORE_INDEX
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .train import StageConfig
+    from prisme.training.config import StageConfig
 
 
 def _ce_sum(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -16,75 +16,23 @@ Contracts (each is a test in tests/test_contracts.py):
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import RMSNorm
-from .backbone import Backbone, check_tokens
-from .config import PrismeConfig, source_layer
-from .controller import ValueController
-from .editor import EditInfo, SlotKV, SparseEditor
-from .readout import DifferentialReadout
-from .workspace import absorb_stop, action_groups, check_actions, init_workspace
+from prisme.config import PrismeConfig, source_layer
+from prisme.model.attention import RMSNorm
+from prisme.model.backbone import Backbone, check_tokens
+from prisme.model.controller import ValueController
+from prisme.model.editor import EditInfo, SlotKV, SparseEditor
+from prisme.model.outputs import EncodedContext, PrismeOutput, Rollout, Streams
+from prisme.model.readout import DifferentialReadout
+from prisme.model.workspace import absorb_stop, action_groups, check_actions, init_workspace
 
 if TYPE_CHECKING:
-    from .generate import DecodeState
-
-
-@dataclass
-class Streams:
-    """What the workspace reads of a backbone pass: H and the source streams its bank and query terms name."""
-
-    H: torch.Tensor  # [B, T, d] final residual stream (before the final norm)
-    src: dict[str, torch.Tensor]  # {term: [B, T, d]} for every source term ("residual" is H itself)
-
-    def index(self, rows: torch.Tensor, pos: torch.Tensor) -> Streams:
-        """The streams at `[rows, pos]` (e.g. query positions `[B, P]` with rows `[B, 1]`)."""
-        return Streams(self.H[rows, pos], {k: v[rows, pos] for k, v in self.src.items()})
-
-    def detach(self) -> Streams:
-        return Streams(self.H.detach(), {k: v.detach() for k, v in self.src.items()})
-
-
-@dataclass
-class EncodedContext:
-    """Everything the workspace needs for a batch of query positions. Read-only for the editor."""
-
-    H: torch.Tensor  # [B, Tq, d] backbone residual stream at the query positions
-    K: torch.Tensor  # [B, Tb, w] source bank keys
-    V: torch.Tensor  # [B, Tb, w] source bank values
-    z: torch.Tensor  # [B, Tq, w] query summary
-    bank_mask: torch.Tensor  # [B, Tq, Tb] bool: query t may read key j
-    S0: torch.Tensor  # [B, Tq, M, w] initial workspace
-    ctrl_in: torch.Tensor | None = None  # [B, Tq, d] normed stream the controller projects (cfg.controller_source)
-
-
-@dataclass
-class Rollout:
-    """A workspace run over every query position of a context."""
-
-    S: torch.Tensor  # [B, Tq, M, w] final workspace
-    actions: torch.Tensor  # [B, Tq, R] actions applied (STOP-absorbed)
-    n_edits: torch.Tensor  # [B, Tq] non-STOP actions per position
-    controller_steps: torch.Tensor  # [B, Tq] controller evaluations per position (0 for forced runs)
-    infos: list[EditInfo]
-
-
-@dataclass
-class PrismeOutput:
-    logits: torch.Tensor  # [B, T, V]
-    H: torch.Tensor  # [B, T, d]
-    n_edits: torch.Tensor | None = None  # [B, T]; None on the bypass path
-    delta: torch.Tensor | None = None  # [B, T, d] readout correction (zero where not edited)
-    actions: torch.Tensor | None = None  # [B, T, R] applied actions (policy trace or STOP-absorbed forced)
-    controller_steps: torch.Tensor | None = None  # [B, T]
-    ctx: EncodedContext | None = None  # with return_state
-    S_final: torch.Tensor | None = None  # with return_state
-    infos: list[EditInfo] | None = None  # with return_state
+    from prisme.model.state import DecodeState
 
 
 class PrismeModel(nn.Module):
@@ -94,7 +42,7 @@ class PrismeModel(nn.Module):
         self.cfg = cfg
         self.backbone = Backbone(cfg)
         if cfg.use_workspace:
-            from .costs import action_cost_proxy
+            from prisme.costs.analytic import action_cost_proxy
 
             self._build_sources(cfg)
             seed_slots = cfg.ws_init == "seed" and cfg.z_norm
@@ -166,7 +114,7 @@ class PrismeModel(nn.Module):
         return counts.scatter_add_(1, slots.clamp(min=0), (slots >= 0).long())
 
     def _apply(self, fn, *args, **kwargs):  # derived tables stay valid after casts, moves and `to_empty`
-        from .costs import action_cost_proxy
+        from prisme.costs.analytic import action_cost_proxy
 
         out = super()._apply(fn, *args, **kwargs)
         if self.cfg.use_workspace:
@@ -507,6 +455,6 @@ class PrismeModel(nn.Module):
     def new_decode_state(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None,
                          bank: bool | None = None) -> DecodeState:
         """Allocate a `prisme.generate.DecodeState` (backbone KV cache, source bank, per-row lengths) for decoding."""
-        from .generate import DecodeState
+        from prisme.model.state import DecodeState
 
         return DecodeState(self, batch_size, max_len, dtype, bank)

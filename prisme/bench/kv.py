@@ -24,177 +24,36 @@ JSON document, the last thing printed on stdout; `--json PATH` also writes it to
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
 import json
-import os
-import platform
-import sys
-import tracemalloc
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
-from pathlib import Path
-from time import perf_counter_ns
 from typing import Any
 
-import numpy as np
 import torch
 
-from . import faults
-from .backbone import Backbone
-from .config import PrismeConfig
+from prisme import faults
+from prisme.bench.harness import (
+    DTYPES,
+    TimedPath,
+    build_model,
+    emit,
+    make_tokens,
+    model_facts,
+    parse_ints,
+    percentiles,
+    time_paths,
+    torch_threads,
+    tracemalloc_peak,
+)
+from prisme.config import PrismeConfig
+from prisme.io import PACKAGE_DIR, environment
+from prisme.model.backbone import Backbone
 
-REFERENCE_DIR = Path(__file__).resolve().parent / "reference"
+REFERENCE_DIR = PACKAGE_DIR / "reference"
 SEED001_REPORT = REFERENCE_DIR / "seed001_kv_report.json"
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
 # What "exact" means in this benchmark (and in tests/test_attention_cache.py).
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
 NEGATIVE_CONTROL_MIN = 1e-2
-
-TimedPath = tuple[str, Callable[[], Any], Callable[[Any], Any]]  # (name, setup() -> state, run(state)), run is timed
-
-
-# ------------------------------------------------------------------------------------------------------------- harness
-def cpu_model() -> str:
-    """The CPU's marketing name from /proc/cpuinfo (Linux), else whatever `platform` knows."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
-def environment(dtype: torch.dtype, seed: int) -> dict[str, Any]:
-    """The facts a timing depends on, in seed 001's layout."""
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "numpy": np.__version__,
-        "device": "cpu",
-        "dtype": str(dtype).removeprefix("torch."),
-        "threads": torch.get_num_threads(),
-        "platform": platform.platform(),
-        "cpu": cpu_model(),
-        "logical_cpus": os.cpu_count(),
-        "executed_at_utc": datetime.now(timezone.utc).isoformat(),
-        "seed": seed,
-    }
-
-
-def percentiles(samples_ms: Sequence[float]) -> tuple[float, float]:
-    """(p50, p95) with linear interpolation (numpy's default, as in seed 001)."""
-    p50, p95 = np.percentile(np.asarray(samples_ms, dtype=np.float64), [50, 95])
-    return float(p50), float(p95)
-
-
-def time_paths(paths: Sequence[TimedPath], warmups: int, repeats: int) -> dict[str, list[float]]:
-    """Run every path `warmups` untimed then `repeats` timed times, order rotated each repeat; samples in ms."""
-    if warmups < 0 or repeats < 1:
-        raise ValueError(f"need warmups >= 0 and repeats >= 1, got {warmups} and {repeats}")
-    samples: dict[str, list[float]] = {name: [] for name, _, _ in paths}
-    n = len(paths)
-    gc_was_enabled = gc.isenabled()
-    with torch.inference_mode():
-        try:
-            for r in range(warmups + repeats):
-                if r == warmups:
-                    gc.collect()
-                    gc.disable()
-                for name, setup, run in (paths[(r + i) % n] for i in range(n)):
-                    state = setup()
-                    t0 = perf_counter_ns()
-                    run(state)
-                    t1 = perf_counter_ns()
-                    if r >= warmups:
-                        samples[name].append((t1 - t0) / 1e6)
-        finally:
-            if gc_was_enabled:
-                gc.enable()
-    return samples
-
-
-def tracemalloc_peak(setup: Callable[[], Any], run: Callable[[Any], Any]) -> int:
-    """Peak bytes Python's allocator held above its starting point during one `run` (setup not counted)."""
-    was_tracing = tracemalloc.is_tracing()
-    with torch.inference_mode():
-        state = setup()
-        gc.collect()
-        tracemalloc.start()
-        try:
-            tracemalloc.reset_peak()
-            base = tracemalloc.get_traced_memory()[0]
-            run(state)
-            peak = tracemalloc.get_traced_memory()[1]
-        finally:
-            if not was_tracing:
-                tracemalloc.stop()
-    return peak - base
-
-
-def emit(doc: dict, table: str, json_path: str | None = None) -> int:
-    """Print a benchmark's table, write its JSON document if asked, print the document last; exit status 0 when
-    every check passed, else 1."""
-    print(table)
-    if json_path:
-        write_json_atomic(doc, json_path)
-        print(f"wrote {json_path}")
-    print()
-    print(json.dumps(doc, indent=2))
-    sys.stdout.flush()
-    return 0 if doc["checks"]["passed"] else 1
-
-
-def write_json_atomic(doc: dict[str, Any], path: str | Path) -> None:
-    """Write `doc` to `path` via a temporary file in the same folder and `os.replace`: readers never see half a file."""
-    from .checkpoint import write_text_atomic
-
-    write_text_atomic(Path(path), json.dumps(doc, indent=2) + "\n")
-
-
-@contextlib.contextmanager
-def torch_threads(n: int) -> Iterator[None]:
-    """Run with `n` torch CPU threads (n < 1: leave as is), restoring the previous setting after."""
-    before = torch.get_num_threads()
-    if n >= 1:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-# --------------------------------------------------------------------------------------------------------------- model
-def build_model(cfg: PrismeConfig, seed: int, dtype: torch.dtype = torch.float32) -> Backbone:
-    """A seeded, untrained backbone in eval mode (same weights for every dtype; the global RNG is left alone)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Backbone(cfg)
-    return model.to(dtype).eval()
-
-
-def make_tokens(vocab_size: int, batch: int, length: int, seed: int) -> torch.Tensor:
-    """Predetermined token ids `[batch, length]` from a private generator."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab_size, (batch, length), generator=g)
-
-
-def model_facts(model: Backbone) -> dict[str, Any]:
-    cfg = model.cfg
-    return {
-        "preset": cfg.name,
-        "family": cfg.family,
-        "vocab": cfg.vocab_size,
-        "layers": cfg.n_layer,
-        "width": cfg.d_model,
-        "heads": cfg.n_head,
-        "kv_heads": cfg.n_kv_head,
-        "head_dim": cfg.head_dim,
-        "max_positions": cfg.max_seq_len,
-        "parameters": model.num_parameters(),
-        "trained": False,
-        "position_encoding": "learned absolute" if cfg.family == "gpt2" else "rope",
-    }
 
 
 # --------------------------------------------------------------------------------------------------------- correctness
@@ -372,7 +231,7 @@ def run_kv(preset: str = "seed001", prompts: Sequence[int] = (16, 64, 128, 256),
         model = build_model(cfg, seed, dtype)
         timings = kv_timing(model, prompts, new_tokens, warmups, repeats, seed)
         memory = kv_memory(model, prompts, new_tokens, seed)
-        env = environment(dtype, seed)
+        env = environment(dtype=dtype, seed=seed)
     checks = {
         f"float64_max_error_le_{TOLERANCE[torch.float64]:g}": all(
             r.max_abs_logit_error <= TOLERANCE[torch.float64] for r in correctness if r.dtype == "torch.float64"),
@@ -472,33 +331,8 @@ def format_kv_table(doc: dict[str, Any], reference: dict[str, Any] | None = None
     return "\n".join(lines)
 
 
-def parse_ints(text: str, flag: str) -> tuple[int, ...]:
-    """Comma-separated positive integers (a CLI list such as --prompts or --batches), or a ValueError naming `flag`."""
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise ValueError(f"{flag} must list positive integers, got {text!r}")
-    return values
-
-
 def main(args: argparse.Namespace) -> int:
-    """`prisme bench <what>`: print the table, then the JSON document as the last thing on stdout."""
-    if args.bench == "workspace":
-        from .bench_workspace import main as workspace_main
-
-        return workspace_main(args)
-    if args.bench == "vs-hf":
-        from .bench_hf import main as vs_hf_main
-
-        return vs_hf_main(args)
-    if args.bench == "train":
-        from .bench_train import main as train_main
-
-        return train_main(args)
-    if args.bench != "kv":
-        raise ValueError(f"unknown benchmark {args.bench!r}")
+    """`prisme bench kv`: print the table, then the JSON document as the last thing on stdout."""
     if args.dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {args.dtype!r}")
     doc = run_kv(preset=args.preset, prompts=parse_ints(args.prompts, "--prompts"), new_tokens=args.new_tokens,

@@ -27,9 +27,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import RMSNorm
-from .config import PrismeConfig
-from .workspace import action_groups, group_first_actions
+from prisme.config import PrismeConfig
+from prisme.model.attention import RMSNorm
+from prisme.model.workspace import action_groups, group_first_actions
 
 
 @dataclass

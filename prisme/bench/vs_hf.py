@@ -18,7 +18,7 @@ Prefill paths (the prompt into a fresh cache, logits of its last position): hf (
 compiled (`prefill_step`, dynamic length, default mode, frozen weights); at prisme_103m the fp32 matmul peak
 (`bench_train.matmul_paths`, sizes 1024..3072) is timed in the same rotation.
 
-Correctness, before anything is timed (float32, max |logit error| <= `bench.TOLERANCE`): HF's logits on a random
+Correctness, before anything is timed (float32, max |logit error| <= `kv.TOLERANCE`): HF's logits on a random
 batch against our full forward (the interop check), and every timed path's logits (each decode step and each prefill)
 against our full forward at the same positions. Negative controls, which must give errors >= 1e-2: HF with its head
 rows rolled by one vocabulary id (a converter bug), HF decode with positions shifted by one, and the fixed-shape step
@@ -28,7 +28,7 @@ Floor (prisme_103m): bytes a decode step must read, weights (every matrix once; 
 the tied head) + the K/V of the positions attended (mean over the N steps), divided by the streaming read bandwidth
 measured in the same rotation. The compiled step reads its whole cache (P + N positions), a little more.
 
-Timing protocol: `bench.time_paths` (warmups, repeats, path order rotated each repeat, gc off, inference mode);
+Timing protocol: `harness.time_paths` (warmups, repeats, path order rotated each repeat, gc off, inference mode);
 p50/p95 and raw samples. The machine may be shared: compare paths within one row, and read ratios next to
 absolute figures. Output: a table for humans, then one JSON document, the last thing printed on stdout.
 """
@@ -46,16 +46,18 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from . import bench, bench_train
-from .backbone import Backbone
-from .bench import TimedPath, parse_ints, percentiles, time_paths
-from .compile import DEFAULT_MODE, CompiledDecoder, compile_decode, decode_step, error_line, in_out_layout_
-from .config import PrismeConfig
-from .interop import INSTALL_HINT, hf_available, hf_cache_kwarg, to_hf
+from prisme.bench import harness, kv
+from prisme.bench import train as bench_train
+from prisme.bench.harness import TimedPath, parse_ints, percentiles, time_paths
+from prisme.config import PrismeConfig
+from prisme.interop import INSTALL_HINT, hf_available, hf_cache_kwarg, to_hf
+from prisme.io import environment
+from prisme.model.backbone import Backbone
+from prisme.model.compiled import DEFAULT_MODE, CompiledDecoder, compile_decode, decode_step, error_line, in_out_layout_
 
 SMALL, BIG = "seed001", "prisme_103m"
-TOL = bench.TOLERANCE[torch.float32]
-NEGATIVE_MIN = bench.NEGATIVE_CONTROL_MIN
+TOL = kv.TOLERANCE[torch.float32]
+NEGATIVE_MIN = kv.NEGATIVE_CONTROL_MIN
 DECODE_PATHS = ("hf_dynamic", "hf_static", "prisme", "compiled")
 PREFILL_PATHS = ("hf", "prisme", "compiled")
 STREAM_READS = 4  # reads of the 512 MiB buffer per stream_read sample
@@ -246,9 +248,9 @@ def decode_floor(bb: Backbone, batch: int, prompt: int, new: int, bandwidth_gb_p
                  ms_per_step: dict[str, float]) -> Floor:
     weights = decode_weight_bytes(bb, batch)
     mean_keys = prompt + (new + 1) / 2  # step i (0-based) attends to prompt + i + 1 positions
-    kv = round(bench.kv_payload_bytes(bb, 1, batch) * mean_keys)
-    floor_ms = (weights + kv) / bandwidth_gb_per_s / 1e6
-    return Floor(weights, kv, weights + kv, bandwidth_gb_per_s, floor_ms,
+    kv_bytes = round(kv.kv_payload_bytes(bb, 1, batch) * mean_keys)
+    floor_ms = (weights + kv_bytes) / bandwidth_gb_per_s / 1e6
+    return Floor(weights, kv_bytes, weights + kv_bytes, bandwidth_gb_per_s, floor_ms,
                  {k: v / floor_ms for k, v in ms_per_step.items()})
 
 
@@ -310,7 +312,7 @@ class ShapeBench:
     @torch.inference_mode()
     def check_interop(self, batch: int = 2, seq_len: int = 64) -> None:
         bb, hf = self.pair.backbone, self.pair.hf
-        x = bench.make_tokens(bb.cfg.vocab_size, batch, seq_len, self.seed)
+        x = harness.make_tokens(bb.cfg.vocab_size, batch, seq_len, self.seed)
         ref = bb.head(bb(x))  # [B, T, V]
         self.check("interop", "hf", batch, seq_len, _max_err(hf(x).logits, ref))
         w = hf.get_output_embeddings().weight  # [V, d]: plant a converter bug, then undo it exactly
@@ -383,7 +385,7 @@ class ShapeBench:
 
 def build_pair(preset: str, seed: int, threads: int, in_out: bool = True) -> Pair:
     """A seeded backbone and its HF copy; `in_out`: our weights then stored [in, out] (`compile.in_out_layout_`)."""
-    bb = bench.build_model(PrismeConfig.from_name(preset), seed)
+    bb = harness.build_model(PrismeConfig.from_name(preset), seed)
     hf = to_hf(bb)  # contiguous copies, HF's own layouts
     return Pair(in_out_layout_(bb) if in_out else bb, hf, threads)
 
@@ -394,7 +396,7 @@ def run_small(pair: Pair, prompts: Sequence[int], new_tokens: int, warmups: int,
     sb = ShapeBench(pair, compile_mode, seed)
     V, cap = pair.cfg.vocab_size, max(prompts) + new_tokens
     sb.check_interop()
-    seqs = {P: bench.make_tokens(V, 1, P + new_tokens, seed + P) for P in prompts}
+    seqs = {P: harness.make_tokens(V, 1, P + new_tokens, seed + P) for P in prompts}
     dec = sb.decoder(1, cap, seqs[prompts[0]][:, :prompts[0]], step=True, prefill=True)
     for i, P in enumerate(prompts):
         prompt, new = seqs[P][:, :P], seqs[P][:, P:]
@@ -411,12 +413,12 @@ def run_big(pair: Pair, batches: Sequence[int], prompt_len: int, new_tokens: int
     V = pair.cfg.vocab_size
     sb.check_interop()
     for i, B in enumerate(batches):
-        seq = bench.make_tokens(V, B, prompt_len + new_tokens, seed + B)
+        seq = harness.make_tokens(V, B, prompt_len + new_tokens, seed + B)
         prompt, new = seq[:, :prompt_len], seq[:, prompt_len:]
         dec = sb.decoder(B, prompt_len + new_tokens, prompt, step=True, prefill=False)
         sb.res.decode.append(sb.decode_row(prompt, new, dec, warmups, repeats, stream_bytes, negatives=i == 0))
         del dec
-    prompt = bench.make_tokens(V, 1, prefill_tokens, seed)
+    prompt = harness.make_tokens(V, 1, prefill_tokens, seed)
     dec = sb.decoder(1, prefill_tokens, prompt, step=False, prefill=True)
     sb.res.prefill.append(sb.prefill_row(prompt, dec, warmups, repeats, matmul_sizes))
     return sb.res
@@ -489,8 +491,8 @@ def run_vs_hf(shapes: Sequence[str] = (SMALL, BIG), prompts: Sequence[int] = (16
         raise ValueError("need warmups >= 0, repeats >= 1 and new tokens >= 1")
     if not batches or min(batches) < 1:
         raise ValueError(f"batches must be positive, got {list(batches)}")
-    bench.check_lengths(PrismeConfig.from_name(SMALL), prompts, new_tokens)
-    bench.check_lengths(PrismeConfig.from_name(BIG), [big_prompt], big_new_tokens)
+    kv.check_lengths(PrismeConfig.from_name(SMALL), prompts, new_tokens)
+    kv.check_lengths(PrismeConfig.from_name(BIG), [big_prompt], big_new_tokens)
     if not 1 <= prefill_tokens <= PrismeConfig.from_name(BIG).max_seq_len:
         raise ValueError(f"prefill_tokens must be in [1, T_max={PrismeConfig.from_name(BIG).max_seq_len}], "
                          f"got {prefill_tokens}")
@@ -503,9 +505,9 @@ def run_vs_hf(shapes: Sequence[str] = (SMALL, BIG), prompts: Sequence[int] = (16
     t_start = time.perf_counter()
     for shape in shapes:
         threads = threads_small if shape == SMALL else threads_big
-        with bench.torch_threads(threads):
+        with harness.torch_threads(threads):
             pair = build_pair(shape, seed, torch.get_num_threads(), in_out)
-            models[shape] = {**bench.model_facts(pair.backbone), "hf_class": type(pair.hf).__name__,
+            models[shape] = {**harness.model_facts(pair.backbone), "hf_class": type(pair.hf).__name__,
                              "threads": pair.threads}
             if shape == SMALL:
                 results[shape] = run_small(pair, prompts, new_tokens, warmups, repeats, compile_mode, seed)
@@ -515,7 +517,7 @@ def run_vs_hf(shapes: Sequence[str] = (SMALL, BIG), prompts: Sequence[int] = (16
             del pair
     import transformers
 
-    env = {**bench.environment(torch.float32, seed), "threads": {s: models[s]["threads"] for s in shapes},
+    env = {**environment(dtype=torch.float32, seed=seed), "threads": {s: models[s]["threads"] for s in shapes},
            "transformers": transformers.__version__, "load_average_1m": {"start": load_start,
                                                                           "end": os.getloadavg()[0]},
            "wall_s": time.perf_counter() - t_start}
@@ -648,4 +650,4 @@ def main(args: argparse.Namespace) -> int:
         warmups=args.warmups, repeats=pick(args.repeats, 5, 15), threads_small=args.threads_small,
         threads_big=args.threads_big, compile_mode=None if args.no_compile else DEFAULT_MODE, seed=args.seed,
         quick=quick, in_out=not args.stock_layout)
-    return bench.emit(doc, format_vs_hf_table(doc), args.json)
+    return harness.emit(doc, format_vs_hf_table(doc), args.json)

@@ -29,395 +29,36 @@ is the model's own (`cfg.optimised`), `ops_per_token_alt` the other one (seed <-
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import math
-import os
-import platform
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 
-from .config import PrismeConfig
-from .costs import TraceCost, trace_cost
-from .data import IGNORE_INDEX, MQARDataset, TokenDataset
-from .model import EncodedContext, PrismeModel
-from .stats import N_BOOT, PairedDelta, check_bootstrap_args, paired_bootstrap
-
-POLICY_FAMILIES = ("backbone", "matched", "fixed", "random", "dense", "controller", "oracle")
-ROW_FAMILIES = (*POLICY_FAMILIES, "equal_edits", "reference")  # equal_edits rows come with the controller's;
-#   reference rows are other backbones scored on the same targets (`references`, e.g. one layer deeper)
-WORKSPACE_FAMILIES = ("fixed", "random", "dense", "controller", "oracle")
-BUDGETS = (1, 2, 4, 8)
-LAMBDA_QUANTILES = (0.25, 0.5, 0.75, 0.95)
-
-
-# ---------------------------------------------------------------------------------------------------------- results
-@dataclass
-class EvalRow:
-    """One policy's validation loss and measured compute."""
-
-    policy: str
-    loss: float  # mean next-token cross-entropy over labelled targets (nats)
-    ops_per_token: float  # mean ops per position, by the model's own accounting (`cfg.optimised`)
-    relative_ops: float  # total ops / backbone-only ops of the same positions
-    accuracy: float | None  # argmax accuracy on labelled targets (MQAR), else None
-    deployable: bool  # False for the oracle (it reads the targets)
-    family: str = ""
-    delta_loss: float = 0.0  # loss - backbone loss on the same positions
-    baseline_loss: float = 0.0  # backbone loss on the same positions
-    mean_edits: float = 0.0  # non-STOP actions per position
-    edited_fraction: float = 0.0  # positions with at least one edit
-    controller_steps: float = 0.0  # controller evaluations per position (charged, for the oracle)
-    ops_per_token_alt: float = 0.0  # the other accounting (seed <-> optimised)
-    relative_ops_alt: float = 0.0
-    lambda_cost: float | None = None  # controller / oracle price of compute
-    budget: int | None = None  # n for forced rows, max_budget for controller / oracle rows
-    n_positions: int = 0  # positions the ops cover
-    n_targets: int = 0  # labelled targets the loss covers
-    # paired differences on the same targets (loss of this row minus the reference's, nats per token), each
-    # {mean, lo, hi, n_sequences, n_tokens} with a 95% bootstrap interval over sequences
-    delta_vs_backbone: dict[str, Any] | None = None
-    delta_vs_matched: dict[str, Any] | None = None  # with a matched backbone
-    delta_vs_equal_edits: dict[str, Any] | None = None  # controller rows: minus their equal-edits baseline
-    verdict_vs_backbone: str | None = None  # "beats" | "ties" | "loses", from the interval
-    verdict_vs_matched: str | None = None
-    verdict_vs_equal_edits: str | None = None
-    tokens_per_s: float = 0.0  # positions per second of this policy's forwards during the evaluation
-    equal_edits_of: str | None = None  # equal_edits rows: the controller row they match
-
-
-@dataclass
-class EvalReport:
-    """Every policy's row plus what is needed to reproduce the run."""
-
-    rows: list[EvalRow]
-    config: dict[str, Any]
-    dataset: str
-    n_tokens: int  # labelled targets scored by each full-position policy
-    n_positions: int  # positions evaluated by each full-position policy
-    batch_size: int
-    seq_len: int
-    n_batches: int
-    accounting: str  # "optimised" or "seed": the accounting of `ops_per_token`
-    lambdas: list[float]
-    oracle_positions: int | None
-    seed: int
-    environment: dict[str, Any] = field(default_factory=dict)
-    n_sequences: int = 0  # sequences every full-position row scored (the bootstrap's resampling unit)
-    split: str = "val"
-    bootstrap_samples: int = N_BOOT
-    bootstrap_seed: int = 0
-    oracle_targets: int | None = None  # labelled positions the oracle rows saw (it is subsampled)
-
-    @property
-    def alt_accounting(self) -> str:
-        return "seed" if self.accounting == "optimised" else "optimised"
-
-    def row(self, policy: str) -> EvalRow:
-        """The row named `policy` (ValueError if there is none)."""
-        for r in self.rows:
-            if r.policy == policy:
-                return r
-        raise ValueError(f"no row named {policy!r}; rows: {[r.policy for r in self.rows]}")
-
-    def table(self) -> str:
-        """A fixed-width table for humans, one row per policy: loss, the paired differences to the backbone and the
-        matched backbone with their 95% intervals and verdicts, ops, edits, throughput."""
-        has_m = any(r.delta_vs_matched for r in self.rows)
-        ci = lambda d: "-" if not d else f"{d['mean']:+.4f} [{d['lo']:+.4f},{d['hi']:+.4f}]"  # noqa: E731
-        head = (f"{'policy':<30}{'loss':>8}  {'vs backbone [95% CI]':<28}" + (f"{'vs matched [95% CI]':<28}" if has_m
-                                                                              else "")
-                + f"{'rel ops':>8}{'edits':>7}{'acc':>7}{'tok/s':>9}  deployable")
-        lines = [head, "-" * len(head)]
-        for r in self.rows:
-            acc = "-" if r.accuracy is None else f"{r.accuracy:.3f}"
-            dep = "yes" if r.deployable else "no (upper bound)"
-            vb = ci(r.delta_vs_backbone) + ("" if not r.verdict_vs_backbone or r.family == "backbone"
-                                            else f" {r.verdict_vs_backbone}")
-            vm = ci(r.delta_vs_matched) + ("" if not r.verdict_vs_matched or r.family == "matched"
-                                           else f" {r.verdict_vs_matched}")
-            lines.append(f"{r.policy:<30}{r.loss:>8.4f}  {vb:<28}" + (f"{vm:<28}" if has_m else "")
-                         + f"{r.relative_ops:>8.3f}{r.mean_edits:>7.2f}{acc:>7}{r.tokens_per_s:>9.0f}  {dep}")
-            if r.delta_vs_equal_edits:
-                lines.append(f"{'':<4}controller - equal_edits: {ci(r.delta_vs_equal_edits)} "
-                             f"{r.verdict_vs_equal_edits}")
-        foot = (f"{self.dataset}; {self.split} split, {self.n_batches} batches x {self.batch_size} x {self.seq_len} = "
-                f"{self.n_sequences} sequences, {self.n_tokens} scored targets; differences are this row's loss minus "
-                f"the reference's on the same targets (nats/token), 95% bootstrap over sequences "
-                f"({self.bootstrap_samples} resamples, seed {self.bootstrap_seed}); ops in the {self.accounting} "
-                f"accounting")
-        if any(r.family == "oracle" for r in self.rows):
-            per = "all" if self.oracle_positions is None else self.oracle_positions
-            foot += (f"; oracle rows: {per} sampled positions per sequence ({self.oracle_targets} in all), compared "
-                     f"on those positions")
-        lines.append(foot)
-        return "\n".join(lines)
-
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-serialisable document (strict JSON: no NaN or infinity)."""
-        doc = {k: v for k, v in asdict(self).items() if k != "rows"}
-        doc["alt_accounting"] = self.alt_accounting
-        doc["rows"] = [asdict(r) for r in self.rows]
-        return _json_safe(doc)
-
-    def plot(self, path: str | Path) -> None:
-        """Loss difference to the backbone versus relative ops (PNG, log ops axis): one marker per family with its
-        95% paired interval as an error bar, the deployable Pareto front, zero (the backbone) and the matched
-        backbone's difference. The oracle's points are its difference on its own sampled positions (hollow)."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        style = {"backbone": ("s", "C0"), "matched": ("D", "C1"), "fixed": ("o", "C2"), "random": ("x", "C3"),
-                 "dense": ("^", "C4"), "controller": ("*", "C5"), "oracle": ("P", "C6"), "equal_edits": ("v", "C7"),
-                 "reference": ("h", "C8")}
-        fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
-        for fam in ROW_FAMILIES:
-            rows = [r for r in self.rows if r.family == fam and r.delta_vs_backbone]
-            if not rows:
-                continue
-            xs = [r.relative_ops for r in rows]
-            ys = [r.delta_vs_backbone["mean"] for r in rows]
-            err = [[y - r.delta_vs_backbone["lo"] for y, r in zip(ys, rows)],
-                   [r.delta_vs_backbone["hi"] - y for y, r in zip(ys, rows)]]
-            marker, color = style[fam]
-            hollow = fam == "oracle"
-            ax.errorbar(xs, ys, yerr=err, fmt=marker, color=color, ms=6, capsize=2, lw=1,
-                        mfc="none" if hollow else color,
-                        label="oracle (not deployable; on its sampled positions)" if hollow else fam)
-        front = [r for r in pareto_front(self.rows) if r.delta_vs_backbone]
-        if front:  # a staircase from the cheapest row, held to the right edge
-            x_max = max(r.relative_ops for r in self.rows)
-            xs = [r.relative_ops for r in front] + [x_max]
-            ys = [r.delta_vs_backbone["mean"] for r in front] + [front[-1].delta_vs_backbone["mean"]]
-            ax.step(xs, ys, where="post", color="k", lw=1, alpha=0.5, label="Pareto front (deployable)")
-        ax.axhline(0.0, color="gray", ls="--", lw=1, label="backbone only")
-        ax.set_xscale("log")
-        ax.set_xlabel(f"ops per token / backbone only ({self.accounting} accounting, log scale)")
-        ax.set_ylabel("loss minus the backbone's (nats / token), 95% CI")
-        ax.set_title(f"{self.config.get('name', '?')}: {self.split} split, {self.n_sequences} sequences")
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7, loc="best")
-        fig.tight_layout()
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, format="png")
-        plt.close(fig)
-
-
-def pareto_front(rows: Sequence[EvalRow]) -> list[EvalRow]:
-    """Deployable rows not dominated in (relative ops, loss), sorted by ops: each is strictly better in loss than
-    every cheaper-or-equal one."""
-    front: list[EvalRow] = []
-    for r in sorted((r for r in rows if r.deployable), key=lambda r: (r.relative_ops, r.loss)):
-        if not front or r.loss < front[-1].loss:
-            front.append(r)
-    return front
-
-
-# ---------------------------------------------------------------------------------------------------------- policies
-@dataclass(frozen=True)
-class _Policy:
-    name: str
-    family: str
-    n: int = 0  # actions (forced) or max budget (controller / oracle)
-    k: int = 0  # 1 (slots), 2 (pairs), M (dense)
-    lam: float | None = None
-    of: str | None = None  # equal_edits: the controller row whose mean edits it matches
-
-
-def forced_actions(cfg: PrismeConfig, family: str, n: int, k: int, shape: tuple[int, int],
-                   generator: torch.Generator | None = None, device: torch.device | None = None) -> torch.Tensor:
-    """Forced actions `[B, T, n]` of a fixed / random / dense policy.
-
-    fixed: step r edits slot r mod M (k = 1) or pair M + (r mod M/2) (k = 2) at every position; random: uniform
-    slots or pairs from `generator`; dense: DENSE (A+1) at every step.
-    """
-    B, T = shape
-    M, A = cfg.n_slots, cfg.n_actions
-    steps = torch.arange(n)
-    if family == "fixed":
-        row = steps % M if k == 1 else M + steps % (M // 2)  # [n]
-        acts = row.view(1, 1, n).expand(B, T, n)
-    elif family == "random":
-        lo, hi = (0, M) if k == 1 else (M, A)
-        acts = torch.randint(lo, hi, (B, T, n), generator=generator)
-    elif family == "dense":
-        acts = torch.full((B, T, n), cfg.dense_action)
-    else:
-        raise ValueError(f"forced_actions: unknown family {family!r}; expected fixed, random or dense")
-    return acts.to(device=device, dtype=torch.long).contiguous()
-
-
-def _fmt_lambda(lam: float) -> str:
-    return "0" if lam == 0 else f"{lam:.3g}"
-
-
-def _plan(model: PrismeModel, families: Sequence[str], lambdas: Sequence[float],
-          budgets: Sequence[int] | None = None, oracle_lambdas: Sequence[float] | None = None,
-          ks: Sequence[int] = (1, 2), controller_budget: int | None = None) -> list[_Policy]:
-    cfg = model.cfg
-    R = cfg.r_max if controller_budget is None else controller_budget
-    if not isinstance(R, int) or isinstance(R, bool) or not 1 <= R <= cfg.r_max:
-        raise ValueError(f"controller_budget must be an int in [1, r_max={cfg.r_max}], got {R!r}")
-    ns = [n for n in (BUDGETS if budgets is None else budgets) if n <= cfg.r_max]
-    out: list[_Policy] = []
-    for fam in families:
-        if fam == "backbone":
-            out.append(_Policy("backbone", fam))
-        elif fam == "matched":
-            out.append(_Policy("backbone+matched", fam))
-        elif fam in ("fixed", "random"):
-            out += [_Policy(f"{fam}_{n}xk{k}", fam, n, k) for k in ks for n in ns]
-        elif fam == "dense":
-            out += [_Policy(f"dense_{n}", fam, n, cfg.n_slots) for n in ns]
-        elif fam in ("controller", "oracle"):
-            for lam in (oracle_lambdas if fam == "oracle" and oracle_lambdas is not None else lambdas):
-                name = f"{fam}(lambda={_fmt_lambda(lam)})"
-                out.append(_Policy(name, fam, R, 0, float(lam)))
-                if fam == "controller":  # right after it: uniform allocation of the same mean number of edits
-                    out.append(_Policy(f"equal_edits(lambda={_fmt_lambda(lam)})", "equal_edits", R, 1,
-                                       float(lam), of=name))
-    return out
-
-
-def thinned_actions(cfg: PrismeConfig, mean_edits: float, max_n: int, shape: tuple[int, int],
-                    generator: torch.Generator, device: torch.device | None = None) -> torch.Tensor:
-    """The equal-edits baseline `[B, T, max_n]`: fixed round-robin single-slot edits, thinned per position at random
-    (seeded) to `mean_edits` per position on average: each position gets floor(m) or floor(m) + 1 edits (the latter
-    with probability m - floor(m)), so the same edit count is spread uniformly instead of allocated."""
-    B, T = shape
-    m = min(max(float(mean_edits), 0.0), float(max_n))
-    base = int(math.floor(m))
-    n = base + (torch.rand(B, T, generator=generator) < (m - base)).long()  # [B, T] edits per position
-    steps = torch.arange(max_n)
-    acts = (steps % cfg.n_slots).view(1, 1, max_n).expand(B, T, max_n)
-    acts = torch.where(steps.view(1, 1, max_n) < n.unsqueeze(-1), acts, torch.full_like(acts, cfg.stop_action))
-    return acts.to(device=device, dtype=torch.long).contiguous()
-
-
-# ---------------------------------------------------------------------------------------------------------- oracle
-@dataclass
-class OracleResult:
-    """A greedy-oracle run on P positions per sequence."""
-
-    positions: torch.Tensor  # [B, P] query positions t
-    actions: torch.Tensor  # [B, P, R] chosen actions (STOP-padded)
-    loss: torch.Tensor  # [B, P] loss after the chosen edits
-    base_loss: torch.Tensor  # [B, P] backbone-only loss
-    logits: torch.Tensor  # [B, P, V] final logits
-    n_edits: torch.Tensor  # [B, P]
-
-
-def _token_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Per-position cross-entropy `[...]` of logits `[..., V]` (0 where the target is -100)."""
-    flat = logits.reshape(-1, logits.shape[-1])  # [N, V]
-    if flat.dtype in (torch.float16, torch.bfloat16):
-        flat = flat.float()
-    ce = F.cross_entropy(flat, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none")  # [N]
-    return ce.view(targets.shape)
-
-
-@torch.no_grad()
-def greedy_oracle(model: PrismeModel, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor,
-                  max_budget: int | None = None, lambda_cost: float = 0.0,
-                  cost: torch.Tensor | None = None) -> OracleResult:
-    """Greedy oracle at the query positions `[B, P]`, vectorised over positions and candidates.
-
-    Each step applies every candidate action `0..A-1` to each still-active position (`model.apply_action` on a
-    `[B, P*A]` query layout sharing the bank), reads the true loss of each candidate from `logits_from_state` and
-    the targets, and keeps the candidate with the largest `drop - lambda * cost[a]`; a position STOPs (for good) when
-    no candidate beats 0 (ties go to STOP, as `ValueController.select`). `remaining = max_budget - step - 1`, as in
-    `forward_policy`. Uses the editor's reference path (no slot K/V cache): the same function, recomputed.
-
-    Args:
-        tokens, targets: `[B, T]`; targets at `positions` must be labelled (not -100).
-        positions: `[B, P]` long query positions.
-        max_budget: steps (default r_max); cost: `[A]` (default `model.action_cost`).
-    """
-    cfg = model.cfg
-    R = cfg.r_max if max_budget is None else max_budget
-    if not cfg.use_workspace:
-        raise ValueError("greedy_oracle needs a model with a workspace (use_workspace=True)")
-    if not isinstance(R, int) or not 1 <= R <= cfg.r_max:
-        raise ValueError(f"max_budget must be an int in [1, r_max={cfg.r_max}], got {R!r}")
-    if not math.isfinite(lambda_cost) or lambda_cost < 0:
-        raise ValueError(f"lambda_cost must be finite and >= 0, got {lambda_cost}")
-    B, T = tokens.shape
-    if positions.dim() != 2 or positions.shape[0] != B or positions.numel() == 0:
-        raise ValueError(f"positions must be a non-empty [B={B}, P] tensor, got {tuple(positions.shape)}")
-    if int(positions.min()) < 0 or int(positions.max()) >= T:
-        raise ValueError(f"positions must lie in [0, {T})")
-    rows = torch.arange(B, device=tokens.device).unsqueeze(1)  # [B, 1]
-    y = targets[rows, positions]  # [B, P]
-    if bool((y == IGNORE_INDEX).any()):
-        raise ValueError("greedy_oracle: every position must have a labelled target (not -100)")
-    cost = model.action_cost if cost is None else torch.as_tensor(cost).to(model.action_cost)
-    A, stop, P = cfg.n_actions, cfg.stop_action, positions.shape[1]
-
-    st = model.streams(tokens)  # H [B, T, d] and the source streams
-    ctx = model.context_from_H(st, st.index(rows, positions), query_pos=positions)  # Tq = P
-    logits = model.backbone.head(ctx.H)  # [B, P, V]
-    loss = _token_ce(logits, y)  # [B, P]
-    base = loss.clone()
-
-    def rep(x: torch.Tensor) -> torch.Tensor:  # [B, P, ...] -> [B, P*A, ...], candidate a at index p*A + a
-        return x.repeat_interleave(A, dim=1)
-
-    ctx_c = EncodedContext(H=rep(ctx.H), K=ctx.K, V=ctx.V, z=rep(ctx.z), bank_mask=rep(ctx.bank_mask),
-                           S0=rep(ctx.S0))
-    cand = torch.arange(A, device=tokens.device).repeat(B, P)  # [B, P*A]
-    y_c = rep(y)  # [B, P*A]
-    S = ctx.S0  # [B, P, M, w]
-    active = torch.ones(B, P, dtype=torch.bool, device=tokens.device)
-    trace = torch.full((B, P, R), stop, dtype=torch.long, device=tokens.device)
-    p_idx = torch.arange(P, device=tokens.device) * A  # [P]
-    for r in range(R):
-        if not bool(active.any()):
-            break
-        act_c = rep(active)  # [B, P*A]
-        a_c = torch.where(act_c, cand, torch.full_like(cand, stop))  # stopped positions run nothing
-        S_c, _ = model.apply_action(rep(S), ctx_c, a_c, r, R - r - 1)  # [B, P*A, M, w]
-        logits_c, _ = model.logits_from_state(S_c, ctx_c, act_c)  # [B, P*A, V]
-        loss_c = _token_ce(logits_c, y_c).view(B, P, A)  # [B, P, A]
-        score = (loss.unsqueeze(-1) - loss_c) - lambda_cost * cost  # [B, P, A]
-        best, a = score.max(dim=-1)  # [B, P]
-        take = active & (best > 0)
-        idx = p_idx + a  # [B, P] index of the chosen candidate
-        S = torch.where(take[..., None, None], S_c[rows, idx], S)
-        logits = torch.where(take[..., None], logits_c[rows, idx], logits)
-        loss = torch.where(take, loss_c.gather(-1, a.unsqueeze(-1)).squeeze(-1), loss)
-        trace[:, :, r] = torch.where(take, a, torch.full_like(a, stop))
-        active = take
-    n_edits = (trace != stop).sum(-1)
-    return OracleResult(positions=positions, actions=trace, loss=loss, base_loss=base, logits=logits,
-                        n_edits=n_edits)
-
-
-def sample_positions(targets: torch.Tensor, n: int | None, generator: torch.Generator) -> tuple[torch.Tensor,
-                                                                                               torch.Tensor]:
-    """P labelled positions per row, uniformly without replacement, sorted: (rows `[B']`, positions `[B', P]`).
-
-    P = min(n, fewest labelled targets in a row); rows with no labelled target are dropped. n=None: all of them.
-    """
-    mask = targets != IGNORE_INDEX  # [B, T]
-    counts = mask.sum(-1)  # [B]
-    rows = torch.nonzero(counts > 0).flatten()
-    if rows.numel() == 0:
-        return rows, targets.new_zeros(0, 0)
-    P = int(counts[rows].min()) if n is None else min(n, int(counts[rows].min()))
-    weights = mask[rows].double().cpu()
-    pos = torch.multinomial(weights, P, replacement=False, generator=generator)  # [B', P]
-    return rows, pos.sort(dim=-1).values.to(targets.device)
+from prisme.config import PrismeConfig
+from prisme.costs.analytic import TraceCost, trace_cost
+from prisme.data.mqar import MQARDataset
+from prisme.data.text import IGNORE_INDEX, TokenDataset
+from prisme.evaluation.oracle import _token_ce, greedy_oracle
+from prisme.evaluation.policies import (
+    POLICY_FAMILIES,
+    WORKSPACE_FAMILIES,
+    _plan,
+    _Policy,
+    default_lambdas,
+    forced_actions,
+    sample_positions,
+    thinned_actions,
+)
+from prisme.evaluation.report import EvalReport, EvalRow
+from prisme.io import environment, write_text_atomic
+from prisme.model.prisme import PrismeModel
+from prisme.stats import N_BOOT, PairedDelta, check_bootstrap_args, paired_bootstrap
 
 
 # ---------------------------------------------------------------------------------------------------------- the run
@@ -530,36 +171,6 @@ def _check_inputs(model, dataset, policies, batch_size, seq_len, max_batches, ma
         raise ValueError(f"oracle_positions must be an int >= 1 or None (all labelled positions), got "
                          f"{oracle_positions!r}")
     return families, seq_len
-
-
-@torch.no_grad()
-def default_lambdas(model: PrismeModel, tokens: torch.Tensor, quantiles: Sequence[float] = LAMBDA_QUANTILES,
-                    cost: torch.Tensor | None = None, budget: int | None = None) -> list[float]:
-    """A lambda grid from 0 (edit whenever some value is positive) to where few positions still edit.
-
-    At step 0 a position edits iff some action has value_a - lambda * cost_a > 0, i.e. lambda < lambda* =
-    max_a value_a / cost_a (the price is the `action_cost` proxy). The grid is 0 plus quantiles of lambda* over the
-    positions of `tokens` `[B, T]` that would edit at lambda = 0, rounded to 3 significant digits. `budget`: the
-    controller's max_budget (default r_max), which its features see.
-    """
-    cfg = model.cfg
-    budget = cfg.r_max if budget is None else budget
-    cost = model.action_cost if cost is None else cost
-    ctx = model.encode(tokens)
-    B, T = tokens.shape
-    dev = tokens.device
-    zc, match = model.controller_inputs(ctx)
-    preds = model.controller(zc, ctx.S0, ctx.S0, torch.zeros(B, T, cfg.n_slots, dtype=torch.long, device=dev),
-                             torch.zeros(B, T, cfg.n_actions, dtype=torch.bool, device=dev),
-                             torch.zeros(B, T, dtype=torch.long, device=dev),
-                             torch.full((B, T), budget, dtype=torch.long, device=dev), match)
-    lam_star = (preds.value / cost).amax(-1).flatten().double()  # [B*T]
-    lam_star = lam_star[lam_star > 0]
-    grid = [0.0]
-    if lam_star.numel():
-        qs = torch.quantile(lam_star.cpu(), torch.tensor(list(quantiles), dtype=torch.float64))
-        grid += [float(f"{float(q):.3g}") for q in qs]
-    return sorted(set(grid))
 
 
 def evaluate_policies(model: PrismeModel, dataset: TokenDataset | MQARDataset, policies: Sequence[str] | None = None,
@@ -776,50 +387,15 @@ def _finish_rows(model, plan, accs, matched_backbone, mqar: bool, n_boot: int = 
     return rows
 
 
-# ---------------------------------------------------------------------------------------------------------- helpers
-def environment(model: PrismeModel | None = None) -> dict[str, Any]:
-    """Python, torch, numpy, platform, CPU, threads, device, dtype, time."""
-    env: dict[str, Any] = {
-        "python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
-        "platform": platform.platform(), "cpu": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
-        "time_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-    }
-    if model is not None:
-        p = next(model.parameters())
-        env["device"], env["dtype"] = str(p.device), str(p.dtype).removeprefix("torch.")
-        if p.device.type == "cuda":
-            env["gpu"] = torch.cuda.get_device_name(p.device)
-    return env
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def _json_safe(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {str(k): _json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, (np.integer, np.floating)):
-        return _json_safe(x.item())
-    return x
-
-
 # ---------------------------------------------------------------------------------------------------------- CLI
 def dataset_for_checkpoint(meta: Any, vocab_size: int, corpus: str | None = None, seq_len: int | None = None):
     """The evaluation dataset of a checkpoint: its training stage's dataset (tokenizer, val split, MQAR settings), or
     `corpus`: "austen" / "mqar" with the checkpoint's other data settings (their val split), or a held-out text (the
     embedded "devils_dictionary", a UTF-8 file or folder) scored whole with the checkpoint's tokenizer. Returns
     (dataset, seq_len or None)."""
-    from .data import EMBEDDED_CORPUS, BPETokenizer, ByteTokenizer, load_text
-    from .train import StageConfig, build_dataset
+    from prisme.data.text import EMBEDDED_CORPUS, load_text
+    from prisme.data.tokenizers import BPETokenizer, ByteTokenizer
+    from prisme.training.config import StageConfig, build_dataset
 
     sc = getattr(meta, "stage_config", None) or {}
     scfg = StageConfig.from_dict(sc) if sc else StageConfig()
@@ -867,8 +443,8 @@ def _parse_floats(s: str | None) -> list[float] | None:
 
 def main(args: argparse.Namespace) -> int:
     """`prisme eval`: load a checkpoint, evaluate every policy, print the table, write JSON / PNG if asked."""
-    from .checkpoint import load_model
-    from .stats import check_bootstrap_args
+    from prisme.checkpoint import load_model
+    from prisme.stats import check_bootstrap_args
 
     if getattr(args, "threads", -1) and args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -877,18 +453,18 @@ def main(args: argparse.Namespace) -> int:
     if args.device is not None and args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device!r} requested but CUDA is not available")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    from .checkpoint import find_model_checkpoint
+    from prisme.checkpoint import find_model_checkpoint
 
     path = find_model_checkpoint(args.checkpoint)
     if str(path) != str(args.checkpoint):
         print(f"note: using {path}", file=sys.stderr)
     model, meta = load_model(path, map_location=device)
-    from .compile import maybe_compile
+    from prisme.model.compiled import maybe_compile
 
     maybe_compile(model, getattr(args, "compile", None))
     matched = None
     if args.matched_backbone:
-        from .checkpoint import BACKBONE_FIELDS, config_diff
+        from prisme.checkpoint import BACKBONE_FIELDS, config_diff
 
         matched, _ = load_model(args.matched_backbone, map_location=device)
         diff = {k: v for k, v in config_diff(model.cfg, matched.cfg).items() if k in BACKBONE_FIELDS}
@@ -918,7 +494,7 @@ def main(args: argparse.Namespace) -> int:
         doc = report.to_json()
         doc["checkpoint"] = str(args.checkpoint)
         doc["matched_backbone"] = args.matched_backbone
-        _atomic_write_text(Path(args.json), json.dumps(doc, indent=2, allow_nan=False) + "\n")
+        write_text_atomic(Path(args.json), json.dumps(doc, indent=2, allow_nan=False) + "\n")
         print(f"wrote {args.json}")
     if args.plot:
         report.plot(args.plot)

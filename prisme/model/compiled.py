@@ -36,10 +36,10 @@ from typing import Any
 
 import torch
 
-from . import attention as attn
-from .attention import CacheStep, KVCache
-from .backbone import Backbone, check_tokens
-from .editor import blocks_pass
+from prisme.model import attention as attn
+from prisme.model.attention import CacheStep, KVCache
+from prisme.model.backbone import Backbone, check_tokens
+from prisme.model.editor import blocks_pass
 
 DEFAULT_MODE = "max-autotune-no-cudagraphs"
 QUIET = {"autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}  # no autotune tables

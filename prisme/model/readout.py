@@ -16,7 +16,7 @@ import math
 import torch
 import torch.nn as nn
 
-from .config import PrismeConfig
+from prisme.config import PrismeConfig
 
 
 class DifferentialReadout(nn.Module):

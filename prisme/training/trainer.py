@@ -25,7 +25,6 @@ W accumulation steps give the update of one process on the whole batch, up to su
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -34,196 +33,41 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from . import checkpoint as ckpt
-from .checks import COMPILE_SETTINGS, check_choice, check_fields
-from .config import PrismeConfig, reject_unknown_fields
-from .data import MQARConfig, MQARDataset, TokenDataset
-from .objectives import OBJECTIVES
-
-STAGES = ("backbone", "workspace", "controller")
-_RESUME_FREE = ("steps", "resume", "reschedule", "out_dir", "init_from", "progress", "log_every", "eval_every",
-                "eval_batches", "ckpt_every", "keep_last", "log_tensorboard", "device", "cache_dir", "compile")
-PREVIOUS = {"workspace": "backbone", "controller": "workspace"}
-ACCEPTS_INIT = {"backbone": ("backbone", "workspace", "controller", "export"),
-                "workspace": ("backbone", "workspace"), "controller": ("workspace", "controller")}
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.float32}
-
-
-# ---------------------------------------------------------------------------------------------------------- configs
-
-
-@dataclass
-class StageConfig:
-    """One training stage. Load from JSON with `StageConfig.from_json` / `load_run_config`."""
-
-    stage: str = "backbone"  # "backbone" | "workspace" | "controller"
-    steps: int = 200  # optimizer steps of this stage (the cosine schedule ends here)
-    batch_size: int = 16  # global batch: sequences per optimizer step, over all ranks and accumulation steps
-    seq_len: int | None = None  # tokens per sequence (default: the model's max_seq_len; MQAR: its seq_len)
-    grad_accum: int = 1  # micro-batches per optimizer step on each rank
-    lr: float = 3e-3  # peak learning rate, reached after `warmup` steps
-    min_lr: float = 3e-4  # learning rate at the end of the cosine decay
-    warmup: int = 20  # linear warm-up steps
-    weight_decay: float = 0.1  # AdamW decay, on >= 2-D weights only (not on gains, biases, b_v, b_r)
-    betas: tuple[float, float] = (0.9, 0.95)  # AdamW betas
-    eps: float = 1e-8  # AdamW epsilon
-    grad_clip: float = 1.0  # clip the global gradient norm to this; 0 = no clipping (the norm is still logged)
-    eval_every: int = 50  # validate every this many steps and at the end; 0 = only at the end
-    eval_batches: int = 4  # validation batches per evaluation
-    ckpt_every: int = 0  # also checkpoint every this many steps; 0 = only at the end (and on Ctrl-C)
-    keep_last: int = 2  # checkpoint folders kept in out_dir (older ones are deleted); 0 = keep all
-    seed: int = 1337  # model init (fresh stage 1), data order, forced actions and oracle positions
-    dataset: str = "austen"  # "austen" (embedded corpus), a text file or folder, or "mqar" (synthetic recall)
-    tokenizer: str = "byte"  # "byte" (UTF-8 bytes, V=256) or the path of a saved BPE tokenizer JSON
-    val_fraction: float = 0.1  # tail of the token stream held out for validation (text datasets)
-    mqar: dict[str, Any] = field(default_factory=dict)  # MQARConfig fields when dataset == "mqar"
-    cache_dir: str | None = None  # token cache folder for text datasets (None: encode every run)
-    out_dir: str = "runs/stage"  # run folder: ckpt_* folders, `latest`, metrics.jsonl, stage_config.json
-    init_from: str | None = None  # checkpoint (or run folder) to start from; required by workspace/controller
-    resume: bool = False  # continue out_dir's latest checkpoint exactly (weights, optimizer, step, RNGs)
-    reschedule: bool = False  # with resume: accept another `steps` than the run was started with (a new lr schedule)
-    # --- workspace stage
-    train_backbone_in_workspace_stage: bool = False  # let the backbone keep learning in stage 2 (SPEC §5 lesson)
-    backbone_aux_weight: float = 1.0  # with the option above: weight of the backbone head's own LM loss
-    aux_prev_token: float = 0.0  # with the option above: weight of a linear probe's CE predicting token t-1 from H[t]
-    workspace_grad_to_backbone: bool = True  # with the option above; False: the backbone learns from its own LM loss
-    #   alone (the workspace's loss does not reach it, gradients clipped per group), i.e. as the matched baseline does
-    backbone_lr: float | None = None  # with the option above: the backbone's peak lr (default: lr)
-    backbone_min_lr: float | None = None  # with the option above: its final lr (default: min_lr, at most backbone_lr)
-    deep_supervision: float = 0.0  # weight of the CE after every intermediate forced step (0 = final state only)
-    min_budget: int = 1  # forced budgets are drawn uniformly per position from [min_budget, max_budget]
-    max_budget: int | None = None  # default: the model's r_max (also bounds the controller stage's rollouts: train the
-    #   controller for the budgets its workspace was trained for)
-    p_dense: float = 0.0  # probability that a forced step is DENSE (trains the dense baseline's path too)
-    # --- controller stage
-    oracle_positions: int = 16  # positions per sequence where every candidate action is executed
-    oracle_greedy: float = 0.5  # behaviour policy: P(follow the oracle's best action), else a random action
-    value_clip: float = 5.0  # dL targets are clipped to +- value_clip * scale (scale: std of dL at the start)
-    risk_weight: float = 1.0  # weight of the risk head's loss
-    unlabelled_value: str = "zero"  # sampled positions without a label (MQAR: all but the queries): "zero" = targets
-    #   with dL = 0 for every action (an edit there changes no scored loss, and the controller must learn so);
-    #   "skip" = left out of the value loss
-    # --- system
-    device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:N"
-    dtype: str = "float32"  # parameter dtype: "float32" | "float64"; "bfloat16" = bf16 autocast, fp32 weights
-    parallel: str = "ddp"  # with several processes: "ddp" (DistributedDataParallel) or "fsdp" (FSDP2 fully_shard)
-    log_every: int = 10  # JSONL/tensorboard train row every this many steps
-    log_tensorboard: bool = False  # also write tensorboard events to out_dir/tb (needs `pip install prisme[tb]`)
-    progress: bool = True  # tqdm progress bar (rank 0)
-    compile: str = "off"  # workspace and controller stages: "auto" = the editor under torch.compile where it works
-    #   (one warning and eager elsewhere), "strict" = an error where it cannot compile, "off" = eager
-
-    def validate(self) -> StageConfig:
-        """Raise ValueError naming the field for every bad value; returns self."""
-
-        def need(ok: bool, msg: str) -> None:
-            if not ok:
-                raise ValueError(f"StageConfig: {msg}")
-
-        check_fields(self, "StageConfig: ")  # bools are bools, floats finite, strings strings
-        need(self.stage in STAGES, f"stage must be one of {STAGES}, got {self.stage!r}")
-        for f in ("steps", "batch_size", "grad_accum", "eval_batches", "log_every", "oracle_positions",
-                  "min_budget"):
-            v = getattr(self, f)
-            need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{f} must be an int >= 1, got {v!r}")
-        for f in ("warmup", "eval_every", "ckpt_every", "keep_last", "seed"):
-            v = getattr(self, f)
-            need(isinstance(v, int) and not isinstance(v, bool) and v >= 0, f"{f} must be an int >= 0, got {v!r}")
-        need(self.seq_len is None or (isinstance(self.seq_len, int) and self.seq_len >= 1),
-             f"seq_len must be None or an int >= 1, got {self.seq_len!r}")
-        need(self.max_budget is None or (isinstance(self.max_budget, int) and self.max_budget >= self.min_budget),
-             f"max_budget must be None or an int >= min_budget={self.min_budget}, got {self.max_budget!r}")
-        need(self.lr > 0 and math.isfinite(self.lr), f"lr must be > 0, got {self.lr}")
-        need(0 <= self.min_lr <= self.lr, f"min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
-        for f, top in (("backbone_lr", None), ("backbone_min_lr", self.backbone_lr or self.lr)):
-            v = getattr(self, f)
-            need(v is None or (v >= 0 and math.isfinite(v) and (top is None or v <= top)),
-                 f"{f} must be None or a finite value >= 0{'' if top is None else f' and <= {top}'}, got {v!r}")
-        need(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
-        need(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"betas must be two values in [0, 1), "
-             f"got {self.betas}")
-        need(self.eps > 0, f"eps must be > 0, got {self.eps}")
-        need(self.grad_clip >= 0, f"grad_clip must be >= 0 (0 = off), got {self.grad_clip}")
-        need(0 <= self.val_fraction < 1, f"val_fraction must be in [0, 1), got {self.val_fraction}")
-        need(0 <= self.p_dense <= 1, f"p_dense must be in [0, 1], got {self.p_dense}")
-        need(0 <= self.oracle_greedy <= 1, f"oracle_greedy must be in [0, 1], got {self.oracle_greedy}")
-        need(self.value_clip > 0, f"value_clip must be > 0, got {self.value_clip}")
-        need(self.unlabelled_value in ("zero", "skip"), f"unlabelled_value must be 'zero' or 'skip', got "
-             f"{self.unlabelled_value!r}")
-        for f in ("backbone_aux_weight", "aux_prev_token", "deep_supervision", "risk_weight"):
-            need(getattr(self, f) >= 0, f"{f} must be >= 0, got {getattr(self, f)}")
-        need((self.backbone_lr is None and self.backbone_min_lr is None) or self.train_backbone_in_workspace_stage,
-             "backbone_lr / backbone_min_lr need train_backbone_in_workspace_stage=True (a frozen backbone has no lr)")
-        own_loss = self.train_backbone_in_workspace_stage and self.backbone_aux_weight > 0
-        need(self.workspace_grad_to_backbone or own_loss, "workspace_grad_to_backbone=False needs "
-             "train_backbone_in_workspace_stage=True and backbone_aux_weight > 0 (it learns from its own loss)")
-        need(self.aux_prev_token == 0 or self.train_backbone_in_workspace_stage,
-             f"aux_prev_token={self.aux_prev_token} needs train_backbone_in_workspace_stage=True (it trains H)")
-        need(self.dtype in DTYPES, f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
-        need(self.parallel in ("ddp", "fsdp"), f"parallel must be 'ddp' or 'fsdp', got {self.parallel!r}")
-        check_choice("compile", self.compile, COMPILE_SETTINGS, "StageConfig: ")
-        need(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
-             f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        need(isinstance(self.mqar, dict), f"mqar must be a dict of MQARConfig fields, got {type(self.mqar).__name__}")
-        need(bool(self.out_dir), "out_dir must be a folder path")
-        return self
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["betas"] = list(self.betas)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> StageConfig:
-        reject_unknown_fields(cls, d)
-        d = dict(d)
-        if "betas" in d:
-            d["betas"] = tuple(d["betas"])
-        return cls(**d).validate()
-
-    def replace(self, **changes: Any) -> StageConfig:
-        return StageConfig.from_dict({**self.to_dict(), **changes})
-
-
-def load_run_config(path: str | Path) -> tuple[PrismeConfig | None, StageConfig]:
-    """Read a run config JSON: StageConfig fields plus an optional "model" entry.
-
-    "model" is a preset name (`"demo"`), a dict `{"preset": "demo", ...PrismeConfig overrides}` or a full
-    PrismeConfig dict; leave it out for stages that take the model from `init_from`.
-    """
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"run config {p} does not exist")
-    try:
-        d = json.loads(p.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise ValueError(f"run config {p} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"run config {p} is not valid JSON: {e}") from None
-    if not isinstance(d, dict):
-        raise ValueError(f"run config {p} must hold a JSON object")
-    d = dict(d)
-    d.pop("description", None)
-    model = d.pop("model", None)
-    if model is None:
-        model_cfg = None
-    elif isinstance(model, str):
-        model_cfg = PrismeConfig.from_name(model)
-    elif isinstance(model, dict) and "preset" in model:
-        m = dict(model)
-        model_cfg = PrismeConfig.from_name(m.pop("preset"), **m)
-    elif isinstance(model, dict):
-        model_cfg = PrismeConfig.from_dict(model)
-    else:
-        raise ValueError(f"run config {p}: 'model' must be a preset name or a dict, got {type(model).__name__}")
-    return model_cfg, StageConfig.from_dict(d)
+from prisme import checkpoint as ckpt
+from prisme.config import PrismeConfig
+from prisme.data.mqar import MQARDataset
+from prisme.data.text import TokenDataset
+from prisme.io import write_text_atomic
+from prisme.training.config import (
+    _RESUME_FREE,
+    ACCEPTS_INIT,
+    DTYPES,
+    PREVIOUS,
+    StageConfig,
+    build_dataset,
+    load_run_config,
+)
+from prisme.training.distributed import (
+    DistInfo,
+    _all_reduce_stats,
+    _any_rank,
+    _barrier,
+    _gather_state,
+    _load_optimizer,
+    _no_sync,
+    _resolve_device,
+    _shard,
+    _wrap,
+    setup_distributed,
+)
+from prisme.training.objectives import OBJECTIVES
 
 
 @dataclass
@@ -245,33 +89,6 @@ class NonFiniteLossError(RuntimeError):
     """Training hit a NaN/inf loss or gradient norm; nothing was written after the last good checkpoint."""
 
 
-# ------------------------------------------------------------------------------------------------------ data helpers
-
-
-def build_dataset(scfg: StageConfig, vocab_size: int) -> TokenDataset | MQARDataset:
-    """The stage's dataset: the embedded corpus, a text path (byte or BPE tokens), or MQAR."""
-    from .data import BPETokenizer, ByteTokenizer, load_text
-
-    if scfg.dataset == "mqar":
-        reject_unknown_fields(MQARConfig, scfg.mqar, "StageConfig.mqar: ")
-        m = dict(scfg.mqar)
-        if scfg.seq_len is not None:
-            m["seq_len"] = scfg.seq_len
-        mcfg = MQARConfig(**m)
-        if mcfg.vocab_size > vocab_size:
-            raise ValueError(f"MQAR vocab_size={mcfg.vocab_size} exceeds the model's vocab_size={vocab_size}")
-        return MQARDataset(mcfg)
-    if scfg.tokenizer == "byte":
-        tok = ByteTokenizer()
-    else:
-        tok = BPETokenizer.load(scfg.tokenizer)
-    if tok.vocab_size > vocab_size:
-        raise ValueError(f"tokenizer {scfg.tokenizer!r} has {tok.vocab_size} ids but the model's vocab_size is "
-                         f"{vocab_size}; use a model with vocab_size >= {tok.vocab_size}")
-    return TokenDataset.from_text(load_text(scfg.dataset), tok, val_fraction=scfg.val_fraction,
-                                  cache_dir=scfg.cache_dir, name="corpus")
-
-
 def lr_at(step: int, scfg: StageConfig, peak: float | None = None, floor: float | None = None) -> float:
     """Linear warm-up to `peak` (default `lr`) over `warmup` steps, then cosine decay to `floor` (default `min_lr`)."""
     peak = scfg.lr if peak is None else peak
@@ -290,81 +107,6 @@ def _group_lrs(scfg: StageConfig) -> dict[str, tuple[float, float]]:
         floor = scfg.backbone_min_lr if scfg.backbone_min_lr is not None else min(scfg.min_lr, peak)
         out["backbone"] = (peak, floor)
     return out
-
-
-# ------------------------------------------------------------------------------------------------------ distributed
-
-
-@dataclass
-class DistInfo:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-    owns_group: bool = False  # this call initialised the process group (and destroys it at the end)
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-
-def setup_distributed(device: str) -> DistInfo:
-    """Join the process group torchrun describes (WORLD_SIZE > 1), or use one that is already initialised."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return DistInfo()
-    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
-    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)), owns_group=True)
-
-
-def _shard(t: torch.Tensor, micro: int, accum: int, di: DistInfo) -> torch.Tensor:
-    """Rows of micro-batch `micro` for this rank: [(micro W + rank) b, +b) with b = B / (W accum)."""
-    b = t.shape[0] // (accum * di.world)
-    start = (micro * di.world + di.rank) * b
-    return t[start : start + b]
-
-
-def _all_reduce_stats(stats: dict[str, torch.Tensor], di: DistInfo) -> dict[str, torch.Tensor]:
-    if di.world == 1:
-        return stats
-    import torch.distributed as dist
-
-    keys = sorted(stats)
-    flat = torch.cat([stats[k].detach().double().reshape(-1).cpu() for k in keys])
-    dist.all_reduce(flat)
-    out, i = {}, 0
-    for k in keys:
-        n = stats[k].numel()
-        out[k] = flat[i : i + n].view(stats[k].shape)
-        i += n
-    return out
-
-
-def _any_rank(flag: bool, di: DistInfo) -> bool:
-    if di.world == 1:
-        return flag
-    import torch.distributed as dist
-
-    t = torch.tensor([1.0 if flag else 0.0])
-    dist.all_reduce(t)
-    return bool(t.item() > 0)
-
-
-# ------------------------------------------------------------------------------------------------------------ helpers
-
-
-def _resolve_device(name: str, di: DistInfo) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {name!r} requested but CUDA is not available")
-        if name == "cuda":
-            name = f"cuda:{di.local_rank}"
-    return torch.device(name)
 
 
 def _trainable(model: nn.Module, scfg: StageConfig) -> list[nn.Parameter]:
@@ -441,7 +183,7 @@ def _check_layout(scfg: StageConfig, di: DistInfo) -> None:
 
 def _load_start(model_cfg: PrismeConfig | None, scfg: StageConfig) -> tuple[nn.Module, ckpt.CheckpointMeta | None]:
     """The model this stage starts from, and the checkpoint it came from (validated; nothing written yet)."""
-    from .model import PrismeModel
+    from prisme.model.prisme import PrismeModel
 
     out = Path(scfg.out_dir)
     if scfg.resume:
@@ -548,7 +290,7 @@ class _Trainer:
         # ---- model, objective, generators
         self.model = model = model.to(device=device, dtype=DTYPES[scfg.dtype])
         if scfg.stage != "backbone":
-            from .compile import maybe_compile
+            from prisme.model.compiled import maybe_compile
 
             maybe_compile(model, scfg.compile)
         self.params = _trainable(model, scfg)
@@ -603,7 +345,7 @@ class _Trainer:
         self.writer = None
         if di.main:
             self.out.mkdir(parents=True, exist_ok=True)
-            ckpt.write_text_atomic(self.out / "stage_config.json", json.dumps(scfg.to_dict(), indent=2) + "\n")
+            write_text_atomic(self.out / "stage_config.json", json.dumps(scfg.to_dict(), indent=2) + "\n")
             if resuming:
                 _drop_rows_after(self.out / "metrics.jsonl", self.step)
             if scfg.log_tensorboard:
@@ -799,83 +541,13 @@ def _drop_rows_after(path: Path, step: int) -> None:
         if row.get("step", 0) <= step:
             keep.append(line)
     if len(keep) != len(lines):
-        ckpt.write_text_atomic(path, "".join(line + "\n" for line in keep))
+        write_text_atomic(path, "".join(line + "\n" for line in keep))
 
 
 def _accumulate(acc: dict[str, torch.Tensor], stats: dict[str, torch.Tensor]) -> None:
     for k, v in stats.items():
         v = v.detach().double().cpu()
         acc[k] = acc[k] + v if k in acc else v
-
-
-def _wrap(objective: nn.Module, scfg: StageConfig, di: DistInfo, device: torch.device) -> nn.Module:
-    """DDP or FSDP2 around the objective when there are several processes; only trainable parameters sync."""
-    if di.world == 1:
-        return objective
-    if scfg.parallel == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-
-        return fully_shard(objective)  # one parameter group; frozen parameters are gathered but get no gradient
-    import inspect
-
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    # DDP registers only parameters with requires_grad; buffers (RoPE and action tables) are constants
-    sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
-            else {"broadcast_buffers": False})
-    return DDP(objective, device_ids=[device.index] if device.type == "cuda" else None, **sync)
-
-
-def _no_sync(wrapped: nn.Module, di: DistInfo, last: bool):
-    """Skip the gradient all-reduce on all but the last micro-batch of a step."""
-    if di.world == 1 or last:
-        if di.world > 1 and hasattr(wrapped, "set_requires_gradient_sync"):
-            wrapped.set_requires_gradient_sync(True)
-        return contextlib.nullcontext()
-    if hasattr(wrapped, "no_sync"):  # DDP
-        return wrapped.no_sync()
-    wrapped.set_requires_gradient_sync(False)  # FSDP2
-    return contextlib.nullcontext()
-
-
-def _barrier(di: DistInfo) -> None:
-    if di.world > 1:
-        import torch.distributed as dist
-
-        dist.barrier()
-
-
-def _gather_state(wrapped: nn.Module, opt: torch.optim.Optimizer, scfg: StageConfig,
-                  di: DistInfo) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any]]:
-    """Full (unsharded) model state dict and optimizer state, on every rank (collectives under FSDP)."""
-    if di.world > 1 and scfg.parallel == "fsdp":
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
-
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        msd = get_model_state_dict(wrapped, options=opts)
-        osd = get_optimizer_state_dict(wrapped, opt, options=opts)
-        return {k.removeprefix("model."): v for k, v in msd.items() if k.startswith("model.")}, \
-            {"format": "fqn", "state": osd}
-    return None, {"format": "torch", "state": opt.state_dict()}
-
-
-def _load_optimizer(wrapped: nn.Module, opt: torch.optim.Optimizer, saved: dict[str, Any], scfg: StageConfig,
-                    di: DistInfo) -> None:
-    fmt = saved.get("format")
-    fsdp = di.world > 1 and scfg.parallel == "fsdp"
-    if fsdp != (fmt == "fqn"):
-        raise ValueError(f"the checkpoint's optimizer state was written {'with' if fmt == 'fqn' else 'without'} FSDP; "
-                         f"resume it with the same `parallel` setting")
-    if fsdp:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        set_optimizer_state_dict(wrapped, opt, saved["state"], options=StateDictOptions(full_state_dict=True))
-    else:
-        opt.load_state_dict(saved["state"])
 
 
 # ---------------------------------------------------------------------------------------------------------------- CLI

@@ -24,8 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .checks import is_number
-from .config import PrismeConfig
+from prisme.checks import is_number
+from prisme.config import PrismeConfig
 
 
 def slot_summaries(X: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ Also the machine measurements other benchmarks compare against (`prisme bench vs
   * matmul peak: `a @ b` on square fp32 matrices of a few sizes; the peak is the best size's p50 GFLOP/s (2 n^3 FLOPs);
   * streaming read bandwidth: one full reduction (`buf.sum()`) of a buffer far larger than the last-level cache;
     bytes / p50 time. A decode step that reads its weights once cannot be faster than bytes read / this bandwidth.
-Both are timed as paths of the same `bench.time_paths` rotation as the work they are compared with, so a machine
+Both are timed as paths of the same `harness.time_paths` rotation as the work they are compared with, so a machine
 shared with other jobs slows them alike and the ratios stay meaningful.
 
 Training step (the backbone stage, as `prisme train --stage backbone` runs it): forward, next-token cross entropy,
@@ -27,10 +27,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import bench
-from .backbone import Backbone
-from .bench import TimedPath, percentiles, time_paths
-from .config import PrismeConfig
+from prisme.bench import harness
+from prisme.bench.harness import TimedPath, percentiles, time_paths
+from prisme.config import PrismeConfig
+from prisme.io import environment
+from prisme.model.backbone import Backbone
 
 BANDWIDTH_BYTES = 512 * 2**20  # 16x a 32 MiB last-level cache: nothing of it survives in cache between reads
 MATMUL_SIZES = (1024, 2048, 3072)
@@ -194,9 +195,9 @@ def train_throughput(cfg: PrismeConfig, batch: int, seq_len: int, warmups: int =
     """Time `warmups` + `repeats` training steps (one fixed batch), rotated with the matmul sizes each repeat."""
     if not 1 <= seq_len <= cfg.max_seq_len - 1:
         raise ValueError(f"seq_len must be in [1, T_max - 1 = {cfg.max_seq_len - 1}], got {seq_len}")
-    model = bench.build_model(cfg, seed).train()
+    model = harness.build_model(cfg, seed).train()
     opt = make_optimizer(model, lr)
-    seq = bench.make_tokens(cfg.vocab_size, batch, seq_len + 1, seed)  # [B, T + 1], made outside inference mode
+    seq = harness.make_tokens(cfg.vocab_size, batch, seq_len + 1, seed)  # [B, T + 1], made outside inference mode
     x, y = seq[:, :-1], seq[:, 1:]
     losses: list[float] = []
     path: TimedPath = ("train_step", lambda: None, lambda _: losses.append(float(train_step(model, opt, x, y))))
@@ -230,7 +231,7 @@ OPS_CONVENTION = (
 
 def _backbone_fwd_ops(cfg: PrismeConfig, B: int, T: int) -> float:
     """Backbone blocks (linear + causal attention) over B rows of T positions, no head."""
-    from .costs import backbone_ops
+    from prisme.costs.analytic import backbone_ops
 
     rows = [backbone_ops(cfg, t) for t in range(1, T + 1)]
     return float(B * sum(r["backbone_linear"] + r["backbone_attention"] for r in rows))
@@ -239,8 +240,8 @@ def _backbone_fwd_ops(cfg: PrismeConfig, B: int, T: int) -> float:
 def workspace_stage_ops(cfg: PrismeConfig, extra: dict[str, torch.Tensor], y: torch.Tensor,
                         deep_supervision: float) -> float:
     """Analytic ops of one workspace-stage step (`OPS_CONVENTION`) for its sampled actions `[B, T, R]` and budgets."""
-    from .costs import BACKBONE, backbone_ops, readout_ops, trace_cost
-    from .data import IGNORE_INDEX
+    from prisme.costs.analytic import BACKBONE, backbone_ops, readout_ops, trace_cost
+    from prisme.data.text import IGNORE_INDEX
 
     acts, budget = extra["actions"], extra["budget"]
     B, T, R = acts.shape
@@ -261,7 +262,7 @@ def workspace_stage_ops(cfg: PrismeConfig, extra: dict[str, torch.Tensor], y: to
 def controller_stage_ops(cfg: PrismeConfig, objective: Any, extra: dict[str, torch.Tensor], y: torch.Tensor) -> float:
     """Analytic ops of one controller-stage step (`OPS_CONVENTION`): the oracle's behaviour rollout at the sampled
     positions, all A candidate edits at every state (x 1), and the controller's forward at every state (x 3)."""
-    from .costs import (
+    from prisme.costs.analytic import (
         action_editor_ops,
         backbone_ops,
         bank_shift_ops,
@@ -271,7 +272,7 @@ def controller_stage_ops(cfg: PrismeConfig, objective: Any, extra: dict[str, tor
         controller_step_ops,
         readout_ops,
     )
-    from .workspace import action_group_size
+    from prisme.model.workspace import action_group_size
 
     B, T = y.shape
     A = cfg.n_actions
@@ -333,9 +334,10 @@ def stage_paths(cfg: PrismeConfig, stage: str, seed: int = 42, batch: int | None
                 compile: bool = False) -> tuple[TimedPath, dict[str, Any]]:
     """A timed path of `stage`'s real training step (its objective, AdamW, grad clip) on one fixed batch of random
     tokens with fresh sampled actions each step, and the info to price it."""
-    from .model import PrismeModel
-    from .objectives import OBJECTIVES
-    from .train import StageConfig, _trainable
+    from prisme.model.prisme import PrismeModel
+    from prisme.training.config import StageConfig
+    from prisme.training.objectives import OBJECTIVES
+    from prisme.training.trainer import _trainable
 
     if not cfg.use_workspace:
         raise ValueError(f"stage {stage!r} needs a preset with a workspace; {cfg.name!r} has none")
@@ -348,13 +350,13 @@ def stage_paths(cfg: PrismeConfig, stage: str, seed: int = 42, batch: int | None
         torch.manual_seed(seed)
         model = PrismeModel(cfg)
     if compile:
-        from .compile import compile_editor
+        from prisme.model.compiled import compile_editor
 
         compile_editor(model, strict=True)
     objective = OBJECTIVES[stage](model, scfg)
     params = _trainable(model, scfg) + [p for n, p in objective.named_parameters() if not n.startswith("model.")]
     opt = torch.optim.AdamW(params, lr=scfg.lr, betas=ADAMW["betas"], eps=ADAMW["eps"])
-    seq = bench.make_tokens(cfg.vocab_size, B, T + 1, seed)
+    seq = harness.make_tokens(cfg.vocab_size, B, T + 1, seed)
     x, y = seq[:, :-1], seq[:, 1:]
     g = torch.Generator().manual_seed(seed + 1)
     if stage == "controller":
@@ -385,7 +387,7 @@ def stage_row(cfg: PrismeConfig, stage: str, samples: list[float], info: dict[st
         ops = [workspace_stage_ops(cfg, ex, y, info["scfg"].deep_supervision) for ex in timed]
     else:
         ops = [controller_stage_ops(cfg, info["objective"], ex, y) for ex in timed]
-    from .costs import backbone_ops
+    from prisme.costs.analytic import backbone_ops
 
     bb_stage = TRAINED * (_backbone_fwd_ops(cfg, B, T) + B * T * backbone_ops(cfg, 1)["lm_head"])
     mean_ops = sum(ops) / len(ops)
@@ -414,7 +416,7 @@ def run_train(presets: Sequence[str] = ("demo", "prisme_103m"), warmups: int = 1
         raise ValueError(f"unknown stage(s) {bad}; choose from {list(STAGES)}")
     stage_cfgs = [c for c in cfgs if c.use_workspace and (stage_presets is None or c.name in stage_presets)]
     sizes = MATMUL_SIZES[:2] if quick else MATMUL_SIZES
-    with bench.torch_threads(threads):
+    with harness.torch_threads(threads):
         bandwidth = stream_read_bandwidth(BANDWIDTH_BYTES // (4 if quick else 1), warmups, max(3, repeats * 2))
         rows, models = [], {}
         for cfg in cfgs:
@@ -423,7 +425,7 @@ def run_train(presets: Sequence[str] = ("demo", "prisme_103m"), warmups: int = 1
                 batch = max(1, batch // 4)
             rows.append(train_throughput(cfg, batch, seq_len, warmups, repeats, seed, sizes))
             with torch.device("meta"):
-                models[cfg.name] = bench.model_facts(Backbone(cfg))
+                models[cfg.name] = harness.model_facts(Backbone(cfg))
         stage_rows = []
         for cfg in stage_cfgs if stages else []:
             bb = next(r for r in rows if r.preset == cfg.name)
@@ -432,7 +434,7 @@ def run_train(presets: Sequence[str] = ("demo", "prisme_103m"), warmups: int = 1
                 path, info = stage_paths(cfg, stage, seed, batch=b, compile=compile)
                 samples = time_paths([path], warmups, repeats)[path[0]]
                 stage_rows.append(stage_row(cfg, stage, samples, info, warmups, bb.tokens_per_s))
-        env = bench.environment(torch.float32, seed)
+        env = environment(dtype=torch.float32, seed=seed)
     big = [r for r in rows if r.parameters >= 50_000_000]
     targets = [{"name": f"training >= {TRAIN_TARGET:.0%} of the fp32 matmul peak ({r.preset})",
                 "target": TRAIN_TARGET, "measured": r.fraction_of_peak, "met": r.fraction_of_peak >= TRAIN_TARGET}
@@ -512,4 +514,4 @@ def main(args: argparse.Namespace) -> int:
     stage_presets = tuple(s.strip() for s in getattr(args, "stage_presets", "demo").split(",") if s.strip())
     doc = run_train(presets, args.warmups, args.repeats, args.threads, args.seed, args.quick, stages=stages,
                     stage_presets=stage_presets, compile=getattr(args, "compile", False))
-    return bench.emit(doc, format_train_table(doc), args.json)
+    return harness.emit(doc, format_train_table(doc), args.json)

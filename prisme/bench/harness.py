@@ -1,0 +1,164 @@
+"""Benchmarks: a small timing harness, and seed 001's KV-cache protocol on a PRISME backbone (`prisme bench kv`).
+
+Harness (`time_paths`): each path is a `(name, setup, run)` triple; `setup` is untimed (allocate and prefill a
+cache), `run` is timed with `time.perf_counter_ns`. Every path runs `warmups` times untimed, then `repeats` timed
+times, inside `torch.inference_mode()`, with the garbage collector collected first and off while timing, and with the
+path order rotated by one each repeat so that no path always runs first (or just after a given other path).
+
+KV protocol (seed 001, with seed 003's memory figures), on a seeded, untrained preset:
+  * correctness: max |logit| error of the cached path (a prompt fed in chunks of 1, 2, 5 through a `KVCache`) against
+    a full recomputation, for float32 and float64, batch 1 and 2, over every position of a short sequence;
+    per-position errors for float32, batch 2, chunk 1;
+  * negative controls: the same check under `faults.reset_positions()` and `faults.unshifted_mask()` (chunk 5) must
+    give a large error, proving that the check can see a broken cache;
+  * timing, per prompt length P with N forced continuation tokens: `prefill` (the prompt into a fresh cache, head on
+    its last position), `full` (for each new token, the whole prefix recomputed, head on its last position) and
+    `cached` (the N tokens one at a time through the prefilled cache, head included; the prefill is not timed);
+  * memory: the exact K/V payload of P + N positions (and bytes per position), next to the Python `tracemalloc`
+    peak of each path, which sees Python objects only (tensor storage is allocated outside Python's allocator).
+
+Output: a table for humans (seed 001's own figures beside ours, labelled as measured on another machine), then one
+JSON document, the last thing printed on stdout; `--json PATH` also writes it to a file (atomically).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import sys
+import tracemalloc
+from collections.abc import Callable, Iterator, Sequence
+from time import perf_counter_ns
+from typing import Any
+
+import numpy as np
+import torch
+
+from prisme.config import PrismeConfig
+from prisme.io import write_json_atomic
+from prisme.model.backbone import Backbone
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+TimedPath = tuple[str, Callable[[], Any], Callable[[Any], Any]]  # (name, setup() -> state, run(state)), run is timed
+
+
+# ------------------------------------------------------------------------------------------------------------- harness
+def percentiles(samples_ms: Sequence[float]) -> tuple[float, float]:
+    """(p50, p95) with linear interpolation (numpy's default, as in seed 001)."""
+    p50, p95 = np.percentile(np.asarray(samples_ms, dtype=np.float64), [50, 95])
+    return float(p50), float(p95)
+
+
+def time_paths(paths: Sequence[TimedPath], warmups: int, repeats: int) -> dict[str, list[float]]:
+    """Run every path `warmups` untimed then `repeats` timed times, order rotated each repeat; samples in ms."""
+    if warmups < 0 or repeats < 1:
+        raise ValueError(f"need warmups >= 0 and repeats >= 1, got {warmups} and {repeats}")
+    samples: dict[str, list[float]] = {name: [] for name, _, _ in paths}
+    n = len(paths)
+    gc_was_enabled = gc.isenabled()
+    with torch.inference_mode():
+        try:
+            for r in range(warmups + repeats):
+                if r == warmups:
+                    gc.collect()
+                    gc.disable()
+                for name, setup, run in (paths[(r + i) % n] for i in range(n)):
+                    state = setup()
+                    t0 = perf_counter_ns()
+                    run(state)
+                    t1 = perf_counter_ns()
+                    if r >= warmups:
+                        samples[name].append((t1 - t0) / 1e6)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+    return samples
+
+
+def tracemalloc_peak(setup: Callable[[], Any], run: Callable[[Any], Any]) -> int:
+    """Peak bytes Python's allocator held above its starting point during one `run` (setup not counted)."""
+    was_tracing = tracemalloc.is_tracing()
+    with torch.inference_mode():
+        state = setup()
+        gc.collect()
+        tracemalloc.start()
+        try:
+            tracemalloc.reset_peak()
+            base = tracemalloc.get_traced_memory()[0]
+            run(state)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            if not was_tracing:
+                tracemalloc.stop()
+    return peak - base
+
+
+def emit(doc: dict, table: str, json_path: str | None = None) -> int:
+    """Print a benchmark's table, write its JSON document if asked, print the document last; exit status 0 when
+    every check passed, else 1."""
+    print(table)
+    if json_path:
+        write_json_atomic(doc, json_path)
+        print(f"wrote {json_path}")
+    print()
+    print(json.dumps(doc, indent=2))
+    sys.stdout.flush()
+    return 0 if doc["checks"]["passed"] else 1
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run with `n` torch CPU threads (n < 1: leave as is), restoring the previous setting after."""
+    before = torch.get_num_threads()
+    if n >= 1:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+# --------------------------------------------------------------------------------------------------------------- model
+def build_model(cfg: PrismeConfig, seed: int, dtype: torch.dtype = torch.float32) -> Backbone:
+    """A seeded, untrained backbone in eval mode (same weights for every dtype; the global RNG is left alone)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Backbone(cfg)
+    return model.to(dtype).eval()
+
+
+def make_tokens(vocab_size: int, batch: int, length: int, seed: int) -> torch.Tensor:
+    """Predetermined token ids `[batch, length]` from a private generator."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (batch, length), generator=g)
+
+
+def model_facts(model: Backbone) -> dict[str, Any]:
+    cfg = model.cfg
+    return {
+        "preset": cfg.name,
+        "family": cfg.family,
+        "vocab": cfg.vocab_size,
+        "layers": cfg.n_layer,
+        "width": cfg.d_model,
+        "heads": cfg.n_head,
+        "kv_heads": cfg.n_kv_head,
+        "head_dim": cfg.head_dim,
+        "max_positions": cfg.max_seq_len,
+        "parameters": model.num_parameters(),
+        "trained": False,
+        "position_encoding": "learned absolute" if cfg.family == "gpt2" else "rope",
+    }
+
+
+def parse_ints(text: str, flag: str) -> tuple[int, ...]:
+    """Comma-separated positive integers (a CLI list such as --prompts or --batches), or a ValueError naming `flag`."""
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag} must list positive integers, got {text!r}")
+    return values

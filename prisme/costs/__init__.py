@@ -1,0 +1,47 @@
+"""The analytic cost model (`analytic`: seed 000's terms, per-trace costs), its tie to the real modules (`counting`:
+matmul FLOPs counted by `FlopCounterMode`) and the `prisme costs` table (`table`). docs/costs.md derives every term."""
+
+from __future__ import annotations
+
+from prisme.costs.analytic import (
+    ASSUMPTIONS,
+    BACKBONE,
+    COMPONENTS,
+    OPTIMISED_ASSUMPTIONS,
+    OPTIONAL_COMPONENTS,
+    SEED_ASSUMPTIONS,
+    SEED_ROWS,
+    SLOT_KV_ASSUMPTIONS,
+    TraceCost,
+    action_cost_proxy,
+    action_editor_ops,
+    backbone_linear_allowance,
+    backbone_ops,
+    backbone_params,
+    bank_ops,
+    bank_projection_ops,
+    bank_shift_ops,
+    components,
+    controller_bank_ops,
+    controller_entropy_ops,
+    controller_input_ops,
+    controller_step_ops,
+    cost_document,
+    cost_table,
+    readout_ops,
+    seed_rows,
+    token_ops,
+    trace_cost,
+    workspace_params,
+)
+from prisme.costs.counting import OpsCounter
+from prisme.costs.table import costs_cli, format_table
+
+__all__ = [
+    "COMPONENTS", "BACKBONE", "OPTIONAL_COMPONENTS", "components", "controller_entropy_ops", "controller_bank_ops",
+    "controller_input_ops", "SEED_ROWS", "SEED_ASSUMPTIONS", "ASSUMPTIONS", "OPTIMISED_ASSUMPTIONS",
+    "SLOT_KV_ASSUMPTIONS", "backbone_params", "backbone_linear_allowance", "workspace_params", "action_editor_ops",
+    "controller_step_ops", "readout_ops", "bank_projection_ops", "bank_shift_ops", "bank_ops", "backbone_ops",
+    "token_ops", "seed_rows", "action_cost_proxy", "cost_table", "cost_document", "TraceCost", "trace_cost",
+    "OpsCounter", "format_table", "costs_cli"
+]

@@ -1,0 +1,165 @@
+"""Analytic cost model: operations per generated token, one named term per component (seed 000, SPEC §6).
+
+Notation: d backbone width, L layers, V vocab, T context (keys the new token attends to), w workspace width,
+M slots, A = M + M/2 actions, B_e editor blocks, h_e editor hidden, F controller features, n actions of k slots.
+
+Conventions (the seed's):
+  * one multiply-add = 2 ops; softmax, norms and activations are ignored (O(dim), not O(dim^2)), except that norm
+    gains count in `backbone_linear` (2 ops per gain) because that term is 2 x non-embedding parameters;
+  * decode step: the backbone attends over the whole context T (KV cache); the LM head is included;
+  * the source bank is incremental: K, V and z of the new position only (3 projections d -> w);
+  * the editor reads the whole bank (T keys) for every edited slot in every block (`editor_source_attn`);
+  * seed accounting (`optimised=False`, what `cfg.optimised=False` models run): every block refreshes the K/V of
+    all M slots of the position for every action; the controller projects all A action summaries; the readout
+    projects the M slots of both states with W_r;
+  * optimised accounting (`optimised=True`, what `cfg.optimised` models run): the controller projects the M slots
+    and averages pairs (M w^2 instead of A w^2); the readout folds W_r into its query (2 w^2 once instead of
+    2 M w^2 per state). With `cfg.slot_kv_cache` too (`cfg.uses_slot_kv_cache`), slot K/V are computed once per
+    edited position (all M slots, every block: the first sparse action pays it), then only for the slots an action
+    changes (its k slots in blocks >= 1, and a refresh of its k slots in every block after it); DENSE actions keep
+    the seed's path and leave the position without a slot K/V cache. Without it the editor counts as the seed's.
+
+Sources: seed 000 (cost table for prisme_103m at T = 512); SPEC §6. docs/costs.md derives every term;
+tests/test_costs.py checks every integer of the seed, ties each term to the matmul FLOPs that
+`torch.utils.flop_counter.FlopCounterMode` counts on the real modules (`OpsCounter`), and parameter counts to `numel`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from prisme.costs.analytic import COMPONENTS, components
+
+
+# ---------------------------------------------------------------------- measured ops (the tie to the modules)
+def _sdpa_cpu_flops(query: Any, key: Any, value: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
+    """CPU SDPA kernel: QK^T and AV over every (query, key) pair, 2 ops per multiply-add (as torch's own SDPA
+    formulas; masks do not reduce the count). query `[B, h, Lq, e]`, key `[B, h_kv, Lk, e]`, value `[..., ev]`."""
+    B, h, Lq, e = query.shape
+    Lk, ev = key.shape[-2], value.shape[-1]
+    return 2 * B * h * Lq * Lk * (e + ev)
+
+
+class OpsCounter:
+    """Matmul ops a `PrismeModel` actually runs, attributed to the cost model's components.
+
+    Counts with `torch.utils.flop_counter.FlopCounterMode` (mm/addmm/bmm/... at 2 ops per multiply-add), adding a
+    formula for `aten._scaled_dot_product_flash_attention_for_cpu`, which FlopCounterMode counts as 0. Each op goes to
+    the component of the innermost tagged module running it: backbone blocks -> `backbone_linear` (their SDPA ->
+    `backbone_attention`); `backbone.head` -> `lm_head`; W_K, W_V, P (and their `_more` terms) -> `bank_projection`,
+    W_K_shift -> `bank_shift`, P_ctrl -> `controller_input`; editor linears by name
+    (src_q/src_o, slot_q/slot_kv/slot_o, w13/w2, gate); an SDPA inside an editor block -> `editor_source_attn` if it
+    carries a mask (the causal bank) else `editor_slot_attn` (the M slots); controller; readout. Anything else lands
+    in `untagged`. Not counted, by the convention: norms, softmax, activations, embeddings, biases.
+    Made for CPU runs: on CUDA torch's own SDPA formulas apply, but the bank/slot split of the editor's attention
+    reads the CPU kernel's `attn_mask` keyword.
+
+        with OpsCounter(model) as oc:
+            ...  # forward work (no backward)
+        oc.by_component  # {component: ops}
+    """
+
+    _EDITOR_LEAVES = {"src_q": "editor_source_attn", "src_o": "editor_source_attn", "slot_q": "editor_slot_attn",
+                      "slot_kv": "editor_slot_attn", "slot_o": "editor_slot_attn", "w13": "editor_ffn",
+                      "w2": "editor_ffn", "gate": "editor_gate"}
+
+    def __init__(self, model: Any):
+        self.model = model
+        cfg = getattr(model, "cfg", None)
+        comps = components(cfg) if cfg is not None and getattr(cfg, "use_workspace", False) else COMPONENTS
+        self.by_component: dict[str, int] = dict.fromkeys((*comps, "untagged"), 0)
+        self._stack: list[str] = []
+        self._handles: list[Any] = []
+        self._mode: Any = None
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_component.values())
+
+    def _tags(self) -> dict[Any, str]:
+        m, tags = self.model, {}
+        backbone = getattr(m, "backbone", m)
+        for blk in backbone.blocks:
+            tags[blk] = "backbone_block"
+        if getattr(backbone, "lm_head", None) is not None:
+            tags[backbone.lm_head] = "lm_head"
+        if getattr(m, "editor", None) is not None:
+            for name, comp in (("W_K", "bank_projection"), ("W_V", "bank_projection"), ("P", "bank_projection"),
+                               ("W_K_more", "bank_projection"), ("W_V_more", "bank_projection"),
+                               ("P_more", "bank_projection"), ("W_K_shift", "bank_shift"),
+                               ("W_K_shift_more", "bank_shift"), ("P_ctrl", "controller_input")):
+                mod = m._modules.get(name)
+                for lin in (mod.values() if isinstance(mod, torch.nn.ModuleDict) else [mod] if mod else []):
+                    tags[lin] = comp
+            for blk in m.editor.blocks:
+                tags[blk] = "editor_block"
+                for name, comp in self._EDITOR_LEAVES.items():
+                    tags[getattr(blk, name)] = comp
+            tags[m.controller] = "controller"
+            if getattr(m.controller, "bank_match", None) is not None:
+                tags[m.controller.bank_match] = "controller_bank"
+            if getattr(m.controller, "entropy", None) is not None:
+                tags[m.controller.entropy] = "controller_entropy"
+            tags[m.readout] = "readout"
+        return tags
+
+    def _add(self, packet: Any, ops: int, kwargs: dict[str, Any]) -> None:
+        tag = self._stack[-1] if self._stack else "untagged"
+        sdpa = "scaled_dot_product" in str(packet)
+        if tag == "backbone_block":
+            tag = "backbone_attention" if sdpa else "backbone_linear"
+        elif tag == "editor_block":
+            tag = ("editor_source_attn" if kwargs.get("attn_mask") is not None else "editor_slot_attn") if sdpa \
+                else "untagged"
+        self.by_component[tag] += int(ops)
+
+    def _wrap(self, packet: Any, formula: Callable[..., int]) -> Callable[..., int]:
+        def counted(*args: Any, out_val: Any = None, **kwargs: Any) -> int:
+            ops = formula(*args, out_val=out_val, **kwargs)
+            self._add(packet, ops, kwargs)
+            return ops
+
+        counted._get_raw = True  # FlopCounterMode passes tensors; `formula` is already shape-wrapped or raw
+        return counted
+
+    def __enter__(self) -> OpsCounter:
+        from torch.utils.flop_counter import FlopCounterMode, flop_registry
+
+        registry = {**flop_registry, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_flops}
+        mapping = {p: self._wrap(p, f) for p, f in registry.items()}
+
+        def enter(module: Any, args: Any) -> None:
+            self._stack.append(tags[module])
+
+        def leave(module: Any, args: Any, output: Any) -> None:
+            self._stack.pop()
+
+        tags = self._tags()
+        for mod in tags:
+            self._handles.append(mod.register_forward_pre_hook(enter))
+            self._handles.append(mod.register_forward_hook(leave))
+        backbone = getattr(self.model, "backbone", self.model)
+        head = backbone.head
+
+        def tagged_head(H: Any) -> Any:  # the head inside the controller's entropy feature is that feature's cost
+            self._stack.append("controller_entropy" if self._stack[-1:] == ["controller_entropy"] else "lm_head")
+            try:
+                return head(H)
+            finally:
+                self._stack.pop()
+
+        backbone.head = tagged_head  # instance attribute, removed on exit
+        self._backbone = backbone
+        self._mode = FlopCounterMode(display=False, custom_mapping=mapping)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        del self._backbone.head

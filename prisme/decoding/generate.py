@@ -1,0 +1,426 @@
+"""Incremental decoding with the workspace: `DecodeState`, sampling, batched generation (SPEC §4).
+
+Notation: B rows, C new tokens per row in one call (a chunk), Q query positions whose workspace runs, R actions per
+position, T_max the state's capacity, V vocab, d backbone width, w workspace width.
+
+A `DecodeState` (allocated by `PrismeModel.new_decode_state`) owns the backbone's KV cache, the source bank K/V
+`[B, T_max, w]` and each row's length. Every new position takes the same path as in the parallel `forward_policy`:
+one backbone step with the cache; its bank entry appended (only new positions are projected); then its own
+workspace, run by the model's own methods on an `EncodedContext` whose queries are the new positions and whose bank
+is the cache (`rollout_policy`, or `rollout_forced` for forced actions, then `logits_from_state`). Reusing those
+methods is what makes decoding exact: forced-token decoding in chunks of any size gives, in float64, the logits
+(to ~1e-12) and action traces of one teacher-forced `forward_policy` call (tests/test_generate.py).
+
+Ragged batches: rows are right-padded and carry their own lengths; `n_new[b]` says how many of a chunk's C tokens of
+row b are real. Outputs at padding positions are unspecified (`StepOutput.valid` marks the real ones); rows with no
+new token take no part in the workspace.
+
+Every public entry point checks its whole input before it touches the state: a ValueError leaves the state as it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from prisme.costs.analytic import trace_cost
+from prisme.decoding.sampling import sample_logits
+from prisme.model.backbone import check_tokens
+from prisme.model.prisme import PrismeModel
+from prisme.model.state import _check_price
+
+
+# ====================================================================== generation
+@dataclass
+class Calibration:
+    """The lambda found for a target cost and what it achieved on the calibration pass (prompts, teacher-forced)."""
+
+    target_cost: float
+    lambda_cost: float
+    relative_cost: float  # achieved mean relative cost on the prompts
+    evaluations: int  # forward_policy passes used
+
+
+@dataclass
+class GenerationEvent:
+    """One generation step: the token each row produced (None for rows already finished)."""
+
+    step: int  # index of the new token within each row (0 = first generated token)
+    tokens: list[int | None]  # [B]
+    positions: list[int | None]  # [B] the position whose logits produced the token (its context is position + 1)
+    actions: torch.Tensor  # [B, R] that position's action trace (STOP rows for finished rows)
+    n_edits: list[int | None]  # [B]
+    controller_steps: list[int | None]  # [B]
+    ops: list[int | None]  # [B] analytic ops of that position (costs.trace_cost, own context)
+    finished: list[bool]  # [B] the row is done after this step (stop token or max_new_tokens)
+
+
+@dataclass
+class GenerationOutput:
+    """Generated tokens per row with each token's action trace and analytic cost."""
+
+    tokens: list[list[int]]  # new tokens per row (a stop token that ended the row is included)
+    prompt_lengths: list[int]
+    actions: list[torch.Tensor]  # per row [n_b, R]
+    n_edits: list[list[int]]
+    controller_steps: list[list[int]]
+    ops: list[list[int]]  # per token, with each position's own context
+    relative_cost: float  # total ops / backbone-only ops over every generated token (1.0 = the backbone alone)
+    lambda_cost: float  # the controller's price of compute that was used
+    finish_reasons: list[str]  # "stop" or "length"
+    calibration: Calibration | None = None
+
+
+@dataclass
+class _Run:
+    """A fully checked generation request."""
+
+    model: PrismeModel
+    tokens: torch.Tensor  # [B, P] right-padded prompts
+    lengths: list[int]
+    max_new_tokens: int
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    seed: int | None
+    stop_tokens: frozenset[int]
+    max_budget: int
+    lambda_cost: float
+    kappa_risk: float | None
+    calibration: Calibration | None
+    prefill_chunk_size: int | None
+
+
+def generate(model: PrismeModel, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_tokens: int,
+             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+             stop_tokens: Sequence[int] = (), max_budget: int = 0, lambda_cost: float | None = None,
+             kappa_risk: float | None = None, target_cost: float | None = None, stream: bool = False,
+             prefill_chunk_size: int | None = None) -> GenerationOutput | Iterator[GenerationEvent]:
+    """Generate up to `max_new_tokens` per prompt with the workspace under the controller.
+
+    Args:
+        prompts: token ids per row (lists of different lengths are batched right-padded), or a `[B, P]` / `[P]`
+            tensor.
+        temperature, top_k, top_p, seed: sampling (temperature 0 = greedy). Each row samples with its own generator
+            seeded from (seed, row index): same seed -> same sample, whatever the other rows do.
+        stop_tokens: a row ends after producing one of these (it is kept in the output).
+        max_budget, lambda_cost, kappa_risk: the controller's budget and prices (max_budget=0: the backbone alone).
+        target_cost: a target mean relative cost per token (ops / backbone-only ops, >= 1); lambda_cost is then found
+            by bisection on a teacher-forced calibration pass over the prompts (`calibrate_lambda`).
+        stream: return an iterator of per-step `GenerationEvent`s instead of the finished `GenerationOutput`.
+        prefill_chunk_size: backbone chunk size of the prompt prefill (default: one chunk).
+
+    All arguments are checked (and lambda calibrated) before anything runs; bad input is a ValueError.
+    """
+    run = _prepare(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, max_budget,
+                   lambda_cost, kappa_risk, target_cost, prefill_chunk_size)
+    return _events(run) if stream else _collect(run)
+
+
+def generate_stream(model: PrismeModel, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_tokens: int,
+                    **kwargs) -> Iterator[GenerationEvent]:
+    """`generate(..., stream=True)`: checks everything now, then yields one `GenerationEvent` per step."""
+    return generate(model, prompts, max_new_tokens, stream=True, **kwargs)
+
+
+def calibrate_lambda(model: PrismeModel, prompts: Sequence[Sequence[int]] | torch.Tensor, max_budget: int,
+                     target_cost: float, kappa_risk: float | None = None, rel_tol: float = 1e-3,
+                     max_evals: int = 40) -> Calibration:
+    """Find lambda_cost whose controller spends `target_cost` (mean ops / backbone-only ops) on the prompts.
+
+    One teacher-forced `forward_policy` pass per probe; the cost of its traces is `costs.trace_cost` with each
+    position's own context. Cost falls (stepwise) as lambda grows: lambda is bracketed on a log grid, then bisected
+    until the cost is within `rel_tol` of the target or the bracket collapses; the closest probe wins.
+    """
+    tokens, lengths = _pad_prompts(prompts, model.cfg.vocab_size)
+    tokens = tokens.to(model.backbone.tok_emb.weight.device)
+    return _calibrate(model, tokens, lengths, max_budget, target_cost, kappa_risk, rel_tol, max_evals)
+
+
+@torch.no_grad()
+def _calibrate(model: PrismeModel, tokens: torch.Tensor, lengths: list[int], max_budget: int, target_cost: float,
+               kappa_risk: float | None, rel_tol: float = 1e-3, max_evals: int = 40) -> Calibration:
+    cfg = model.cfg
+    if max_budget < 1 or not cfg.use_workspace:
+        raise ValueError("target_cost needs a workspace model and max_budget >= 1")
+    if isinstance(target_cost, bool) or not isinstance(target_cost, (int, float)) or not math.isfinite(target_cost):
+        raise ValueError(f"target_cost must be a finite number, got {target_cost!r}")
+    B, P = tokens.shape
+    valid = torch.arange(P, device=tokens.device) < torch.tensor(lengths, device=tokens.device)[:, None]  # [B, P]
+    contexts = (torch.arange(P, device=tokens.device) + 1).expand(B, P)[valid]  # [N]
+    N = contexts.numel()
+    stop_all = torch.full((N, max_budget), cfg.stop_action, dtype=torch.long)
+    floor = trace_cost(cfg, stop_all, contexts, torch.ones(N, dtype=torch.long), cfg.optimised).relative
+    if target_cost < floor * (1 - rel_tol):
+        raise ValueError(f"target_cost={target_cost} is below the cheapest controller policy's cost {floor:.6f} "
+                         f"(every position stopping at once); use max_budget=0 for the backbone alone")
+    probes: list[tuple[float, float]] = []
+
+    def cost_at(lam: float) -> float:
+        out = model.forward_policy(tokens, max_budget, lambda_cost=lam, kappa_risk=kappa_risk)
+        rel = trace_cost(cfg, out.actions[valid], contexts, out.controller_steps[valid], cfg.optimised).relative
+        probes.append((lam, rel))
+        return rel
+
+    def close(c: float) -> bool:
+        return abs(c - target_cost) <= rel_tol * target_cost
+
+    lo, hi = 0.0, None
+    if cost_at(0.0) > target_cost and not close(probes[-1][1]):
+        for lam in (10.0 ** k for k in range(-6, 13)):  # bracket: cost(lo) > target >= cost(hi)
+            c = cost_at(lam)
+            if c <= target_cost or close(c):
+                hi = lam
+                break
+            lo = lam
+        while hi is not None and len(probes) < max_evals and not close(probes[-1][1]) and hi - lo > 1e-6 * hi:
+            mid = math.sqrt(lo * hi) if lo > 0 else hi / 2
+            if cost_at(mid) > target_cost:
+                lo = mid
+            else:
+                hi = mid
+    lam, rel = min(probes, key=lambda p: (abs(p[1] - target_cost), p[0]))
+    return Calibration(target_cost=float(target_cost), lambda_cost=lam, relative_cost=rel, evaluations=len(probes))
+
+
+def _pad_prompts(prompts: Sequence[Sequence[int]] | torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, list[int]]:
+    """Right-padded `[B, P]` ids (padding 0) and each row's length; ValueError for empty or out-of-range prompts."""
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dim() == 1:
+            prompts = prompts.unsqueeze(0)
+        if prompts.dim() != 2:
+            raise ValueError(f"a prompt tensor must have shape [B, P] or [P], got {tuple(prompts.shape)}")
+        check_tokens(prompts, vocab_size, "prompt")
+        return prompts.long(), [prompts.shape[1]] * prompts.shape[0]
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise ValueError("prompts must be a non-empty list of token-id lists (or a [B, P] tensor)")
+    rows = []
+    for b, row in enumerate(prompts):
+        row = row.tolist() if isinstance(row, torch.Tensor) else row
+        if isinstance(row, (str, bytes)) or not isinstance(row, Sequence) or len(row) == 0:
+            raise ValueError(f"prompt {b} is empty or not a list of token ids; encode text with a tokenizer first")
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in row):
+            raise ValueError(f"prompt {b} must hold int token ids")
+        lo, hi = min(row), max(row)
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"prompt {b}: ids must lie in [0, {vocab_size}), got min {lo} and max {hi}")
+        rows.append(list(row))
+    P = max(map(len, rows))
+    tokens = torch.tensor([r + [0] * (P - len(r)) for r in rows], dtype=torch.long)  # [B, P]
+    return tokens, [len(r) for r in rows]
+
+
+def _prepare(model: PrismeModel, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, max_budget,
+             lambda_cost, kappa_risk, target_cost, prefill_chunk_size) -> _Run:
+    cfg = model.cfg
+    tokens, lengths = _pad_prompts(prompts, cfg.vocab_size)
+    tokens = tokens.to(model.backbone.tok_emb.weight.device)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if max(lengths) + max_new_tokens > cfg.max_seq_len:
+        raise ValueError(f"the longest prompt ({max(lengths)} tokens) + max_new_tokens={max_new_tokens} exceeds "
+                         f"T_max={cfg.max_seq_len}, the cache capacity")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
+            or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
+        raise ValueError(f"top_p must lie in (0, 1], got {top_p!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ValueError(f"seed must be an int or None, got {seed!r}")
+    stops = list(stop_tokens)
+    if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < cfg.vocab_size for t in stops):
+        raise ValueError(f"stop_tokens must be ids in [0, {cfg.vocab_size}), got {stops}")
+    if isinstance(max_budget, bool) or not isinstance(max_budget, int) or max_budget < 0:
+        raise ValueError(f"max_budget must be an int >= 0, got {max_budget!r}")
+    if max_budget > cfg.r_max:
+        raise ValueError(f"max_budget={max_budget} exceeds r_max={cfg.r_max}")
+    if max_budget > 0 and not cfg.use_workspace:
+        raise ValueError("this model has no workspace (use_workspace=False): max_budget must be 0")
+    _check_price("lambda_cost", lambda_cost)
+    _check_price("kappa_risk", kappa_risk)
+    if prefill_chunk_size is not None and (isinstance(prefill_chunk_size, bool)
+                                           or not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1):
+        raise ValueError(f"prefill_chunk_size must be a positive int or None, got {prefill_chunk_size!r}")
+    calibration = None
+    if target_cost is not None:
+        if lambda_cost is not None:
+            raise ValueError("give lambda_cost or target_cost, not both")
+        calibration = _calibrate(model, tokens, lengths, max_budget, target_cost, kappa_risk)
+        lambda_cost = calibration.lambda_cost
+    lam = float(cfg.lambda_cost if lambda_cost is None else lambda_cost)
+    return _Run(model, tokens, lengths, max_new_tokens, float(temperature), top_k, top_p, seed, frozenset(stops),
+                max_budget, lam, kappa_risk, calibration, prefill_chunk_size)
+
+
+def _row_seed(seed: int, row: int) -> int:
+    """A 63-bit seed for one row's sampler, distinct for every (seed, row) pair in practice."""
+    return (seed * 0x9E3779B97F4A7C15 + row * 0xBF58476D1CE4E5B9 + 1) % 2**63
+
+
+class _OpsOf:
+    """Analytic ops of one generated position, memoised on (context, trace, controller steps)."""
+
+    def __init__(self, model: PrismeModel, max_budget: int):
+        self.cfg, self.max_budget = model.cfg, max_budget
+        self.memo: dict[tuple, int] = {}
+
+    def __call__(self, context: int, actions: list[int], steps: int) -> int:
+        key = (context, tuple(actions), steps)
+        if key not in self.memo:
+            acts = None if self.max_budget == 0 else [actions]
+            self.memo[key] = int(trace_cost(self.cfg, acts, [context], [steps], self.cfg.optimised).total_ops)
+        return self.memo[key]
+
+
+@torch.no_grad()
+def _events(run: _Run) -> Iterator[GenerationEvent]:
+    model, cfg = run.model, run.model.cfg
+    B = len(run.lengths)
+    dev = run.tokens.device
+    gens = None
+    if run.temperature > 0:  # one generator per row: a row's samples do not depend on the others or on their stops
+        base = random.SystemRandom().randrange(2**62) if run.seed is None else run.seed
+        gens = [torch.Generator(device=dev).manual_seed(_row_seed(base, b)) for b in range(B)]
+    state = model.new_decode_state(B, max_len=max(run.lengths) + run.max_new_tokens - 1,
+                                   bank=run.max_budget > 0)
+    policy = dict(max_budget=run.max_budget, lambda_cost=run.lambda_cost, kappa_risk=run.kappa_risk)
+    out = state.prefill(run.tokens, run.lengths, run.prefill_chunk_size, logits="last", **policy)
+    ops_of = _OpsOf(model, run.max_budget)
+    done = [False] * B
+    last = [0] * B
+    for step in range(run.max_new_tokens):
+        if step > 0:
+            feed = torch.tensor([[t] for t in last], dtype=torch.long, device=dev)  # [B, 1]
+            out = state.decode_step(feed, [0 if d else 1 for d in done], **policy)
+        active = [b for b in range(B) if not done[b]]
+        if gens is None:
+            new = out.logits[active, -1].argmax(-1).tolist()
+        else:
+            new = [int(sample_logits(out.logits[b:b + 1, -1], run.temperature, run.top_k, run.top_p, gens[b]))
+                   for b in active]
+        acts = out.actions[:, -1]  # [B, R]
+        acts_l, pos_l = acts.tolist(), out.positions[:, -1].tolist()
+        n_l, s_l = out.n_edits[:, -1].tolist(), out.controller_steps[:, -1].tolist()
+        ev = GenerationEvent(step=step, tokens=[None] * B, positions=[None] * B,
+                             actions=acts.masked_fill(torch.tensor(done, device=dev)[:, None], cfg.stop_action),
+                             n_edits=[None] * B, controller_steps=[None] * B, ops=[None] * B, finished=[True] * B)
+        for b, tok in zip(active, new):
+            last[b] = tok
+            done[b] = tok in run.stop_tokens or step == run.max_new_tokens - 1
+            ev.tokens[b], ev.positions[b], ev.n_edits[b], ev.controller_steps[b] = tok, pos_l[b], n_l[b], s_l[b]
+            ev.ops[b] = ops_of(pos_l[b] + 1, acts_l[b], s_l[b])
+            ev.finished[b] = done[b]
+        yield ev
+        if all(done):
+            return
+
+
+def _collect(run: _Run) -> GenerationOutput:
+    cfg = run.model.cfg
+    B = len(run.lengths)
+    toks: list[list[int]] = [[] for _ in range(B)]
+    acts: list[list[torch.Tensor]] = [[] for _ in range(B)]
+    n_edits: list[list[int]] = [[] for _ in range(B)]
+    steps: list[list[int]] = [[] for _ in range(B)]
+    ops: list[list[int]] = [[] for _ in range(B)]
+    contexts: list[list[int]] = [[] for _ in range(B)]
+    reasons = ["length"] * B
+    for ev in _events(run):
+        for b in range(B):
+            if ev.tokens[b] is None:
+                continue
+            toks[b].append(ev.tokens[b])
+            acts[b].append(ev.actions[b])
+            n_edits[b].append(ev.n_edits[b])
+            steps[b].append(ev.controller_steps[b])
+            ops[b].append(ev.ops[b])
+            contexts[b].append(ev.positions[b] + 1)
+            if ev.tokens[b] in run.stop_tokens:
+                reasons[b] = "stop"
+    actions = [torch.stack(a) for a in acts]  # [n_b, R] each
+    flat = None if run.max_budget == 0 else torch.cat(actions)
+    cost = trace_cost(cfg, flat, [c for row in contexts for c in row], [s for row in steps for s in row],
+                      cfg.optimised)
+    return GenerationOutput(tokens=toks, prompt_lengths=list(run.lengths), actions=actions, n_edits=n_edits,
+                            controller_steps=steps, ops=ops, relative_cost=cost.relative, lambda_cost=run.lambda_cost,
+                            finish_reasons=reasons, calibration=run.calibration)
+
+
+# ====================================================================== command line
+def main(args: argparse.Namespace) -> int:
+    """`prisme generate`: load a model (checkpoint, or a preset with random weights), generate, print the text."""
+    from prisme.checkpoint import find_model_checkpoint, load_model
+    from prisme.config import PrismeConfig
+    from prisme.data.tokenizers import BPETokenizer, ByteTokenizer
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    device = getattr(args, "device", None) or "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device!r} requested but CUDA is not available")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise ValueError(f"--device must be cpu or cuda[:N], got {device!r}")
+    tokenizer = ByteTokenizer() if args.tokenizer == "byte" else BPETokenizer.load(args.tokenizer)
+    if args.checkpoint is not None:
+        path = find_model_checkpoint(args.checkpoint)
+        if str(path) != str(args.checkpoint):
+            print(f"note: using {path}", file=sys.stderr)
+        model, _meta = load_model(path, map_location=device)
+    else:
+        torch.manual_seed(0 if args.seed is None else args.seed)
+        model = PrismeModel(PrismeConfig.from_name(args.preset))
+        print(f"note: preset {args.preset!r} with random weights (pass --checkpoint for a trained model)",
+              file=sys.stderr)
+    model = model.to(device).eval()
+    from prisme.model.compiled import maybe_compile
+
+    maybe_compile(model, getattr(args, "compile", None))
+    ids_mode = getattr(args, "prompt_ids", None) is not None
+    if not ids_mode and tokenizer.vocab_size > model.cfg.vocab_size:
+        what = "the byte tokenizer" if args.tokenizer == "byte" else f"tokenizer {args.tokenizer}"
+        raise ValueError(f"{what} has {tokenizer.vocab_size} ids but the model's vocab_size is {model.cfg.vocab_size}: "
+                         f"use a model with vocab_size >= {tokenizer.vocab_size} (e.g. --preset demo), another "
+                         f"--tokenizer, or --prompt-ids")
+    if ids_mode:
+        try:
+            prompt = [int(v) for v in args.prompt_ids.split(",") if v.strip()]
+        except ValueError:
+            raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
+        if not prompt:
+            raise ValueError("--prompt-ids lists no token id")
+        decode = lambda ids: " " + " ".join(str(i) for i in ids)  # noqa: E731
+        args.prompt = ",".join(str(i) for i in prompt)
+    else:
+        prompt = tokenizer.encode(args.prompt)
+        decode = tokenizer.decode
+    out = generate(model, [prompt], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                   top_p=args.top_p, seed=args.seed, max_budget=args.budget, lambda_cost=args.lambda_cost,
+                   kappa_risk=args.kappa_risk, target_cost=args.target_cost)
+    print(args.prompt + decode(out.tokens[0]))
+    cal = "" if out.calibration is None else (f", calibrated on the prompt to {out.calibration.relative_cost:.4f} "
+                                              f"(target {out.calibration.target_cost})")
+    print(f"[{len(out.tokens[0])} tokens, budget {args.budget}, lambda {out.lambda_cost:.6g}{cal}; "
+          f"mean relative cost {out.relative_cost:.4f} x the backbone]", file=sys.stderr)
+    if args.show_edits:
+        from prisme.model.workspace import slots_of_action
+
+        stop, cfg = model.cfg.stop_action, model.cfg
+        legend = ", ".join(f"{a}={'+'.join(map(str, slots_of_action(cfg, a)))}" for a in range(cfg.n_actions))
+        print(f"legend: edits = actions applied at that position; steps = controller evaluations (the edits plus "
+              f"the STOP that ended them, at most the budget); actions = the action ids, each editing the slots "
+              f"{legend} (STOP={stop})")
+        print(f"{'pos':>5}  {'token':<8}{'edits':>6}{'steps':>6}  actions")
+        for i, tok in enumerate(out.tokens[0]):
+            acts = [a for a in out.actions[0][i].tolist() if a != stop]
+            print(f"{len(prompt) + i:>5}  {decode([tok]).strip() if ids_mode else repr(decode([tok])):<8}"
+                  f"{out.n_edits[0][i]:>6}"
+                  f"{out.controller_steps[0][i]:>6}  {'#' * out.n_edits[0][i]:<{max(args.budget, 1)}} {acts}")
+    return 0

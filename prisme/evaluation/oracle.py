@@ -1,0 +1,137 @@
+"""Evaluation: validation loss against measured ops per token, for every policy of SPEC §5.
+
+Notation: B batch, T positions, V vocab, M slots, A controller actions (STOP = A, DENSE = A+1), R steps, P oracle
+positions per sequence, n actions per position, k slots per action.
+
+Policies (one `EvalRow` each; `family` in parentheses):
+  * backbone only (`backbone`): `model(tokens)`, the exact bypass;
+  * backbone + matched tokens (`matched`): another model's backbone alone (one trained on as many extra tokens as
+    the workspace stage used), so that "the workspace helps" is not just "more training";
+  * fixed n x k1 / n x k2 (`fixed`), n in {1, 2, 4, 8} and n <= r_max: step r edits slot r mod M, or pair
+    M + (r mod M/2); forced through `model(tokens, actions)`, no controller;
+  * random n x k (`random`): uniform single slots or pairs; batch i draws from a generator seeded with seed + i
+    (common random numbers across random rows);
+  * dense (`dense`): n DENSE actions;
+  * controller at several lambda (`controller`): `model.forward_policy(tokens, r_max, lambda_cost=lambda)`;
+  * greedy oracle (`oracle`, not deployable): at each step execute every candidate action, keep the largest true
+    loss drop, STOP when none beats lambda * cost. It reads the targets, so it is an upper-bound probe on a subsample
+    of labelled positions, never a policy one could deploy.
+
+Measurement (SPEC §6): loss is the mean next-token cross-entropy over labelled targets (-100 ignored), accuracy the
+argmax hit rate on them (MQAR only). Ops come from the actual traces through `costs.trace_cost`: each position pays
+at its own context t + 1; forced policies pay no controller; the controller pays the steps it took; the oracle is
+charged min(n + 1, budget) controller steps, as if a controller had chosen its trace. Ops cover every position of
+the evaluated sequences (each one is a generated token, labelled or not); the oracle's cover its sampled positions.
+`relative_ops` divides by the backbone alone on the same positions. Both accountings are reported: `ops_per_token`
+is the model's own (`cfg.optimised`), `ops_per_token_alt` the other one (seed <-> optimised).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from prisme.data.text import IGNORE_INDEX
+from prisme.model.outputs import EncodedContext
+from prisme.model.prisme import PrismeModel
+
+
+# ---------------------------------------------------------------------------------------------------------- oracle
+@dataclass
+class OracleResult:
+    """A greedy-oracle run on P positions per sequence."""
+
+    positions: torch.Tensor  # [B, P] query positions t
+    actions: torch.Tensor  # [B, P, R] chosen actions (STOP-padded)
+    loss: torch.Tensor  # [B, P] loss after the chosen edits
+    base_loss: torch.Tensor  # [B, P] backbone-only loss
+    logits: torch.Tensor  # [B, P, V] final logits
+    n_edits: torch.Tensor  # [B, P]
+
+
+def _token_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-position cross-entropy `[...]` of logits `[..., V]` (0 where the target is -100)."""
+    flat = logits.reshape(-1, logits.shape[-1])  # [N, V]
+    if flat.dtype in (torch.float16, torch.bfloat16):
+        flat = flat.float()
+    ce = F.cross_entropy(flat, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none")  # [N]
+    return ce.view(targets.shape)
+
+
+@torch.no_grad()
+def greedy_oracle(model: PrismeModel, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor,
+                  max_budget: int | None = None, lambda_cost: float = 0.0,
+                  cost: torch.Tensor | None = None) -> OracleResult:
+    """Greedy oracle at the query positions `[B, P]`, vectorised over positions and candidates.
+
+    Each step applies every candidate action `0..A-1` to each still-active position (`model.apply_action` on a
+    `[B, P*A]` query layout sharing the bank), reads the true loss of each candidate from `logits_from_state` and
+    the targets, and keeps the candidate with the largest `drop - lambda * cost[a]`; a position STOPs (for good) when
+    no candidate beats 0 (ties go to STOP, as `ValueController.select`). `remaining = max_budget - step - 1`, as in
+    `forward_policy`. Uses the editor's reference path (no slot K/V cache): the same function, recomputed.
+
+    Args:
+        tokens, targets: `[B, T]`; targets at `positions` must be labelled (not -100).
+        positions: `[B, P]` long query positions.
+        max_budget: steps (default r_max); cost: `[A]` (default `model.action_cost`).
+    """
+    cfg = model.cfg
+    R = cfg.r_max if max_budget is None else max_budget
+    if not cfg.use_workspace:
+        raise ValueError("greedy_oracle needs a model with a workspace (use_workspace=True)")
+    if not isinstance(R, int) or not 1 <= R <= cfg.r_max:
+        raise ValueError(f"max_budget must be an int in [1, r_max={cfg.r_max}], got {R!r}")
+    if not math.isfinite(lambda_cost) or lambda_cost < 0:
+        raise ValueError(f"lambda_cost must be finite and >= 0, got {lambda_cost}")
+    B, T = tokens.shape
+    if positions.dim() != 2 or positions.shape[0] != B or positions.numel() == 0:
+        raise ValueError(f"positions must be a non-empty [B={B}, P] tensor, got {tuple(positions.shape)}")
+    if int(positions.min()) < 0 or int(positions.max()) >= T:
+        raise ValueError(f"positions must lie in [0, {T})")
+    rows = torch.arange(B, device=tokens.device).unsqueeze(1)  # [B, 1]
+    y = targets[rows, positions]  # [B, P]
+    if bool((y == IGNORE_INDEX).any()):
+        raise ValueError("greedy_oracle: every position must have a labelled target (not -100)")
+    cost = model.action_cost if cost is None else torch.as_tensor(cost).to(model.action_cost)
+    A, stop, P = cfg.n_actions, cfg.stop_action, positions.shape[1]
+
+    st = model.streams(tokens)  # H [B, T, d] and the source streams
+    ctx = model.context_from_H(st, st.index(rows, positions), query_pos=positions)  # Tq = P
+    logits = model.backbone.head(ctx.H)  # [B, P, V]
+    loss = _token_ce(logits, y)  # [B, P]
+    base = loss.clone()
+
+    def rep(x: torch.Tensor) -> torch.Tensor:  # [B, P, ...] -> [B, P*A, ...], candidate a at index p*A + a
+        return x.repeat_interleave(A, dim=1)
+
+    ctx_c = EncodedContext(H=rep(ctx.H), K=ctx.K, V=ctx.V, z=rep(ctx.z), bank_mask=rep(ctx.bank_mask),
+                           S0=rep(ctx.S0))
+    cand = torch.arange(A, device=tokens.device).repeat(B, P)  # [B, P*A]
+    y_c = rep(y)  # [B, P*A]
+    S = ctx.S0  # [B, P, M, w]
+    active = torch.ones(B, P, dtype=torch.bool, device=tokens.device)
+    trace = torch.full((B, P, R), stop, dtype=torch.long, device=tokens.device)
+    p_idx = torch.arange(P, device=tokens.device) * A  # [P]
+    for r in range(R):
+        if not bool(active.any()):
+            break
+        act_c = rep(active)  # [B, P*A]
+        a_c = torch.where(act_c, cand, torch.full_like(cand, stop))  # stopped positions run nothing
+        S_c, _ = model.apply_action(rep(S), ctx_c, a_c, r, R - r - 1)  # [B, P*A, M, w]
+        logits_c, _ = model.logits_from_state(S_c, ctx_c, act_c)  # [B, P*A, V]
+        loss_c = _token_ce(logits_c, y_c).view(B, P, A)  # [B, P, A]
+        score = (loss.unsqueeze(-1) - loss_c) - lambda_cost * cost  # [B, P, A]
+        best, a = score.max(dim=-1)  # [B, P]
+        take = active & (best > 0)
+        idx = p_idx + a  # [B, P] index of the chosen candidate
+        S = torch.where(take[..., None, None], S_c[rows, idx], S)
+        logits = torch.where(take[..., None], logits_c[rows, idx], logits)
+        loss = torch.where(take, loss_c.gather(-1, a.unsqueeze(-1)).squeeze(-1), loss)
+        trace[:, :, r] = torch.where(take, a, torch.full_like(a, stop))
+        active = take
+    n_edits = (trace != stop).sum(-1)
+    return OracleResult(positions=positions, actions=trace, loss=loss, base_loss=base, logits=logits,
+                        n_edits=n_edits)

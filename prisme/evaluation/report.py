@@ -1,0 +1,205 @@
+"""Evaluation: validation loss against measured ops per token, for every policy of SPEC §5.
+
+Notation: B batch, T positions, V vocab, M slots, A controller actions (STOP = A, DENSE = A+1), R steps, P oracle
+positions per sequence, n actions per position, k slots per action.
+
+Policies (one `EvalRow` each; `family` in parentheses):
+  * backbone only (`backbone`): `model(tokens)`, the exact bypass;
+  * backbone + matched tokens (`matched`): another model's backbone alone (one trained on as many extra tokens as
+    the workspace stage used), so that "the workspace helps" is not just "more training";
+  * fixed n x k1 / n x k2 (`fixed`), n in {1, 2, 4, 8} and n <= r_max: step r edits slot r mod M, or pair
+    M + (r mod M/2); forced through `model(tokens, actions)`, no controller;
+  * random n x k (`random`): uniform single slots or pairs; batch i draws from a generator seeded with seed + i
+    (common random numbers across random rows);
+  * dense (`dense`): n DENSE actions;
+  * controller at several lambda (`controller`): `model.forward_policy(tokens, r_max, lambda_cost=lambda)`;
+  * greedy oracle (`oracle`, not deployable): at each step execute every candidate action, keep the largest true
+    loss drop, STOP when none beats lambda * cost. It reads the targets, so it is an upper-bound probe on a subsample
+    of labelled positions, never a policy one could deploy.
+
+Measurement (SPEC §6): loss is the mean next-token cross-entropy over labelled targets (-100 ignored), accuracy the
+argmax hit rate on them (MQAR only). Ops come from the actual traces through `costs.trace_cost`: each position pays
+at its own context t + 1; forced policies pay no controller; the controller pays the steps it took; the oracle is
+charged min(n + 1, budget) controller steps, as if a controller had chosen its trace. Ops cover every position of
+the evaluated sequences (each one is a generated token, labelled or not); the oracle's cover its sampled positions.
+`relative_ops` divides by the backbone alone on the same positions. Both accountings are reported: `ops_per_token`
+is the model's own (`cfg.optimised`), `ops_per_token_alt` the other one (seed <-> optimised).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prisme.evaluation.policies import ROW_FAMILIES
+from prisme.io import json_safe
+from prisme.stats import N_BOOT
+
+
+# ---------------------------------------------------------------------------------------------------------- results
+@dataclass
+class EvalRow:
+    """One policy's validation loss and measured compute."""
+
+    policy: str
+    loss: float  # mean next-token cross-entropy over labelled targets (nats)
+    ops_per_token: float  # mean ops per position, by the model's own accounting (`cfg.optimised`)
+    relative_ops: float  # total ops / backbone-only ops of the same positions
+    accuracy: float | None  # argmax accuracy on labelled targets (MQAR), else None
+    deployable: bool  # False for the oracle (it reads the targets)
+    family: str = ""
+    delta_loss: float = 0.0  # loss - backbone loss on the same positions
+    baseline_loss: float = 0.0  # backbone loss on the same positions
+    mean_edits: float = 0.0  # non-STOP actions per position
+    edited_fraction: float = 0.0  # positions with at least one edit
+    controller_steps: float = 0.0  # controller evaluations per position (charged, for the oracle)
+    ops_per_token_alt: float = 0.0  # the other accounting (seed <-> optimised)
+    relative_ops_alt: float = 0.0
+    lambda_cost: float | None = None  # controller / oracle price of compute
+    budget: int | None = None  # n for forced rows, max_budget for controller / oracle rows
+    n_positions: int = 0  # positions the ops cover
+    n_targets: int = 0  # labelled targets the loss covers
+    # paired differences on the same targets (loss of this row minus the reference's, nats per token), each
+    # {mean, lo, hi, n_sequences, n_tokens} with a 95% bootstrap interval over sequences
+    delta_vs_backbone: dict[str, Any] | None = None
+    delta_vs_matched: dict[str, Any] | None = None  # with a matched backbone
+    delta_vs_equal_edits: dict[str, Any] | None = None  # controller rows: minus their equal-edits baseline
+    verdict_vs_backbone: str | None = None  # "beats" | "ties" | "loses", from the interval
+    verdict_vs_matched: str | None = None
+    verdict_vs_equal_edits: str | None = None
+    tokens_per_s: float = 0.0  # positions per second of this policy's forwards during the evaluation
+    equal_edits_of: str | None = None  # equal_edits rows: the controller row they match
+
+
+@dataclass
+class EvalReport:
+    """Every policy's row plus what is needed to reproduce the run."""
+
+    rows: list[EvalRow]
+    config: dict[str, Any]
+    dataset: str
+    n_tokens: int  # labelled targets scored by each full-position policy
+    n_positions: int  # positions evaluated by each full-position policy
+    batch_size: int
+    seq_len: int
+    n_batches: int
+    accounting: str  # "optimised" or "seed": the accounting of `ops_per_token`
+    lambdas: list[float]
+    oracle_positions: int | None
+    seed: int
+    environment: dict[str, Any] = field(default_factory=dict)
+    n_sequences: int = 0  # sequences every full-position row scored (the bootstrap's resampling unit)
+    split: str = "val"
+    bootstrap_samples: int = N_BOOT
+    bootstrap_seed: int = 0
+    oracle_targets: int | None = None  # labelled positions the oracle rows saw (it is subsampled)
+
+    @property
+    def alt_accounting(self) -> str:
+        return "seed" if self.accounting == "optimised" else "optimised"
+
+    def row(self, policy: str) -> EvalRow:
+        """The row named `policy` (ValueError if there is none)."""
+        for r in self.rows:
+            if r.policy == policy:
+                return r
+        raise ValueError(f"no row named {policy!r}; rows: {[r.policy for r in self.rows]}")
+
+    def table(self) -> str:
+        """A fixed-width table for humans, one row per policy: loss, the paired differences to the backbone and the
+        matched backbone with their 95% intervals and verdicts, ops, edits, throughput."""
+        has_m = any(r.delta_vs_matched for r in self.rows)
+        ci = lambda d: "-" if not d else f"{d['mean']:+.4f} [{d['lo']:+.4f},{d['hi']:+.4f}]"  # noqa: E731
+        head = (f"{'policy':<30}{'loss':>8}  {'vs backbone [95% CI]':<28}" + (f"{'vs matched [95% CI]':<28}" if has_m
+                                                                              else "")
+                + f"{'rel ops':>8}{'edits':>7}{'acc':>7}{'tok/s':>9}  deployable")
+        lines = [head, "-" * len(head)]
+        for r in self.rows:
+            acc = "-" if r.accuracy is None else f"{r.accuracy:.3f}"
+            dep = "yes" if r.deployable else "no (upper bound)"
+            vb = ci(r.delta_vs_backbone) + ("" if not r.verdict_vs_backbone or r.family == "backbone"
+                                            else f" {r.verdict_vs_backbone}")
+            vm = ci(r.delta_vs_matched) + ("" if not r.verdict_vs_matched or r.family == "matched"
+                                           else f" {r.verdict_vs_matched}")
+            lines.append(f"{r.policy:<30}{r.loss:>8.4f}  {vb:<28}" + (f"{vm:<28}" if has_m else "")
+                         + f"{r.relative_ops:>8.3f}{r.mean_edits:>7.2f}{acc:>7}{r.tokens_per_s:>9.0f}  {dep}")
+            if r.delta_vs_equal_edits:
+                lines.append(f"{'':<4}controller - equal_edits: {ci(r.delta_vs_equal_edits)} "
+                             f"{r.verdict_vs_equal_edits}")
+        foot = (f"{self.dataset}; {self.split} split, {self.n_batches} batches x {self.batch_size} x {self.seq_len} = "
+                f"{self.n_sequences} sequences, {self.n_tokens} scored targets; differences are this row's loss minus "
+                f"the reference's on the same targets (nats/token), 95% bootstrap over sequences "
+                f"({self.bootstrap_samples} resamples, seed {self.bootstrap_seed}); ops in the {self.accounting} "
+                f"accounting")
+        if any(r.family == "oracle" for r in self.rows):
+            per = "all" if self.oracle_positions is None else self.oracle_positions
+            foot += (f"; oracle rows: {per} sampled positions per sequence ({self.oracle_targets} in all), compared "
+                     f"on those positions")
+        lines.append(foot)
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-serialisable document (strict JSON: no NaN or infinity)."""
+        doc = {k: v for k, v in asdict(self).items() if k != "rows"}
+        doc["alt_accounting"] = self.alt_accounting
+        doc["rows"] = [asdict(r) for r in self.rows]
+        return json_safe(doc)
+
+    def plot(self, path: str | Path) -> None:
+        """Loss difference to the backbone versus relative ops (PNG, log ops axis): one marker per family with its
+        95% paired interval as an error bar, the deployable Pareto front, zero (the backbone) and the matched
+        backbone's difference. The oracle's points are its difference on its own sampled positions (hollow)."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        style = {"backbone": ("s", "C0"), "matched": ("D", "C1"), "fixed": ("o", "C2"), "random": ("x", "C3"),
+                 "dense": ("^", "C4"), "controller": ("*", "C5"), "oracle": ("P", "C6"), "equal_edits": ("v", "C7"),
+                 "reference": ("h", "C8")}
+        fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+        for fam in ROW_FAMILIES:
+            rows = [r for r in self.rows if r.family == fam and r.delta_vs_backbone]
+            if not rows:
+                continue
+            xs = [r.relative_ops for r in rows]
+            ys = [r.delta_vs_backbone["mean"] for r in rows]
+            err = [[y - r.delta_vs_backbone["lo"] for y, r in zip(ys, rows)],
+                   [r.delta_vs_backbone["hi"] - y for y, r in zip(ys, rows)]]
+            marker, color = style[fam]
+            hollow = fam == "oracle"
+            ax.errorbar(xs, ys, yerr=err, fmt=marker, color=color, ms=6, capsize=2, lw=1,
+                        mfc="none" if hollow else color,
+                        label="oracle (not deployable; on its sampled positions)" if hollow else fam)
+        front = [r for r in pareto_front(self.rows) if r.delta_vs_backbone]
+        if front:  # a staircase from the cheapest row, held to the right edge
+            x_max = max(r.relative_ops for r in self.rows)
+            xs = [r.relative_ops for r in front] + [x_max]
+            ys = [r.delta_vs_backbone["mean"] for r in front] + [front[-1].delta_vs_backbone["mean"]]
+            ax.step(xs, ys, where="post", color="k", lw=1, alpha=0.5, label="Pareto front (deployable)")
+        ax.axhline(0.0, color="gray", ls="--", lw=1, label="backbone only")
+        ax.set_xscale("log")
+        ax.set_xlabel(f"ops per token / backbone only ({self.accounting} accounting, log scale)")
+        ax.set_ylabel("loss minus the backbone's (nats / token), 95% CI")
+        ax.set_title(f"{self.config.get('name', '?')}: {self.split} split, {self.n_sequences} sequences")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7, loc="best")
+        fig.tight_layout()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, format="png")
+        plt.close(fig)
+
+
+def pareto_front(rows: Sequence[EvalRow]) -> list[EvalRow]:
+    """Deployable rows not dominated in (relative ops, loss), sorted by ops: each is strictly better in loss than
+    every cheaper-or-equal one."""
+    front: list[EvalRow] = []
+    for r in sorted((r for r in rows if r.deployable), key=lambda r: (r.relative_ops, r.loss)):
+        if not front or r.loss < front[-1].loss:
+            front.append(r)
+    return front
+
+

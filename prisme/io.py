@@ -1,0 +1,141 @@
+"""Files and facts: atomic writes (fsync'd), JSON helpers, and the environment block every report records.
+
+A reader of any file PRISME writes sees the old version or the new one, never a torn one: each write goes to a
+temporary file in the same folder, is flushed and fsync'd, then `os.replace`d over the target.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import platform
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+PACKAGE_DIR = Path(__file__).resolve().parent  # prisme/: the embedded corpora and reference reports ship inside
+CONFIG_DIR = PACKAGE_DIR.parent / "configs"  # the recipes (configs/*.json) of a source checkout
+
+
+# ------------------------------------------------------------------------------------------------------- atomic writes
+def write_file(path: Path, data: bytes) -> None:
+    """Write `data` to a fresh file and fsync it (no rename: for files inside a folder that is renamed into place)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a folder's entries durable (a no-op where folders cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def current_umask() -> int:
+    """The process umask (read without changing it)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def write_bytes_atomic(path: str | Path, data: bytes) -> None:
+    """Replace `path` with `data` atomically: a reader sees the old file or the new one, never a torn one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes 0600 files
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Replace `path` with `text` (UTF-8) atomically (`write_bytes_atomic`)."""
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_json_atomic(doc: Any, path: str | Path, **dumps: Any) -> None:
+    """Write `doc` as indented JSON (plus a newline) atomically; `dumps` go to `json.dumps`."""
+    write_text_atomic(path, json.dumps(doc, indent=2, **dumps) + "\n")
+
+
+# -------------------------------------------------------------------------------------------------------------- JSON
+def json_default(o: Any) -> Any:
+    """`json.dumps(default=...)` for what state files hold: paths, tensors, tuples."""
+    if isinstance(o, Path):
+        return str(o)
+    if isinstance(o, torch.Tensor):
+        return o.tolist()
+    if isinstance(o, tuple):
+        return list(o)
+    raise TypeError(f"cannot store {type(o).__name__} in JSON")
+
+
+def json_safe(x: Any) -> Any:
+    """A copy of `x` that strict JSON accepts: non-finite floats become None, numpy scalars Python ones."""
+    if isinstance(x, dict):
+        return {str(k): json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, (np.integer, np.floating)):
+        return json_safe(x.item())
+    return x
+
+
+# ------------------------------------------------------------------------------------------------------- environment
+def cpu_model() -> str:
+    """The CPU's marketing name from /proc/cpuinfo (Linux), else whatever `platform` knows."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def environment(model: torch.nn.Module | None = None, dtype: torch.dtype | None = None,
+                seed: int | None = None) -> dict[str, Any]:
+    """The facts a result depends on, in seed 001's layout: versions, platform, CPU, threads, time; the device and
+    dtype of `model`'s parameters (or `dtype` on the CPU), the GPU's name on CUDA, and `seed` when given."""
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "device": "cpu",
+        "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "cpu": cpu_model(),
+        "logical_cpus": os.cpu_count(),
+        "executed_at_utc": datetime.now(timezone.utc).isoformat(),
+    }
+    if model is not None:
+        p = next(model.parameters())
+        env["device"], env["dtype"] = str(p.device), str(p.dtype).removeprefix("torch.")
+        if p.device.type == "cuda":
+            env["gpu"] = torch.cuda.get_device_name(p.device)
+    if seed is not None:
+        env["seed"] = seed
+    return env

@@ -1,0 +1,74 @@
+"""PrismeModel: backbone + causal source bank + ephemeral workspace + sparse editor + controller + readout.
+
+Wiring only; each component lives in its own module. Notation: B batch, T (Tq queries, Tb bank) positions,
+d backbone width, w workspace width, M slots, A actions, R forced steps.
+
+Contracts (each is a test in tests/test_contracts.py):
+  * explicit bypass: `actions=None`, zero-length actions or `max_budget == 0` return the backbone head without
+    touching the workspace; positions that never edit get logits bit-identical to `backbone.head(H)`;
+  * causality: the bank visible to position t is 0..t; nothing from t+1 onward reaches its workspace, its
+    controller decisions or its logits;
+  * locality: an action writes only its own slots (bitwise identity elsewhere);
+  * read-only inputs: the editor never modifies H, K, V, z or S0;
+  * target-free controller: it scores actions from target-free features and never executes candidate edits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from prisme.model.editor import EditInfo
+
+
+@dataclass
+class Streams:
+    """What the workspace reads of a backbone pass: H and the source streams its bank and query terms name."""
+
+    H: torch.Tensor  # [B, T, d] final residual stream (before the final norm)
+    src: dict[str, torch.Tensor]  # {term: [B, T, d]} for every source term ("residual" is H itself)
+
+    def index(self, rows: torch.Tensor, pos: torch.Tensor) -> Streams:
+        """The streams at `[rows, pos]` (e.g. query positions `[B, P]` with rows `[B, 1]`)."""
+        return Streams(self.H[rows, pos], {k: v[rows, pos] for k, v in self.src.items()})
+
+    def detach(self) -> Streams:
+        return Streams(self.H.detach(), {k: v.detach() for k, v in self.src.items()})
+
+
+@dataclass
+class EncodedContext:
+    """Everything the workspace needs for a batch of query positions. Read-only for the editor."""
+
+    H: torch.Tensor  # [B, Tq, d] backbone residual stream at the query positions
+    K: torch.Tensor  # [B, Tb, w] source bank keys
+    V: torch.Tensor  # [B, Tb, w] source bank values
+    z: torch.Tensor  # [B, Tq, w] query summary
+    bank_mask: torch.Tensor  # [B, Tq, Tb] bool: query t may read key j
+    S0: torch.Tensor  # [B, Tq, M, w] initial workspace
+    ctrl_in: torch.Tensor | None = None  # [B, Tq, d] normed stream the controller projects (cfg.controller_source)
+
+
+@dataclass
+class Rollout:
+    """A workspace run over every query position of a context."""
+
+    S: torch.Tensor  # [B, Tq, M, w] final workspace
+    actions: torch.Tensor  # [B, Tq, R] actions applied (STOP-absorbed)
+    n_edits: torch.Tensor  # [B, Tq] non-STOP actions per position
+    controller_steps: torch.Tensor  # [B, Tq] controller evaluations per position (0 for forced runs)
+    infos: list[EditInfo]
+
+
+@dataclass
+class PrismeOutput:
+    logits: torch.Tensor  # [B, T, V]
+    H: torch.Tensor  # [B, T, d]
+    n_edits: torch.Tensor | None = None  # [B, T]; None on the bypass path
+    delta: torch.Tensor | None = None  # [B, T, d] readout correction (zero where not edited)
+    actions: torch.Tensor | None = None  # [B, T, R] applied actions (policy trace or STOP-absorbed forced)
+    controller_steps: torch.Tensor | None = None  # [B, T]
+    ctx: EncodedContext | None = None  # with return_state
+    S_final: torch.Tensor | None = None  # with return_state
+    infos: list[EditInfo] | None = None  # with return_state

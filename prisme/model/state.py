@@ -1,0 +1,387 @@
+"""Incremental decoding with the workspace: `DecodeState`, sampling, batched generation (SPEC §4).
+
+Notation: B rows, C new tokens per row in one call (a chunk), Q query positions whose workspace runs, R actions per
+position, T_max the state's capacity, V vocab, d backbone width, w workspace width.
+
+A `DecodeState` (allocated by `PrismeModel.new_decode_state`) owns the backbone's KV cache, the source bank K/V
+`[B, T_max, w]` and each row's length. Every new position takes the same path as in the parallel `forward_policy`:
+one backbone step with the cache; its bank entry appended (only new positions are projected); then its own
+workspace, run by the model's own methods on an `EncodedContext` whose queries are the new positions and whose bank
+is the cache (`rollout_policy`, or `rollout_forced` for forced actions, then `logits_from_state`). Reusing those
+methods is what makes decoding exact: forced-token decoding in chunks of any size gives, in float64, the logits
+(to ~1e-12) and action traces of one teacher-forced `forward_policy` call (tests/test_generate.py).
+
+Ragged batches: rows are right-padded and carry their own lengths; `n_new[b]` says how many of a chunk's C tokens of
+row b are real. Outputs at padding positions are unspecified (`StepOutput.valid` marks the real ones); rows with no
+new token take no part in the workspace.
+
+Every public entry point checks its whole input before it touches the state: a ValueError leaves the state as it was.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from prisme.model.backbone import check_tokens
+from prisme.model.outputs import EncodedContext, Streams
+from prisme.model.prisme import PrismeModel
+
+LOGITS_MODES = ("last", "all", "none")
+
+
+@dataclass
+class StepOutput:
+    """What one `decode_step` (or `prefill`) computed for its Q query positions per row."""
+
+    logits: torch.Tensor | None  # [B, Q, V]; None for prefill(logits="none")
+    actions: torch.Tensor  # [B, Q, R] applied actions, STOP-absorbed (STOP at padding); R = 0 on the bypass
+    n_edits: torch.Tensor  # [B, Q] non-STOP actions per position
+    controller_steps: torch.Tensor  # [B, Q] controller evaluations per position (0 for forced actions)
+    positions: torch.Tensor  # [B, Q] absolute position of each query (its context is position + 1)
+    valid: torch.Tensor  # [B, Q] bool: real positions (False at right padding)
+
+
+@dataclass
+class _Workspace:
+    """Checked workspace arguments of one call: a controller policy (max_budget >= 0) or forced actions."""
+
+    max_budget: int = 0
+    lambda_cost: float | None = None
+    kappa_risk: float | None = None
+    cost: torch.Tensor | None = None  # [A]
+    actions: torch.Tensor | None = None  # [B, Q, R] forced
+    budget: torch.Tensor | None = None  # [B, Q] forced budgets
+
+    @property
+    def n_steps(self) -> int:
+        return self.max_budget if self.actions is None else self.actions.shape[-1]
+
+    def narrow(self, start: int, length: int) -> _Workspace:
+        """The same arguments for query positions start..start+length-1 (forced actions are per position)."""
+        if self.actions is None:
+            return self
+        return _Workspace(actions=self.actions[:, start:start + length], budget=self.budget[:, start:start + length])
+
+    def rows(self, idx: torch.Tensor) -> _Workspace:
+        if self.actions is None:
+            return self
+        return _Workspace(actions=self.actions[idx], budget=self.budget[idx])
+
+
+class DecodeState:
+    """Backbone KV cache + source bank K/V + per-row lengths for incremental decoding; allocate with
+    `model.new_decode_state(batch_size, max_len, dtype)`.
+
+    Args:
+        model: the `PrismeModel` whose weights decode (the state holds a reference, not a copy).
+        batch_size: rows B.
+        max_len: capacity T_max per row (default: the model's `max_seq_len`).
+        dtype: must be the model's parameter dtype (default); convert the model with `model.to(dtype)` first.
+        bank: keep the source bank (default: the model has a workspace). A state without one decodes with the
+            backbone alone (`max_budget=0`) and pays nothing for the bank, as the cost model's budget-0 row assumes.
+    """
+
+    def __init__(self, model: PrismeModel, batch_size: int, max_len: int | None = None,
+                 dtype: torch.dtype | None = None, bank: bool | None = None):
+        cfg = model.cfg
+        param = model.backbone.tok_emb.weight
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int)):
+            raise ValueError(f"max_len must be an int or None, got {max_len!r}")
+        if dtype is not None and dtype != param.dtype:
+            raise ValueError(f"DecodeState dtype {dtype} differs from the model's {param.dtype}: convert the model "
+                             f"with model.to({dtype}) instead")
+        bank = cfg.use_workspace if bank is None else bool(bank)
+        if bank and not cfg.use_workspace:
+            raise ValueError("this model has no workspace (use_workspace=False): a source bank cannot be kept")
+        self.model = model
+        self.cfg = cfg
+        self.cache = model.backbone.new_cache(batch_size, max_len, param.dtype)
+        self.batch_size = batch_size
+        self.max_len = self.cache.max_len
+        self.has_bank = bank
+        self.K = param.new_zeros(batch_size, self.max_len, cfg.w) if bank else None  # [B, T_max, w]
+        self.V = param.new_zeros(batch_size, self.max_len, cfg.w) if bank else None  # [B, T_max, w]
+        # bank_shift: each bank term's normed stream at each row's last position, read by the next key
+        n_shift = len(cfg.bank_terms) if bank and cfg.bank_shift else 0
+        self.prev = [param.new_zeros(batch_size, cfg.d_model) for _ in range(n_shift)]  # [B, d] each
+
+    # ------------------------------------------------------------------ bookkeeping
+    @property
+    def lengths(self) -> list[int]:
+        """Positions held by each row."""
+        return list(self.cache.lengths)
+
+    @property
+    def nbytes(self) -> int:
+        """Exact payload bytes of the backbone K/V cache and the source bank."""
+        bank = 0 if self.K is None else 2 * self.K.numel() * self.K.element_size()
+        bank += sum(p.numel() * p.element_size() for p in self.prev)
+        return self.cache.nbytes + bank
+
+    def reset(self) -> None:
+        """Forget every row (lengths to 0; buffers zeroed so stale entries can never leak)."""
+        self.cache.reset()
+        if self.K is not None:
+            self.K.zero_()
+            self.V.zero_()
+        for p in self.prev:
+            p.zero_()
+
+    # ------------------------------------------------------------------ public steps
+    @torch.no_grad()
+    def decode_step(self, tokens: torch.Tensor, n_new: Sequence[int] | None = None, max_budget: int = 0,
+                    lambda_cost: float | None = None, kappa_risk: float | None = None,
+                    cost: torch.Tensor | None = None, actions: torch.Tensor | None = None,
+                    budget: int | torch.Tensor | None = None) -> StepOutput:
+        """Append one chunk to every row and run each new position's workspace.
+
+        Args:
+            tokens: `[B, C]` (or `[B]`: C = 1) ids, right-padded where `n_new[b] < C`.
+            n_new: real tokens per row (default C); a row with 0 takes no part in this step.
+            max_budget, lambda_cost, kappa_risk, cost: the controller policy, as in `forward_policy`
+                (`max_budget=0`: the backbone alone, bitwise).
+            actions: `[B, C, R]` forced actions instead of the controller (STOP absorbing, DENSE allowed, R <= r_max),
+                with `budget` (int or `[B, C]`, default R) as in `PrismeModel.forward`.
+        Returns:
+            `StepOutput` with logits `[B, C, V]` and the action trace `[B, C, R]`.
+        """
+        if isinstance(tokens, torch.Tensor) and tokens.dim() == 1:
+            tokens = tokens.unsqueeze(1)  # [B, 1]
+        check_tokens(tokens, self.cfg.vocab_size)
+        B, C = tokens.shape
+        self._check_rows(B)
+        n_new = self._check_n_new(n_new, C)
+        self._check_capacity(n_new)
+        ws = self._check_workspace(B, C, max_budget, lambda_cost, kappa_risk, cost, actions, budget)
+        return self._step(tokens, n_new, ws)
+
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor, lengths: Sequence[int] | torch.Tensor | None = None,
+                chunk_size: int | None = None, logits: str = "last", max_budget: int = 0,
+                lambda_cost: float | None = None, kappa_risk: float | None = None, cost: torch.Tensor | None = None,
+                actions: torch.Tensor | None = None, budget: int | torch.Tensor | None = None) -> StepOutput:
+        """Append prompts `[B, T]` (right-padded; row b has `lengths[b]` real tokens, max(lengths) == T).
+
+        Args:
+            chunk_size: backbone chunk size (default T: one chunk).
+            logits: where the workspace runs and logits are returned:
+                "last": each row's last prompt position (Q = 1), the logits the first sampled token needs;
+                "all": every position (Q = T; the same as `decode_step` over the chunks);
+                "none": nowhere (fill the caches only).
+            max_budget, lambda_cost, kappa_risk, cost, actions, budget: as in `decode_step`, for the Q query
+                positions (forced `actions` are `[B, Q, R]`).
+        """
+        check_tokens(tokens, self.cfg.vocab_size)
+        B, T = tokens.shape
+        self._check_rows(B)
+        lengths = self._check_lengths(lengths, B, T)
+        chunk = T if chunk_size is None else chunk_size
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        if logits not in LOGITS_MODES:
+            raise ValueError(f"logits must be one of {LOGITS_MODES}, got {logits!r}")
+        self._check_capacity(lengths)
+        Q = {"all": T, "last": 1, "none": 0}[logits]
+        if logits == "none" and (max_budget != 0 or actions is not None):
+            raise ValueError('prefill(logits="none") runs no workspace: max_budget must be 0 and actions None')
+        ws = self._check_workspace(B, Q, max_budget, lambda_cost, kappa_risk, cost, actions, budget)
+        chunks = [(i, min(chunk, T - i)) for i in range(0, T, chunk)]
+        n_new = [[min(max(n - i, 0), c) for n in lengths] for i, c in chunks]  # real tokens of each chunk per row
+        if logits == "all":
+            outs = [self._step(tokens[:, i:i + c], n, ws.narrow(i, c)) for (i, c), n in zip(chunks, n_new)]
+            return StepOutput(logits=torch.cat([o.logits for o in outs], 1),
+                              **{f: torch.cat([getattr(o, f) for o in outs], 1)
+                                 for f in ("actions", "n_edits", "controller_steps", "positions", "valid")})
+        start = self.lengths
+        parts = [self._advance(tokens[:, i:i + c], n) for (i, c), n in zip(chunks, n_new)]
+        dev = parts[0].H.device
+        pos = torch.tensor([s + L - 1 for s, L in zip(start, lengths)], device=dev).unsqueeze(1)  # [B, 1]
+        if logits == "none":
+            empty = pos[:, :0]
+            return StepOutput(logits=None, actions=empty.unsqueeze(-1), n_edits=empty, controller_steps=empty,
+                              positions=empty, valid=empty.bool())
+        st = Streams(torch.cat([p.H for p in parts], 1), {k: torch.cat([p.src[k] for p in parts], 1)
+                                                           for k in parts[0].src})  # [B, T, d] each
+        last = (torch.tensor(lengths, device=dev) - 1).unsqueeze(1)  # [B, 1]
+        return self._workspace(st.index(torch.arange(B, device=dev).unsqueeze(1), last), pos, None, None, ws)
+
+    # ------------------------------------------------------------------ internals (inputs already checked)
+    def _step(self, tokens: torch.Tensor, n_new: list[int], ws: _Workspace) -> StepOutput:
+        B, C = tokens.shape
+        start = self.lengths
+        st = self._advance(tokens, n_new)  # H [B, C, d] and the source streams
+        offsets = torch.arange(C, device=tokens.device)  # [C]
+        pos = torch.tensor(start, device=tokens.device).unsqueeze(1) + offsets  # [B, C]
+        if all(n == C for n in n_new):
+            return self._workspace(st, pos, None, None, ws)
+        valid = offsets < torch.tensor(n_new, device=tokens.device)[:, None]  # [B, C]
+        keep = [b for b in range(B) if n_new[b] > 0]
+        return self._workspace(st, pos, valid, keep, ws)
+
+    def _advance(self, tokens: torch.Tensor, n_new: list[int]) -> Streams:
+        """Backbone step with the cache, then append the new positions' bank entries. Returns their streams
+        (H `[B, C, d]` and the workspace's source streams)."""
+        B, C = tokens.shape
+        start = self.lengths
+        st = self.model.streams(tokens, self.cache, n_new)  # H [B, C, d]
+        H = st.H
+        if self.K is not None:
+            hs = self.model.bank_inputs(st)  # [B, C, d] per bank term: only the new positions are projected
+            K, V = self.model.bank_from_inputs(hs, self.prev if self.prev else None)  # [B, C, w] each
+            if self.prev:  # the shift's memory: each row's last real position (padding is never read)
+                n_t = torch.tensor(n_new, device=H.device)
+                moved = (n_t > 0).unsqueeze(1)  # [B, 1]
+                last = (n_t - 1).clamp(min=0).view(B, 1, 1).expand(B, 1, H.shape[-1])  # [B, 1, d]
+                for p, h in zip(self.prev, hs):
+                    p.copy_(torch.where(moved, h.gather(1, last).squeeze(1).to(p.dtype), p))
+            if len(set(start)) == 1 and all(n == C for n in n_new):
+                self.K.narrow(1, start[0], C).copy_(K)
+                self.V.narrow(1, start[0], C).copy_(V)
+            else:
+                valid = torch.arange(C, device=H.device) < torch.tensor(n_new, device=H.device)[:, None]  # [B, C]
+                rows, cols = valid.nonzero(as_tuple=True)  # real tokens only: padding is never written
+                at = cols + torch.tensor(start, device=H.device)[rows]  # their absolute positions
+                self.K[rows, at] = K[rows, cols]
+                self.V[rows, at] = V[rows, cols]
+        return st
+
+    def _workspace(self, st: Streams, pos: torch.Tensor, valid: torch.Tensor | None, keep: list[int] | None,
+                   ws: _Workspace) -> StepOutput:
+        """Run the workspace of queries `st` (H `[B, Q, d]`, ...) at absolute positions `pos` `[B, Q]` against the
+        cached bank.
+
+        valid `[B, Q]` marks real queries (None: all are); keep lists the rows that have one (None: all do).
+        """
+        model, cfg = self.model, self.cfg
+        H = st.H
+        B, Q = pos.shape
+        dev = H.device
+        valid_t = torch.ones(B, Q, dtype=torch.bool, device=dev) if valid is None else valid
+        R = ws.n_steps
+        if R == 0:  # the bypass: the backbone alone, bitwise
+            zeros = torch.zeros(B, Q, dtype=torch.long, device=dev)
+            return StepOutput(logits=model.backbone.head(H), actions=zeros.unsqueeze(-1)[..., :0], n_edits=zeros,
+                              controller_steps=zeros, positions=pos, valid=valid_t)
+        lengths = self.lengths
+        if keep is not None and len(keep) == 0:  # no row has a new position
+            zeros = torch.zeros(B, Q, dtype=torch.long, device=dev)
+            stop = torch.full((B, Q, R), cfg.stop_action, dtype=torch.long, device=dev)
+            return StepOutput(logits=model.backbone.head(H), actions=stop, n_edits=zeros, controller_steps=zeros,
+                              positions=pos, valid=valid_t)
+        Tb = max(lengths) if keep is None else max(lengths[b] for b in keep)
+        compiled = getattr(model.editor, "compiled", None)
+        if Q == 1 and compiled is not None and compiled.static_decode:  # fixed shapes: the bank at its capacity
+            Tb = self.K.shape[1]  # (the mask hides every key past a row's length)
+        keep = None if keep is None or len(keep) == B else torch.tensor(keep, dtype=torch.long, device=dev)
+        sub = (lambda x: x) if keep is None else (lambda x: x[keep])
+        st_q = st if keep is None else Streams(H[keep], {k: v[keep] for k, v in st.src.items()})
+        H_q, pos_q, valid_q = st_q.H, sub(pos), sub(valid_t)
+        bank_len = sub(torch.tensor(lengths, device=dev))  # [b]
+        K, V = sub(self.K.narrow(1, 0, Tb)), sub(self.V.narrow(1, 0, Tb))  # [b, Tb, w]
+        z, S0 = model.query_state(st_q)  # [b, Q, w], [b, Q, M, w]
+        mask = model.bank_mask(H_q.shape[0], Q, Tb, pos_q, bank_len, dev)  # [b, Q, Tb]
+        ctx = EncodedContext(H=H_q, K=K, V=V, z=z, bank_mask=mask, S0=S0, ctrl_in=model.controller_stream(st_q))
+        if ws.actions is not None:
+            w_sub = ws.rows(keep) if keep is not None else ws
+            roll = model.rollout_forced(ctx, w_sub.actions, w_sub.budget)
+        else:
+            roll = model.rollout_policy(ctx, ws.max_budget, ws.cost, ws.lambda_cost, ws.kappa_risk)
+        trace, n_edits, steps = roll.actions, roll.n_edits, roll.controller_steps
+        if valid is not None:  # padding queries ran along (per-position independent); their results are dropped
+            trace = trace.masked_fill(~valid_q.unsqueeze(-1), cfg.stop_action)
+            n_edits, steps = n_edits.masked_fill(~valid_q, 0), steps.masked_fill(~valid_q, 0)
+        logits, _ = model.logits_from_state(roll.S, ctx, n_edits > 0)  # [b, Q, V]
+        if keep is not None:
+            full = model.backbone.head(H)  # rows without a new position: their padding's backbone logits
+            logits = full.index_copy(0, keep, logits)
+            trace = torch.full((B, Q, R), cfg.stop_action, dtype=torch.long, device=dev).index_copy(0, keep, trace)
+            n_edits = torch.zeros(B, Q, dtype=torch.long, device=dev).index_copy(0, keep, n_edits)
+            steps = torch.zeros(B, Q, dtype=torch.long, device=dev).index_copy(0, keep, steps)
+        return StepOutput(logits=logits, actions=trace, n_edits=n_edits, controller_steps=steps, positions=pos,
+                          valid=valid_t)
+
+    # ------------------------------------------------------------------ input checks (no state is touched)
+    def _check_rows(self, B: int) -> None:
+        if B != self.batch_size:
+            raise ValueError(f"batch of {B} rows does not match the DecodeState's {self.batch_size} rows")
+
+    def _check_n_new(self, n_new: Sequence[int] | None, C: int) -> list[int]:
+        if n_new is None:
+            return [C] * self.batch_size
+        if isinstance(n_new, torch.Tensor):
+            n_new = n_new.tolist()
+        n_new = list(n_new)
+        if len(n_new) != self.batch_size or any(isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= C
+                                                for n in n_new):
+            raise ValueError(f"n_new must give, for each of the {self.batch_size} rows, an int in [0, {C}], "
+                             f"got {n_new}")
+        return n_new
+
+    def _check_lengths(self, lengths: Sequence[int] | torch.Tensor | None, B: int, T: int) -> list[int]:
+        if lengths is None:
+            return [T] * B
+        if isinstance(lengths, torch.Tensor):
+            lengths = lengths.tolist()
+        lengths = list(lengths)
+        if len(lengths) != B or any(isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= T
+                                    for n in lengths):
+            raise ValueError(f"lengths must give, for each of the {B} rows, an int in [1, {T}], got {lengths}")
+        if max(lengths) != T:
+            raise ValueError(f"tokens must be right-padded to the longest row: max(lengths)={max(lengths)} != T={T}")
+        return lengths
+
+    def _check_capacity(self, n_new: list[int]) -> None:
+        for b, (length, n) in enumerate(zip(self.lengths, n_new)):
+            if length + n > self.max_len:
+                raise ValueError(f"DecodeState capacity exceeded: row {b} holds {length} positions and {n} more would "
+                                 f"pass its max_len={self.max_len} (allocate a larger state, or reset() it)")
+
+    def _check_workspace(self, B: int, Q: int, max_budget: int, lambda_cost: float | None,
+                         kappa_risk: float | None, cost: torch.Tensor | None, actions: torch.Tensor | None,
+                         budget: int | torch.Tensor | None) -> _Workspace:
+        model, cfg = self.model, self.cfg
+        if actions is not None:
+            if max_budget != 0 or lambda_cost is not None or kappa_risk is not None or cost is not None:
+                raise ValueError("give either forced actions or controller arguments (max_budget, lambda_cost, "
+                                 "kappa_risk, cost), not both")
+            if not isinstance(actions, torch.Tensor) or actions.dim() != 3 or tuple(actions.shape[:2]) != (B, Q):
+                shape = tuple(actions.shape) if isinstance(actions, torch.Tensor) else type(actions).__name__
+                raise ValueError(f"forced actions must have shape [B, Q, R] = [{B}, {Q}, R], got {shape}")
+            if actions.shape[-1] == 0:
+                return _Workspace()
+            if not cfg.use_workspace or not self.has_bank:
+                raise ValueError("forced actions need a workspace model and a DecodeState with a source bank")
+            if budget is not None and torch.is_tensor(budget):
+                budget = budget.to(actions.device)
+            shape_only = torch.zeros(B, Q, dtype=torch.long, device=actions.device)
+            budget = model._check_forced(shape_only, actions, budget)  # ids, R <= r_max, budgets in [1, r_max]
+            return _Workspace(actions=actions.long(), budget=budget)
+        if budget is not None:
+            raise ValueError("budget applies to forced actions; the controller's budget is max_budget")
+        if isinstance(max_budget, bool) or not isinstance(max_budget, int) or max_budget < 0:
+            raise ValueError(f"max_budget must be an int >= 0, got {max_budget!r}")
+        if max_budget > cfg.r_max:
+            raise ValueError(f"max_budget={max_budget} exceeds r_max={cfg.r_max}")
+        _check_price("lambda_cost", lambda_cost)
+        _check_price("kappa_risk", kappa_risk)
+        if max_budget == 0:
+            return _Workspace()
+        if not cfg.use_workspace:
+            raise ValueError("this model has no workspace (use_workspace=False): max_budget must be 0")
+        if not self.has_bank:
+            raise ValueError("this DecodeState was allocated without a source bank (bank=False): max_budget must be 0")
+        return _Workspace(max_budget=max_budget, lambda_cost=lambda_cost, kappa_risk=kappa_risk,
+                          cost=model._check_cost(cost))
+
+
+def _check_price(name: str, value: float | None) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0 (or None for the config's default), got {value!r}")

@@ -1,0 +1,179 @@
+"""Three-stage training (SPEC §5): backbone LM -> workspace on forced actions -> controller on the oracle.
+
+    cfg = PrismeConfig.from_name("demo")
+    train_stage(cfg, StageConfig(stage="backbone", steps=600, out_dir="runs/x/backbone"))
+    train_stage(None, StageConfig(stage="workspace", init_from="runs/x/backbone", out_dir="runs/x/workspace"))
+    train_stage(None, StageConfig(stage="controller", init_from="runs/x/workspace", out_dir="runs/x/controller"))
+
+Each stage loads the previous stage's checkpoint (`init_from`), trains only its own parameter group (everything
+else has `requires_grad=False`), logs JSONL metrics and writes atomic checkpoints to `out_dir` (prisme.checkpoint).
+
+The stages' losses are in `prisme.objectives` (1. backbone LM, 2. workspace on forced actions, 3. controller
+regressed on the oracle's true loss drops; only stage 3 executes candidate edits).
+
+Notation: B global batch (sequences per optimizer step), b rows of one micro-batch on one rank, T seq_len,
+P oracle positions per sequence, A actions, R forced steps, W world size.
+
+Exactness across world sizes and accumulation: every step draws the global batch and its random inputs (forced
+actions, oracle positions) once, identically on every rank; micro-batch m on rank r takes rows
+[(m W + r) b, (m W + r + 1) b). Each loss term is a sum divided by its count over the whole global batch (every
+rank can count it) and multiplied by W, because DDP and FSDP average gradients over ranks. So W processes and
+W accumulation steps give the update of one process on the whole batch, up to summation order
+(tests/test_distributed.py). Resume is exact: weights, optimizer, step and generator states are checkpointed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from prisme.training.config import StageConfig
+
+# ------------------------------------------------------------------------------------------------------ distributed
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    owns_group: bool = False  # this call initialised the process group (and destroys it at the end)
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def setup_distributed(device: str) -> DistInfo:
+    """Join the process group torchrun describes (WORLD_SIZE > 1), or use one that is already initialised."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return DistInfo()
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)), owns_group=True)
+
+
+def _shard(t: torch.Tensor, micro: int, accum: int, di: DistInfo) -> torch.Tensor:
+    """Rows of micro-batch `micro` for this rank: [(micro W + rank) b, +b) with b = B / (W accum)."""
+    b = t.shape[0] // (accum * di.world)
+    start = (micro * di.world + di.rank) * b
+    return t[start : start + b]
+
+
+def _all_reduce_stats(stats: dict[str, torch.Tensor], di: DistInfo) -> dict[str, torch.Tensor]:
+    if di.world == 1:
+        return stats
+    import torch.distributed as dist
+
+    keys = sorted(stats)
+    flat = torch.cat([stats[k].detach().double().reshape(-1).cpu() for k in keys])
+    dist.all_reduce(flat)
+    out, i = {}, 0
+    for k in keys:
+        n = stats[k].numel()
+        out[k] = flat[i : i + n].view(stats[k].shape)
+        i += n
+    return out
+
+
+def _any_rank(flag: bool, di: DistInfo) -> bool:
+    if di.world == 1:
+        return flag
+    import torch.distributed as dist
+
+    t = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(t)
+    return bool(t.item() > 0)
+
+
+# ------------------------------------------------------------------------------------------------------------ helpers
+
+
+def _resolve_device(name: str, di: DistInfo) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} requested but CUDA is not available")
+        if name == "cuda":
+            name = f"cuda:{di.local_rank}"
+    return torch.device(name)
+
+
+def _wrap(objective: nn.Module, scfg: StageConfig, di: DistInfo, device: torch.device) -> nn.Module:
+    """DDP or FSDP2 around the objective when there are several processes; only trainable parameters sync."""
+    if di.world == 1:
+        return objective
+    if scfg.parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        return fully_shard(objective)  # one parameter group; frozen parameters are gathered but get no gradient
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    # DDP registers only parameters with requires_grad; buffers (RoPE and action tables) are constants
+    sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
+            else {"broadcast_buffers": False})
+    return DDP(objective, device_ids=[device.index] if device.type == "cuda" else None, **sync)
+
+
+def _no_sync(wrapped: nn.Module, di: DistInfo, last: bool):
+    """Skip the gradient all-reduce on all but the last micro-batch of a step."""
+    if di.world == 1 or last:
+        if di.world > 1 and hasattr(wrapped, "set_requires_gradient_sync"):
+            wrapped.set_requires_gradient_sync(True)
+        return contextlib.nullcontext()
+    if hasattr(wrapped, "no_sync"):  # DDP
+        return wrapped.no_sync()
+    wrapped.set_requires_gradient_sync(False)  # FSDP2
+    return contextlib.nullcontext()
+
+
+def _barrier(di: DistInfo) -> None:
+    if di.world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def _gather_state(wrapped: nn.Module, opt: torch.optim.Optimizer, scfg: StageConfig,
+                  di: DistInfo) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any]]:
+    """Full (unsharded) model state dict and optimizer state, on every rank (collectives under FSDP)."""
+    if di.world > 1 and scfg.parallel == "fsdp":
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        msd = get_model_state_dict(wrapped, options=opts)
+        osd = get_optimizer_state_dict(wrapped, opt, options=opts)
+        return {k.removeprefix("model."): v for k, v in msd.items() if k.startswith("model.")}, \
+            {"format": "fqn", "state": osd}
+    return None, {"format": "torch", "state": opt.state_dict()}
+
+
+def _load_optimizer(wrapped: nn.Module, opt: torch.optim.Optimizer, saved: dict[str, Any], scfg: StageConfig,
+                    di: DistInfo) -> None:
+    fmt = saved.get("format")
+    fsdp = di.world > 1 and scfg.parallel == "fsdp"
+    if fsdp != (fmt == "fqn"):
+        raise ValueError(f"the checkpoint's optimizer state was written {'with' if fmt == 'fqn' else 'without'} FSDP; "
+                         f"resume it with the same `parallel` setting")
+    if fsdp:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(wrapped, opt, saved["state"], options=StateDictOptions(full_state_dict=True))
+    else:
+        opt.load_state_dict(saved["state"])
