@@ -64,15 +64,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from prisme.evaluation import run as evaluate
+    from prisme.evaluation.cli import main
 
-    return evaluate.main(args)
+    return main(args)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from prisme.decoding import generate as generate
+    from prisme.decoding.generate import main
 
-    return generate.main(args)
+    return main(args)
 
 
 def _cmd_costs(args: argparse.Namespace) -> int:
@@ -82,25 +82,25 @@ def _cmd_costs(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from prisme.training import trainer as train
+    from prisme.training.cli import main
 
-    return train.main(args)
+    return main(args)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from prisme.studies import demo as demo
+    from prisme.studies.demo import main
 
-    return demo.main(args)
+    return main(args)
 
 
 def _cmd_study(args: argparse.Namespace) -> int:
     if args.study == "text":
-        from prisme.studies import text as study_text
+        from prisme.studies.text import main as study_text
 
-        return study_text.main(args)
-    from prisme.studies import recall as study_recall
+        return study_text(args)
+    from prisme.studies.recall import main as study_recall
 
-    return study_recall.main(args)
+    return study_recall(args)
 
 
 def _cmd_tokenizer(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ from conftest import assert_close
 from prisme.bench import harness, kv
 from prisme.bench import train as bench_train
 from prisme.bench import vs_hf as bench_hf
+from prisme.bench import vs_hf_report as hf_report
 from prisme.cli import main as cli_main
 from prisme.config import PrismeConfig
 from prisme.interop import hf_available, to_hf
@@ -222,11 +223,11 @@ def test_every_decode_and_prefill_path_matches_and_controls_are_caught(pairs, pr
 def test_decode_weight_bytes_reads_a_tied_head_whole_and_lookups_by_row(pairs):
     """Tied llama: every parameter once; untied gpt2: embeddings by row (B token rows, one position row)."""
     tiny, gpt = pairs["tiny"].backbone, pairs["seed001"].backbone
-    assert bench_hf.decode_weight_bytes(tiny, batch=8) == sum(p.numel() * 4 for p in tiny.parameters())
+    assert hf_report.decode_weight_bytes(tiny, batch=8) == sum(p.numel() * 4 for p in tiny.parameters())
     d = gpt.cfg.d_model
     expected = (sum(p.numel() * 4 for p in gpt.parameters()) - gpt.tok_emb.weight.numel() * 4
                 - gpt.pos_emb.weight.numel() * 4 + 8 * d * 4 + d * 4)
-    assert bench_hf.decode_weight_bytes(gpt, batch=8) == expected
+    assert hf_report.decode_weight_bytes(gpt, batch=8) == expected
 
 
 @needs_hf
@@ -262,7 +263,7 @@ def test_run_big_rows_on_a_tiny_pair(pairs):
 def row(shape: str, batch: int, per_step: dict[str, float], new: int = 1) -> bench_hf.DecodeRow:
     """A synthetic decode row with the given ms per step."""
     p50 = {k: v * new for k, v in per_step.items()}
-    floor = bench_hf.Floor(1, 0, 1, 1.0, 10.0, {k: v / 10.0 for k, v in per_step.items()}) if shape == "prisme_103m" \
+    floor = hf_report.Floor(1, 0, 1, 1.0, 10.0, {k: v / 10.0 for k, v in per_step.items()}) if shape == "prisme_103m" \
         else None
     return bench_hf.DecodeRow(shape, 1, batch, 16, new, {}, p50, p50, per_step,
                               {k: p50["hf_dynamic"] / v for k, v in p50.items()},

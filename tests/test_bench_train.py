@@ -12,6 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from prisme.bench import harness
 from prisme.bench import train as bench_train
+from prisme.bench import train_stages as train_stages
 from prisme.cli import main as cli_main
 from prisme.config import PrismeConfig
 
@@ -181,8 +182,8 @@ def _counted_step(cfg: PrismeConfig, stage: str) -> tuple[int, dict]:
 def _analytic(cfg: PrismeConfig, stage: str, info: dict) -> float:
     ex = info["extras"][-1]
     if stage == "workspace":
-        return bench_train.workspace_stage_ops(cfg, ex, info["y"], info["scfg"].deep_supervision)
-    return bench_train.controller_stage_ops(cfg, info["objective"], ex, info["y"])
+        return train_stages.workspace_stage_ops(cfg, ex, info["y"], info["scfg"].deep_supervision)
+    return train_stages.controller_stage_ops(cfg, info["objective"], ex, info["y"])
 
 
 @pytest.mark.parametrize("stage,fault", [("workspace", ("TRAINED", 1)), ("controller", ("NO_GRAD", 0))])
@@ -196,7 +197,7 @@ def test_stage_training_ops_bracket_the_counted_matmuls_of_a_real_step(stage, fa
     analytic = _analytic(cfg, stage, info)
     assert counted <= analytic <= counted / 0.75, (counted, analytic)
     mp = pytest.MonkeyPatch()
-    mp.setattr(bench_train, *fault)
+    mp.setattr(train_stages, *fault)
     try:
         assert _analytic(cfg, stage, info) < counted
     finally:

@@ -236,7 +236,7 @@ def test_compiled_editor_forced_actions_equal_eager_on_cuda():
 
 
 def test_bad_compile_settings_are_value_errors_naming_the_field():
-    from prisme.studies.recall import RecallStudyConfig
+    from prisme.studies.recall_setup import RecallStudyConfig
     from prisme.studies.text import TextStudyConfig
     from prisme.training.config import StageConfig
 

@@ -18,7 +18,8 @@ from prisme.config import PrismeConfig
 from prisme.data.mqar import MQARConfig, make_mqar_batch
 from prisme.data.text import IGNORE_INDEX
 from prisme.model.prisme import PrismeModel
-from prisme.studies.recall import RecallStudyConfig, evaluate_backbone, parse_seeds
+from prisme.studies.recall_eval import evaluate_backbone
+from prisme.studies.recall_setup import RecallStudyConfig, parse_seeds
 from prisme.training.config import StageConfig
 from prisme.training.objectives import ControllerObjective, WorkspaceObjective
 from prisme.training.trainer import train_stage
@@ -174,7 +175,7 @@ def test_study_seeds_must_be_a_nonempty_list_of_nonnegative_ints(tmp_path, capsy
 def test_forced_rows_scored_at_the_queries_equal_the_full_forward():
     """The study scores forced policies at the query positions only; that equals the accuracy of model(x, actions)
     over every position (here for the budget-1 policy and the backbone)."""
-    from prisme.studies.recall import _batches, _forced_row
+    from prisme.studies.recall_eval import _batches, _forced_row
 
     model = recall_model(torch.float32).eval()
     mcfg = MQARConfig(**MQ)
@@ -224,7 +225,7 @@ def test_study_quick_run_writes_the_documented_json(tmp_path):
 def test_controller_rows_equal_forward_policy():
     """The study's controller rows (one encoding per batch, rolled out at every price) equal forward_policy's
     accuracy, edits and query share at each price."""
-    from prisme.studies.recall import _batches, _controller_rows
+    from prisme.studies.recall_eval import _batches, _controller_rows
 
     model = recall_model(torch.float32).eval()
     torch.nn.init.normal_(model.controller.mlp[-1].weight, std=0.3)  # a controller that edits at some positions

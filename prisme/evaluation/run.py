@@ -28,15 +28,10 @@ is the model's own (`cfg.optimised`), `ops_per_token_alt` the other one (seed <-
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -56,7 +51,7 @@ from prisme.evaluation.policies import (
     thinned_actions,
 )
 from prisme.evaluation.report import EvalReport, EvalRow
-from prisme.io import environment, write_text_atomic
+from prisme.io import environment
 from prisme.model.prisme import PrismeModel
 from prisme.stats import N_BOOT, PairedDelta, check_bootstrap_args, paired_bootstrap
 
@@ -385,118 +380,3 @@ def _finish_rows(model, plan, accs, matched_backbone, mqar: bool, n_boot: int = 
             d = accs[p.of].paired(accs[p.name].seq_loss, n_boot, boot_seed)
             by[p.of].delta_vs_equal_edits, by[p.of].verdict_vs_equal_edits = d.to_dict(), d.verdict
     return rows
-
-
-# ---------------------------------------------------------------------------------------------------------- CLI
-def dataset_for_checkpoint(meta: Any, vocab_size: int, corpus: str | None = None, seq_len: int | None = None):
-    """The evaluation dataset of a checkpoint: its training stage's dataset (tokenizer, val split, MQAR settings), or
-    `corpus`: "austen" / "mqar" with the checkpoint's other data settings (their val split), or a held-out text (the
-    embedded "devils_dictionary", a UTF-8 file or folder) scored whole with the checkpoint's tokenizer. Returns
-    (dataset, seq_len or None)."""
-    from prisme.data.text import EMBEDDED_CORPUS, load_text
-    from prisme.data.tokenizers import BPETokenizer, ByteTokenizer
-    from prisme.training.config import StageConfig, build_dataset
-
-    sc = getattr(meta, "stage_config", None) or {}
-    scfg = StageConfig.from_dict(sc) if sc else StageConfig()
-    if corpus is not None and corpus not in (EMBEDDED_CORPUS, "mqar") and corpus != scfg.dataset:
-        tok = ByteTokenizer() if scfg.tokenizer == "byte" else BPETokenizer.load(scfg.tokenizer)
-        if tok.vocab_size > vocab_size:
-            raise ValueError(f"the checkpoint's tokenizer has {tok.vocab_size} ids but the model has {vocab_size}")
-        T = seq_len or scfg.seq_len
-        if T is None:
-            raise ValueError("a held-out text needs a sequence length: pass --seq-len")
-        return TokenDataset.held_out(load_text(corpus), tok, T, name=Path(str(corpus)).name), scfg.seq_len
-    if corpus is not None and corpus != scfg.dataset:
-        scfg = scfg.replace(dataset=corpus)
-    return build_dataset(scfg, vocab_size), scfg.seq_len
-
-
-def n_eval_batches(dataset: Any, split: str, batch_size: int, seq_len: int) -> int | None:
-    """How many batches the whole split holds (None for a synthetic dataset, which has no end)."""
-    if isinstance(dataset, TokenDataset):
-        return math.ceil(dataset.n_eval_windows(split, seq_len) / batch_size)
-    return None
-
-
-def parse_batches(text: str | int | None) -> int | None:
-    """`--batches`: a positive int, or "all" (None: the whole split)."""
-    if text is None or (isinstance(text, str) and text.strip().lower() == "all"):
-        return None
-    try:
-        n = int(text)
-    except (TypeError, ValueError):
-        raise ValueError(f"--batches must be a positive integer or 'all', got {text!r}") from None
-    if n < 1:
-        raise ValueError(f"--batches must be >= 1 (or 'all'), got {n}")
-    return n
-
-
-def _parse_floats(s: str | None) -> list[float] | None:
-    if s is None:
-        return None
-    try:
-        return [float(v) for v in s.split(",") if v.strip()]
-    except ValueError:
-        raise ValueError(f"--lambdas must be comma-separated numbers, got {s!r}") from None
-
-
-def main(args: argparse.Namespace) -> int:
-    """`prisme eval`: load a checkpoint, evaluate every policy, print the table, write JSON / PNG if asked."""
-    from prisme.checkpoint import load_model
-    from prisme.stats import check_bootstrap_args
-
-    if getattr(args, "threads", -1) and args.threads > 0:
-        torch.set_num_threads(args.threads)
-    max_batches = parse_batches(args.batches)
-    check_bootstrap_args(args.bootstrap, args.bootstrap_seed)
-    if args.device is not None and args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device!r} requested but CUDA is not available")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    from prisme.checkpoint import find_model_checkpoint
-
-    path = find_model_checkpoint(args.checkpoint)
-    if str(path) != str(args.checkpoint):
-        print(f"note: using {path}", file=sys.stderr)
-    model, meta = load_model(path, map_location=device)
-    from prisme.model.compiled import maybe_compile
-
-    maybe_compile(model, getattr(args, "compile", None))
-    matched = None
-    if args.matched_backbone:
-        from prisme.checkpoint import BACKBONE_FIELDS, config_diff
-
-        matched, _ = load_model(args.matched_backbone, map_location=device)
-        diff = {k: v for k, v in config_diff(model.cfg, matched.cfg).items() if k in BACKBONE_FIELDS}
-        if diff:
-            shown = ", ".join(f"{k} {a!r} vs {b!r}" for k, (a, b) in sorted(diff.items()))
-            raise ValueError(f"--matched-backbone {args.matched_backbone} is another backbone ({shown}); the matched "
-                             f"baseline is the evaluated model's backbone trained on more tokens (same architecture)")
-    dataset, train_seq_len = dataset_for_checkpoint(meta, model.cfg.vocab_size, args.corpus, args.seq_len)
-    seq_len = args.seq_len if args.seq_len is not None else train_seq_len
-    if seq_len is None:
-        seq_len = dataset.cfg.seq_len if isinstance(dataset, MQARDataset) else model.cfg.max_seq_len
-    available = n_eval_batches(dataset, "val", args.batch_size, seq_len)
-    if max_batches is not None and available is not None and max_batches > available:
-        raise ValueError(f"--batches {max_batches} exceeds the split: {dataset!r} holds {available} batches of "
-                         f"{args.batch_size} x {seq_len} (pass --batches all for the whole split)")
-    policies = [s.strip() for s in args.policies.split(",") if s.strip()] if args.policies else None
-    oracle_positions = None if args.oracle_positions == -1 else args.oracle_positions
-    report = evaluate_policies(model, dataset, policies, batch_size=args.batch_size, seq_len=seq_len,
-                               max_batches=max_batches, matched_backbone=matched,
-                               lambdas=_parse_floats(args.lambdas), oracle_positions=oracle_positions,
-                               seed=args.seed, progress=sys.stderr.isatty(), bootstrap_samples=args.bootstrap,
-                               bootstrap_seed=args.bootstrap_seed,
-                               controller_budget=getattr(args, "controller_budget", None),
-                               kappa_risk=getattr(args, "kappa_risk", None))
-    print(report.table())
-    if args.json:
-        doc = report.to_json()
-        doc["checkpoint"] = str(args.checkpoint)
-        doc["matched_backbone"] = args.matched_backbone
-        write_text_atomic(Path(args.json), json.dumps(doc, indent=2, allow_nan=False) + "\n")
-        print(f"wrote {args.json}")
-    if args.plot:
-        report.plot(args.plot)
-        print(f"wrote {args.plot}")
-    return 0

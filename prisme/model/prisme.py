@@ -29,7 +29,7 @@ from prisme.model.controller import ValueController
 from prisme.model.editor import EditInfo, SlotKV, SparseEditor
 from prisme.model.outputs import EncodedContext, PrismeOutput, Rollout, Streams
 from prisme.model.readout import DifferentialReadout
-from prisme.model.workspace import absorb_stop, action_groups, check_actions, init_workspace
+from prisme.model.workspace import absorb_stop, bank_mask, check_actions, init_workspace, slot_counts
 
 if TYPE_CHECKING:
     from prisme.model.state import DecodeState
@@ -106,12 +106,7 @@ class PrismeModel(nn.Module):
             return cfg.init_std
         return p.shape[1] ** -0.5
 
-    @staticmethod
-    def _slot_counts(cfg: PrismeConfig) -> torch.Tensor:
-        """`[A+2, M]` how many times each action id edits each slot (0/1)."""
-        _, slots, _ = action_groups(cfg)
-        counts = torch.zeros(cfg.dense_action + 1, cfg.n_slots, dtype=torch.long)
-        return counts.scatter_add_(1, slots.clamp(min=0), (slots >= 0).long())
+    _slot_counts = staticmethod(slot_counts)
 
     def _apply(self, fn, *args, **kwargs):  # derived tables stay valid after casts, moves and `to_empty`
         from prisme.costs.analytic import action_cost_proxy
@@ -243,17 +238,7 @@ class PrismeModel(nn.Module):
             feats.append(self.controller.entropy(ctx.H, self.backbone.head))  # [B, Tq, 1]
         return zc, torch.cat(feats, -1) if feats else None
 
-    @staticmethod
-    def bank_mask(B: int, Tq: int, Tb: int, query_pos: torch.Tensor | None = None,
-                  bank_len: torch.Tensor | None = None, device: torch.device | None = None) -> torch.Tensor:
-        """`[B, Tq, Tb]` bool: key j is readable by the query at position p iff j <= p (and j < bank_len)."""
-        if query_pos is None:
-            query_pos = torch.arange(Tq, device=device).view(1, Tq).expand(B, Tq)
-        keys = torch.arange(Tb, device=device).view(1, 1, Tb)
-        mask = keys <= query_pos.unsqueeze(-1)
-        if bank_len is not None:
-            mask = mask & (keys < bank_len.view(B, 1, 1))
-        return mask
+    bank_mask = staticmethod(bank_mask)  # `prisme.model.workspace.bank_mask`
 
     # ------------------------------------------------------------------ one action, readout
     def new_slot_kv(self, S0: torch.Tensor) -> SlotKV | None:

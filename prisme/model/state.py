@@ -23,12 +23,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from prisme.model.backbone import check_tokens
 from prisme.model.outputs import EncodedContext, Streams
-from prisme.model.prisme import PrismeModel
+
+if TYPE_CHECKING:
+    from prisme.model.prisme import PrismeModel
 
 LOGITS_MODES = ("last", "all", "none")
 

@@ -81,3 +81,22 @@ def check_actions(actions: torch.Tensor, cfg: PrismeConfig, allow_dense: bool = 
     if lo_v < 0 or hi_v > hi:
         what = "[0, A+1] (A+1 = DENSE)" if allow_dense else "[0, A] (DENSE is for forced runs only)"
         raise ValueError(f"action ids must lie in {what} with A={cfg.n_actions}; got min {lo_v}, max {hi_v}")
+
+
+def slot_counts(cfg: PrismeConfig) -> torch.Tensor:
+    """`[A+2, M]` how many times each action id edits each slot (0/1)."""
+    _, slots, _ = action_groups(cfg)
+    counts = torch.zeros(cfg.dense_action + 1, cfg.n_slots, dtype=torch.long)
+    return counts.scatter_add_(1, slots.clamp(min=0), (slots >= 0).long())
+
+
+def bank_mask(B: int, Tq: int, Tb: int, query_pos: torch.Tensor | None = None, bank_len: torch.Tensor | None = None,
+              device: torch.device | None = None) -> torch.Tensor:
+    """`[B, Tq, Tb]` bool: key j is readable by the query at position p iff j <= p (and j < bank_len)."""
+    if query_pos is None:
+        query_pos = torch.arange(Tq, device=device).view(1, Tq).expand(B, Tq)
+    keys = torch.arange(Tb, device=device).view(1, 1, Tb)
+    mask = keys <= query_pos.unsqueeze(-1)
+    if bank_len is not None:
+        mask = mask & (keys < bank_len.view(B, 1, 1))
+    return mask

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from datetime import datetime
 from pathlib import Path
@@ -27,55 +26,12 @@ import torch
 from prisme.checkpoint import load_model
 from prisme.config import PrismeConfig
 from prisme.data.tokenizers import ByteTokenizer
-from prisme.io import CONFIG_DIR, write_text_atomic
-from prisme.training.config import StageConfig
+from prisme.io import write_text_atomic
 
 PROMPT = "It is a truth universally acknowledged, that"
 
 
 DEMO_SOURCES = ("residual",)  # the demo's text study: the seed's bank (`prisme study text` adds "embedding")
-DEMO_CONFIGS = {"backbone": "demo_backbone.json", "workspace": "demo_workspace.json",
-                "matched": "demo_backbone_matched.json", "controller": "demo_controller.json"}
-_FOLDERS = {"backbone": "1_backbone", "workspace": "2_workspace", "matched": "3_backbone_matched",
-            "controller": "4_controller"}
-
-
-def demo_stage_configs(run: Path, scale: float = 1.0, seed: int = 1337, backbone_keeps_learning: bool = False,
-                       seq_len: int = 128, config_dir: str | Path | None = None) -> dict[str, StageConfig]:
-    """The demo's four runs, read from configs/demo_*.json (what `prisme train --config` runs), placed in `run`.
-
-    `scale` multiplies every step count (0.05 makes a smoke run); `seq_len` caps the sequence length (small test
-    models). The matched run's steps are set so that it sees as many tokens as the workspace stage.
-    """
-    from prisme.training.config import load_run_config
-
-    folder = Path(config_dir) if config_dir else CONFIG_DIR
-    missing = [str(folder / f) for f in DEMO_CONFIGS.values() if not (folder / f).is_file()]
-    if missing:
-        raise ValueError(f"the demo's recipe is missing {missing}")
-
-    def steps(n: int) -> int:
-        return max(2, round(n * scale))
-
-    out: dict[str, StageConfig] = {}
-    for name, file in DEMO_CONFIGS.items():
-        _, s = load_run_config(folder / file)
-        s = s.replace(steps=steps(s.steps), warmup=min(steps(s.warmup), steps(s.steps)),
-                      eval_every=steps(s.eval_every) if s.eval_every else 0, seed=seed,
-                      seq_len=min(seq_len, s.seq_len or seq_len), out_dir=str(run / _FOLDERS[name]), keep_last=1,
-                      init_from=None if name == "backbone" else str(run / _FOLDERS["workspace" if name ==
-                                                                                     "controller" else "backbone"]))
-        out[name] = s
-    s2 = out["workspace"]
-    if backbone_keeps_learning:  # the backbone takes exactly the matched baseline's steps; the workspace rides on it
-        out["workspace"] = s2.replace(train_backbone_in_workspace_stage=True, workspace_grad_to_backbone=False,
-                                      backbone_lr=1e-3, backbone_min_lr=3e-4)
-    m = out["matched"]
-    tokens_ws = s2.steps * s2.batch_size * s2.seq_len
-    out["matched"] = m.replace(steps=max(2, math.ceil(tokens_ws / (m.batch_size * m.seq_len))))
-    return out
-
-
 def _sample(model: torch.nn.Module, prompt: str, n_tokens: int, max_budget: int,
             kappa_risk: float | None = None) -> tuple[str, dict[str, Any]]:
     """Greedy continuation with the controller (prisme.generate if present, else a plain forward loop)."""
@@ -135,7 +91,8 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
     walls: dict[str, float] = {}
     recall = None
     if recall_seeds:
-        from prisme.studies.recall import format_table, run_study, study_config
+        from prisme.studies.recall import format_table, run_study
+        from prisme.studies.recall_setup import study_config
 
         rcfg = study_config({"seeds": list(recall_seeds), "out_dir": str(run / "recall"), "quick": scale < 1,
                              "jobs": jobs, "eval_sequences": 1024, "compile": compile,  # the demo's share of the time
@@ -184,7 +141,7 @@ def model_params(cfg: PrismeConfig) -> dict[str, int]:
 
 def main(args: argparse.Namespace) -> int:
     """Entry point of `prisme demo`."""
-    from prisme.studies.recall import parse_seeds
+    from prisme.studies.recall_setup import parse_seeds
 
     threads = getattr(args, "threads", -1)
     text = getattr(args, "recall_seeds", "0")

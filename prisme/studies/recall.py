@@ -28,152 +28,30 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import json
-import math
 import multiprocessing
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from prisme.checkpoint import load_model
-from prisme.checks import COMPILE_SETTINGS, check_choice
-from prisme.config import PrismeConfig
-from prisme.costs.analytic import trace_cost
-from prisme.data.mqar import MQARConfig, make_mqar_batch
-from prisme.data.text import IGNORE_INDEX
-from prisme.io import CONFIG_DIR, write_text_atomic
-from prisme.training.config import StageConfig, load_run_config
+from prisme.io import write_text_atomic
+from prisme.studies.recall_eval import evaluate_backbone, evaluate_run
+from prisme.studies.recall_report import emit_study, format_table, plot_accuracy_vs_ops, plot_edits
+from prisme.studies.recall_setup import (
+    EVAL_SEED,
+    TARGET_ACCURACY,
+    RecallStudyConfig,
+    Recipe,
+    _quick,
+    load_recipe,
+    parse_seeds,
+    study_config,
+)
 from prisme.training.trainer import train_stage
-
-RECIPE_FILES = {"backbone": "recall_backbone.json", "workspace": "recall_workspace.json",
-                "controller": "recall_controller.json", "study": "recall_study.json"}
-EVAL_SEED, CALIBRATION_SEED, RANDOM_POLICY_SEED = 100_003, 200_003, 300_007  # + the run's seed
-TARGET_ACCURACY = 0.95
-CHUNK = 256  # sequences per evaluation forward
-
-
-# ------------------------------------------------------------------------------------------------------------ config
-@dataclass
-class RecallStudyConfig:
-    """The study's own settings (`configs/recall_study.json`) plus the command line's."""
-
-    seeds: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 4])
-    converged_backbone_steps: int = 600  # stage 1 of the converged case: the backbone trained to its plateau
-    eval_sequences: int = 2048  # held-out sequences per model, drawn from the run's own seed
-    calibration_sequences: int = 1024  # a separate set: the controller's lambda is chosen there
-    lambdas: list[float] = field(default_factory=lambda: [0.0, 0.03, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4])
-    accuracy_tolerance: float = 0.02  # the chosen lambda's calibration accuracy >= budget-1's minus this
-    control_layers: tuple[int, int] = (1, 2)  # negative and positive control depths
-    out_dir: str = "runs/recall"
-    jobs: int = 0  # worker processes (0 = one per CPU core, at most one per task)
-    threads: int = 1  # torch threads per worker
-    quick: bool = False  # one seed, few steps: a smoke run of every phase
-    bank_source: str | None = None  # override the recipe's bank source (and query source), e.g. "residual"
-    config_dir: str | None = None  # where the recall_*.json recipe lives (default: the project's configs/)
-    compile: str = "off"  # the editor under torch.compile in stages 2-3 and the evaluation ("auto" | "strict")
-
-    def validate(self) -> RecallStudyConfig:
-        def need(ok: bool, msg: str) -> None:
-            if not ok:
-                raise ValueError(f"recall study: {msg}")
-
-        need(isinstance(self.seeds, list) and len(self.seeds) > 0, f"seeds must be a non-empty list, got "
-             f"{self.seeds!r}")
-        need(all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in self.seeds),
-             f"seeds must be integers >= 0, got {self.seeds!r}")
-        need(len(set(self.seeds)) == len(self.seeds), f"seeds must be distinct, got {self.seeds!r}")
-        for f in ("converged_backbone_steps", "eval_sequences", "calibration_sequences", "threads"):
-            v = getattr(self, f)
-            need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{f} must be an int >= 1, got {v!r}")
-        need(isinstance(self.jobs, int) and self.jobs >= 0, f"jobs must be an int >= 0, got {self.jobs!r}")
-        need(len(self.lambdas) > 0 and all(isinstance(x, (int, float)) and math.isfinite(x) and x >= 0
-                                           for x in self.lambdas),
-             f"lambdas must be a non-empty list of finite numbers >= 0, got {self.lambdas!r}")
-        need(0 <= self.accuracy_tolerance < 1, f"accuracy_tolerance must be in [0, 1), got {self.accuracy_tolerance}")
-        check_choice("compile", self.compile, COMPILE_SETTINGS, "recall study: ")
-        return self
-
-
-def parse_seeds(text: str) -> list[int]:
-    """`--seeds 0,1,2` -> [0, 1, 2]; ValueError for an empty list, a negative or non-integer entry, or a repeat."""
-    parts = [p.strip() for p in str(text).split(",")]
-    if not any(parts):
-        raise ValueError(f"--seeds must list at least one seed, e.g. 0,1,2; got {text!r}")
-    try:
-        seeds = [int(p) for p in parts]
-    except ValueError:
-        raise ValueError(f"--seeds must be comma-separated integers >= 0, got {text!r}") from None
-    if any(s < 0 for s in seeds):
-        raise ValueError(f"--seeds must be integers >= 0, got {text!r}")
-    if len(set(seeds)) != len(seeds):
-        raise ValueError(f"--seeds lists a seed twice: {text!r}")
-    return seeds
-
-
-@dataclass
-class Recipe:
-    """The three stages of one run and the model they start from."""
-
-    model: PrismeConfig
-    backbone: StageConfig
-    workspace: StageConfig
-    controller: StageConfig
-    mqar: MQARConfig
-
-
-def load_recipe(cfg: RecallStudyConfig) -> tuple[Recipe, dict[str, Any]]:
-    """The recipe `configs/recall_*.json` (or `cfg.config_dir`), with the study's overrides applied."""
-    folder = Path(cfg.config_dir) if cfg.config_dir else CONFIG_DIR
-    paths = {k: folder / v for k, v in RECIPE_FILES.items()}
-    missing = [str(p) for p in paths.values() if not p.is_file()]
-    if missing:
-        raise ValueError(f"the recall recipe is missing {missing}; pass --configs DIR holding "
-                         f"{sorted(RECIPE_FILES.values())}")
-    model, s1 = load_run_config(paths["backbone"])
-    _, s2 = load_run_config(paths["workspace"])
-    _, s3 = load_run_config(paths["controller"])
-    if model is None:
-        raise ValueError(f"{paths['backbone']} must name the model (a 'model' entry)")
-    try:
-        study = json.loads(paths["study"].read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{paths['study']} is not valid JSON: {e}") from None
-    if cfg.bank_source is not None:
-        model = model.replace(bank_source=cfg.bank_source, query_source=cfg.bank_source)
-    mqar = MQARConfig(**s1.mqar)
-    mqar.validate()
-    return Recipe(model, s1, s2, s3, mqar), study
-
-
-def study_config(overrides: dict[str, Any], config_dir: str | None = None) -> RecallStudyConfig:
-    """`RecallStudyConfig` from `recall_study.json` (its known fields) updated by `overrides` (the command line)."""
-    folder = Path(config_dir) if config_dir else CONFIG_DIR
-    path = folder / RECIPE_FILES["study"]
-    base: dict[str, Any] = {}
-    if path.is_file():
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid JSON: {e}") from None
-        known = {f.name for f in dataclasses.fields(RecallStudyConfig)}
-        unknown = sorted(set(raw) - known - {"description"})
-        if unknown:
-            raise ValueError(f"{path}: unknown field(s) {unknown}; known: {sorted(known)}")
-        base = {k: v for k, v in raw.items() if k in known}
-        if "control_layers" in base:
-            base["control_layers"] = tuple(base["control_layers"])
-    base.update({k: v for k, v in overrides.items() if v is not None})
-    base["config_dir"] = config_dir
-    return RecallStudyConfig(**base).validate()
-
-
-# ------------------------------------------------------------------------------------------------------------ tasks
-def _quick(s: StageConfig, steps: int) -> StageConfig:
-    return s.replace(steps=steps, warmup=min(s.warmup, max(1, steps // 4)))
 
 
 def plan_tasks(cfg: RecallStudyConfig, recipe: Recipe) -> list[dict[str, Any]]:
@@ -238,188 +116,6 @@ def run_task(task: dict[str, Any]) -> dict[str, Any]:
     entry["wall_s"] = wall
     return {"task": {k: task[k] for k in ("kind", "seed", "folder") if k in task} | {"name": task.get("name")},
             "entry": entry}
-
-
-# ------------------------------------------------------------------------------------------------------- evaluation
-def _batches(mcfg: MQARConfig, n: int, seed: int):
-    """`n` sequences from the generator seeded `seed`, in chunks of CHUNK: (x, y) `[b, T]`."""
-    g = torch.Generator().manual_seed(seed)
-    done = 0
-    while done < n:
-        b = min(CHUNK, n - done)
-        yield make_mqar_batch(mcfg, b, g)
-        done += b
-
-
-def _queries(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows `[b, 1]`, query positions `[b, Q]`) of an MQAR batch (every row has the same number of queries)."""
-    lab = y != IGNORE_INDEX
-    Q = int(lab.sum(1).max())
-    pos = torch.argsort((~lab).to(torch.int8), dim=1, stable=True)[:, :Q]
-    return torch.arange(y.shape[0]).unsqueeze(1), pos
-
-
-@torch.no_grad()
-def evaluate_backbone(model: torch.nn.Module, mcfg: MQARConfig, data_seed: int, n_seq: int) -> float:
-    """Query accuracy of the backbone alone on `n_seq` sequences drawn from `data_seed`."""
-    hit = n = 0
-    for x, y in _batches(mcfg, n_seq, data_seed):
-        lab = y != IGNORE_INDEX
-        pred = model(x).logits.argmax(-1)
-        hit += int((pred[lab] == y[lab]).sum())
-        n += int(lab.sum())
-    return hit / n
-
-
-def _forced_row(model, mcfg, data_seed, n_seq, name, family, n, k) -> dict[str, Any]:
-    """A forced policy: accuracy at the query positions; ops and edits over every position of its trace."""
-    cfg = model.cfg
-    T = mcfg.seq_len
-    g = torch.Generator().manual_seed(RANDOM_POLICY_SEED + data_seed)
-    hit = tot = 0
-    for x, y in _batches(mcfg, n_seq, data_seed):
-        rows, pos = _queries(y)
-        st = model.streams(x)
-        ctx = model.context_from_H(st, st.index(rows, pos), query_pos=pos)
-        acts = _forced_actions(cfg, family, n, k, pos.shape, g)  # [b, Q, n]
-        roll = model.rollout_forced(ctx, acts)
-        logits, _ = model.logits_from_state(roll.S, ctx, roll.n_edits > 0)
-        yq = y[rows, pos]
-        hit += int((logits.argmax(-1) == yq).sum())
-        tot += yq.numel()
-    trace = _forced_actions(cfg, family, n, k, (1, T), torch.Generator().manual_seed(0))  # every position alike
-    ops = trace_cost(cfg, trace, torch.arange(1, T + 1), optimised=cfg.optimised)
-    return {"policy": name, "family": family, "accuracy": hit / tot, "ops_ratio": ops.relative,
-            "edits_per_token": float(n)}
-
-
-def _forced_actions(cfg: PrismeConfig, family: str, n: int, k: int, shape: tuple[int, int],
-                    g: torch.Generator) -> torch.Tensor:
-    from prisme.evaluation.policies import forced_actions
-
-    return forced_actions(cfg, family, n, k, shape, g)
-
-
-def _controller_rows(model, mcfg, data_seed, n_seq, lambdas) -> list[dict[str, Any]]:
-    """The controller at each price in `lambdas`: every position decides; accuracy at the queries, ops and edits over
-    all positions. Each batch is encoded once and rolled out at every price (what `forward_policy` does per call)."""
-    cfg = model.cfg
-    T = mcfg.seq_len
-    acc = [{"hit": 0, "tot": 0, "edits": 0.0, "edits_q": 0.0, "acts": [], "steps": []} for _ in lambdas]
-    for x, y in _batches(mcfg, n_seq, data_seed):
-        ctx = model.encode(x)
-        lab = y != IGNORE_INDEX
-        for a, lam in zip(acc, lambdas):
-            roll = model.rollout_policy(ctx, cfg.r_max, model.action_cost, lambda_cost=lam)
-            logits, _ = model.logits_from_state(roll.S, ctx, roll.n_edits > 0)
-            a["hit"] += int((logits.argmax(-1)[lab] == y[lab]).sum())
-            a["tot"] += int(lab.sum())
-            a["edits"] += float(roll.n_edits.sum())
-            a["edits_q"] += float(roll.n_edits[lab].sum())
-            a["acts"].append(roll.actions.reshape(-1, roll.actions.shape[-1]))
-            a["steps"].append(roll.controller_steps.reshape(-1))
-    contexts = torch.arange(1, T + 1).repeat(n_seq)
-    rows = []
-    for a, lam in zip(acc, lambdas):
-        ops = trace_cost(cfg, torch.cat(a["acts"]), contexts, torch.cat(a["steps"]), optimised=cfg.optimised)
-        rows.append({"lambda": float(lam), "accuracy": a["hit"] / a["tot"], "ops_ratio": ops.relative,
-                     "edits_per_token": a["edits"] / (n_seq * T),
-                     "query_edit_share": a["edits_q"] / a["edits"] if a["edits"] else 0.0})
-    return rows
-
-
-def _oracle_row(model, mcfg, seed, n_seq) -> dict[str, Any]:
-    """The greedy oracle at lambda 0 at the query positions (it reads the targets, so it knows where they are and
-    stops at once everywhere else); its trace is charged as if a controller had chosen it."""
-    from prisme.evaluation.oracle import greedy_oracle
-
-    cfg = model.cfg
-    T = mcfg.seq_len
-    hit = tot = 0
-    edits = 0.0
-    acts, steps, ctxs = [], [], []
-    for x, y in _batches(mcfg, n_seq, EVAL_SEED + seed):
-        rows, pos = _queries(y)
-        res = greedy_oracle(model, x, y, pos, cfg.r_max, 0.0)
-        yq = y[rows, pos]
-        hit += int((res.logits.argmax(-1) == yq).sum())
-        tot += yq.numel()
-        edits += float(res.n_edits.sum())
-        full = torch.full((x.shape[0], T, cfg.r_max), cfg.stop_action)
-        full[rows, pos] = res.actions
-        n_full = torch.zeros(x.shape[0], T, dtype=torch.long)
-        n_full[rows, pos] = res.n_edits
-        acts.append(full.reshape(-1, cfg.r_max))
-        steps.append(torch.clamp(n_full + 1, max=cfg.r_max).reshape(-1))
-        ctxs.append(torch.arange(1, T + 1).repeat(x.shape[0]))
-    ops = trace_cost(cfg, torch.cat(acts), torch.cat(ctxs), torch.cat(steps), optimised=cfg.optimised)
-    return {"policy": "oracle(lambda=0)", "family": "oracle", "accuracy": hit / tot, "ops_ratio": ops.relative,
-            "edits_per_token": edits / (n_seq * T), "deployable": False}
-
-
-@torch.no_grad()
-def diagnostics(model: torch.nn.Module, mcfg: MQARConfig, seed: int, n_seq: int = 256) -> dict[str, float]:
-    """Budget-1 policy (slot 0 at every position), first edit, editor block 0: the cross-attention mass on the queried
-    pair's value (mean over heads and query positions), the gate at query and at other positions, and
-    |delta| / |H| at query positions."""
-    x, y = make_mqar_batch(mcfg, n_seq, torch.Generator().manual_seed(EVAL_SEED + seed))
-    lab = y != IGNORE_INDEX
-    B, T = x.shape
-    out = model(x, torch.zeros(B, T, 1, dtype=torch.long), return_state=True)
-    ctx, blk = out.ctx, model.editor.blocks[0]
-    step = torch.zeros(B, T, dtype=torch.long)
-    att = blk.bank_attention(ctx.S0[:, :, 0], step, step, ctx.K, ctx.bank_mask)  # [B, nh, T, Tb]
-    b, t = lab.nonzero(as_tuple=True)
-    keys = x[:, 0:2 * mcfg.n_pairs:2]  # [B, N] the pairs' keys
-    j = (keys[b] == x[b, t].unsqueeze(1)).float().argmax(1)  # which pair each query asks for
-    xattn = att[b, :, t, 2 * j + 1].mean()
-    gate = out.infos[0].gates[0][0].view(B, T)  # block 0, singles: every position, in (b, t) order
-    delta = out.delta.norm(dim=-1) / ctx.H.norm(dim=-1).clamp(min=1e-12)
-    return {"xattn_correct_value": float(xattn), "gate_query": float(gate[lab].mean()),
-            "gate_other": float(gate[~lab].mean()), "delta_over_H": float(delta[lab].mean())}
-
-
-@torch.no_grad()
-def evaluate_run(model: torch.nn.Module, mcfg: MQARConfig, seed: int, cfg: RecallStudyConfig) -> dict[str, Any]:
-    """One trained workspace model: every policy's row, the controller at its calibrated lambda, diagnostics."""
-    mc = model.cfg
-    n_eval, data = cfg.eval_sequences, EVAL_SEED + seed
-    ns = [n for n in (1, 2, 4) if n <= mc.r_max]
-    fixed = [{"policy": "backbone", "family": "backbone", "accuracy": evaluate_backbone(model, mcfg, data, n_eval),
-              "ops_ratio": 1.0, "edits_per_token": 0.0}]
-    fixed += [_forced_row(model, mcfg, data, n_eval, f"fixed_{n}xk{k}", "fixed", n, k) for k in (1, 2) for n in ns]
-    fixed += [_forced_row(model, mcfg, data, n_eval, f"random_{n}xk1", "random", n, 1) for n in ns[:2]]
-    fixed += [_forced_row(model, mcfg, data, n_eval, "dense_1", "dense", 1, mc.n_slots)]
-    lambdas = sorted({float(v) for v in cfg.lambdas})
-    calib = _controller_rows(model, mcfg, CALIBRATION_SEED + seed, cfg.calibration_sequences, lambdas)
-    budget1_calib = _forced_row(model, mcfg, CALIBRATION_SEED + seed, cfg.calibration_sequences, "fixed_1xk1",
-                                "fixed", 1, 1)["accuracy"]
-    ok = [r for r in calib if r["accuracy"] >= budget1_calib - cfg.accuracy_tolerance]
-    best = min(ok, key=lambda r: r["ops_ratio"]) if ok else max(calib, key=lambda r: r["accuracy"])
-    chosen = best["lambda"]
-    controllers = _controller_rows(model, mcfg, EVAL_SEED + seed, n_eval, lambdas)
-    controller = dict(next(r for r in controllers if r["lambda"] == chosen))
-    controller["calibration_accuracy"] = next(r for r in calib if r["lambda"] == chosen)["accuracy"]
-    controller["calibration_budget1_accuracy"] = budget1_calib
-    oracle = _oracle_row(model, mcfg, seed, min(n_eval, 512))
-    entry = {"seed": seed, "budget1_accuracy": next(r for r in fixed if r["policy"] == "fixed_1xk1")["accuracy"],
-             **diagnostics(model, mcfg, seed), "fixed": fixed, "controller": controller, "controllers": controllers,
-             "oracle": oracle, "bank_source": mc.bank_source, "query_source": mc.query_source,
-             "bank_shift": mc.bank_shift}
-    entry["success"] = seed_success(entry)
-    return entry
-
-
-def seed_success(entry: dict[str, Any]) -> dict[str, bool]:
-    """The issue's bars for one run: the workspace at budget 1, and the controller against every fixed row."""
-    c = entry["controller"]
-    ws_rows = [r for r in entry["fixed"] if r["family"] != "backbone"]
-    passing = [r for r in ws_rows if r["accuracy"] >= TARGET_ACCURACY]
-    cheapest = min((r["ops_ratio"] for r in passing), default=math.inf)
-    dominated = any(r["ops_ratio"] < c["ops_ratio"] and r["accuracy"] > c["accuracy"] for r in entry["fixed"])
-    return {"workspace": entry["budget1_accuracy"] >= TARGET_ACCURACY,
-            "controller": bool(c["accuracy"] >= TARGET_ACCURACY and c["edits_per_token"] <= 0.3
-                               and c["query_edit_share"] >= 0.8 and c["ops_ratio"] < cheapest and not dominated)}
 
 
 # ------------------------------------------------------------------------------------------------------------ report
@@ -516,118 +212,6 @@ def assemble(cfg: RecallStudyConfig, recipe: Recipe, done: list[dict[str, Any]],
     return doc
 
 
-def format_table(doc: dict[str, Any]) -> str:
-    """The study's table for humans."""
-    c = doc["controls"]
-    lines = [f"MQAR N={doc['task']['n_pairs']} V={doc['task']['vocab_size']} T={doc['task']['seq_len']} "
-             f"(filler after each query); bank {doc['model']['bank_source']!r}, shift {doc['model']['bank_shift']}, "
-             f"query {doc['model']['query_source']!r}, controller source {doc['model']['controller_source']!r}",
-             f"controls (backbone alone, {c['one_layer']['steps']} steps, seed {c['one_layer']['seed']}): "
-             f"1 layer {c['one_layer']['accuracy']:.4f}, 2 layers {c['two_layer']['accuracy']:.4f}", ""]
-    head = (f"{'run':<14}{'budget1':>9}{'xattn':>7}{'gate q/o':>12}{'|d|/|H|':>9}{'lambda':>8}{'ctrl acc':>9}"
-            f"{'edits':>7}{'on q':>6}{'ops':>7}{'fix95 ops':>10}  ok")
-    lines += [head, "-" * len(head)]
-    for label, entries in (("seed", doc["seeds"]), ("converged", doc["converged"]["seeds"])):
-        for e in entries:
-            k = e["controller"]
-            cheapest = min((r["ops_ratio"] for r in e["fixed"] if r["family"] != "backbone"
-                            and r["accuracy"] >= TARGET_ACCURACY), default=float("nan"))
-            ok = ("W" if e["success"]["workspace"] else "-") + ("C" if e["success"]["controller"] else "-")
-            lines.append(f"{label + ' ' + str(e['seed']):<14}{e['budget1_accuracy']:>9.4f}"
-                         f"{e['xattn_correct_value']:>7.3f}{e['gate_query']:>6.2f}/{e['gate_other']:<5.2f}"
-                         f"{e['delta_over_H']:>9.3f}{k['lambda']:>8.3g}{k['accuracy']:>9.4f}"
-                         f"{k['edits_per_token']:>7.3f}{k['query_edit_share']:>6.2f}{k['ops_ratio']:>7.3f}"
-                         f"{cheapest:>10.3f}  {ok}")
-    s = doc["summary"]
-    lines += ["", f"workspace at budget 1 >= 95%: {s['workspace_success']} seeds; controller bars: "
-              f"{s['controller_success']}; converged backbone ({doc['converged']['backbone_steps']} stage-1 steps): "
-              f"{s['converged_success']} (controller {s['converged_controller_success']})",
-              f"negative control <= 30%: {'yes' if s['negative_control_ok'] else 'NO'}; positive control >= 95%: "
-              f"{'yes' if s['positive_control_ok'] else 'NO'}; wall {doc['wall_s']['total']:.0f} s "
-              f"({doc['wall_s']['jobs']} workers)",
-              "ok: W = budget-1 accuracy >= 95%; C = controller >= 95% at <= 0.3 edits/token, >= 80% of edits on "
-              "queries, fewer ops than the cheapest fixed row reaching 95%, no fixed row cheaper and better"]
-    return "\n".join(lines)
-
-
-def plot_accuracy_vs_ops(doc: dict[str, Any], path: Path) -> None:
-    """Accuracy against ops per token (x the backbone): fixed/random/dense rows, the controller across lambda
-    (its chosen lambda ringed), the oracle, per seed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 5), dpi=120)
-    style = {"backbone": ("s", "C0"), "fixed": ("o", "C2"), "random": ("x", "C3"), "dense": ("^", "C4")}
-    seen = set()
-    for e in doc["seeds"]:
-        for r in e["fixed"]:
-            m, col = style[r["family"]]
-            ax.scatter(r["ops_ratio"], r["accuracy"], marker=m, color=col, s=30, alpha=0.7,
-                       label=r["family"] if r["family"] not in seen else None)
-            seen.add(r["family"])
-        cs = sorted(e["controllers"], key=lambda r: r["ops_ratio"])
-        ax.plot([r["ops_ratio"] for r in cs], [r["accuracy"] for r in cs], "-*", color="C5", ms=6, alpha=0.7,
-                label="controller (lambda grid)" if "ctrl" not in seen else None)
-        seen.add("ctrl")
-        k = e["controller"]
-        ax.scatter(k["ops_ratio"], k["accuracy"], s=140, facecolors="none", edgecolors="k",
-                   label="controller, calibrated lambda" if "chosen" not in seen else None)
-        seen.add("chosen")
-        o = e["oracle"]
-        ax.scatter(o["ops_ratio"], o["accuracy"], marker="P", facecolors="none", edgecolors="C6", s=60,
-                   label="oracle (not deployable)" if "oracle" not in seen else None)
-        seen.add("oracle")
-    ax.axhline(TARGET_ACCURACY, color="gray", ls=":", lw=1)
-    ax.axhline(doc["controls"]["two_layer"]["accuracy"], color="C1", ls="--", lw=1, label="2-layer backbone")
-    ax.set_xscale("log")
-    ax.set_xlabel("ops per token / backbone only (actual traces, all positions)")
-    ax.set_ylabel("accuracy on query positions")
-    ax.set_title("MQAR: 1-layer backbone + workspace, every seed")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png")
-    plt.close(fig)
-
-
-@torch.no_grad()
-def plot_edits(checkpoint: str, mcfg: MQARConfig, seed: int, lam: float, path: Path) -> None:
-    """One held-out sequence under the calibrated controller: positions x steps, coloured by action, queries marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    model, _ = load_model(checkpoint)
-    cfg = model.cfg
-    x, y = make_mqar_batch(mcfg, 1, torch.Generator().manual_seed(EVAL_SEED + seed))
-    out = model.forward_policy(x, cfg.r_max, lambda_cost=lam)
-    acts = out.actions[0].T.numpy().astype(float)  # [R, T]
-    acts[acts == cfg.stop_action] = np.nan
-    T = x.shape[1]
-    fig, ax = plt.subplots(figsize=(9, 2.8), dpi=120)
-    im = ax.imshow(acts, aspect="auto", cmap="tab10", vmin=0, vmax=max(9, cfg.n_actions - 1), interpolation="nearest")
-    q = (y[0] != IGNORE_INDEX).nonzero().flatten().tolist()
-    for t in q:
-        ax.axvline(t, color="k", lw=0.8, ls="--")
-    ax.set_xticks(range(T))
-    ax.set_xticklabels([str(v) for v in x[0].tolist()], fontsize=6, rotation=90)
-    ax.set_yticks(range(cfg.r_max))
-    ax.set_ylabel("step")
-    ax.set_xlabel("position (token id); dashed = query; blank = STOP")
-    ax.set_title(f"controller edits, lambda={lam:g}: {int(out.n_edits.sum())} edits, "
-                 f"{int(out.n_edits[0, q].sum())} on the {len(q)} queries")
-    fig.colorbar(im, ax=ax, label="action id (0..M-1 slot, M.. pair)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png")
-    plt.close(fig)
-
-
 # ---------------------------------------------------------------------------------------------------------------- CLI
 def main(args: Any) -> int:
     """`prisme study recall`."""
@@ -636,14 +220,3 @@ def main(args: Any) -> int:
                         "quick": args.quick, "bank_source": args.bank_source,
                         "compile": getattr(args, "compile", None) or "off"}, args.configs)
     return emit_study(run_study(cfg, progress=not args.no_progress), format_table, args.json)
-
-
-def emit_study(doc: dict[str, Any], table: Any, json_path: str | None) -> int:
-    """A study's report: `table(doc)`, then its JSON document as the last thing on stdout (also written atomically to
-    `json_path` when given). Returns 0."""
-    print(table(doc))
-    text = json.dumps(doc, indent=2, allow_nan=False)
-    if json_path:
-        write_text_atomic(Path(json_path), text + "\n")
-    print(text)
-    return 0

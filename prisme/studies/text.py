@@ -106,9 +106,9 @@ class TextStudyConfig:
 
 
 def stage_configs(cfg: TextStudyConfig, model_cfg: PrismeConfig) -> dict[str, StageConfig]:
-    """The demo's recipe (`demo.demo_stage_configs`, configs/demo_*.json) in the study folder, plus the deeper
-    backbone: one more layer, trained from scratch on stage 1's and stage 2's tokens."""
-    from prisme.studies.demo import demo_stage_configs
+    """The demo's recipe (`training.config.demo_stage_configs`, configs/demo_*.json) in the study folder, plus the
+    deeper backbone: one more layer, trained from scratch on stage 1's and stage 2's tokens."""
+    from prisme.training.config import demo_stage_configs
 
     run = Path(cfg.out_dir)
     st = demo_stage_configs(run, cfg.scale, cfg.seed, cfg.backbone_keeps_learning,
@@ -331,6 +331,6 @@ def main(args: Any) -> int:
                           jobs=args.jobs or 0, threads=args.threads or 1, progress=not args.no_progress,
                           val_batches=None if args.val_batches == "all" else int(args.val_batches),
                           held_out=args.held_out, compile=getattr(args, "compile", None) or "off")
-    from prisme.studies.recall import emit_study
+    from prisme.studies.recall_report import emit_study
 
     return emit_study(run_study(cfg), format_report, args.json)

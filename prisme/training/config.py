@@ -37,6 +37,7 @@ from prisme.checks import COMPILE_SETTINGS, check_choice, check_fields
 from prisme.config import PrismeConfig, reject_unknown_fields
 from prisme.data.mqar import MQARConfig, MQARDataset
 from prisme.data.text import TokenDataset
+from prisme.io import CONFIG_DIR
 
 STAGES = ("backbone", "workspace", "controller")
 _RESUME_FREE = ("steps", "resume", "reschedule", "out_dir", "init_from", "progress", "log_every", "eval_every",
@@ -243,3 +244,44 @@ def build_dataset(scfg: StageConfig, vocab_size: int) -> TokenDataset | MQARData
                          f"{vocab_size}; use a model with vocab_size >= {tok.vocab_size}")
     return TokenDataset.from_text(load_text(scfg.dataset), tok, val_fraction=scfg.val_fraction,
                                   cache_dir=scfg.cache_dir, name="corpus")
+
+
+# --------------------------------------------------------------------------------------------- the demo's recipe
+DEMO_CONFIGS = {"backbone": "demo_backbone.json", "workspace": "demo_workspace.json",
+                "matched": "demo_backbone_matched.json", "controller": "demo_controller.json"}
+_FOLDERS = {"backbone": "1_backbone", "workspace": "2_workspace", "matched": "3_backbone_matched",
+            "controller": "4_controller"}
+
+
+def demo_stage_configs(run: Path, scale: float = 1.0, seed: int = 1337, backbone_keeps_learning: bool = False,
+                       seq_len: int = 128, config_dir: str | Path | None = None) -> dict[str, StageConfig]:
+    """The demo's four runs, read from configs/demo_*.json (what `prisme train --config` runs), placed in `run`.
+
+    `scale` multiplies every step count (0.05 makes a smoke run); `seq_len` caps the sequence length (small test
+    models). The matched run's steps are set so that it sees as many tokens as the workspace stage.
+    """
+    folder = Path(config_dir) if config_dir else CONFIG_DIR
+    missing = [str(folder / f) for f in DEMO_CONFIGS.values() if not (folder / f).is_file()]
+    if missing:
+        raise ValueError(f"the demo's recipe is missing {missing}")
+
+    def steps(n: int) -> int:
+        return max(2, round(n * scale))
+
+    out: dict[str, StageConfig] = {}
+    for name, file in DEMO_CONFIGS.items():
+        _, s = load_run_config(folder / file)
+        s = s.replace(steps=steps(s.steps), warmup=min(steps(s.warmup), steps(s.steps)),
+                      eval_every=steps(s.eval_every) if s.eval_every else 0, seed=seed,
+                      seq_len=min(seq_len, s.seq_len or seq_len), out_dir=str(run / _FOLDERS[name]), keep_last=1,
+                      init_from=None if name == "backbone" else str(run / _FOLDERS["workspace" if name ==
+                                                                                     "controller" else "backbone"]))
+        out[name] = s
+    s2 = out["workspace"]
+    if backbone_keeps_learning:  # the backbone takes exactly the matched baseline's steps; the workspace rides on it
+        out["workspace"] = s2.replace(train_backbone_in_workspace_stage=True, workspace_grad_to_backbone=False,
+                                      backbone_lr=1e-3, backbone_min_lr=3e-4)
+    m = out["matched"]
+    tokens_ws = s2.steps * s2.batch_size * s2.seq_len
+    out["matched"] = m.replace(steps=max(2, math.ceil(tokens_ws / (m.batch_size * m.seq_len))))
+    return out

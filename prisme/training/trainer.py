@@ -28,11 +28,8 @@ import contextlib
 import json
 import math
 import os
-import signal
-import sys
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,7 +49,6 @@ from prisme.training.config import (
     PREVIOUS,
     StageConfig,
     build_dataset,
-    load_run_config,
 )
 from prisme.training.distributed import (
     DistInfo,
@@ -68,6 +64,8 @@ from prisme.training.distributed import (
     setup_distributed,
 )
 from prisme.training.objectives import OBJECTIVES
+from prisme.training.optim import _group_lrs, _optimizer, _trainable, lr_at
+from prisme.training.resume import _accumulate, _drop_rows_after, _graceful_sigint, _rng_state, _set_rng_state
 
 
 @dataclass
@@ -87,92 +85,6 @@ class TrainResult:
 
 class NonFiniteLossError(RuntimeError):
     """Training hit a NaN/inf loss or gradient norm; nothing was written after the last good checkpoint."""
-
-
-def lr_at(step: int, scfg: StageConfig, peak: float | None = None, floor: float | None = None) -> float:
-    """Linear warm-up to `peak` (default `lr`) over `warmup` steps, then cosine decay to `floor` (default `min_lr`)."""
-    peak = scfg.lr if peak is None else peak
-    floor = scfg.min_lr if floor is None else floor
-    if step < scfg.warmup:
-        return peak * (step + 1) / scfg.warmup
-    progress = min(1.0, (step - scfg.warmup) / max(1, scfg.steps - scfg.warmup))
-    return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
-
-
-def _group_lrs(scfg: StageConfig) -> dict[str, tuple[float, float]]:
-    """Peak and final lr per optimizer group kind: "main", and "backbone" when it learns in the workspace stage."""
-    out = {"main": (scfg.lr, scfg.min_lr)}
-    if scfg.stage == "workspace" and scfg.train_backbone_in_workspace_stage:
-        peak = scfg.lr if scfg.backbone_lr is None else scfg.backbone_lr
-        floor = scfg.backbone_min_lr if scfg.backbone_min_lr is not None else min(scfg.min_lr, peak)
-        out["backbone"] = (peak, floor)
-    return out
-
-
-def _trainable(model: nn.Module, scfg: StageConfig) -> list[nn.Parameter]:
-    if scfg.stage == "backbone":
-        params = model.backbone_parameters()
-    elif scfg.stage == "workspace":
-        params = model.workspace_parameters()
-        if scfg.train_backbone_in_workspace_stage:
-            params = model.backbone_parameters() + params
-    else:
-        params = model.controller_parameters()
-    ids = {id(p) for p in params}
-    for p in model.parameters():
-        p.requires_grad_(id(p) in ids)
-    return params
-
-
-def _optimizer(wrapped: nn.Module, scfg: StageConfig) -> torch.optim.Optimizer:
-    """AdamW with decay on >= 2-D weights only; the backbone gets its own groups (and lr) when it learns in stage 2."""
-    kinds = _group_lrs(scfg)
-    kind_of = {n: "backbone" if "backbone" in kinds and "model.backbone." in n else "main"
-               for n, _ in wrapped.named_parameters()}
-    named = [(n, p) for n, p in wrapped.named_parameters() if p.requires_grad]
-    groups = []
-    for kind in kinds:
-        for decay in (True, False):
-            ps = [p for n, p in named if kind_of[n] == kind and (p.dim() >= 2) == decay]
-            if ps or kind == "main":
-                groups.append({"params": ps, "weight_decay": scfg.weight_decay if decay else 0.0, "kind": kind})
-    return torch.optim.AdamW(groups, lr=scfg.lr, betas=tuple(scfg.betas), eps=scfg.eps)
-
-
-def _rng_state(gens: dict[str, torch.Generator]) -> dict[str, str]:
-    out = {k: ckpt.encode_rng(g.get_state()) for k, g in gens.items()}
-    out["torch"] = ckpt.encode_rng(torch.get_rng_state())
-    return out
-
-
-def _set_rng_state(gens: dict[str, torch.Generator], state: dict[str, str]) -> None:
-    for k, g in gens.items():
-        if k not in state:
-            raise ValueError(f"checkpoint RNG state lacks generator {k!r}; it cannot be resumed exactly")
-        g.set_state(ckpt.decode_rng(state[k]))
-    if "torch" in state:
-        torch.set_rng_state(ckpt.decode_rng(state["torch"]))
-
-
-@contextlib.contextmanager
-def _graceful_sigint() -> Iterator[dict[str, bool]]:
-    """First Ctrl-C sets a flag the loop checks at the next step boundary; a second one raises at once."""
-    flag = {"stop": False}
-    if threading.current_thread() is not threading.main_thread():
-        yield flag
-        return
-    previous = signal.getsignal(signal.SIGINT)
-
-    def handler(signum, frame):
-        if flag["stop"]:
-            raise KeyboardInterrupt
-        flag["stop"] = True
-
-    signal.signal(signal.SIGINT, handler)
-    try:
-        yield flag
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def _check_layout(scfg: StageConfig, di: DistInfo) -> None:
@@ -516,83 +428,3 @@ class _Trainer:
 def _own_parameters(objective: nn.Module) -> dict[str, nn.Parameter]:
     """The objective's own weights (e.g. the aux_prev_token probe), not the model's: trained and checkpointed too."""
     return {n: p for n, p in objective.named_parameters() if not n.startswith("model.")}
-
-
-def _drop_rows_after(path: Path, step: int) -> None:
-    """Forget metrics rows logged after `step` (the resumed checkpoint): the resumed run logs them again. A torn
-    last line (a kill in the middle of an append) is dropped with a note; a torn line elsewhere is an error naming
-    the file and line."""
-    if not path.exists():
-        return
-    lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()
-    keep = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            if i == len(lines) - 1:
-                print(f"note: {path}: dropped a torn last line (an interrupted append): {line[:60]!r}",
-                      file=sys.stderr)
-                continue
-            raise ValueError(f"{path} line {i + 1} is not JSON ({line[:60]!r}); fix or remove that line to resume")\
-                from None
-        if row.get("step", 0) <= step:
-            keep.append(line)
-    if len(keep) != len(lines):
-        write_text_atomic(path, "".join(line + "\n" for line in keep))
-
-
-def _accumulate(acc: dict[str, torch.Tensor], stats: dict[str, torch.Tensor]) -> None:
-    for k, v in stats.items():
-        v = v.detach().double().cpu()
-        acc[k] = acc[k] + v if k in acc else v
-
-
-# ---------------------------------------------------------------------------------------------------------------- CLI
-
-
-def main(args: Any) -> int:
-    """`prisme train`: one stage from a run config JSON and/or flags; returns the process exit code."""
-    if args.threads and args.threads > 0:
-        torch.set_num_threads(args.threads)
-    model_cfg, scfg = load_run_config(args.config) if args.config else (None, None)
-    changes: dict[str, Any] = {}
-    for flag, name in (("stage", "stage"), ("steps", "steps"), ("batch_size", "batch_size"), ("lr", "lr"),
-                       ("out", "out_dir"), ("init_from", "init_from"), ("dataset", "dataset"), ("device", "device"),
-                       ("dtype", "dtype"), ("parallel", "parallel"), ("seed", "seed"), ("seq_len", "seq_len"),
-                       ("grad_accum", "grad_accum")):
-        value = getattr(args, flag, None)
-        if value is not None:
-            changes[name] = value
-    if args.resume:
-        changes["resume"] = True
-    if getattr(args, "reschedule", False):
-        changes["reschedule"] = True
-    if args.no_progress:
-        changes["progress"] = False
-    if args.backbone_keeps_learning:
-        changes["train_backbone_in_workspace_stage"] = True
-    if getattr(args, "compile", None):
-        changes["compile"] = args.compile
-    if scfg is None:
-        if "stage" not in changes:
-            raise ValueError("pass --config FILE or at least --stage")
-        scfg = StageConfig(**changes).validate()
-    else:
-        scfg = scfg.replace(**changes)
-    if args.preset:
-        model_cfg = PrismeConfig.from_name(args.preset)
-    if scfg.stage == "backbone" and model_cfg is None and scfg.init_from is None and not scfg.resume:
-        raise ValueError("a fresh backbone stage needs a model: --preset NAME or a 'model' entry in --config")
-    try:
-        result = train_stage(model_cfg, scfg)
-    except NonFiniteLossError as e:
-        print(f"prisme train: error: {e}", file=sys.stderr)
-        return 1
-    if int(os.environ.get("RANK", "0")) == 0:
-        shown = ", ".join(f"{k} {v:.4g}" for k, v in result.val.items())
-        print(f"{result.stage}: {result.step} steps, {result.tokens:,} tokens in {result.wall_s:.1f} s; "
-              f"val {shown or '-'}; checkpoint {result.checkpoint}")
-    return 130 if result.interrupted else 0

@@ -1,0 +1,205 @@
+"""`prisme bench train`'s workspace and controller stages: their real training steps and the analytic
+training-ops ratio of the traces they sampled."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from prisme.bench import harness
+from prisme.bench.harness import TimedPath, percentiles
+from prisme.config import PrismeConfig
+
+# ------------------------------------------------------------------------------------- workspace and controller stages
+# The demo's stage 2 and 3 recipes (configs/demo_workspace.json, configs/demo_controller.json): what is timed.
+STAGE_RECIPES: dict[str, dict[str, Any]] = {
+    "workspace": dict(batch_size=16, seq_len=128, lr=1e-3, max_budget=4, deep_supervision=0.5, p_dense=0.05),
+    "controller": dict(batch_size=8, seq_len=128, lr=3e-3, max_budget=4, oracle_positions=16),
+}
+TRAINED, THROUGH, NO_GRAD = 3, 2, 1  # forward-ops multipliers of `OPS_CONVENTION`
+
+ADAMW = dict(betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)  # as prisme.train's defaults
+GRAD_CLIP = 1.0
+STAGES = ("workspace", "controller")
+STAGE_TARGET = 1.5  # stage tokens/s >= backbone-stage tokens/s / (1.5 x the analytic training-ops ratio)
+OPS_CONVENTION = (
+    "analytic ops of one step from the cost model (prisme.costs, seed accounting: the editor trains on the reference "
+    "path), from the timed steps' own sampled action traces, budgets and positions: forward ops x 3 for what is "
+    "trained (the workspace in stage 2: bank projections, editor, readout; the controller in stage 3), x 2 for a "
+    "frozen module the gradient passes through (the LM head on the workspace's logits, deep supervision included), "
+    "x 1 for what runs without gradient (the frozen backbone, the oracle's candidate edits, readouts and heads, the "
+    "backbone-loss reference); the backbone stage is 3 x (backbone + head) on every position; norms, softmax, "
+    "activations, embeddings and the optimizer are not counted")
+
+
+def _backbone_fwd_ops(cfg: PrismeConfig, B: int, T: int) -> float:
+    """Backbone blocks (linear + causal attention) over B rows of T positions, no head."""
+    from prisme.costs.analytic import backbone_ops
+
+    rows = [backbone_ops(cfg, t) for t in range(1, T + 1)]
+    return float(B * sum(r["backbone_linear"] + r["backbone_attention"] for r in rows))
+
+
+def workspace_stage_ops(cfg: PrismeConfig, extra: dict[str, torch.Tensor], y: torch.Tensor,
+                        deep_supervision: float) -> float:
+    """Analytic ops of one workspace-stage step (`OPS_CONVENTION`) for its sampled actions `[B, T, R]` and budgets."""
+    from prisme.costs.analytic import BACKBONE, backbone_ops, readout_ops, trace_cost
+    from prisme.data.text import IGNORE_INDEX
+
+    acts, budget = extra["actions"], extra["budget"]
+    B, T, R = acts.shape
+    labelled = y != IGNORE_INDEX  # [B, T]
+    P = max(1, int(labelled.sum(1).max()))  # query positions per row (all T on text)
+    ctx = (torch.arange(T) + 1).expand(B, T)
+    tc = trace_cost(cfg, acts[labelled], ctx[labelled])  # the forced traces, seed accounting
+    ws = sum(v for k, v in tc.by_component.items() if k not in BACKBONE)  # bank projections, editor, readout
+    head = backbone_ops(cfg, 1)["lm_head"]  # one position
+    ops = NO_GRAD * _backbone_fwd_ops(cfg, B, T) + TRAINED * ws
+    ops += (THROUGH + NO_GRAD) * head * B * P  # the final logits, and the backbone's own (the logged reference)
+    if deep_supervision > 0:  # logits after every step but the last: the head on all queries, the readout where more
+        n_ds = sum(int((labelled & (budget > r + 1)).sum()) for r in range(R - 1))
+        ops += (R - 1) * THROUGH * head * B * P + TRAINED * readout_ops(cfg) * n_ds
+    return float(ops)
+
+
+def controller_stage_ops(cfg: PrismeConfig, objective: Any, extra: dict[str, torch.Tensor], y: torch.Tensor) -> float:
+    """Analytic ops of one controller-stage step (`OPS_CONVENTION`): the oracle's behaviour rollout at the sampled
+    positions, all A candidate edits at every state (x 1), and the controller's forward at every state (x 3)."""
+    from prisme.costs.analytic import (
+        action_editor_ops,
+        backbone_ops,
+        bank_shift_ops,
+        controller_bank_ops,
+        controller_entropy_ops,
+        controller_input_ops,
+        controller_step_ops,
+        readout_ops,
+    )
+    from prisme.model.workspace import action_group_size
+
+    B, T = y.shape
+    A = cfg.n_actions
+    b = int(extra["budget"][0])
+    pos, valid = objective.positions(y, extra["scores"])  # [B, P]
+    P = pos.shape[1]
+    head = backbone_ops(cfg, 1)["lm_head"]
+    d, w = cfg.d_model, cfg.w
+    ops = NO_GRAD * _backbone_fwd_ops(cfg, B, T)
+    ops += NO_GRAD * B * T * (2 * len(cfg.bank_terms) * 2 * d * w + bank_shift_ops(cfg))  # K, V at every position
+    ops += NO_GRAD * B * P * len(cfg.query_terms) * 2 * d * w  # z at the sampled positions
+    ops += NO_GRAD * head * B * P  # the loss before any edit
+    sizes = action_group_size(cfg).tolist()  # [A]
+    zero = objective.unlabelled_zero and not bool(valid.all())
+    cand = valid if zero else torch.ones_like(valid)  # positions whose A candidates run
+    ctrl = controller_step_ops(cfg)
+    if cfg.controller_source is not None:
+        ctrl += controller_input_ops(cfg)
+    if cfg.controller_entropy:
+        ctrl += controller_entropy_ops(cfg)
+    for r in range(b):
+        for p_len in (pos[cand] + 1).tolist():  # context of each candidate position
+            ops += NO_GRAD * sum(sum(action_editor_ops(cfg, k, p_len).values()) for k in sizes)
+        ops += NO_GRAD * (A * int(cand.sum()) * readout_ops(cfg) + head * B * P * A)
+        ops += TRAINED * B * P * ctrl
+        if cfg.controller_bank:
+            ops += TRAINED * sum(controller_bank_ops(cfg, t) for t in (pos + 1).flatten().tolist())
+        if zero:  # the behaviour action at unlabelled positions
+            rand = extra["random_action"][:, :P, r]
+            for p_len, a in zip((pos[~valid] + 1).tolist(), rand[~valid].tolist()):
+                ops += NO_GRAD * sum(action_editor_ops(cfg, sizes[a], p_len).values())
+    return float(ops)
+
+
+@dataclass
+class StageRow:
+    preset: str
+    stage: str
+    batch: int
+    seq_len: int
+    tokens_per_step: int
+    samples_ms: list[float]
+    step_p50_ms: float
+    step_p95_ms: float
+    tokens_per_s: float
+    analytic_ops_per_step: float  # mean over the timed steps (each its own sampled traces)
+    backbone_stage_ops_per_step: float  # 3 x (backbone + head) on the same tokens
+    analytic_training_ops_ratio: float
+    backbone_tokens_per_s: float  # the backbone stage of the same preset, same rotation
+    time_ratio: float  # backbone tokens/s / this stage's tokens/s
+    time_over_ops: float  # time_ratio / analytic_training_ops_ratio (1 = the backbone's achieved speed)
+    target_tokens_per_s: float  # backbone tokens/s / (STAGE_TARGET x ops ratio)
+    met: bool
+    compiled: bool
+    losses: list[float]
+
+
+def stage_paths(cfg: PrismeConfig, stage: str, seed: int = 42, batch: int | None = None, seq_len: int | None = None,
+                compile: bool = False) -> tuple[TimedPath, dict[str, Any]]:
+    """A timed path of `stage`'s real training step (its objective, AdamW, grad clip) on one fixed batch of random
+    tokens with fresh sampled actions each step, and the info to price it."""
+    from prisme.model.prisme import PrismeModel
+    from prisme.training.config import StageConfig
+    from prisme.training.objectives import OBJECTIVES
+    from prisme.training.optim import _trainable
+
+    if not cfg.use_workspace:
+        raise ValueError(f"stage {stage!r} needs a preset with a workspace; {cfg.name!r} has none")
+    full = STAGE_RECIPES[stage]
+    B, T = batch or full["batch_size"], min(seq_len or full["seq_len"], cfg.max_seq_len - 1)
+    recipe = {k: v for k, v in full.items() if k not in ("batch_size", "seq_len")}
+    recipe["max_budget"] = min(recipe["max_budget"], cfg.r_max)
+    scfg = StageConfig(stage=stage, batch_size=B, seq_len=T, seed=seed, progress=False, **recipe).validate()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = PrismeModel(cfg)
+    if compile:
+        from prisme.model.compiled import compile_editor
+
+        compile_editor(model, strict=True)
+    objective = OBJECTIVES[stage](model, scfg)
+    params = _trainable(model, scfg) + [p for n, p in objective.named_parameters() if not n.startswith("model.")]
+    opt = torch.optim.AdamW(params, lr=scfg.lr, betas=ADAMW["betas"], eps=ADAMW["eps"])
+    seq = harness.make_tokens(cfg.vocab_size, B, T + 1, seed)
+    x, y = seq[:, :-1], seq[:, 1:]
+    g = torch.Generator().manual_seed(seed + 1)
+    if stage == "controller":
+        objective.calibrate(x, y, objective.sample(x, y, g), init_heads=True)
+    info: dict[str, Any] = {"extras": [], "losses": [], "B": B, "T": T, "scfg": scfg, "objective": objective,
+                            "y": y, "compiled": compile}
+
+    def step(_: object) -> None:
+        with torch.inference_mode(False), torch.enable_grad():
+            ex = objective.sample(x, y, g)
+            loss, _ = objective(x, y, ex, objective.denominators(x, y, ex))
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        info["extras"].append(ex)
+        info["losses"].append(float(loss.detach()))
+
+    return (f"{stage}_step", lambda: None, step), info
+
+
+def stage_row(cfg: PrismeConfig, stage: str, samples: list[float], info: dict[str, Any], warmups: int,
+              backbone_tps: float) -> StageRow:
+    """Price the timed steps (their own traces) and set them against the backbone stage."""
+    B, T, y = info["B"], info["T"], info["y"]
+    timed = info["extras"][warmups:]
+    if stage == "workspace":
+        ops = [workspace_stage_ops(cfg, ex, y, info["scfg"].deep_supervision) for ex in timed]
+    else:
+        ops = [controller_stage_ops(cfg, info["objective"], ex, y) for ex in timed]
+    from prisme.costs.analytic import backbone_ops
+
+    bb_stage = TRAINED * (_backbone_fwd_ops(cfg, B, T) + B * T * backbone_ops(cfg, 1)["lm_head"])
+    mean_ops = sum(ops) / len(ops)
+    ratio = mean_ops / bb_stage
+    p50, p95 = percentiles(samples)
+    tps = B * T / p50 * 1e3
+    target = backbone_tps / (STAGE_TARGET * ratio)
+    return StageRow(cfg.name, stage, B, T, B * T, samples, p50, p95, tps, mean_ops, bb_stage, ratio, backbone_tps,
+                    backbone_tps / tps, backbone_tps / tps / ratio, target, tps >= target, info["compiled"],
+                    info["losses"])

@@ -1,0 +1,230 @@
+"""`prisme bench workspace`'s paths: the models, the forced rows, states that rewind exactly, and the
+split timer that separates the backbone's time from the workspace's."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from time import perf_counter_ns
+from typing import Any
+
+import torch
+
+from prisme.config import PrismeConfig
+from prisme.costs.analytic import SEED_ROWS
+from prisme.model.prisme import PrismeModel
+from prisme.model.state import DecodeState
+
+ROWS = tuple(SEED_ROWS)  # backbone_only, 4_actions_k1, 4_actions_k2, 8_actions_k2, 8_actions_dense16
+VARIANTS = ("opt", "opt_kv", "seed")  # cfg.optimised True (slot K/V cache off / on) / False, same weights
+COMPILED = "compiled"  # with --compile: the seed model with its editor under torch.compile (prisme.compile)
+PATHS = {"-": "backbone only (no source bank, no workspace)",
+         "opt": "eager editor, every slot's K/V recomputed in every block; folded readout (cfg.optimised=True, the "
+                "default: slot_kv_cache=False)",
+         "opt_kv": "eager editor with the slot K/V cache, folded readout (cfg.optimised=True, slot_kv_cache=True)",
+         "seed": "eager editor, every slot's K/V recomputed in every block (cfg.optimised=False)",
+         COMPILED: "compiled editor: fixed-shape decode graphs, every row padded in, the bank at capacity; seed "
+                   "accounting (cfg.optimised=False)"}
+
+
+# --------------------------------------------------------------------------------------------------------------- model
+def build_models(cfg: PrismeConfig, seed: int, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu", compile: bool = False) -> dict[str, PrismeModel]:
+    """The same seeded, untrained weights as `{"opt": cfg.optimised=True, "opt_kv": ... and cfg.slot_kv_cache=True,
+    "seed": cfg.optimised=False}`, eval mode.
+
+    The readout's U (zero-initialised) gets N(0, init_std) weights, so edits reach the logits. The global RNG is
+    left alone.
+    """
+    if not cfg.use_workspace:
+        raise ValueError(f"preset {cfg.name!r} has no workspace (use_workspace=False): nothing to benchmark")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        opt = PrismeModel(cfg.replace(optimised=True))
+        torch.nn.init.normal_(opt.readout.U.weight, std=cfg.init_std)
+        ref = PrismeModel(cfg.replace(optimised=False))
+        kv = PrismeModel(cfg.replace(optimised=True, slot_kv_cache=True))
+    ref.load_state_dict(opt.state_dict())
+    kv.load_state_dict(opt.state_dict())
+    models = {v: m.to(device=device, dtype=dtype).eval() for v, m in (("opt", opt), ("opt_kv", kv), ("seed", ref))}
+    if compile:  # the seed accounting (every slot's K/V recomputed, in one graph per action group), compiled
+        from prisme.model.compiled import compile_editor
+
+        comp = PrismeModel(cfg.replace(optimised=False))
+        comp.load_state_dict(opt.state_dict())
+        models[COMPILED] = comp.to(device=device, dtype=dtype).eval()
+        compile_editor(models[COMPILED], strict=True)
+    return models
+
+
+def row_plan(cfg: PrismeConfig, row: str, batch: int) -> tuple[torch.Tensor | None, list[int]]:
+    """Forced actions `[B, n]` of one seed-000 row (STOP after row b's n_b actions) and each row's n_b.
+
+    Batch 1: n_b = n. Batch B > 1: n_b = ceil((b + 1) n / B), so rows stop at different steps.
+    Returns (None, [0] * B) for backbone_only.
+    """
+    if row not in SEED_ROWS:
+        raise ValueError(f"unknown row {row!r}; choose from {ROWS}")
+    n, k = SEED_ROWS[row]
+    if n == 0:
+        return None, [0] * batch
+    if n > cfg.r_max:
+        raise ValueError(f"row {row!r} needs {n} actions but preset {cfg.name!r} has r_max={cfg.r_max}")
+    M = cfg.n_slots
+    if row.endswith("dense16"):
+        ids = [cfg.dense_action] * n
+    elif k == 1:
+        ids = [i % M for i in range(n)]  # slots 0, 1, 2, ...
+    else:
+        ids = [M + i % (M // 2) for i in range(n)]  # pairs (0,1), (2,3), ... repeating when M/2 < n
+    counts = [n] * batch if batch == 1 else [math.ceil((b + 1) * n / batch) for b in range(batch)]
+    acts = torch.full((batch, n), cfg.stop_action, dtype=torch.long)
+    for b, n_b in enumerate(counts):
+        acts[b, :n_b] = torch.tensor(ids[:n_b])
+    return acts, counts
+
+
+def rewind(state: DecodeState, length: int) -> DecodeState:
+    """Roll every row of `state` back to `length` positions, in place; returns it.
+
+    Exact: the next step writes its K/V and bank entry at position `length` and every later read is masked to
+    positions <= its own, so entries left past `length` are never read (checked by `workspace_checks`).
+    """
+    if not 0 <= length <= min(state.lengths):
+        raise ValueError(f"can only rewind to a length in [0, {min(state.lengths)}], got {length}")
+    state.cache.lengths = [length] * state.batch_size
+    return state
+
+
+# --------------------------------------------------------------------------------------------------------- split timer
+class SplitTimer:
+    """Times the backbone step, the LM head and the workspace methods inside `decode_step`, without changing them.
+
+    Installs instance-attribute wrappers on each model (removed on exit): `backbone.streams`, `backbone.head`, and the
+    workspace methods `bank_inputs`, `bank_from_inputs`, `query_state`, `bank_mask`, `rollout_forced`,
+    `logits_from_state` (the head
+    called inside the readout counts as head). On CUDA each wrapper synchronises before and after. With `label`, each
+    wrapped call also opens a `torch.profiler.record_function("prisme::<backbone|head|method name>")` range.
+
+        with SplitTimer(models) as st:
+            st.reset(); ...; st.ns  # {"backbone": ns, "head": ns, "workspace_modules": ns}
+    """
+
+    SECTIONS = ("backbone", "head", "workspace_modules")
+    _WORKSPACE_METHODS = ("bank_inputs", "bank_from_inputs", "query_state", "bank_mask", "rollout_forced",
+                          "logits_from_state")
+
+    def __init__(self, models: Sequence[PrismeModel], label: bool = False):
+        self.models = list(models)
+        self.label = label
+        self.ns = dict.fromkeys(self.SECTIONS, 0)
+        self._sync: Callable[[], None] = lambda: None
+        self._depth = 0
+
+    def reset(self) -> None:
+        self.ns = dict.fromkeys(self.SECTIONS, 0)
+
+    def _wrap(self, fn: Callable[..., Any], section: str, name: str) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            label = torch.profiler.record_function(f"prisme::{name}") if self.label else contextlib.nullcontext()
+            ws = section == "workspace_modules"
+            if ws and self._depth > 0:  # nested workspace call (none today): already timed by the outer one
+                return fn(*args, **kwargs)
+            self._sync()
+            t0 = perf_counter_ns()
+            if ws:
+                self._depth += 1
+                head_before = self.ns["head"]
+            try:
+                with label:
+                    out = fn(*args, **kwargs)
+                self._sync()
+            finally:
+                dt = perf_counter_ns() - t0
+                if ws:
+                    self._depth -= 1
+                    dt -= self.ns["head"] - head_before
+            self.ns[section] += dt
+            return out
+
+        return timed
+
+    def __enter__(self) -> SplitTimer:
+        if any(p.is_cuda for m in self.models for p in m.parameters()):
+            self._sync = torch.cuda.synchronize
+        for m in self.models:
+            m.backbone.streams = self._wrap(m.backbone.streams, "backbone", "backbone")
+            m.backbone.head = self._wrap(m.backbone.head, "head", "head")
+            for name in self._WORKSPACE_METHODS:
+                if hasattr(m, name):
+                    setattr(m, name, self._wrap(getattr(m, name), "workspace_modules", name))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for m in self.models:
+            for name in ("streams", "head"):
+                m.backbone.__dict__.pop(name, None)
+            for name in self._WORKSPACE_METHODS:
+                m.__dict__.pop(name, None)
+
+
+# -------------------------------------------------------------------------------------------------------- one preset
+@dataclass
+class _Path:
+    name: str
+    model: PrismeModel
+    row: str
+    variant: str
+    acts: torch.Tensor | None  # [B, 1, n] on the device
+    budget: torch.Tensor | None  # [B, 1]
+    counts: list[int]
+    state: DecodeState
+
+
+def _paths(models: dict[str, PrismeModel], batch: int, P: int, N: int, prompt: torch.Tensor,
+           variants: Sequence[str] = ("-", *VARIANTS, COMPILED)) -> list[_Path]:
+    """Every row x model (of `variants`; "-" = backbone_only) at one batch size.
+
+    Paths of the same model share one state prefilled with the prompt `[B, P]` (untimed), which every run rewinds
+    to P; backbone_only gets a state without a source bank.
+    """
+    cfg = models["opt"].cfg
+    dev = prompt.device
+    states: dict[tuple[str, bool], DecodeState] = {}
+    out = []
+    for row in ROWS:
+        acts, counts = row_plan(cfg, row, batch)
+        for variant in ("-",) if acts is None else [v for v in (*VARIANTS, COMPILED) if v in models]:
+            if variant not in variants:
+                continue
+            model_name = "opt" if variant == "-" else variant
+            key = (model_name, acts is not None)
+            if key not in states:
+                states[key] = models[model_name].new_decode_state(batch, max_len=P + N, bank=acts is not None)
+                with torch.inference_mode():
+                    states[key].prefill(prompt, logits="none")
+            budget = None if acts is None else torch.tensor(counts, device=dev).unsqueeze(1)  # [B, 1]
+            a = None if acts is None else acts.to(dev).unsqueeze(1)  # [B, 1, n]
+            name = row if acts is None else f"{variant}/{row}"
+            out.append(_Path(name, models[model_name], row, variant, a, budget, counts, states[key]))
+    return out
+
+
+def _decode(path: _Path, tokens: torch.Tensor) -> list[torch.Tensor]:
+    """Forced decode of `tokens` `[B, N]`, one step at a time, with the path's actions; logits `[B, 1, V]` per step."""
+    return [path.state.decode_step(tokens[:, i:i + 1], actions=path.acts, budget=path.budget).logits
+            for i in range(tokens.shape[1])]
+
+
+def rewind_path(path: _Path, length: int) -> _Path:
+    """`rewind` the path's state to `length` positions; returns the path (for chaining into `_decode`)."""
+    rewind(path.state, length)
+    return path
+
+
+def make_sequence(vocab_size: int, batch: int, length: int, seed: int, device: str | torch.device) -> torch.Tensor:
+    """Predetermined token ids `[batch, length]` from a private generator, on `device`."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (batch, length), generator=g).to(device)

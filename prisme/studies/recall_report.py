@@ -1,0 +1,138 @@
+"""The recall study's report: the table, its plots, and the table-then-JSON output both studies share."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from prisme.checkpoint import load_model
+from prisme.data.mqar import MQARConfig, make_mqar_batch
+from prisme.data.text import IGNORE_INDEX
+from prisme.io import write_text_atomic
+from prisme.studies.recall_setup import EVAL_SEED, TARGET_ACCURACY
+
+
+def format_table(doc: dict[str, Any]) -> str:
+    """The study's table for humans."""
+    c = doc["controls"]
+    lines = [f"MQAR N={doc['task']['n_pairs']} V={doc['task']['vocab_size']} T={doc['task']['seq_len']} "
+             f"(filler after each query); bank {doc['model']['bank_source']!r}, shift {doc['model']['bank_shift']}, "
+             f"query {doc['model']['query_source']!r}, controller source {doc['model']['controller_source']!r}",
+             f"controls (backbone alone, {c['one_layer']['steps']} steps, seed {c['one_layer']['seed']}): "
+             f"1 layer {c['one_layer']['accuracy']:.4f}, 2 layers {c['two_layer']['accuracy']:.4f}", ""]
+    head = (f"{'run':<14}{'budget1':>9}{'xattn':>7}{'gate q/o':>12}{'|d|/|H|':>9}{'lambda':>8}{'ctrl acc':>9}"
+            f"{'edits':>7}{'on q':>6}{'ops':>7}{'fix95 ops':>10}  ok")
+    lines += [head, "-" * len(head)]
+    for label, entries in (("seed", doc["seeds"]), ("converged", doc["converged"]["seeds"])):
+        for e in entries:
+            k = e["controller"]
+            cheapest = min((r["ops_ratio"] for r in e["fixed"] if r["family"] != "backbone"
+                            and r["accuracy"] >= TARGET_ACCURACY), default=float("nan"))
+            ok = ("W" if e["success"]["workspace"] else "-") + ("C" if e["success"]["controller"] else "-")
+            lines.append(f"{label + ' ' + str(e['seed']):<14}{e['budget1_accuracy']:>9.4f}"
+                         f"{e['xattn_correct_value']:>7.3f}{e['gate_query']:>6.2f}/{e['gate_other']:<5.2f}"
+                         f"{e['delta_over_H']:>9.3f}{k['lambda']:>8.3g}{k['accuracy']:>9.4f}"
+                         f"{k['edits_per_token']:>7.3f}{k['query_edit_share']:>6.2f}{k['ops_ratio']:>7.3f}"
+                         f"{cheapest:>10.3f}  {ok}")
+    s = doc["summary"]
+    lines += ["", f"workspace at budget 1 >= 95%: {s['workspace_success']} seeds; controller bars: "
+              f"{s['controller_success']}; converged backbone ({doc['converged']['backbone_steps']} stage-1 steps): "
+              f"{s['converged_success']} (controller {s['converged_controller_success']})",
+              f"negative control <= 30%: {'yes' if s['negative_control_ok'] else 'NO'}; positive control >= 95%: "
+              f"{'yes' if s['positive_control_ok'] else 'NO'}; wall {doc['wall_s']['total']:.0f} s "
+              f"({doc['wall_s']['jobs']} workers)",
+              "ok: W = budget-1 accuracy >= 95%; C = controller >= 95% at <= 0.3 edits/token, >= 80% of edits on "
+              "queries, fewer ops than the cheapest fixed row reaching 95%, no fixed row cheaper and better"]
+    return "\n".join(lines)
+
+
+def plot_accuracy_vs_ops(doc: dict[str, Any], path: Path) -> None:
+    """Accuracy against ops per token (x the backbone): fixed/random/dense rows, the controller across lambda
+    (its chosen lambda ringed), the oracle, per seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 5), dpi=120)
+    style = {"backbone": ("s", "C0"), "fixed": ("o", "C2"), "random": ("x", "C3"), "dense": ("^", "C4")}
+    seen = set()
+    for e in doc["seeds"]:
+        for r in e["fixed"]:
+            m, col = style[r["family"]]
+            ax.scatter(r["ops_ratio"], r["accuracy"], marker=m, color=col, s=30, alpha=0.7,
+                       label=r["family"] if r["family"] not in seen else None)
+            seen.add(r["family"])
+        cs = sorted(e["controllers"], key=lambda r: r["ops_ratio"])
+        ax.plot([r["ops_ratio"] for r in cs], [r["accuracy"] for r in cs], "-*", color="C5", ms=6, alpha=0.7,
+                label="controller (lambda grid)" if "ctrl" not in seen else None)
+        seen.add("ctrl")
+        k = e["controller"]
+        ax.scatter(k["ops_ratio"], k["accuracy"], s=140, facecolors="none", edgecolors="k",
+                   label="controller, calibrated lambda" if "chosen" not in seen else None)
+        seen.add("chosen")
+        o = e["oracle"]
+        ax.scatter(o["ops_ratio"], o["accuracy"], marker="P", facecolors="none", edgecolors="C6", s=60,
+                   label="oracle (not deployable)" if "oracle" not in seen else None)
+        seen.add("oracle")
+    ax.axhline(TARGET_ACCURACY, color="gray", ls=":", lw=1)
+    ax.axhline(doc["controls"]["two_layer"]["accuracy"], color="C1", ls="--", lw=1, label="2-layer backbone")
+    ax.set_xscale("log")
+    ax.set_xlabel("ops per token / backbone only (actual traces, all positions)")
+    ax.set_ylabel("accuracy on query positions")
+    ax.set_title("MQAR: 1-layer backbone + workspace, every seed")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+    plt.close(fig)
+
+
+@torch.no_grad()
+def plot_edits(checkpoint: str, mcfg: MQARConfig, seed: int, lam: float, path: Path) -> None:
+    """One held-out sequence under the calibrated controller: positions x steps, coloured by action, queries marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    model, _ = load_model(checkpoint)
+    cfg = model.cfg
+    x, y = make_mqar_batch(mcfg, 1, torch.Generator().manual_seed(EVAL_SEED + seed))
+    out = model.forward_policy(x, cfg.r_max, lambda_cost=lam)
+    acts = out.actions[0].T.numpy().astype(float)  # [R, T]
+    acts[acts == cfg.stop_action] = np.nan
+    T = x.shape[1]
+    fig, ax = plt.subplots(figsize=(9, 2.8), dpi=120)
+    im = ax.imshow(acts, aspect="auto", cmap="tab10", vmin=0, vmax=max(9, cfg.n_actions - 1), interpolation="nearest")
+    q = (y[0] != IGNORE_INDEX).nonzero().flatten().tolist()
+    for t in q:
+        ax.axvline(t, color="k", lw=0.8, ls="--")
+    ax.set_xticks(range(T))
+    ax.set_xticklabels([str(v) for v in x[0].tolist()], fontsize=6, rotation=90)
+    ax.set_yticks(range(cfg.r_max))
+    ax.set_ylabel("step")
+    ax.set_xlabel("position (token id); dashed = query; blank = STOP")
+    ax.set_title(f"controller edits, lambda={lam:g}: {int(out.n_edits.sum())} edits, "
+                 f"{int(out.n_edits[0, q].sum())} on the {len(q)} queries")
+    fig.colorbar(im, ax=ax, label="action id (0..M-1 slot, M.. pair)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+    plt.close(fig)
+
+
+def emit_study(doc: dict[str, Any], table: Any, json_path: str | None) -> int:
+    """A study's report: `table(doc)`, then its JSON document as the last thing on stdout (also written atomically to
+    `json_path` when given). Returns 0."""
+    print(table(doc))
+    text = json.dumps(doc, indent=2, allow_nan=False)
+    if json_path:
+        write_text_atomic(Path(json_path), text + "\n")
+    print(text)
+    return 0

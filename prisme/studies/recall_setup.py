@@ -1,0 +1,144 @@
+"""The recall study's settings and recipe: `RecallStudyConfig`, the recipe files (configs/recall_*.json),
+the seeds."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prisme.checks import COMPILE_SETTINGS, check_choice
+from prisme.config import PrismeConfig
+from prisme.data.mqar import MQARConfig
+from prisme.io import CONFIG_DIR
+from prisme.training.config import StageConfig, load_run_config
+
+EVAL_SEED, CALIBRATION_SEED, RANDOM_POLICY_SEED = 100_003, 200_003, 300_007  # + the run's seed
+
+RECIPE_FILES = {"backbone": "recall_backbone.json", "workspace": "recall_workspace.json",
+                "controller": "recall_controller.json", "study": "recall_study.json"}
+TARGET_ACCURACY = 0.95
+CHUNK = 256  # sequences per evaluation forward
+
+
+# ------------------------------------------------------------------------------------------------------------ config
+@dataclass
+class RecallStudyConfig:
+    """The study's own settings (`configs/recall_study.json`) plus the command line's."""
+
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 4])
+    converged_backbone_steps: int = 600  # stage 1 of the converged case: the backbone trained to its plateau
+    eval_sequences: int = 2048  # held-out sequences per model, drawn from the run's own seed
+    calibration_sequences: int = 1024  # a separate set: the controller's lambda is chosen there
+    lambdas: list[float] = field(default_factory=lambda: [0.0, 0.03, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4])
+    accuracy_tolerance: float = 0.02  # the chosen lambda's calibration accuracy >= budget-1's minus this
+    control_layers: tuple[int, int] = (1, 2)  # negative and positive control depths
+    out_dir: str = "runs/recall"
+    jobs: int = 0  # worker processes (0 = one per CPU core, at most one per task)
+    threads: int = 1  # torch threads per worker
+    quick: bool = False  # one seed, few steps: a smoke run of every phase
+    bank_source: str | None = None  # override the recipe's bank source (and query source), e.g. "residual"
+    config_dir: str | None = None  # where the recall_*.json recipe lives (default: the project's configs/)
+    compile: str = "off"  # the editor under torch.compile in stages 2-3 and the evaluation ("auto" | "strict")
+
+    def validate(self) -> RecallStudyConfig:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"recall study: {msg}")
+
+        need(isinstance(self.seeds, list) and len(self.seeds) > 0, f"seeds must be a non-empty list, got "
+             f"{self.seeds!r}")
+        need(all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in self.seeds),
+             f"seeds must be integers >= 0, got {self.seeds!r}")
+        need(len(set(self.seeds)) == len(self.seeds), f"seeds must be distinct, got {self.seeds!r}")
+        for f in ("converged_backbone_steps", "eval_sequences", "calibration_sequences", "threads"):
+            v = getattr(self, f)
+            need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{f} must be an int >= 1, got {v!r}")
+        need(isinstance(self.jobs, int) and self.jobs >= 0, f"jobs must be an int >= 0, got {self.jobs!r}")
+        need(len(self.lambdas) > 0 and all(isinstance(x, (int, float)) and math.isfinite(x) and x >= 0
+                                           for x in self.lambdas),
+             f"lambdas must be a non-empty list of finite numbers >= 0, got {self.lambdas!r}")
+        need(0 <= self.accuracy_tolerance < 1, f"accuracy_tolerance must be in [0, 1), got {self.accuracy_tolerance}")
+        check_choice("compile", self.compile, COMPILE_SETTINGS, "recall study: ")
+        return self
+
+
+def parse_seeds(text: str) -> list[int]:
+    """`--seeds 0,1,2` -> [0, 1, 2]; ValueError for an empty list, a negative or non-integer entry, or a repeat."""
+    parts = [p.strip() for p in str(text).split(",")]
+    if not any(parts):
+        raise ValueError(f"--seeds must list at least one seed, e.g. 0,1,2; got {text!r}")
+    try:
+        seeds = [int(p) for p in parts]
+    except ValueError:
+        raise ValueError(f"--seeds must be comma-separated integers >= 0, got {text!r}") from None
+    if any(s < 0 for s in seeds):
+        raise ValueError(f"--seeds must be integers >= 0, got {text!r}")
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds lists a seed twice: {text!r}")
+    return seeds
+
+
+@dataclass
+class Recipe:
+    """The three stages of one run and the model they start from."""
+
+    model: PrismeConfig
+    backbone: StageConfig
+    workspace: StageConfig
+    controller: StageConfig
+    mqar: MQARConfig
+
+
+def load_recipe(cfg: RecallStudyConfig) -> tuple[Recipe, dict[str, Any]]:
+    """The recipe `configs/recall_*.json` (or `cfg.config_dir`), with the study's overrides applied."""
+    folder = Path(cfg.config_dir) if cfg.config_dir else CONFIG_DIR
+    paths = {k: folder / v for k, v in RECIPE_FILES.items()}
+    missing = [str(p) for p in paths.values() if not p.is_file()]
+    if missing:
+        raise ValueError(f"the recall recipe is missing {missing}; pass --configs DIR holding "
+                         f"{sorted(RECIPE_FILES.values())}")
+    model, s1 = load_run_config(paths["backbone"])
+    _, s2 = load_run_config(paths["workspace"])
+    _, s3 = load_run_config(paths["controller"])
+    if model is None:
+        raise ValueError(f"{paths['backbone']} must name the model (a 'model' entry)")
+    try:
+        study = json.loads(paths["study"].read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{paths['study']} is not valid JSON: {e}") from None
+    if cfg.bank_source is not None:
+        model = model.replace(bank_source=cfg.bank_source, query_source=cfg.bank_source)
+    mqar = MQARConfig(**s1.mqar)
+    mqar.validate()
+    return Recipe(model, s1, s2, s3, mqar), study
+
+
+def study_config(overrides: dict[str, Any], config_dir: str | None = None) -> RecallStudyConfig:
+    """`RecallStudyConfig` from `recall_study.json` (its known fields) updated by `overrides` (the command line)."""
+    folder = Path(config_dir) if config_dir else CONFIG_DIR
+    path = folder / RECIPE_FILES["study"]
+    base: dict[str, Any] = {}
+    if path.is_file():
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+        known = {f.name for f in dataclasses.fields(RecallStudyConfig)}
+        unknown = sorted(set(raw) - known - {"description"})
+        if unknown:
+            raise ValueError(f"{path}: unknown field(s) {unknown}; known: {sorted(known)}")
+        base = {k: v for k, v in raw.items() if k in known}
+        if "control_layers" in base:
+            base["control_layers"] = tuple(base["control_layers"])
+    base.update({k: v for k, v in overrides.items() if v is not None})
+    base["config_dir"] = config_dir
+    return RecallStudyConfig(**base).validate()
+
+
+# ------------------------------------------------------------------------------------------------------------ tasks
+def _quick(s: StageConfig, steps: int) -> StageConfig:
+    return s.replace(steps=steps, warmup=min(s.warmup, max(1, steps // 4)))

@@ -1,0 +1,63 @@
+"""`prisme train`: flags (and a run config) to a `StageConfig`, then `train_stage`."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import torch
+
+from prisme.config import PrismeConfig
+from prisme.training.config import (
+    StageConfig,
+    load_run_config,
+)
+from prisme.training.trainer import NonFiniteLossError, train_stage
+
+# ---------------------------------------------------------------------------------------------------------------- CLI
+
+
+def main(args: Any) -> int:
+    """`prisme train`: one stage from a run config JSON and/or flags; returns the process exit code."""
+    if args.threads and args.threads > 0:
+        torch.set_num_threads(args.threads)
+    model_cfg, scfg = load_run_config(args.config) if args.config else (None, None)
+    changes: dict[str, Any] = {}
+    for flag, name in (("stage", "stage"), ("steps", "steps"), ("batch_size", "batch_size"), ("lr", "lr"),
+                       ("out", "out_dir"), ("init_from", "init_from"), ("dataset", "dataset"), ("device", "device"),
+                       ("dtype", "dtype"), ("parallel", "parallel"), ("seed", "seed"), ("seq_len", "seq_len"),
+                       ("grad_accum", "grad_accum")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            changes[name] = value
+    if args.resume:
+        changes["resume"] = True
+    if getattr(args, "reschedule", False):
+        changes["reschedule"] = True
+    if args.no_progress:
+        changes["progress"] = False
+    if args.backbone_keeps_learning:
+        changes["train_backbone_in_workspace_stage"] = True
+    if getattr(args, "compile", None):
+        changes["compile"] = args.compile
+    if scfg is None:
+        if "stage" not in changes:
+            raise ValueError("pass --config FILE or at least --stage")
+        scfg = StageConfig(**changes).validate()
+    else:
+        scfg = scfg.replace(**changes)
+    if args.preset:
+        model_cfg = PrismeConfig.from_name(args.preset)
+    if scfg.stage == "backbone" and model_cfg is None and scfg.init_from is None and not scfg.resume:
+        raise ValueError("a fresh backbone stage needs a model: --preset NAME or a 'model' entry in --config")
+    try:
+        result = train_stage(model_cfg, scfg)
+    except NonFiniteLossError as e:
+        print(f"prisme train: error: {e}", file=sys.stderr)
+        return 1
+    if int(os.environ.get("RANK", "0")) == 0:
+        shown = ", ".join(f"{k} {v:.4g}" for k, v in result.val.items())
+        print(f"{result.stage}: {result.step} steps, {result.tokens:,} tokens in {result.wall_s:.1f} s; "
+              f"val {shown or '-'}; checkpoint {result.checkpoint}")
+    return 130 if result.interrupted else 0

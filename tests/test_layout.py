@@ -1,0 +1,173 @@
+"""The package's layout: each folder is one layer, imports only point down, and no modules import each other in a
+circle. Every import counts (module level or inside a function), except those under `if TYPE_CHECKING:`.
+"""
+
+from __future__ import annotations
+
+import ast
+import shutil
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "prisme"
+
+# Lowest first. A module may import its own layer and the layers below it, never one above.
+LAYERS = (
+    ("prisme.checks", "prisme.io", "prisme.stats"),
+    ("prisme.config",),
+    ("prisme.costs", "prisme.data"),
+    ("prisme.model",),
+    ("prisme.checkpoint", "prisme.interop", "prisme.faults"),
+    ("prisme.decoding",),
+    ("prisme.training",),
+    ("prisme.evaluation",),
+    ("prisme.studies",),
+    ("prisme.bench",),
+    ("prisme.cli", "prisme.__main__", "prisme"),
+)
+MAX_LINES = 450
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules(root: Path) -> dict[str, Path]:
+    return {module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+
+
+def imports_of(path: Path, name: str, known: dict[str, Path]) -> set[str]:
+    """The package modules `path` imports (a `from pkg import sub` names the submodule when `sub` is one)."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                visit_orelse(child)
+                continue
+            if isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = package.split(".")[: len(package.split(".")) - child.level + 1]
+                    target = ".".join(base + ([child.module] if child.module else []))
+                else:
+                    target = child.module or ""
+                if target == "prisme" or target.startswith("prisme."):
+                    for alias in child.names:
+                        sub = f"{target}.{alias.name}"
+                        out.add(sub if sub in known else target)
+            elif isinstance(child, ast.Import):
+                out.update(a.name for a in child.names if a.name == "prisme" or a.name.startswith("prisme."))
+            visit(child)
+
+    def visit_orelse(node: ast.If) -> None:
+        for stmt in node.orelse:
+            visit(ast.Module(body=[stmt], type_ignores=[]))
+
+    visit(ast.parse(path.read_text()))
+    out.discard(name)
+    return out
+
+
+def layer_of(name: str) -> int:
+    """The layer of the longest prefix that names the module (or a package above it)."""
+    best, layer = -1, None
+    for i, prefixes in enumerate(LAYERS):
+        for p in prefixes:
+            if (name == p or name.startswith(p + ".")) and len(p) > best:
+                best, layer = len(p), i
+    if layer is None:
+        raise AssertionError(f"module {name} is in no layer of tests/test_layout.py")
+    return layer
+
+
+def graph(root: Path) -> dict[str, set[str]]:
+    known = modules(root)
+    return {name: imports_of(path, name, known) for name, path in known.items()}
+
+
+def upward_imports(g: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{a} (layer {layer_of(a)}) imports {b} (layer {layer_of(b)})"
+                  for a, deps in g.items() for b in deps if layer_of(b) > layer_of(a))
+
+
+def cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected component of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in g.get(v, ()):
+            if w not in g:
+                continue
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            strong(v)
+    return out
+
+
+def test_every_import_points_down_a_layer():
+    """No module imports one of a higher layer."""
+    assert upward_imports(graph(PACKAGE)) == []
+
+
+def test_no_import_cycles():
+    assert cycles(graph(PACKAGE)) == []
+
+
+def test_no_module_of_the_package_is_over_450_lines():
+    long = {name: n for name, p in modules(PACKAGE).items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
+
+
+@pytest.fixture
+def package_copy(tmp_path: Path) -> Path:
+    dst = tmp_path / "prisme"
+    shutil.copytree(PACKAGE, dst, ignore=shutil.ignore_patterns("__pycache__", "corpora", "reference"))
+    return dst
+
+
+def test_negative_control_an_upward_import_is_caught(package_copy: Path):
+    """A model module that reaches up into training (inside a function, as lazy imports do) is reported."""
+    (package_copy / "model" / "bad.py").write_text(
+        "def f():\n    from prisme.training.trainer import train_stage\n    return train_stage\n")
+    assert upward_imports(graph(package_copy)) == [
+        "prisme.model.bad (layer 3) imports prisme.training.trainer (layer 6)"]
+
+
+def test_negative_control_a_cycle_is_caught(package_copy: Path):
+    """Two modules of one layer that import each other are a cycle, even when one import is deferred."""
+    (package_copy / "model" / "ping.py").write_text("from prisme.model import pong\n")
+    (package_copy / "model" / "pong.py").write_text("def f():\n    from prisme.model.ping import x\n")
+    assert cycles(graph(package_copy)) == [["prisme.model.ping", "prisme.model.pong"]]
+
+
+def test_type_checking_imports_do_not_count(package_copy: Path):
+    """An annotation-only import (under `if TYPE_CHECKING:`) is neither an edge nor a violation."""
+    (package_copy / "model" / "hint.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from prisme.training.trainer import X\n")
+    assert graph(package_copy)["prisme.model.hint"] == set()
