@@ -24,7 +24,7 @@ import sys
 
 
 def _add_compile(parser: argparse.ArgumentParser) -> None:
-    """`--compile` / `--compile strict` on a command that runs the workspace (`prisme.compile.maybe_compile`)."""
+    """`--compile` / `--compile strict` on a command that runs the workspace (`prisme.model.compiled.maybe_compile`)."""
     parser.add_argument("--compile", nargs="?", const="auto", default=None, choices=["auto", "strict"],
                         help="run the workspace editor under torch.compile (same results; its first calls "
                              "compile); '--compile strict': an error where it cannot compile, instead of one "

@@ -47,7 +47,7 @@ def unshifted_mask() -> Iterator[None]:
 
 @contextlib.contextmanager
 def compiled_editor_unmasked() -> Iterator[None]:
-    """Editors compiled inside this block (`prisme.compile.CompiledEditor`) build a graph that ignores the bank's
+    """Editors compiled inside this block (`prisme.model.compiled.CompiledEditor`) build a graph that ignores the bank's
     causal mask, as a compiled path reading its whole preallocated bank would; the eager editor is untouched."""
     from prisme.model import compiled as compile_mod
     from prisme.model.editor import blocks_pass

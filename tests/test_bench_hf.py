@@ -1,5 +1,5 @@
-"""`prisme bench vs-hf` and `prisme.compile`: the fixed-shape decode step, every timed path's correctness check with its
-negative controls, the floor arithmetic, the targets, the report and the CLI, on tiny sizes. Tests that run
+"""`prisme bench vs-hf` and `prisme.model.compiled`: the fixed-shape decode step, every timed path's correctness check
+with its negative controls, the floor arithmetic, the targets, the report and the CLI, on tiny sizes. Tests that run
 torch.compile are marked slow (`pytest -m slow`)."""
 
 from __future__ import annotations

@@ -189,3 +189,30 @@ def test_run_folder_without_latest_falls_back_to_the_newest_complete_checkpoint(
         (tmp_path / f"ckpt_00000{step}" / ckpt.CONFIG).unlink()
     with pytest.raises(ValueError, match="missing"):
         ckpt.read_meta(tmp_path)
+
+
+# ---------------------------------------------------------------------- a checkpoint from before the package layout
+FLAT = Path(__file__).parent / "data" / "flat_layout_checkpoint"
+
+
+def test_a_checkpoint_saved_by_the_flat_layout_loads_and_computes_the_same_logits():
+    """tests/data/flat_layout_checkpoint was saved by prisme 0.1.0 when every module sat in prisme/ (and before
+    `slot_kv_cache` existed): it loads through the public face and gives the logits and controller trace stored
+    beside it, to float32 rounding. Negative control: the same architecture with other weights is far off."""
+    import json
+
+    import prisme
+
+    expected = json.loads((FLAT / "expected.json").read_text())
+    model, meta = prisme.load_model(FLAT / "ckpt_00000007")
+    assert meta.stage == "workspace" and meta.step == 7 and not model.cfg.slot_kv_cache
+    tokens, actions = torch.tensor(expected["tokens"]), torch.tensor(expected["actions"])
+    want = torch.tensor(expected["logits"], dtype=torch.float64)
+    with torch.no_grad():
+        got = model.eval()(tokens, actions).logits.double()
+        policy = model.forward_policy(tokens, 2, lambda_cost=0.0).actions
+        other = prisme.PrismeModel(model.cfg).eval()
+        far = other(tokens, actions).logits.double()
+    assert float((got - want).abs().max()) < 1e-5
+    assert policy.tolist() == expected["policy_actions"]
+    assert float((far - want).abs().max()) > 1e-2

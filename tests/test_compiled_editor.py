@@ -1,7 +1,7 @@
-"""The compiled editor (`prisme.compile.compile_editor`): the same logits, traces and gradients as the eager editor
-on forced actions (singles, pairs, DENSE, STOP, ragged budgets), the controller's rollout, ragged batched decoding
-and a training step; the editor contracts hold on its padded graphs; a wrongly compiled graph is caught; and where
-torch.compile cannot work, one warning and the eager path (or a ValueError when asked strictly).
+"""The compiled editor (`prisme.model.compiled.compile_editor`): the same logits, traces and gradients as the eager
+editor on forced actions (singles, pairs, DENSE, STOP, ragged budgets), the controller's rollout, ragged batched
+decoding and a training step; the editor contracts hold on its padded graphs; a wrongly compiled graph is caught; and
+where torch.compile cannot work, one warning and the eager path (or a ValueError when asked strictly).
 
 Tolerance: float64, 1e-10 (the compiled graph sums in another order: differences are ~1e-15); `prisme bench
 workspace --compile` checks float32 at 1e-4. The models have one editor block, and the inference tests share one

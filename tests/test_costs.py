@@ -1,4 +1,4 @@
-"""The analytic cost model (prisme/costs.py) against seed 000 and against the modules that exist.
+"""The analytic cost model (prisme/costs/) against seed 000 and against the modules that exist.
 
 * seed 000: every integer and proxy value for prisme_103m at T = 512, through `cost_table` and the CLI's JSON;
 * parameters: the analytic counts per group equal `numel` of the instantiated modules (big presets on `meta`);

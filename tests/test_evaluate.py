@@ -1,4 +1,4 @@
-"""`prisme.evaluate`: every policy's loss and ops are what an independent computation gives (SPEC §5, §6).
+"""`prisme.evaluation`: every policy's loss and ops are what an independent computation gives (SPEC §5, §6).
 
 Tiny preset in float64 with a non-zero readout (U starts at zero, which would hide every edit). The greedy oracle is
 not guaranteed to beat a fixed n-step policy for n > 1 (it is myopic, and budget conditioning differs), so the tests

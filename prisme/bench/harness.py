@@ -1,25 +1,5 @@
-"""Benchmarks: a small timing harness, and seed 001's KV-cache protocol on a PRISME backbone (`prisme bench kv`).
-
-Harness (`time_paths`): each path is a `(name, setup, run)` triple; `setup` is untimed (allocate and prefill a
-cache), `run` is timed with `time.perf_counter_ns`. Every path runs `warmups` times untimed, then `repeats` timed
-times, inside `torch.inference_mode()`, with the garbage collector collected first and off while timing, and with the
-path order rotated by one each repeat so that no path always runs first (or just after a given other path).
-
-KV protocol (seed 001, with seed 003's memory figures), on a seeded, untrained preset:
-  * correctness: max |logit| error of the cached path (a prompt fed in chunks of 1, 2, 5 through a `KVCache`) against
-    a full recomputation, for float32 and float64, batch 1 and 2, over every position of a short sequence;
-    per-position errors for float32, batch 2, chunk 1;
-  * negative controls: the same check under `faults.reset_positions()` and `faults.unshifted_mask()` (chunk 5) must
-    give a large error, proving that the check can see a broken cache;
-  * timing, per prompt length P with N forced continuation tokens: `prefill` (the prompt into a fresh cache, head on
-    its last position), `full` (for each new token, the whole prefix recomputed, head on its last position) and
-    `cached` (the N tokens one at a time through the prefilled cache, head included; the prefill is not timed);
-  * memory: the exact K/V payload of P + N positions (and bytes per position), next to the Python `tracemalloc`
-    peak of each path, which sees Python objects only (tensor storage is allocated outside Python's allocator).
-
-Output: a table for humans (seed 001's own figures beside ours, labelled as measured on another machine), then one
-JSON document, the last thing printed on stdout; `--json PATH` also writes it to a file (atomically).
-"""
+"""The timing harness every benchmark shares (a leaf): rotated timing of named paths with warmups and gc off,
+percentiles, peak Python memory, torch thread counts, seeded models and tokens, and table-then-JSON output."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Benchmarks: a small timing harness, and seed 001's KV-cache protocol on a PRISME backbone (`prisme bench kv`).
+"""`prisme bench kv`: seed 001's KV-cache protocol on a PRISME backbone.
 
-Harness (`time_paths`): each path is a `(name, setup, run)` triple; `setup` is untimed (allocate and prefill a
+Timing (`harness.time_paths`): each path is a `(name, setup, run)` triple; `setup` is untimed (allocate and prefill a
 cache), `run` is timed with `time.perf_counter_ns`. Every path runs `warmups` times untimed, then `repeats` timed
 times, inside `torch.inference_mode()`, with the garbage collector collected first and off while timing, and with the
 path order rotated by one each repeat so that no path always runs first (or just after a given other path).

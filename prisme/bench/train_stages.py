@@ -20,7 +20,7 @@ STAGE_RECIPES: dict[str, dict[str, Any]] = {
 }
 TRAINED, THROUGH, NO_GRAD = 3, 2, 1  # forward-ops multipliers of `OPS_CONVENTION`
 
-ADAMW = dict(betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)  # as prisme.train's defaults
+ADAMW = dict(betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)  # as prisme.training's defaults
 GRAD_CLIP = 1.0
 STAGES = ("workspace", "controller")
 STAGE_TARGET = 1.5  # stage tokens/s >= backbone-stage tokens/s / (1.5 x the analytic training-ops ratio)

@@ -10,7 +10,7 @@ run (measured here for the compiled step: 96 µs per step at N = 16, 77 at 64, 7
   hf_dynamic  HF with its default `DynamicCache`        hf_static  HF with a `StaticCache` of P + N positions
   prisme      the lean eager cached path, `head(backbone(token, cache))`, weights stored [in, out] in memory
               (`compile.in_out_layout_`: same values, faster batch-1 products; `--stock-layout` for nn.Linear's)
-  compiled    `prisme.compile`'s fixed-shape step under torch.compile(mode="max-autotune-no-cudagraphs"), frozen
+  compiled    `prisme.model.compiled`'s fixed-shape step under torch.compile(mode="max-autotune-no-cudagraphs"), frozen
               weights (seed001: also Inductor's C++ wrapper and math attention); one decoder per batch size, its
               cache sized to the longest prompt + N, over which it attends (masked)
   stream_read (prisme_103m) four reads of a 512 MiB buffer, timed in the same rotation: the floor's bandwidth

@@ -326,8 +326,8 @@ def run_workspace(presets: Sequence[str | PrismeConfig] = DEFAULT_PRESETS, batch
             "dense_row": "n DENSE actions (id A + 1, all M slots); dense16 at M = 16",
             "models": "same weights as cfg.optimised=True (opt; the slot K/V cache off, the default), with "
                       "cfg.slot_kv_cache=True too (opt_kv) and cfg.optimised=False (seed); with --compile also "
-                      "the seed model with its editor compiled (compiled: prisme.compile.compile_editor, analytic "
-                      "ops of the seed column, compiled once in the warm-up runs)",
+                      "the seed model with its editor compiled (compiled: prisme.model.compiled.compile_editor, "
+                      "analytic ops of the seed column, compiled once in the warm-up runs)",
             "batch_gt_1_budgets": "row b takes ceil((b + 1) n / B) actions then STOP (budget = that count)",
             "prompt_tokens": prompt_len, "decoded_tokens": new_tokens, "warmups": warmups, "repeats": repeats,
             "timer": "perf_counter_ns", "gradients": "torch.inference_mode", "path_order": "rotated each repeat",

@@ -19,7 +19,7 @@ from prisme.model.state import DecodeState
 
 ROWS = tuple(SEED_ROWS)  # backbone_only, 4_actions_k1, 4_actions_k2, 8_actions_k2, 8_actions_dense16
 VARIANTS = ("opt", "opt_kv", "seed")  # cfg.optimised True (slot K/V cache off / on) / False, same weights
-COMPILED = "compiled"  # with --compile: the seed model with its editor under torch.compile (prisme.compile)
+COMPILED = "compiled"  # with --compile: the seed model with its editor under torch.compile (prisme.model.compiled)
 PATHS = {"-": "backbone only (no source bank, no workspace)",
          "opt": "eager editor, every slot's K/V recomputed in every block; folded readout (cfg.optimised=True, the "
                 "default: slot_kv_cache=False)",
@@ -87,15 +87,8 @@ def row_plan(cfg: PrismeConfig, row: str, batch: int) -> tuple[torch.Tensor | No
 
 
 def rewind(state: DecodeState, length: int) -> DecodeState:
-    """Roll every row of `state` back to `length` positions, in place; returns it.
-
-    Exact: the next step writes its K/V and bank entry at position `length` and every later read is masked to
-    positions <= its own, so entries left past `length` are never read (checked by `workspace_checks`).
-    """
-    if not 0 <= length <= min(state.lengths):
-        raise ValueError(f"can only rewind to a length in [0, {min(state.lengths)}], got {length}")
-    state.cache.lengths = [length] * state.batch_size
-    return state
+    """`state.rewind(length)` (kept as a function: the bench's paths call it by name)."""
+    return state.rewind(length)
 
 
 # --------------------------------------------------------------------------------------------------------- split timer

@@ -1,28 +1,5 @@
-"""Analytic cost model: operations per generated token, one named term per component (seed 000, SPEC §6).
-
-Notation: d backbone width, L layers, V vocab, T context (keys the new token attends to), w workspace width,
-M slots, A = M + M/2 actions, B_e editor blocks, h_e editor hidden, F controller features, n actions of k slots.
-
-Conventions (the seed's):
-  * one multiply-add = 2 ops; softmax, norms and activations are ignored (O(dim), not O(dim^2)), except that norm
-    gains count in `backbone_linear` (2 ops per gain) because that term is 2 x non-embedding parameters;
-  * decode step: the backbone attends over the whole context T (KV cache); the LM head is included;
-  * the source bank is incremental: K, V and z of the new position only (3 projections d -> w);
-  * the editor reads the whole bank (T keys) for every edited slot in every block (`editor_source_attn`);
-  * seed accounting (`optimised=False`, what `cfg.optimised=False` models run): every block refreshes the K/V of
-    all M slots of the position for every action; the controller projects all A action summaries; the readout
-    projects the M slots of both states with W_r;
-  * optimised accounting (`optimised=True`, what `cfg.optimised` models run): the controller projects the M slots
-    and averages pairs (M w^2 instead of A w^2); the readout folds W_r into its query (2 w^2 once instead of
-    2 M w^2 per state). With `cfg.slot_kv_cache` too (`cfg.uses_slot_kv_cache`), slot K/V are computed once per
-    edited position (all M slots, every block: the first sparse action pays it), then only for the slots an action
-    changes (its k slots in blocks >= 1, and a refresh of its k slots in every block after it); DENSE actions keep
-    the seed's path and leave the position without a slot K/V cache. Without it the editor counts as the seed's.
-
-Sources: seed 000 (cost table for prisme_103m at T = 512); SPEC §6. docs/costs.md derives every term;
-tests/test_costs.py checks every integer of the seed, ties each term to the matmul FLOPs that
-`torch.utils.flop_counter.FlopCounterMode` counts on the real modules (`OpsCounter`), and parameter counts to `numel`.
-"""
+"""`prisme costs`: seed 000's cost table for a preset (and the optimised column beside it), as a human table or as
+one JSON document in seed 000's layout."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""Data: tokenizers, text corpora, token datasets with an on-disk cache, and the MQAR synthetic task.
-
-Conventions used throughout:
-
-* Every batch is a pair ``(x, y)`` of ``torch.long`` tensors of shape ``[B, T]`` where ``y[b, t]`` is the target for
-  the token that follows ``x[b, t]``; positions with ``y == IGNORE_INDEX`` (-100) carry no loss.
-* Randomness comes only from an explicit ``torch.Generator`` (or a fixed seed), so every batch is reproducible.
-* The embedded corpus (Jane Austen's novels, public domain) ships with the package as ``corpora/austen.txt.xz``.
-"""
+"""Tokenizers: UTF-8 bytes (`ByteTokenizer`, lossless on any text) and a byte-level BPE (`BPETokenizer`, needs the
+optional `tokenizers` package), behind the `Tokenizer` protocol the rest of the code uses."""
 
 from __future__ import annotations
 

@@ -1,22 +1,6 @@
-"""Incremental decoding with the workspace: `DecodeState`, sampling, batched generation (SPEC §4).
-
-Notation: B rows, C new tokens per row in one call (a chunk), Q query positions whose workspace runs, R actions per
-position, T_max the state's capacity, V vocab, d backbone width, w workspace width.
-
-A `DecodeState` (allocated by `PrismeModel.new_decode_state`) owns the backbone's KV cache, the source bank K/V
-`[B, T_max, w]` and each row's length. Every new position takes the same path as in the parallel `forward_policy`:
-one backbone step with the cache; its bank entry appended (only new positions are projected); then its own
-workspace, run by the model's own methods on an `EncodedContext` whose queries are the new positions and whose bank
-is the cache (`rollout_policy`, or `rollout_forced` for forced actions, then `logits_from_state`). Reusing those
-methods is what makes decoding exact: forced-token decoding in chunks of any size gives, in float64, the logits
-(to ~1e-12) and action traces of one teacher-forced `forward_policy` call (tests/test_generate.py).
-
-Ragged batches: rows are right-padded and carry their own lengths; `n_new[b]` says how many of a chunk's C tokens of
-row b are real. Outputs at padding positions are unspecified (`StepOutput.valid` marks the real ones); rows with no
-new token take no part in the workspace.
-
-Every public entry point checks its whole input before it touches the state: a ValueError leaves the state as it was.
-"""
+"""Batched generation with the workspace (SPEC §4): prompts of any lengths decoded together through one
+`DecodeState`, each row with its own generator, stop tokens and budget; a stream of events per token (the actions
+taken, their ops); the price calibration that finds the lambda giving a target cost; and `prisme generate`."""
 
 from __future__ import annotations
 

@@ -1,30 +1,5 @@
-"""Evaluation: validation loss against measured ops per token, for every policy of SPEC §5.
-
-Notation: B batch, T positions, V vocab, M slots, A controller actions (STOP = A, DENSE = A+1), R steps, P oracle
-positions per sequence, n actions per position, k slots per action.
-
-Policies (one `EvalRow` each; `family` in parentheses):
-  * backbone only (`backbone`): `model(tokens)`, the exact bypass;
-  * backbone + matched tokens (`matched`): another model's backbone alone (one trained on as many extra tokens as
-    the workspace stage used), so that "the workspace helps" is not just "more training";
-  * fixed n x k1 / n x k2 (`fixed`), n in {1, 2, 4, 8} and n <= r_max: step r edits slot r mod M, or pair
-    M + (r mod M/2); forced through `model(tokens, actions)`, no controller;
-  * random n x k (`random`): uniform single slots or pairs; batch i draws from a generator seeded with seed + i
-    (common random numbers across random rows);
-  * dense (`dense`): n DENSE actions;
-  * controller at several lambda (`controller`): `model.forward_policy(tokens, r_max, lambda_cost=lambda)`;
-  * greedy oracle (`oracle`, not deployable): at each step execute every candidate action, keep the largest true
-    loss drop, STOP when none beats lambda * cost. It reads the targets, so it is an upper-bound probe on a subsample
-    of labelled positions, never a policy one could deploy.
-
-Measurement (SPEC §6): loss is the mean next-token cross-entropy over labelled targets (-100 ignored), accuracy the
-argmax hit rate on them (MQAR only). Ops come from the actual traces through `costs.trace_cost`: each position pays
-at its own context t + 1; forced policies pay no controller; the controller pays the steps it took; the oracle is
-charged min(n + 1, budget) controller steps, as if a controller had chosen its trace. Ops cover every position of
-the evaluated sequences (each one is a generated token, labelled or not); the oracle's cover its sampled positions.
-`relative_ops` divides by the backbone alone on the same positions. Both accountings are reported: `ops_per_token`
-is the model's own (`cfg.optimised`), `ops_per_token_alt` the other one (seed <-> optimised).
-"""
+"""An evaluation's report: one row per policy (loss, paired intervals against the backbone, the matched backbone
+and the equal-edits baseline, ops, edits), the Pareto front, the table, the JSON document and the plot."""
 
 from __future__ import annotations
 

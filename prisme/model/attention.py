@@ -115,7 +115,7 @@ class LayerKVCache:
 
         Entries with `valid[b, c] == False` (right padding of a ragged chunk) are not written.
         """
-        if input_pos.dim() == 1:  # shared positions: no host read, so a fixed-shape step compiles (prisme.compile)
+        if input_pos.dim() == 1:  # shared positions: no host read, so a fixed-shape step compiles (model.compiled)
             self.k.index_copy_(2, input_pos, k.to(self.k.dtype))
             self.v.index_copy_(2, input_pos, v.to(self.v.dtype))
             return
@@ -153,6 +153,22 @@ class KVCache:
         self.lengths = [0] * self.batch_size
         for layer in self.layers:
             layer.reset()
+
+    def advance(self, n_new: list[int]) -> None:
+        """Row b now holds `n_new[b]` more positions (their K/V were just written)."""
+        if len(n_new) != self.batch_size:
+            raise ValueError(f"advance needs one count per row ({self.batch_size}), got {len(n_new)}")
+        lengths = [length + int(n) for length, n in zip(self.lengths, n_new)]
+        if min(n_new, default=0) < 0 or max(lengths, default=0) > self.max_len:
+            raise ValueError(f"cannot advance lengths {self.lengths} by {list(n_new)} within capacity {self.max_len}")
+        self.lengths = lengths
+
+    def truncate(self, length: int) -> None:
+        """Every row keeps its first `length` positions (at most its own length). The buffers past it are left as
+        they are: a later step overwrites position `length` first, and no read reaches past a row's length."""
+        if not 0 <= length <= min(self.lengths, default=0):
+            raise ValueError(f"can only truncate to a length in [0, {min(self.lengths, default=0)}], got {length}")
+        self.lengths = [length] * self.batch_size
 
     @property
     def nbytes(self) -> int:

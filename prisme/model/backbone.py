@@ -182,7 +182,7 @@ class Backbone(nn.Module):
         else:
             step = CacheStep(input_pos, None, valid, kv_len, attn.causal_mask(input_pos, kv_len))
             H, kept = self._blocks(tokens, input_pos.clamp(max=T_max - 1), cache, step, layers)  # padding: past T_max
-        cache.lengths = [length + n for length, n in zip(cache.lengths, n_new)]
+        cache.advance(n_new)
         return H, kept
 
     def prefill(self, tokens: torch.Tensor, cache: KVCache, chunk_size: int | None = None) -> torch.Tensor:

@@ -139,8 +139,8 @@ class FrozenCompile:
             graphs = _graphs["unique_graphs"]
             out = self.compiled(*args)
             if _graphs["unique_graphs"] != graphs:
-                warnings.warn("prisme.compile: a decoder recompiled after its first call, without Inductor freezing "
-                              "(new input sizes or strides); it stays correct but runs slower", stacklevel=3)
+                warnings.warn("prisme.model.compiled: a decoder recompiled after its first call, without Inductor "
+                              "freezing (new input sizes or strides); it stays correct but runs slower", stacklevel=3)
             return out
         from torch._inductor import config
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -181,7 +181,7 @@ class CompiledDecoder:
 
     def reset(self) -> None:
         """Forget the cached sequence (the buffers are kept: positions past the length are never read)."""
-        self.cache.lengths = [0] * self.cache.batch_size
+        self.cache.truncate(0)
 
     def _check(self, tokens: torch.Tensor) -> None:
         check_tokens(tokens, self.backbone.cfg.vocab_size)
@@ -202,7 +202,7 @@ class CompiledDecoder:
             tokens = tokens.to(torch.long, memory_format=torch.contiguous_format, copy=True)  # [B, P]
             torch._dynamo.maybe_mark_dynamic(tokens, 1)
         logits = self._prefill(tokens, self.cache)  # [B, V]
-        self.cache.lengths = [tokens.shape[1]] * tokens.shape[0]
+        self.cache.advance([tokens.shape[1]] * tokens.shape[0])
         return logits
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -216,7 +216,7 @@ class CompiledDecoder:
             raise ValueError(f"the decoder is full: {start} positions of {cache.max_len}")
         check_tokens(tokens, self.backbone.cfg.vocab_size)
         logits = self._step(self._tokens.copy_(tokens), self._positions[start], cache)  # [B, V]
-        cache.lengths = [start + 1] * cache.batch_size
+        cache.advance([1] * cache.batch_size)
         return logits
 
 

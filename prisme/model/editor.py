@@ -132,7 +132,7 @@ def blocks_pass(blocks: nn.ModuleList, x: torch.Tensor, st: torch.Tensor, rem: t
     """One action group through every editor block, seed accounting: each block reads the K/V of all M slots of the
     position at its input (S_pos `[N, M, w]` with the group's slots `[N, k]` replaced by x `[N, k, w]`).
 
-    A pure function of tensors (and the bool `full`), so that `prisme.compile.compile_editor` can compile it; the
+    A pure function of tensors (and the bool `full`), so that `prisme.model.compiled.compile_editor` can compile it; the
     eager editor runs the very same function. Returns (x_out `[N, k, w]`, gates: one `[N, k, 1]` per block).
     """
     rows = torch.arange(x.shape[0], device=x.device).unsqueeze(1)  # [N, 1]
@@ -223,7 +223,7 @@ class SparseEditor(nn.Module):
         self.register_buffer("act_slots", slots, persistent=False)  # [A+2, M]
         self.group_sizes = sizes
         self.group_first = group_first_actions(cfg)
-        self.compiled = None  # a compiled `blocks_pass` (`prisme.compile.compile_editor`), or None: eager
+        self.compiled = None  # a compiled `blocks_pass` (`prisme.model.compiled.compile_editor`), or None: eager
 
     def _apply(self, fn, *args, **kwargs):  # the tables are derived from the config: valid after `to_empty` too
         out = super()._apply(fn, *args, **kwargs)

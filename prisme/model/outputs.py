@@ -1,17 +1,5 @@
-"""PrismeModel: backbone + causal source bank + ephemeral workspace + sparse editor + controller + readout.
-
-Wiring only; each component lives in its own module. Notation: B batch, T (Tq queries, Tb bank) positions,
-d backbone width, w workspace width, M slots, A actions, R forced steps.
-
-Contracts (each is a test in tests/test_contracts.py):
-  * explicit bypass: `actions=None`, zero-length actions or `max_budget == 0` return the backbone head without
-    touching the workspace; positions that never edit get logits bit-identical to `backbone.head(H)`;
-  * causality: the bank visible to position t is 0..t; nothing from t+1 onward reaches its workspace, its
-    controller decisions or its logits;
-  * locality: an action writes only its own slots (bitwise identity elsewhere);
-  * read-only inputs: the editor never modifies H, K, V, z or S0;
-  * target-free controller: it scores actions from target-free features and never executes candidate edits.
-"""
+"""What the model's passes hand each other: the backbone's streams, an encoded context (bank, queries, initial
+workspace), a rollout's final workspace and trace, and the forward's output."""
 
 from __future__ import annotations
 

@@ -439,7 +439,7 @@ class PrismeModel(nn.Module):
 
     def new_decode_state(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None,
                          bank: bool | None = None) -> DecodeState:
-        """Allocate a `prisme.generate.DecodeState` (backbone KV cache, source bank, per-row lengths) for decoding."""
+        """Allocate a `prisme.model.state.DecodeState` (backbone KV cache, source bank, per-row lengths)."""
         from prisme.model.state import DecodeState
 
         return DecodeState(self, batch_size, max_len, dtype, bank)

@@ -1,4 +1,5 @@
-"""Incremental decoding with the workspace: `DecodeState`, sampling, batched generation (SPEC §4).
+"""`DecodeState`: incremental decoding with the workspace (SPEC §4); generation on top of it is
+`prisme.decoding.generate`.
 
 Notation: B rows, C new tokens per row in one call (a chunk), Q query positions whose workspace runs, R actions per
 position, T_max the state's capacity, V vocab, d backbone width, w workspace width.
@@ -126,6 +127,17 @@ class DecodeState:
         bank = 0 if self.K is None else 2 * self.K.numel() * self.K.element_size()
         bank += sum(p.numel() * p.element_size() for p in self.prev)
         return self.cache.nbytes + bank
+
+    def rewind(self, length: int) -> DecodeState:
+        """Roll every row back to its first `length` positions, in place; returns the state.
+
+        Exact: the next step writes its K/V and bank entry at position `length` and every later read is masked to
+        positions <= its own, so entries left past `length` are never read (`prisme bench workspace` checks that a
+        rewound state decodes bit-identically to a fresh one)."""
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= min(self.lengths):
+            raise ValueError(f"can only rewind to a length in [0, {min(self.lengths)}], got {length!r}")
+        self.cache.truncate(length)
+        return self
 
     def reset(self) -> None:
         """Forget every row (lengths to 0; buffers zeroed so stale entries can never leak)."""

@@ -2,7 +2,7 @@
 laptop CPU.
 
 1. recall        `prisme study recall` on a few seeds (MQAR: where the workspace solves what its backbone cannot)
-2. text          `prisme study text` (`prisme.study_text`): the three stages on byte-level Austen at the `demo` preset
+2. text          `prisme study text` (`prisme.studies.text`): the three stages on byte-level Austen at the `demo` preset
                  (stage 1 once, stage 2 and 3 per bank source), the matched and a one-layer-deeper backbone, every
                  policy on the validation split and the whole held-out text with paired 95% intervals
 3. sample        a short greedy continuation with the controller
@@ -34,7 +34,7 @@ PROMPT = "It is a truth universally acknowledged, that"
 DEMO_SOURCES = ("residual",)  # the demo's text study: the seed's bank (`prisme study text` adds "embedding")
 def _sample(model: torch.nn.Module, prompt: str, n_tokens: int, max_budget: int,
             kappa_risk: float | None = None) -> tuple[str, dict[str, Any]]:
-    """Greedy continuation with the controller (prisme.generate if present, else a plain forward loop)."""
+    """Greedy continuation with the controller (prisme.decoding.generate, else a plain forward loop)."""
     tok = ByteTokenizer()
     ids = tok.encode(prompt)
     try:
@@ -60,7 +60,7 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
     """Run the demo end to end; returns the summary (also written to <run>/summary.json).
 
     1. the recall study on `recall_seeds` (None or [] skips it; with `scale` < 1 it runs in its quick mode);
-    2. the text study (`prisme.study_text`): Austen with the demo preset (`model_cfg` replaces it: tests run a
+    2. the text study (`prisme.studies.text`): Austen with the demo preset (`model_cfg` replaces it: tests run a
        byte-level `tiny`), every policy against the backbone, the matched and a deeper backbone, on `eval_batches`
        validation batches and the whole held-out text (`held_out`, default the embedded devils_dictionary), for the
        bank sources `sources` (default: the seed's, which keeps the demo within its time; `prisme study text` runs

@@ -1,26 +1,5 @@
-"""Three-stage training (SPEC §5): backbone LM -> workspace on forced actions -> controller on the oracle.
-
-    cfg = PrismeConfig.from_name("demo")
-    train_stage(cfg, StageConfig(stage="backbone", steps=600, out_dir="runs/x/backbone"))
-    train_stage(None, StageConfig(stage="workspace", init_from="runs/x/backbone", out_dir="runs/x/workspace"))
-    train_stage(None, StageConfig(stage="controller", init_from="runs/x/workspace", out_dir="runs/x/controller"))
-
-Each stage loads the previous stage's checkpoint (`init_from`), trains only its own parameter group (everything
-else has `requires_grad=False`), logs JSONL metrics and writes atomic checkpoints to `out_dir` (prisme.checkpoint).
-
-The stages' losses are in `prisme.objectives` (1. backbone LM, 2. workspace on forced actions, 3. controller
-regressed on the oracle's true loss drops; only stage 3 executes candidate edits).
-
-Notation: B global batch (sequences per optimizer step), b rows of one micro-batch on one rank, T seq_len,
-P oracle positions per sequence, A actions, R forced steps, W world size.
-
-Exactness across world sizes and accumulation: every step draws the global batch and its random inputs (forced
-actions, oracle positions) once, identically on every rank; micro-batch m on rank r takes rows
-[(m W + r) b, (m W + r + 1) b). Each loss term is a sum divided by its count over the whole global batch (every
-rank can count it) and multiplied by W, because DDP and FSDP average gradients over ranks. So W processes and
-W accumulation steps give the update of one process on the whole batch, up to summation order
-(tests/test_distributed.py). Resume is exact: weights, optimizer, step and generator states are checkpointed.
-"""
+"""What a training stage is told: `StageConfig` (every field validated, JSON round trip), run configs
+(configs/*.json: a stage plus an optional model), the dataset a stage trains on, and the demo's four-run recipe."""
 
 from __future__ import annotations
 

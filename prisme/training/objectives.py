@@ -1,4 +1,4 @@
-"""The three stages' objectives (SPEC §5), used by `prisme.train`.
+"""The three stages' objectives (SPEC §5), used by `prisme.training.trainer`.
 
 1. `BackboneObjective`: next-token cross-entropy of `model(tokens)` (the exact bypass; the workspace is not touched).
 2. `WorkspaceObjective`: backbone frozen (unless `train_backbone_in_workspace_stage`); each position gets a random
