@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from prisme.checks import is_int
 from prisme.config import PrismeConfig
 from prisme.io import current_umask, fsync_dir, json_default, write_file, write_text_atomic
 
@@ -271,7 +272,7 @@ def read_meta(path: str | Path) -> CheckpointMeta:
     except ValueError as e:
         raise ValueError(f"{p / CONFIG}: {e}") from None
     step = state.get("step", 0)
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+    if not is_int(step) or step < 0:
         raise ValueError(f"{p / STATE}: step must be an integer >= 0, got {step!r}; the checkpoint is corrupt")
     return CheckpointMeta(path=p, config=cfg, schema_version=state["schema_version"], stage=state.get("stage", "?"),
                           step=step, stage_config=state.get("stage_config", {}),

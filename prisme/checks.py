@@ -45,6 +45,17 @@ def check_choice(name: str, v: Any, choices: tuple[Any, ...], where: str = "") -
     return v
 
 
+def check_max_budget(max_budget: Any, r_max: int, use_workspace: bool = True) -> int:
+    """A controller budget: an int in [0, r_max], and 0 for a model without a workspace; returns it."""
+    if not is_int(max_budget) or max_budget < 0:
+        raise ValueError(f"max_budget must be an int >= 0, got {max_budget!r}")
+    if max_budget > r_max:
+        raise ValueError(f"max_budget={max_budget} exceeds r_max={r_max}")
+    if max_budget > 0 and not use_workspace:
+        raise ValueError("this model has no workspace (use_workspace=False): max_budget must be 0")
+    return max_budget
+
+
 def _matches(v: Any, ann: str) -> bool:
     ann = ann.replace(" ", "")
     if "|" in ann:

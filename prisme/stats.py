@@ -19,15 +19,17 @@ from typing import Any
 
 import torch
 
+from prisme.checks import is_int
+
 N_BOOT = 1000
 LEVEL = 0.95
 
 
 def check_bootstrap_args(n_boot: Any, seed: Any) -> None:
     """ValueError unless `n_boot` is an int >= 1 and `seed` an int >= 0 (bools are neither)."""
-    if isinstance(n_boot, bool) or not isinstance(n_boot, int) or n_boot < 1:
+    if not is_int(n_boot) or n_boot < 1:
         raise ValueError(f"bootstrap samples must be a positive integer, got {n_boot!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+    if not is_int(seed) or seed < 0:
         raise ValueError(f"bootstrap seed must be an integer >= 0, got {seed!r}")
 
 

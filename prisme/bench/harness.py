@@ -115,9 +115,12 @@ def make_tokens(vocab_size: int, batch: int, length: int, seed: int) -> torch.Te
     return torch.randint(0, vocab_size, (batch, length), generator=g)
 
 
-def model_facts(model: Backbone) -> dict[str, Any]:
+def model_facts(model: torch.nn.Module) -> dict[str, Any]:
+    """What a benchmark's JSON records about the model it timed (a `Backbone` or a `PrismeModel`): the backbone's
+    shape, and for a model with a workspace the workspace's (width, slots, editor blocks and hidden size, heads,
+    r_max); untrained (random) weights."""
     cfg = model.cfg
-    return {
+    facts = {
         "preset": cfg.name,
         "family": cfg.family,
         "vocab": cfg.vocab_size,
@@ -131,6 +134,10 @@ def model_facts(model: Backbone) -> dict[str, Any]:
         "trained": False,
         "position_encoding": "learned absolute" if cfg.family == "gpt2" else "rope",
     }
+    if hasattr(model, "editor"):
+        facts.update(w=cfg.w, slots=cfg.n_slots, edit_blocks=cfg.n_edit_blocks, editor_hidden=cfg.editor_hidden,
+                     ws_heads=cfg.n_ws_heads, r_max=cfg.r_max)
+    return facts
 
 
 def parse_ints(text: str, flag: str) -> tuple[int, ...]:

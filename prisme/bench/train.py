@@ -40,6 +40,7 @@ from prisme.bench.train_stages import (
     stage_row,
 )
 from prisme.config import PrismeConfig
+from prisme.costs.analytic import matmul_params_per_layer
 from prisme.io import environment
 from prisme.model.backbone import Backbone
 
@@ -132,13 +133,6 @@ class FlopCount:
     attention: int  # q k^T and attention-weighted values, causal half only
     head: int  # lm head on the positions whose logits are taken
     total: int
-
-
-def matmul_params_per_layer(cfg: PrismeConfig) -> int:
-    """Weights one token multiplies with in one block: wqkv, wo, w13, w2 (biases and norms excluded)."""
-    d, hd, nh, nkv, h = cfg.d_model, cfg.head_dim, cfg.n_head, cfg.n_kv_head, cfg.ffn_hidden
-    mlp_in = 2 * h if cfg.family == "llama" else h
-    return d * (nh + 2 * nkv) * hd + nh * hd * d + d * mlp_in + h * d
 
 
 def forward_flops(cfg: PrismeConfig, batch: int, seq_len: int, head_positions: int | None = None) -> FlopCount:

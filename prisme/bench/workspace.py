@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from prisme.bench.harness import emit, parse_ints, percentiles, time_paths, torch_threads
+from prisme.bench.harness import emit, model_facts, parse_ints, percentiles, time_paths, torch_threads
 from prisme.bench.workspace_paths import (
     COMPILED,
     PATHS,
@@ -251,14 +251,6 @@ def time_batch(models: dict[str, PrismeModel], batch: int, P: int, N: int, warmu
 
 
 # -------------------------------------------------------------------------------------------------------------- report
-def model_facts(model: PrismeModel) -> dict[str, Any]:
-    cfg = model.cfg
-    return {"preset": cfg.name, "family": cfg.family, "vocab": cfg.vocab_size, "layers": cfg.n_layer,
-            "width": cfg.d_model, "heads": cfg.n_head, "kv_heads": cfg.n_kv_head, "w": cfg.w, "slots": cfg.n_slots,
-            "edit_blocks": cfg.n_edit_blocks, "editor_hidden": cfg.editor_hidden, "ws_heads": cfg.n_ws_heads,
-            "r_max": cfg.r_max, "parameters": model.num_parameters(), "trained": False}
-
-
 def run_workspace(presets: Sequence[str | PrismeConfig] = DEFAULT_PRESETS, batches: Sequence[int] = (1, 8),
                   prompt_len: int = 128, new_tokens: int = 16, warmups: int = 1, repeats: int = 5,
                   threads: int | None = None, seed: int = 42, dtype: torch.dtype = torch.float32, device: str = "cpu",

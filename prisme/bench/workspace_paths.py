@@ -14,6 +14,7 @@ import torch
 
 from prisme.config import PrismeConfig
 from prisme.costs.analytic import SEED_ROWS
+from prisme.evaluation.policies import forced_actions
 from prisme.model.prisme import PrismeModel
 from prisme.model.state import DecodeState
 
@@ -72,13 +73,8 @@ def row_plan(cfg: PrismeConfig, row: str, batch: int) -> tuple[torch.Tensor | No
         return None, [0] * batch
     if n > cfg.r_max:
         raise ValueError(f"row {row!r} needs {n} actions but preset {cfg.name!r} has r_max={cfg.r_max}")
-    M = cfg.n_slots
-    if row.endswith("dense16"):
-        ids = [cfg.dense_action] * n
-    elif k == 1:
-        ids = [i % M for i in range(n)]  # slots 0, 1, 2, ...
-    else:
-        ids = [M + i % (M // 2) for i in range(n)]  # pairs (0,1), (2,3), ... repeating when M/2 < n
+    # slots 0, 1, 2, ..., pairs (0,1), (2,3), ... repeating when M/2 < n, or n DENSE actions: the evaluation's plan
+    ids = forced_actions(cfg, "dense" if row.endswith("dense16") else "fixed", n, k, (1, 1))[0, 0].tolist()
     counts = [n] * batch if batch == 1 else [math.ceil((b + 1) * n / batch) for b in range(batch)]
     acts = torch.full((batch, n), cfg.stop_action, dtype=torch.long)
     for b, n_b in enumerate(counts):

@@ -109,12 +109,17 @@ SLOT_KV_ASSUMPTIONS = (
 
 
 # ---------------------------------------------------------------------- parameter counts
-def _backbone_matmul_params(cfg: PrismeConfig) -> int:
-    """Weights of the backbone's per-layer linears (qkv, o, MLP), all layers."""
+def matmul_params_per_layer(cfg: PrismeConfig) -> int:
+    """Weights one token multiplies with in one block: wqkv, wo, w13, w2 (biases and norms excluded)."""
     d, f = cfg.d_model, cfg.ffn_hidden
     qkv_out = (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim
     mlp = 3 * d * f if cfg.family == "llama" else 2 * d * f
-    return cfg.n_layer * (d * qkv_out + cfg.n_head * cfg.head_dim * d + mlp)
+    return d * qkv_out + cfg.n_head * cfg.head_dim * d + mlp
+
+
+def _backbone_matmul_params(cfg: PrismeConfig) -> int:
+    """Weights of the backbone's per-layer linears (qkv, o, MLP), all layers."""
+    return cfg.n_layer * matmul_params_per_layer(cfg)
 
 
 def backbone_params(cfg: PrismeConfig, non_embedding: bool = False) -> int:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from prisme.checks import is_int
 from prisme.costs.analytic import trace_cost
 from prisme.decoding.sampling import sample_logits
 from prisme.model.backbone import check_tokens
@@ -189,7 +190,7 @@ def _pad_prompts(prompts: Sequence[Sequence[int]] | torch.Tensor, vocab_size: in
         row = row.tolist() if isinstance(row, torch.Tensor) else row
         if isinstance(row, (str, bytes)) or not isinstance(row, Sequence) or len(row) == 0:
             raise ValueError(f"prompt {b} is empty or not a list of token ids; encode text with a tokenizer first")
-        if any(isinstance(t, bool) or not isinstance(t, int) for t in row):
+        if any(not is_int(t) for t in row):
             raise ValueError(f"prompt {b} must hold int token ids")
         lo, hi = min(row), max(row)
         if lo < 0 or hi >= vocab_size:
@@ -205,7 +206,7 @@ def _prepare(model: PrismeModel, prompts, max_new_tokens, temperature, top_k, to
     cfg = model.cfg
     tokens, lengths = _pad_prompts(prompts, cfg.vocab_size)
     tokens = tokens.to(model.backbone.tok_emb.weight.device)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if max(lengths) + max_new_tokens > cfg.max_seq_len:
         raise ValueError(f"the longest prompt ({max(lengths)} tokens) + max_new_tokens={max_new_tokens} exceeds "
@@ -213,16 +214,16 @@ def _prepare(model: PrismeModel, prompts, max_new_tokens, temperature, top_k, to
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
             or temperature < 0:
         raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+    if top_k is not None and (not is_int(top_k) or top_k < 1):
         raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
     if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
         raise ValueError(f"top_p must lie in (0, 1], got {top_p!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+    if seed is not None and (not is_int(seed)):
         raise ValueError(f"seed must be an int or None, got {seed!r}")
     stops = list(stop_tokens)
-    if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < cfg.vocab_size for t in stops):
+    if any(not is_int(t) or not 0 <= t < cfg.vocab_size for t in stops):
         raise ValueError(f"stop_tokens must be ids in [0, {cfg.vocab_size}), got {stops}")
-    if isinstance(max_budget, bool) or not isinstance(max_budget, int) or max_budget < 0:
+    if not is_int(max_budget) or max_budget < 0:
         raise ValueError(f"max_budget must be an int >= 0, got {max_budget!r}")
     if max_budget > cfg.r_max:
         raise ValueError(f"max_budget={max_budget} exceeds r_max={cfg.r_max}")

@@ -7,10 +7,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from prisme.checks import check_max_budget
 from prisme.data.text import IGNORE_INDEX
-from prisme.model.outputs import EncodedContext
+from prisme.model.oracle import candidate_losses, repeat_queries, token_ce
 from prisme.model.prisme import PrismeModel
 
 
@@ -25,15 +25,6 @@ class OracleResult:
     base_loss: torch.Tensor  # [B, P] backbone-only loss
     logits: torch.Tensor  # [B, P, V] final logits
     n_edits: torch.Tensor  # [B, P]
-
-
-def _token_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Per-position cross-entropy `[...]` of logits `[..., V]` (0 where the target is -100)."""
-    flat = logits.reshape(-1, logits.shape[-1])  # [N, V]
-    if flat.dtype in (torch.float16, torch.bfloat16):
-        flat = flat.float()
-    ce = F.cross_entropy(flat, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none")  # [N]
-    return ce.view(targets.shape)
 
 
 @torch.no_grad()
@@ -57,7 +48,7 @@ def greedy_oracle(model: PrismeModel, tokens: torch.Tensor, targets: torch.Tenso
     R = cfg.r_max if max_budget is None else max_budget
     if not cfg.use_workspace:
         raise ValueError("greedy_oracle needs a model with a workspace (use_workspace=True)")
-    if not isinstance(R, int) or not 1 <= R <= cfg.r_max:
+    if check_max_budget(R, cfg.r_max) < 1:
         raise ValueError(f"max_budget must be an int in [1, r_max={cfg.r_max}], got {R!r}")
     if not math.isfinite(lambda_cost) or lambda_cost < 0:
         raise ValueError(f"lambda_cost must be finite and >= 0, got {lambda_cost}")
@@ -76,16 +67,14 @@ def greedy_oracle(model: PrismeModel, tokens: torch.Tensor, targets: torch.Tenso
     st = model.streams(tokens)  # H [B, T, d] and the source streams
     ctx = model.context_from_H(st, st.index(rows, positions), query_pos=positions)  # Tq = P
     logits = model.backbone.head(ctx.H)  # [B, P, V]
-    loss = _token_ce(logits, y)  # [B, P]
+    loss = token_ce(logits, y)  # [B, P]
     base = loss.clone()
 
     def rep(x: torch.Tensor) -> torch.Tensor:  # [B, P, ...] -> [B, P*A, ...], candidate a at index p*A + a
         return x.repeat_interleave(A, dim=1)
 
-    ctx_c = EncodedContext(H=rep(ctx.H), K=ctx.K, V=ctx.V, z=rep(ctx.z), bank_mask=rep(ctx.bank_mask),
-                           S0=rep(ctx.S0))
+    ctx_c = repeat_queries(ctx, A)
     cand = torch.arange(A, device=tokens.device).repeat(B, P)  # [B, P*A]
-    y_c = rep(y)  # [B, P*A]
     S = ctx.S0  # [B, P, M, w]
     active = torch.ones(B, P, dtype=torch.bool, device=tokens.device)
     trace = torch.full((B, P, R), stop, dtype=torch.long, device=tokens.device)
@@ -95,9 +84,7 @@ def greedy_oracle(model: PrismeModel, tokens: torch.Tensor, targets: torch.Tenso
             break
         act_c = rep(active)  # [B, P*A]
         a_c = torch.where(act_c, cand, torch.full_like(cand, stop))  # stopped positions run nothing
-        S_c, _ = model.apply_action(rep(S), ctx_c, a_c, r, R - r - 1)  # [B, P*A, M, w]
-        logits_c, _ = model.logits_from_state(S_c, ctx_c, act_c)  # [B, P*A, V]
-        loss_c = _token_ce(logits_c, y_c).view(B, P, A)  # [B, P, A]
+        S_c, logits_c, loss_c = candidate_losses(model, S, ctx_c, a_c, r, R - r - 1, y, act_c)  # [B, P*A, ...]
         score = (loss.unsqueeze(-1) - loss_c) - lambda_cost * cost  # [B, P, A]
         best, a = score.max(dim=-1)  # [B, P]
         take = active & (best > 0)

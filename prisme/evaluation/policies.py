@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from prisme.checks import is_int
 from prisme.config import PrismeConfig
 from prisme.data.text import IGNORE_INDEX
 from prisme.model.prisme import PrismeModel
@@ -64,7 +65,7 @@ def _plan(model: PrismeModel, families: Sequence[str], lambdas: Sequence[float],
           ks: Sequence[int] = (1, 2), controller_budget: int | None = None) -> list[_Policy]:
     cfg = model.cfg
     R = cfg.r_max if controller_budget is None else controller_budget
-    if not isinstance(R, int) or isinstance(R, bool) or not 1 <= R <= cfg.r_max:
+    if not is_int(R) or not 1 <= R <= cfg.r_max:
         raise ValueError(f"controller_budget must be an int in [1, r_max={cfg.r_max}], got {R!r}")
     ns = [n for n in (BUDGETS if budgets is None else budgets) if n <= cfg.r_max]
     out: list[_Policy] = []

@@ -35,11 +35,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from prisme.checks import is_int
 from prisme.config import PrismeConfig
 from prisme.costs.analytic import TraceCost, trace_cost
 from prisme.data.mqar import MQARDataset
 from prisme.data.text import IGNORE_INDEX, TokenDataset
-from prisme.evaluation.oracle import _token_ce, greedy_oracle
+from prisme.evaluation.oracle import greedy_oracle
 from prisme.evaluation.policies import (
     POLICY_FAMILIES,
     WORKSPACE_FAMILIES,
@@ -52,6 +53,7 @@ from prisme.evaluation.policies import (
 )
 from prisme.evaluation.report import EvalReport, EvalRow
 from prisme.io import environment
+from prisme.model.oracle import token_ce
 from prisme.model.prisme import PrismeModel
 from prisme.stats import N_BOOT, PairedDelta, check_bootstrap_args, paired_bootstrap
 
@@ -79,7 +81,7 @@ class _Acc:
                  matched_ce: torch.Tensor | None = None) -> None:
         """Add a batch: logits `[B, T, V]`, targets `[B, T]`, the references' per-position CE `[B, T]` on them."""
         mask = y != IGNORE_INDEX
-        ce = _token_ce(logits, y).double().masked_fill(~mask, 0.0)  # [B, T]
+        ce = token_ce(logits, y).double().masked_fill(~mask, 0.0)  # [B, T]
         self.loss_sum += float(ce.sum())
         self.n_targets += int(mask.sum())
         self.n_correct += int((logits.argmax(-1)[mask] == y[mask]).sum())
@@ -121,11 +123,11 @@ def _check_inputs(model, dataset, policies, batch_size, seq_len, max_batches, ma
     for name, v in (("batch_size", batch_size), ("max_batches", max_batches)):
         if v is None and name == "max_batches":
             continue
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        if not is_int(v) or v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     if seq_len is None:
         seq_len = dataset.cfg.seq_len if isinstance(dataset, MQARDataset) else cfg.max_seq_len
-    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or not 1 <= seq_len <= cfg.max_seq_len:
+    if not is_int(seq_len) or not 1 <= seq_len <= cfg.max_seq_len:
         raise ValueError(f"seq_len must be an int in [1, max_seq_len={cfg.max_seq_len}], got {seq_len!r}")
     vocab = getattr(dataset, "vocab_size", None)
     if vocab is not None and vocab > cfg.vocab_size:
@@ -161,7 +163,7 @@ def _check_inputs(model, dataset, policies, batch_size, seq_len, max_batches, ma
         lambdas = list(lambdas)
         if not lambdas or any(not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0 for x in lambdas):
             raise ValueError(f"lambdas must be a non-empty list of finite floats >= 0, got {lambdas!r}")
-    if oracle_positions is not None and (not isinstance(oracle_positions, int) or isinstance(oracle_positions, bool)
+    if oracle_positions is not None and (not is_int(oracle_positions)
                                          or oracle_positions < 1):
         raise ValueError(f"oracle_positions must be an int >= 1 or None (all labelled positions), got "
                          f"{oracle_positions!r}")
@@ -270,13 +272,13 @@ def _run_batches(model, plan, accs, batches, device, matched_backbone, oracle_po
         t0 = time.perf_counter()
         base_logits = model(x).logits  # [B, T, V] the backbone alone: every row's baseline
         t_base = time.perf_counter() - t0
-        base_ce = _token_ce(base_logits, y)  # [B, T]
+        base_ce = token_ce(base_logits, y)  # [B, T]
         matched_ce, t_matched = None, 0.0
         if matched_backbone is not None:  # its CE on the same targets: every row's second reference
             t0 = time.perf_counter()
             m_logits = matched_backbone(x.to(next(matched_backbone.parameters()).device)).logits.to(device)
             t_matched = time.perf_counter() - t0
-            matched_ce = _token_ce(m_logits, y)
+            matched_ce = token_ce(m_logits, y)
         g_random = torch.Generator().manual_seed(seed + bi)
         rand_state = g_random.get_state()
         oracle_pos = None

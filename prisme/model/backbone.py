@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from prisme.checks import is_int
 from prisme.config import PrismeConfig
 from prisme.model import attention as attn
 from prisme.model.attention import CacheStep, CausalSelfAttention, KVCache, LayerKVCache, RMSNorm, linear
@@ -193,7 +194,7 @@ class Backbone(nn.Module):
         check_tokens(tokens, self.cfg.vocab_size)
         B, T = tokens.shape
         chunk_size = T if chunk_size is None else chunk_size
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        if not is_int(chunk_size) or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
         self._check_chunk(cache, B, T, None)
         return torch.cat([self(tokens[:, i:i + chunk_size], cache) for i in range(0, T, chunk_size)], dim=1)

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from prisme.checks import is_int
 from prisme.model import attention as attn
 from prisme.model.attention import CacheStep, KVCache
 from prisme.model.backbone import Backbone, check_tokens
@@ -371,7 +372,7 @@ def compile_editor(model: Any, mode: str | None = EDITOR_MODE, strict: bool = Fa
             raise ValueError(f"--compile: torch.compile does not work here ({why})")
         warnings.warn(f"prisme: torch.compile does not work here ({why}); the editor runs eagerly", stacklevel=2)
         return False
-    if isinstance(min_positions, bool) or not isinstance(min_positions, int) or min_positions < 0:
+    if not is_int(min_positions) or min_positions < 0:
         raise ValueError(f"min_positions must be an int >= 0, got {min_positions!r}")
     model.editor.compiled = CompiledEditor(mode, strict, min_positions)
     return True

@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from prisme.checks import check_max_budget
 from prisme.config import PrismeConfig, source_layer
 from prisme.model.attention import RMSNorm
 from prisme.model.backbone import Backbone, check_tokens
@@ -371,12 +372,7 @@ class PrismeModel(nn.Module):
         Returns logits and the action trace `[B, T, max_budget]`.
         """
         cfg = self.cfg
-        if not isinstance(max_budget, int) or isinstance(max_budget, bool) or max_budget < 0:
-            raise ValueError(f"max_budget must be an int >= 0, got {max_budget!r}")
-        if max_budget > cfg.r_max:
-            raise ValueError(f"max_budget={max_budget} exceeds r_max={cfg.r_max}")
-        if max_budget > 0 and not cfg.use_workspace:
-            raise ValueError("this model has no workspace (use_workspace=False): max_budget must be 0")
+        check_max_budget(max_budget, cfg.r_max, cfg.use_workspace)
         if max_budget == 0:
             H = self.backbone(tokens)
             zeros = torch.zeros(tokens.shape, dtype=torch.long, device=tokens.device)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from prisme.checks import check_max_budget, is_int
 from prisme.model.backbone import check_tokens
 from prisme.model.outputs import EncodedContext, Streams
 
@@ -93,9 +94,9 @@ class DecodeState:
                  dtype: torch.dtype | None = None, bank: bool | None = None):
         cfg = model.cfg
         param = model.backbone.tok_emb.weight
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        if not is_int(batch_size) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int)):
+        if max_len is not None and (not is_int(max_len)):
             raise ValueError(f"max_len must be an int or None, got {max_len!r}")
         if dtype is not None and dtype != param.dtype:
             raise ValueError(f"DecodeState dtype {dtype} differs from the model's {param.dtype}: convert the model "
@@ -134,7 +135,7 @@ class DecodeState:
         Exact: the next step writes its K/V and bank entry at position `length` and every later read is masked to
         positions <= its own, so entries left past `length` are never read (`prisme bench workspace` checks that a
         rewound state decodes bit-identically to a fresh one)."""
-        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= min(self.lengths):
+        if not is_int(length) or not 0 <= length <= min(self.lengths):
             raise ValueError(f"can only rewind to a length in [0, {min(self.lengths)}], got {length!r}")
         self.cache.truncate(length)
         return self
@@ -197,7 +198,7 @@ class DecodeState:
         self._check_rows(B)
         lengths = self._check_lengths(lengths, B, T)
         chunk = T if chunk_size is None else chunk_size
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        if not is_int(chunk) or chunk < 1:
             raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
         if logits not in LOGITS_MODES:
             raise ValueError(f"logits must be one of {LOGITS_MODES}, got {logits!r}")
@@ -332,7 +333,7 @@ class DecodeState:
         if isinstance(n_new, torch.Tensor):
             n_new = n_new.tolist()
         n_new = list(n_new)
-        if len(n_new) != self.batch_size or any(isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= C
+        if len(n_new) != self.batch_size or any(not is_int(n) or not 0 <= n <= C
                                                 for n in n_new):
             raise ValueError(f"n_new must give, for each of the {self.batch_size} rows, an int in [0, {C}], "
                              f"got {n_new}")
@@ -344,7 +345,7 @@ class DecodeState:
         if isinstance(lengths, torch.Tensor):
             lengths = lengths.tolist()
         lengths = list(lengths)
-        if len(lengths) != B or any(isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= T
+        if len(lengths) != B or any(not is_int(n) or not 1 <= n <= T
                                     for n in lengths):
             raise ValueError(f"lengths must give, for each of the {B} rows, an int in [1, {T}], got {lengths}")
         if max(lengths) != T:
@@ -379,16 +380,12 @@ class DecodeState:
             return _Workspace(actions=actions.long(), budget=budget)
         if budget is not None:
             raise ValueError("budget applies to forced actions; the controller's budget is max_budget")
-        if isinstance(max_budget, bool) or not isinstance(max_budget, int) or max_budget < 0:
-            raise ValueError(f"max_budget must be an int >= 0, got {max_budget!r}")
-        if max_budget > cfg.r_max:
-            raise ValueError(f"max_budget={max_budget} exceeds r_max={cfg.r_max}")
+        check_max_budget(max_budget, cfg.r_max)
         _check_price("lambda_cost", lambda_cost)
         _check_price("kappa_risk", kappa_risk)
         if max_budget == 0:
             return _Workspace()
-        if not cfg.use_workspace:
-            raise ValueError("this model has no workspace (use_workspace=False): max_budget must be 0")
+        check_max_budget(max_budget, cfg.r_max, cfg.use_workspace)
         if not self.has_bank:
             raise ValueError("this DecodeState was allocated without a source bank (bank=False): max_budget must be 0")
         return _Workspace(max_budget=max_budget, lambda_cost=lambda_cost, kappa_risk=kappa_risk,

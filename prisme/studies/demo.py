@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from prisme.checkpoint import load_model
+from prisme.checks import is_int
 from prisme.config import PrismeConfig
 from prisme.data.tokenizers import ByteTokenizer
 from prisme.io import write_text_atomic
@@ -72,7 +73,7 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
 
     if scale <= 0:
         raise ValueError(f"scale must be > 0, got {scale}")
-    if isinstance(eval_batches, bool) or not isinstance(eval_batches, int) or eval_batches < 1:
+    if not is_int(eval_batches) or eval_batches < 1:
         raise ValueError(f"eval_batches must be an int >= 1, got {eval_batches!r}")  # before minutes of training
     if threads is not None and threads > 0:
         torch.set_num_threads(threads)

@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from prisme.config import PrismeConfig
 from prisme.costs.analytic import trace_cost
 from prisme.data.mqar import MQARConfig, make_mqar_batch
 from prisme.data.text import IGNORE_INDEX
+from prisme.evaluation.policies import forced_actions
 from prisme.studies.recall_setup import (
     CALIBRATION_SEED,
     CHUNK,
@@ -63,23 +63,16 @@ def _forced_row(model, mcfg, data_seed, n_seq, name, family, n, k) -> dict[str, 
         rows, pos = _queries(y)
         st = model.streams(x)
         ctx = model.context_from_H(st, st.index(rows, pos), query_pos=pos)
-        acts = _forced_actions(cfg, family, n, k, pos.shape, g)  # [b, Q, n]
+        acts = forced_actions(cfg, family, n, k, pos.shape, g)  # [b, Q, n]
         roll = model.rollout_forced(ctx, acts)
         logits, _ = model.logits_from_state(roll.S, ctx, roll.n_edits > 0)
         yq = y[rows, pos]
         hit += int((logits.argmax(-1) == yq).sum())
         tot += yq.numel()
-    trace = _forced_actions(cfg, family, n, k, (1, T), torch.Generator().manual_seed(0))  # every position alike
+    trace = forced_actions(cfg, family, n, k, (1, T), torch.Generator().manual_seed(0))  # every position alike
     ops = trace_cost(cfg, trace, torch.arange(1, T + 1), optimised=cfg.optimised)
     return {"policy": name, "family": family, "accuracy": hit / tot, "ops_ratio": ops.relative,
             "edits_per_token": float(n)}
-
-
-def _forced_actions(cfg: PrismeConfig, family: str, n: int, k: int, shape: tuple[int, int],
-                    g: torch.Generator) -> torch.Tensor:
-    from prisme.evaluation.policies import forced_actions
-
-    return forced_actions(cfg, family, n, k, shape, g)
 
 
 def _controller_rows(model, mcfg, data_seed, n_seq, lambdas) -> list[dict[str, Any]]:

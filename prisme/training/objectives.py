@@ -16,7 +16,6 @@ steps. An objective owns its stage's randomness and loss; see the section commen
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -26,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from prisme.data.text import IGNORE_INDEX
+from prisme.model.oracle import candidate_losses, repeat_queries, token_ce
 
 if TYPE_CHECKING:  # pragma: no cover
     from prisme.training.config import StageConfig
@@ -33,13 +33,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 def _ce_sum(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Summed next-token CE over positions with a label; logits `[..., V]`, y `[...]`."""
-    return F.cross_entropy(logits.float().flatten(0, -2), y.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-
-
-def _ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Per-position CE `[...]` (0 where y is IGNORE_INDEX)."""
-    flat = F.cross_entropy(logits.float().flatten(0, -2), y.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
-    return flat.view(y.shape)
+    return token_ce(logits, y, reduction="sum", float32=True)
 
 
 # -------------------------------------------------------------------------------------------------------- objectives
@@ -276,10 +270,9 @@ class ControllerObjective(nn.Module):
             Hq, yq = st.H[rows, pos], y[rows, pos].masked_fill(~valid, 0)  # [b, P, d], [b, P]
             ctx = model.context_from_H(st, st.index(rows, pos), query_pos=pos)  # Tq = P
             rep = lambda t: t.repeat_interleave(A, dim=1)  # noqa: E731 - [b, P, ...] -> [b, P A, ...]
-            ctx_a = dataclasses.replace(ctx, H=rep(ctx.H), z=rep(ctx.z), S0=rep(ctx.S0), bank_mask=rep(ctx.bank_mask),
-                                        ctrl_in=None)
+            ctx_a = repeat_queries(ctx, A)
             cand = torch.arange(A, device=x.device).repeat(P).expand(b, P * A)  # [b, P A]
-            loss_cur = _ce(model.backbone.head(Hq), yq)  # [b, P]: nothing edited yet
+            loss_cur = token_ce(model.backbone.head(Hq), yq, float32=True)  # [b, P]: nothing edited yet
             S = ctx.S0
             edits = torch.zeros(b, P, M, dtype=torch.long, device=x.device)
             taken = torch.zeros(b, P, A, dtype=torch.bool, device=x.device)
@@ -290,9 +283,8 @@ class ControllerObjective(nn.Module):
         cand = torch.where(rep(valid), cand, cfg.stop_action) if zero else cand  # STOP: the editor skips them
         for r in range(b_budget):
             with torch.no_grad():
-                S_c, _ = model.apply_action(rep(S), ctx_a, cand, r, b_budget - r - 1)  # [b, P A, M, w]
-                logits_c, _ = model.logits_from_state(S_c, ctx_a, rep(valid) if zero else None)
-                loss_c = _ce(logits_c, rep(yq)).view(b, P, A)
+                S_c, _, loss_c = candidate_losses(model, S, ctx_a, cand, r, b_budget - r - 1, yq,
+                                                  rep(valid) if zero else None, float32=True)  # [b, P, A] losses
                 dL = loss_cur.unsqueeze(-1) - loss_c  # [b, P, A]
                 if self.unlabelled_zero:  # no label: no edit there changes the scored loss
                     dL = dL.masked_fill(~valid.unsqueeze(-1), 0.0)
