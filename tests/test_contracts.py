@@ -13,6 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny_models import tiny_model
 
 from prisme.config import PrismeConfig
 from prisme.model.prisme import PrismeModel
@@ -42,14 +43,7 @@ def editor_path(optimised: bool | str) -> dict[str, bool]:
 
 
 def make_model(seed: int = 0, **overrides) -> PrismeModel:
-    torch.manual_seed(seed)
-    cfg = PrismeConfig.from_name("tiny", **overrides)
-    model = PrismeModel(cfg).double().eval()
-    torch.nn.init.normal_(model.readout.U.weight, std=0.5)  # make every edit visible in the logits
-    with torch.no_grad():  # a controller whose decisions vary from position to position
-        for p in model.controller.parameters():
-            torch.nn.init.normal_(p, std=0.3)
-    return model
+    return tiny_model(seed, **overrides)
 
 
 def random_tokens(cfg: PrismeConfig, B: int, T: int, seed: int = 1) -> torch.Tensor:

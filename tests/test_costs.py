@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import tiny_model
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from prisme import cli, costs
@@ -60,12 +61,8 @@ OPT_IDS = ["seed", "optimised", "slot_kv_cache"]
 def make_model(variant: str, optimised: bool | str, seed: int = 0) -> PrismeModel:
     """A float64 model whose weights depend only on (variant, seed), never on `optimised` (False, True, or "kv":
     optimised with the slot K/V cache); U is non-zero."""
-    torch.manual_seed(seed)
-    cfg = PrismeConfig.from_name("tiny", **VARIANTS[variant], optimised=bool(optimised),
-                                 slot_kv_cache=optimised == "kv")
-    model = PrismeModel(cfg).double().eval()
-    torch.nn.init.normal_(model.readout.U.weight, std=0.5)  # U starts at zero, which would hide every edit
-    return model
+    return tiny_model(seed, controller=False, **VARIANTS[variant], optimised=bool(optimised),
+                      slot_kv_cache=optimised == "kv")
 
 
 def model_pair(variant: str, seed: int = 0, optimised: bool | str = "kv") -> tuple[PrismeModel, PrismeModel]:

@@ -15,6 +15,7 @@ from dataclasses import asdict, replace
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import tiny_model
 
 from prisme import cli
 from prisme.checkpoint import save_checkpoint
@@ -34,14 +35,7 @@ B, T, NB, SEED = 3, 16, 2, 7  # batch size, sequence length, batches, evaluation
 
 
 def make_model(seed: int = 0, **overrides) -> PrismeModel:
-    torch.manual_seed(seed)
-    model = PrismeModel(PrismeConfig.from_name("tiny", **overrides)).double().eval()
-    if model.cfg.use_workspace:
-        torch.nn.init.normal_(model.readout.U.weight, std=0.5)  # make every edit visible in the logits
-        with torch.no_grad():  # a controller whose decisions vary from position to position
-            for p in model.controller.parameters():
-                torch.nn.init.normal_(p, std=0.3)
-    return model
+    return tiny_model(seed, **overrides)
 
 
 def text_dataset() -> TokenDataset:

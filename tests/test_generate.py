@@ -15,6 +15,7 @@ import contextlib
 import pytest
 import torch
 from conftest import assert_close
+from tiny_models import tiny_model
 
 from prisme import cli, faults
 from prisme.config import PrismeConfig
@@ -29,14 +30,8 @@ BUDGET = 3
 
 
 def make_model(dtype: torch.dtype = torch.float64, seed: int = 0, **overrides) -> PrismeModel:
-    """A random tiny model whose controller both edits and stops (its weights drawn as below, seed-style init)."""
-    torch.manual_seed(seed)
-    model = PrismeModel(PrismeConfig.from_name("tiny", **{"ws_init": "seed", **overrides})).to(dtype).eval()
-    torch.nn.init.normal_(model.readout.U.weight, std=0.5)  # make every edit visible in the logits
-    with torch.no_grad():  # a controller whose decisions vary from position to position
-        for p in model.controller.parameters():
-            torch.nn.init.normal_(p, std=0.3)
-    return model
+    """`tiny_models.tiny_model` with the seed's workspace init: a controller that both edits and stops."""
+    return tiny_model(seed, dtype, **{"ws_init": "seed", **overrides})
 
 
 @pytest.fixture(scope="module")

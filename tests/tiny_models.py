@@ -1,0 +1,25 @@
+"""The tests' one model factory: a seeded `tiny` PrismeModel whose workspace is visible in the logits and whose
+controller both edits and stops, so that equivalence checks and negative controls have something to see."""
+
+from __future__ import annotations
+
+import torch
+
+from prisme.config import PrismeConfig
+from prisme.model.prisme import PrismeModel
+
+
+def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float64, controller: bool = True,
+               **overrides) -> PrismeModel:
+    """`tiny` (with `overrides`) in eval mode, weights drawn after `torch.manual_seed(seed)`; with a workspace, the
+    readout's U ~ N(0, 0.5) (U starts at zero, which would hide every edit) and, if `controller`, every controller
+    parameter ~ N(0, 0.3) (decisions that vary from position to position)."""
+    torch.manual_seed(seed)
+    model = PrismeModel(PrismeConfig.from_name("tiny", **overrides)).to(dtype).eval()
+    if model.cfg.use_workspace:
+        torch.nn.init.normal_(model.readout.U.weight, std=0.5)
+        if controller:
+            with torch.no_grad():
+                for p in model.controller.parameters():
+                    torch.nn.init.normal_(p, std=0.3)
+    return model
