@@ -144,6 +144,29 @@ def test_no_module_of_the_package_is_over_450_lines():
     assert long == {}
 
 
+def readme_layout(readme: Path) -> set[str]:
+    """The modules the README's layout section lists, as paths relative to prisme/."""
+    import re
+
+    text = readme.read_text()
+    start = text.index("## Layout")
+    block = text[text.index("```", start) + 3:text.index("```", text.index("```", start) + 3)]
+    listed, package = set(), None
+    for line in block.splitlines():
+        if m := re.match(r"^  (\w+)/\s*$", line):
+            package = m.group(1)
+        elif m := re.match(r"^(    |  )(\w+\.py)\b", line):
+            listed.add(f"{package}/{m.group(2)}" if m.group(1) == "    " else m.group(2))
+    return listed
+
+
+def test_the_readme_layout_lists_every_module():
+    """The README's layout section names every module of the package (packages' __init__ and __main__ aside)."""
+    want = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+            if p.name != "__main__.py" and (p.name != "__init__.py" or p.parent == PACKAGE)}
+    assert readme_layout(PACKAGE.parent / "README.md") == want
+
+
 @pytest.fixture
 def package_copy(tmp_path: Path) -> Path:
     dst = tmp_path / "prisme"
@@ -171,3 +194,13 @@ def test_type_checking_imports_do_not_count(package_copy: Path):
     (package_copy / "model" / "hint.py").write_text(
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from prisme.training.trainer import X\n")
     assert graph(package_copy)["prisme.model.hint"] == set()
+
+
+def test_negative_control_a_module_missing_from_the_readme_layout_is_caught(tmp_path: Path):
+    """Dropping one module's line from the README's layout makes the listed set differ from the package's."""
+    text = (PACKAGE.parent / "README.md").read_text()
+    lines = text.splitlines(keepends=True)
+    drop = next(i for i, line in enumerate(lines) if line.startswith("    oracle.py"))
+    (tmp_path / "README.md").write_text("".join(lines[:drop] + lines[drop + 1:]))
+    full, cut = readme_layout(PACKAGE.parent / "README.md"), readme_layout(tmp_path / "README.md")
+    assert full - cut == {"model/oracle.py"}
