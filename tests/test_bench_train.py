@@ -209,13 +209,15 @@ def test_bench_train_stage_rows_and_their_json(capsys):
                                 stages=("workspace", "controller"))
     rows = {r["stage"]: r for r in doc["stages"]}
     assert set(rows) == {"workspace", "controller"}
-    bb = doc["train"][0]["tokens_per_s"]
-    for r in rows.values():
-        assert r["analytic_training_ops_ratio"] > 1 and r["backbone_tokens_per_s"] == bb
+    train = doc["train"][0]
+    for r in rows.values():  # the denominator: the backbone stage's step timed in the stage's own rotation
+        bb = train["batch"] * train["seq_len"] / harness.percentiles(r["backbone_samples_ms"])[0] * 1e3
+        assert len(r["backbone_samples_ms"]) == len(r["samples_ms"]) == 2
+        assert r["analytic_training_ops_ratio"] > 1 and r["backbone_tokens_per_s"] == pytest.approx(bb, rel=1e-12)
         assert r["time_ratio"] == pytest.approx(bb / r["tokens_per_s"])
         assert r["met"] == (r["tokens_per_s"] >= bb / (bench_train.STAGE_TARGET * r["analytic_training_ops_ratio"]))
         assert len(r["losses"]) == 3 and all(math.isfinite(v) for v in r["losses"])
-    assert "x 3 for what is trained" in doc["stage_protocol"]["ops"]
+    assert "x 3 for what is trained" in doc["stage_protocol"]["ops"] and "rotated" in doc["stage_protocol"]["timing"]
     assert any("workspace stage" in t["name"] for t in doc["targets"])
     with pytest.raises(ValueError, match="unknown stage"):
         bench_train.run_train(("tiny",), stages=("decoder",))

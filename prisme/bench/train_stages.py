@@ -3,7 +3,7 @@ training-ops ratio of the traces they sampled."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -133,6 +133,7 @@ class StageRow:
     met: bool
     compiled: bool
     losses: list[float]
+    backbone_samples_ms: list[float] = field(default_factory=list)  # the backbone step's, same rotation
 
 
 def stage_paths(cfg: PrismeConfig, stage: str, seed: int = 42, batch: int | None = None, seq_len: int | None = None,
@@ -184,8 +185,9 @@ def stage_paths(cfg: PrismeConfig, stage: str, seed: int = 42, batch: int | None
 
 
 def stage_row(cfg: PrismeConfig, stage: str, samples: list[float], info: dict[str, Any], warmups: int,
-              backbone_tps: float) -> StageRow:
-    """Price the timed steps (their own traces) and set them against the backbone stage."""
+              backbone_tps: float, backbone_samples: list[float] | None = None) -> StageRow:
+    """Price the timed steps (their own traces) and set them against the backbone stage (`backbone_tps`, from
+    `backbone_samples` timed in the same rotation)."""
     B, T, y = info["B"], info["T"], info["y"]
     timed = info["extras"][warmups:]
     if stage == "workspace":
@@ -202,4 +204,4 @@ def stage_row(cfg: PrismeConfig, stage: str, samples: list[float], info: dict[st
     target = backbone_tps / (STAGE_TARGET * ratio)
     return StageRow(cfg.name, stage, B, T, B * T, samples, p50, p95, tps, mean_ops, bb_stage, ratio, backbone_tps,
                     backbone_tps / tps, backbone_tps / tps / ratio, target, tps >= target, info["compiled"],
-                    info["losses"])
+                    info["losses"], list(backbone_samples or []))
