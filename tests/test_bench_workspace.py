@@ -81,13 +81,13 @@ def test_rewind_decodes_exactly_like_a_fresh_state(cfg):
         fresh_state = models["opt"].new_decode_state(2, max_len=9)
         fresh_state.prefill(prompt, logits="none")
         fresh = decode(models["opt"], fresh_state, new, acts, budget)
-        decode(models["opt"], bw.rewind(fresh_state, 6), (new + 3) % cfg.vocab_size, acts, budget)
-        again = decode(models["opt"], bw.rewind(fresh_state, 6), new, acts, budget)
-        short = decode(models["opt"], bw.rewind(fresh_state, 5), new, acts, budget)
+        decode(models["opt"], fresh_state.rewind(6), (new + 3) % cfg.vocab_size, acts, budget)
+        again = decode(models["opt"], fresh_state.rewind(6), new, acts, budget)
+        short = decode(models["opt"], fresh_state.rewind(5), new, acts, budget)
     assert torch.equal(again, fresh)
     assert assert_close(short, fresh, atol=math.inf) > 1e-3  # negative control: one position short is visible
     with pytest.raises(ValueError, match="rewind"):
-        bw.rewind(fresh_state, 9)
+        fresh_state.rewind(9)
 
 
 def test_split_timer_changes_nothing_sees_the_workspace_and_removes_itself(cfg):

@@ -60,7 +60,6 @@ from prisme.bench.workspace_paths import (
     _paths,
     build_models,
     make_sequence,
-    rewind,
     rewind_path,
     row_plan,
 )
@@ -134,7 +133,7 @@ def _analytic(cfg: PrismeConfig, acts: torch.Tensor | None, batch: int, P: int, 
 def _measured_workspace_ops(model: PrismeModel, state: DecodeState, P: int, token: torch.Tensor,
                             acts: torch.Tensor | None, budget: torch.Tensor | None) -> float:
     """Matmul ops per token of the workspace components in one decode step, counted by `OpsCounter`."""
-    rewind(state, P)
+    state.rewind(P)
     with torch.inference_mode(), OpsCounter(model) as oc:
         state.decode_step(token, actions=acts, budget=budget)
     return sum(oc.by_component[c] for c in (*WORKSPACE_COMPONENTS, "untagged")) / token.shape[0]
@@ -196,7 +195,7 @@ def time_batch(models: dict[str, PrismeModel], batch: int, P: int, N: int, warmu
     with SplitTimer(list(models.values())) as st:
         def setup(p: _Path) -> Callable[[], _Path]:
             def go() -> _Path:
-                rewind(p.state, P)
+                p.state.rewind(P)
                 sync()
                 st.reset()
                 return p

@@ -82,11 +82,6 @@ def row_plan(cfg: PrismeConfig, row: str, batch: int) -> tuple[torch.Tensor | No
     return acts, counts
 
 
-def rewind(state: DecodeState, length: int) -> DecodeState:
-    """`state.rewind(length)` (kept as a function: the bench's paths call it by name)."""
-    return state.rewind(length)
-
-
 # --------------------------------------------------------------------------------------------------------- split timer
 class SplitTimer:
     """Times the backbone step, the LM head and the workspace methods inside `decode_step`, without changing them.
@@ -208,8 +203,8 @@ def _decode(path: _Path, tokens: torch.Tensor) -> list[torch.Tensor]:
 
 
 def rewind_path(path: _Path, length: int) -> _Path:
-    """`rewind` the path's state to `length` positions; returns the path (for chaining into `_decode`)."""
-    rewind(path.state, length)
+    """`DecodeState.rewind` the path's state to `length` positions; returns the path (for chaining into `_decode`)."""
+    path.state.rewind(length)
     return path
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from prisme.bench.workspace_paths import VARIANTS, SplitTimer, _decode, _paths, make_sequence, rewind
+from prisme.bench.workspace_paths import VARIANTS, SplitTimer, _decode, _paths, make_sequence
 from prisme.model.prisme import PrismeModel
 
 
@@ -33,9 +33,9 @@ def profile_workspace(models: dict[str, PrismeModel], batch: int, P: int, N: int
     methods = {f"prisme::{m}" for m in SplitTimer._WORKSPACE_METHODS}
     with SplitTimer(list(models.values()), label=True), torch.inference_mode():
         for p in paths:
-            rewind(p.state, P)
+            p.state.rewind(P)
             _decode(p, new[:, :1])  # warm
-            rewind(p.state, P)
+            p.state.rewind(P)
             with profile(activities=activities) as prof:
                 t0 = perf_counter_ns()
                 _decode(p, new)

@@ -63,6 +63,18 @@ def optimised_vs_seed(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _savings(by: dict[tuple[str, str], dict[str, Any]], base: str, variant: str) -> list[str]:
+    """Per workspace row, what `variant` saves over `base` in workspace time (ms and share) and in ops."""
+    out = []
+    for row in ROWS[1:]:
+        b, v = by.get((row, base)), by.get((row, variant))
+        if b and v:
+            ops_saving = 1 - v["analytic_workspace_ops_per_token"] / b["analytic_workspace_ops_per_token"]
+            out.append(f"{row} {b['workspace_ms'] - v['workspace_ms']:+.3f} ms "
+                       f"({1 - v['workspace_ms'] / b['workspace_ms']:.1%}; ops {ops_saving:.1%})")
+    return out
+
+
 def format_workspace_table(doc: dict[str, Any]) -> str:
     """The human-readable report: checks, one table per preset x batch, the target, the optimised saving, profile."""
     env = doc["environment"]
@@ -100,21 +112,8 @@ def format_workspace_table(doc: dict[str, Any]) -> str:
                 lines.append("  actions per row: " + "; ".join(
                     f"{r['row']} {r['actions_per_row']}" for r in bt["rows"] if r["variant"] == "opt"))
             by = {(r["row"], r["variant"]): r for r in bt["rows"]}
-            saving = []
-            for row in ROWS[1:]:
-                o, s = by.get((row, "opt")), by.get((row, "seed"))
-                if o and s:
-                    ops_saving = 1 - o["analytic_workspace_ops_per_token"] / s["analytic_workspace_ops_per_token"]
-                    saving.append(f"{row} {s['workspace_ms'] - o['workspace_ms']:+.3f} ms "
-                                  f"({1 - o['workspace_ms'] / s['workspace_ms']:.1%}; ops {ops_saving:.1%})")
-            lines.append("  optimised saving in workspace time (seed - opt): " + ", ".join(saving))
-            cache = []
-            for row in ROWS[1:]:
-                o, c = by.get((row, "opt")), by.get((row, "opt_kv"))
-                if o and c:
-                    ops_saving = 1 - c["analytic_workspace_ops_per_token"] / o["analytic_workspace_ops_per_token"]
-                    cache.append(f"{row} {o['workspace_ms'] - c['workspace_ms']:+.3f} ms "
-                                 f"({1 - c['workspace_ms'] / o['workspace_ms']:.1%}; ops {ops_saving:.1%})")
+            lines.append("  optimised saving in workspace time (seed - opt): " + ", ".join(_savings(by, "seed", "opt")))
+            cache = _savings(by, "opt", "opt_kv")
             if cache:
                 lines.append("  slot K/V cache saving in workspace time (opt - opt_kv): " + ", ".join(cache))
             speed = [f"{row} {by[(row, 'seed')]['workspace_ms'] / by[(row, COMPILED)]['workspace_ms']:.2f}x"

@@ -354,13 +354,7 @@ class PrismeModel(nn.Module):
             return PrismeOutput(logits=self.backbone.head(H), H=H)
         budget = self._check_forced(tokens, actions, budget)
         ctx = self.encode(tokens)
-        roll = self.rollout_forced(ctx, actions, budget)
-        logits, delta = self.logits_from_state(roll.S, ctx, roll.n_edits > 0)
-        out = PrismeOutput(logits=logits, H=ctx.H, n_edits=roll.n_edits, delta=delta, actions=roll.actions,
-                           controller_steps=roll.controller_steps)
-        if return_state:
-            out.ctx, out.S_final, out.infos = ctx, roll.S, roll.infos
-        return out
+        return self._output(ctx, self.rollout_forced(ctx, actions, budget), return_state)
 
     @torch.no_grad()
     def forward_policy(self, tokens: torch.Tensor, max_budget: int, cost: torch.Tensor | None = None,
@@ -380,7 +374,10 @@ class PrismeModel(nn.Module):
                                 actions=zeros.unsqueeze(-1)[..., :0])
         cost = self._check_cost(cost)
         ctx = self.encode(tokens)
-        roll = self.rollout_policy(ctx, max_budget, cost, lambda_cost, kappa_risk)
+        return self._output(ctx, self.rollout_policy(ctx, max_budget, cost, lambda_cost, kappa_risk), return_state)
+
+    def _output(self, ctx: EncodedContext, roll: Rollout, return_state: bool) -> PrismeOutput:
+        """A rollout's logits (the readout at edited positions, the backbone's elsewhere) and its trace."""
         logits, delta = self.logits_from_state(roll.S, ctx, roll.n_edits > 0)
         out = PrismeOutput(logits=logits, H=ctx.H, n_edits=roll.n_edits, delta=delta, actions=roll.actions,
                            controller_steps=roll.controller_steps)
