@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from prisme.checks import is_int
-from prisme.config import PrismeConfig
+from prisme.config import PrismeConfig, complete_config
 from prisme.io import current_umask, fsync_dir, json_default, write_file, write_text_atomic
 
 SCHEMA_VERSION = 1
@@ -55,6 +55,7 @@ class CheckpointMeta:
     metrics: dict[str, Any] = field(default_factory=dict)  # last train/val metrics
     extra: dict[str, Any] = field(default_factory=dict)  # stage-specific state (e.g. the controller's target scale)
     optimizer_state: dict[str, Any] | None = None  # loaded by `load_checkpoint(..., load_optimizer=True)`
+    optimizer_sha256: str | None = None  # what state.json records of optimizer.pt (None: written before it did)
 
 
 # ---------------------------------------------------------------------------------------------------------------- RNG
@@ -160,19 +161,23 @@ def save_checkpoint(
     try:
         os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes 0700 folders
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt", "schema_version": str(SCHEMA_VERSION)})
+        os.chmod(tmp / WEIGHTS, 0o666 & ~current_umask())  # files follow the umask like every other write
         with open(tmp / WEIGHTS, "rb+") as f:
             os.fsync(f.fileno())
         digest = hashlib.sha256((tmp / WEIGHTS).read_bytes()).hexdigest()
         write_file(tmp / CONFIG, (cfg.to_json() + "\n").encode())
+        opt_digest = None
+        if optimizer_state is not None:
+            torch.save(optimizer_state, tmp / OPTIMIZER)
+            os.chmod(tmp / OPTIMIZER, 0o666 & ~current_umask())
+            with open(tmp / OPTIMIZER, "rb+") as f:
+                os.fsync(f.fileno())
+            opt_digest = hashlib.sha256((tmp / OPTIMIZER).read_bytes()).hexdigest()
         state = {"schema_version": SCHEMA_VERSION, "stage": stage, "step": int(step),
                  "stage_config": stage_config or {}, "rng": rng or {}, "metrics": metrics or {},
                  "extra": extra or {}, "weights_sha256": digest, "has_optimizer": optimizer_state is not None,
-                 "torch_version": torch.__version__}
+                 "optimizer_sha256": opt_digest, "torch_version": torch.__version__}
         write_file(tmp / STATE, (json.dumps(state, indent=2, sort_keys=True, default=json_default) + "\n").encode())
-        if optimizer_state is not None:
-            torch.save(optimizer_state, tmp / OPTIMIZER)
-            with open(tmp / OPTIMIZER, "rb+") as f:
-                os.fsync(f.fileno())
         fsync_dir(tmp)
         old = None
         if path.exists():  # move the old folder aside first: a directory rename cannot replace a non-empty one
@@ -268,7 +273,7 @@ def read_meta(path: str | Path) -> CheckpointMeta:
         raise ValueError(f"{p} has checkpoint schema version {state['schema_version']}, but this prisme reads "
                          f"version {SCHEMA_VERSION}; load it with the prisme version that wrote it and re-export")
     try:
-        cfg = PrismeConfig.from_json(p / CONFIG)
+        cfg = PrismeConfig.from_dict(complete_config(_read_json_object(p / CONFIG), p / CONFIG))
     except ValueError as e:
         raise ValueError(f"{p / CONFIG}: {e}") from None
     step = state.get("step", 0)
@@ -276,7 +281,31 @@ def read_meta(path: str | Path) -> CheckpointMeta:
         raise ValueError(f"{p / STATE}: step must be an integer >= 0, got {step!r}; the checkpoint is corrupt")
     return CheckpointMeta(path=p, config=cfg, schema_version=state["schema_version"], stage=state.get("stage", "?"),
                           step=step, stage_config=state.get("stage_config", {}),
-                          rng=state.get("rng", {}), metrics=state.get("metrics", {}), extra=state.get("extra", {}))
+                          rng=state.get("rng", {}), metrics=state.get("metrics", {}), extra=state.get("extra", {}),
+                          optimizer_sha256=state.get("optimizer_sha256"))
+
+
+# The parameter groups each stage's checkpoint has trained, for checkpoints written before `trained_groups` was
+# recorded in state.json's extra (every stage before the router started from its predecessor's checkpoint).
+_LEGACY_TRAINED = {"backbone": ("backbone",), "workspace": ("backbone", "workspace"),
+                   "controller": ("backbone", "workspace", "controller"), "export": ("backbone",)}
+
+
+def trained_groups(meta: CheckpointMeta) -> set[str]:
+    """The parameter groups some stage trained for this checkpoint (the rest hold their initial weights)."""
+    if "trained_groups" in meta.extra:
+        return set(meta.extra["trained_groups"])
+    return set(_LEGACY_TRAINED.get(meta.stage, ()))
+
+
+def _read_json_object(path: Path) -> dict[str, Any]:
+    try:
+        d = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"not a readable JSON file ({e})") from None
+    if not isinstance(d, dict):
+        raise ValueError("must hold a JSON object")
+    return d
 
 
 def _read_weights(p: Path, verify: bool) -> dict[str, torch.Tensor]:
@@ -311,6 +340,12 @@ def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu
     """
     from prisme.model.prisme import PrismeModel
 
+    try:
+        dev = torch.device(map_location)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"map_location {map_location!r} is not a device: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"map_location {map_location!r}: CUDA is not available on this machine (use 'cpu')")
     meta = read_meta(path)
     p = meta.path
     if expected_config is not None:
@@ -344,6 +379,11 @@ def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu
     if load_optimizer:
         opt = p / OPTIMIZER
         if opt.is_file():
+            want = meta.optimizer_sha256
+            if verify and want and hashlib.sha256(opt.read_bytes()).hexdigest() != want:
+                raise ValueError(f"{opt} does not match the sha256 its {p / STATE} records: it was replaced or "
+                                 f"damaged (another run's optimizer state?); restore it, or start from the weights "
+                                 f"only with init_from")
             try:
                 meta.optimizer_state = torch.load(opt, map_location=map_location, weights_only=True)
             except Exception as e:  # noqa: BLE001 - any unpickling failure means the same thing here

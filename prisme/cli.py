@@ -139,6 +139,8 @@ def _bench_parser(bsub, name: str, **kw) -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from prisme.training.config import STAGES  # the stage registry
+
     p = argparse.ArgumentParser(prog="prisme", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -237,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_cmd_eval)
 
     s = sub.add_parser("generate", help="generate text with the workspace (greedy or sampled, budget, lambda)")
+    s.add_argument("--allow-untrained", action="store_true",
+                   help="run a budget whose workspace, router or controller no stage of the checkpoint trained "
+                        "(a warning instead of an error)")
     src = s.add_mutually_exclusive_group()
     src.add_argument("--preset", default="demo", help="model preset with random weights (default: demo)")
     src.add_argument("--checkpoint", default=None, help="checkpoint, stage folder, or a demo/study folder (its most "
@@ -273,16 +278,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print one JSON document in seed 000's layout instead")
     s.set_defaults(func=_cmd_costs)
 
-    s = sub.add_parser("train", help="train one stage (backbone, workspace, controller); under torchrun: DDP/FSDP2",
+    s = sub.add_parser("train", help="train one stage (backbone, workspace, controller, router); under torchrun: "
+                                     "DDP/FSDP2",
                        description="Train one stage. Several processes: torchrun --nproc_per_node=N -m prisme train "
                                    "... (gloo on CPU, nccl on CUDA); --batch-size is the global batch.")
     s.add_argument("--config", default=None, help="run config JSON: StageConfig fields + optional 'model' (configs/)")
-    s.add_argument("--stage", default=None, choices=["backbone", "workspace", "controller"],
+    s.add_argument("--stage", default=None, choices=list(STAGES),
                    help="stage to train (overrides the config's)")
     s.add_argument("--preset", default=None, help="model preset for a fresh backbone stage (overrides 'model')")
     s.add_argument("--init-from", default=None, help="previous stage's checkpoint or run folder")
     s.add_argument("--out", default=None, help="run folder for checkpoints and metrics (StageConfig.out_dir)")
     s.add_argument("--resume", action="store_true", help="continue the latest checkpoint in --out exactly")
+    s.add_argument("--overwrite", action="store_true",
+                   help="replace the run already in --out (its checkpoints, metrics and stage config) instead of "
+                        "refusing to start")
     s.add_argument("--reschedule", action="store_true",
                    help="with --resume and another --steps: accept the new learning-rate schedule")
     s.add_argument("--steps", type=int, default=None, help="optimizer steps")
@@ -329,6 +338,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--bank-source", default=None,
                    help="override the recipe's bank and query source (e.g. residual: the seed's, for comparison)")
     r.add_argument("--configs", default=None, help="folder holding recall_*.json (default: the project's configs/)")
+    r.add_argument("--frontier", action="store_true",
+                   help="the dense frontier instead of the controller runs: backbones alone over depths x widths and "
+                        "the PRISME family with its router, every seed, ops against the same reference")
+    r.add_argument("--evaluate-only", action="store_true",
+                   help="train nothing: score the checkpoints an earlier run with the same settings left in --out")
     r.add_argument("--no-progress", action="store_true", help="no per-run progress lines on stderr")
     _add_compile(r)
     r.set_defaults(func=_cmd_study)

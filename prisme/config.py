@@ -111,6 +111,11 @@ class PrismeConfig:
     controller_entropy: bool = False  # ... and the entropy of the backbone's own next-token distribution at the
     #   position, / log V (F + 1): where the backbone is sure, an edit has little to gain
     controller_select: str = "max"  # STOP unless the best ("max", the seed) or the mean ("mean") action score > 0
+    router: bool = False  # a per-position router (prisme.model.router) decides step 0 of every policy rollout: which
+    #   action, or STOP, from target-free features that cost a few percent of one backbone layer (a linear value head
+    #   on norm(H) and whether the current n-gram was seen before); the controller runs only where it fired
+    router_ngram: int = 1  # the router also reads whether the last n tokens occurred earlier in the context (n token
+    #   comparisons per earlier position, no weights); 0 = its head reads norm(H) only
     extra: dict[str, Any] = field(default_factory=dict)  # free-form metadata carried in checkpoints
 
     def __post_init__(self) -> None:
@@ -239,6 +244,10 @@ class PrismeConfig:
                  f"{self.controller_source!r}")
             need(len(source_terms(self.controller_source, self.n_layer, "controller_source", self.name)) == 1,
                  f"controller_source reads one stream, got {self.controller_source!r}")
+        need(isinstance(self.router, bool), f"router must be a bool, got {self.router!r}")
+        need(isinstance(self.router_ngram, int) and not isinstance(self.router_ngram, bool) and self.router_ngram >= 0,
+             f"router_ngram must be an int >= 0, got {self.router_ngram!r}")
+        need(not self.router or self.use_workspace, "router=True needs a workspace (use_workspace=True)")
         need(self.lambda_cost >= 0, f"lambda_cost must be >= 0, got {self.lambda_cost}")
         need(self.kappa_risk >= 0, f"kappa_risk must be >= 0, got {self.kappa_risk}")
         return self
@@ -286,10 +295,20 @@ class PrismeConfig:
         return cls.from_dict({"name": name, **d})
 
     def replace(self, **changes: Any) -> PrismeConfig:
+        """A copy with `changes`. A derived field (`DERIVED`) that held its derived value is derived again from the new
+        inputs unless `changes` sets it: `replace(d_model=32)` on a d=64 preset gets d=32's `ffn_hidden`, while a
+        field the config set explicitly to something else keeps that value."""
         d = self.to_dict()
+        derived = PrismeConfig(**{k: v for k, v in d.items() if k not in DERIVED})  # what the inputs alone give
+        for k in DERIVED:
+            if k not in changes and d[k] == getattr(derived, k):
+                d[k] = None
         d.update(changes)
         return PrismeConfig.from_dict(d)
 
+
+DERIVED = ("n_kv_head", "tie_embeddings", "ffn_hidden", "editor_hidden", "cost_context", "query_source")  # None:
+#   derived in __post_init__ from other fields
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Test size: every code path in milliseconds.
@@ -312,3 +331,30 @@ PRESETS: dict[str, dict[str, Any]] = {
     "prisme_459m": dict(vocab_size=32768, max_seq_len=4096, d_model=1536, n_layer=16, n_head=24, n_kv_head=6,
                         w=512, n_slots=16, n_edit_blocks=2, r_max=8, cost_context=4096),
 }
+
+
+# PrismeConfig fields added since schema version 1 was written, with the value that reproduces what a checkpoint
+# without them computed (the migration table): any other field missing from a config.json is an error, never a
+# silent default (a missing `bank_source` would rebuild another model).
+ADDED_CONFIG_FIELDS: dict[str, Any] = {"slot_kv_cache": False, "router": False, "router_ngram": 1}
+
+
+def complete_config(d: dict[str, Any], where: Path | str = "config.json") -> dict[str, Any]:
+    """A checkpoint's config dict with the fields of `ADDED_CONFIG_FIELDS` filled in where missing; ValueError naming
+    every other missing field."""
+    missing = sorted({f.name for f in dataclasses.fields(PrismeConfig)} - set(d) - set(ADDED_CONFIG_FIELDS))
+    if missing:
+        raise ValueError(f"{where} lacks the field(s) {missing}: the checkpoint's config is incomplete (a default "
+                         f"could rebuild another model); restore the file")
+    return {**{k: v for k, v in ADDED_CONFIG_FIELDS.items() if k not in d}, **d}
+
+
+def untrained_for_policy(cfg: PrismeConfig, groups: set[str], max_budget: int) -> list[str]:
+    """The groups a policy with `max_budget` steps would run but no stage trained: the workspace for any edit, the
+    router for step 0 of a router model, the controller for its other steps (every step without a router)."""
+    if max_budget == 0 or not cfg.use_workspace:
+        return []
+    need = ["workspace", "router" if cfg.router else "controller"]
+    if cfg.router and max_budget > 1:
+        need.append("controller")
+    return [g for g in need if g not in groups]

@@ -46,6 +46,21 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def check_output_file(path: str | Path | None, option: str) -> None:
+    """Before any long work: `path` (an output file, None = none) is not a folder and its folder exists or can be
+    made and is writable; else a ValueError naming `option` and the path."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{option} {p} is a folder; give a file path")
+    parent = p.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {p}: cannot write into {parent} (read-only or not a folder)")
+
+
 def current_umask() -> int:
     """The process umask (read without changing it)."""
     mask = os.umask(0)

@@ -56,7 +56,10 @@ class PairedDelta:
 
 
 def verdict(lo: float, hi: float) -> str:
-    """"beats" if hi < 0, "loses" if lo > 0, else "ties" (a lower loss is better)."""
+    """"beats" if hi < 0, "loses" if lo > 0, else "ties" (a lower loss is better). An interval that is zero to
+    rounding (|lo|, |hi| <= 1e-9: a policy that changed nothing) ties."""
+    if max(abs(lo), abs(hi)) <= 1e-9:
+        return "ties"
     if hi < 0:
         return "beats"
     if lo > 0:

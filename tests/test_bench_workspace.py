@@ -13,7 +13,8 @@ from prisme.bench import workspace as bw
 from prisme.bench import workspace_report as bw_report
 from prisme.cli import main as cli_main
 from prisme.config import PrismeConfig
-from prisme.costs.analytic import token_ops, trace_cost
+from prisme.costs.analytic import token_ops
+from prisme.costs.traces import trace_cost
 
 
 @pytest.fixture(scope="module")

@@ -144,11 +144,14 @@ def test_schema_version_mismatch_is_rejected(tiny_cfg, tmp_path):
 
 
 def test_corrupt_state_and_optimizer_are_clear_errors(tiny_cfg, tmp_path):
-    """Unparsable state.json or optimizer.pt is a ValueError naming the file."""
+    """Unparsable state.json or optimizer.pt is a ValueError naming the file (a damaged optimizer.pt fails its
+    recorded checksum first; unverified, it fails to unpickle)."""
     path = _save(_model(tiny_cfg), tmp_path, optimizer_state={"x": torch.zeros(3)})
     (path / ckpt.OPTIMIZER).write_bytes(b"not a torch file")
-    with pytest.raises(ValueError, match=r"optimizer\.pt is truncated or corrupt"):
+    with pytest.raises(ValueError, match=r"optimizer\.pt does not match the sha256"):
         ckpt.load_checkpoint(path)
+    with pytest.raises(ValueError, match=r"optimizer\.pt is truncated or corrupt"):
+        ckpt.load_checkpoint(path, verify=False)
     ckpt.load_checkpoint(path, load_optimizer=False)  # negative control: the weights alone still load
     (path / ckpt.STATE).write_text("{not json")
     with pytest.raises(ValueError, match=r"state\.json is not valid JSON"):

@@ -30,6 +30,8 @@ SOURCES = {
     "embedding": dict(bank_source="embedding", bank_shift=True, controller_source="residual", controller_bank=True,
                       controller_entropy=True),
     "two_sources": dict(bank_source="residual+embedding", query_source="layer1", bank_shift=True),
+    # the router decides step 0 (from norm(H) and whether the current bigram was seen), the controller the rest
+    "router": dict(router=True, router_ngram=2, bank_shift=True),
 }
 sources = pytest.mark.parametrize("src", list(SOURCES))
 

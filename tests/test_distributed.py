@@ -45,16 +45,16 @@ def _worker(rank: int, world: int, store: str, jobs: list[tuple[dict, dict | Non
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world))
     # rendezvous through a file: no port to pick (a free port can be taken by another process before we bind it)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    shard = train_mod._shard
+    shard = train_mod.shard_rows
     try:
         for scfg_dict, model_cfg, broken in jobs:
             # negative control: with `broken`, every rank trains on rank 0's rows (a sharding bug)
-            train_mod._shard = ((lambda t, m, a, di: shard(t, m, a, train_mod.DistInfo(0, di.world))) if broken
+            train_mod.shard_rows = ((lambda t, m, a, di: shard(t, m, a, train_mod.DistInfo(0, di.world))) if broken
                                 else shard)
             train_stage(None if model_cfg is None else PrismeConfig.from_dict(model_cfg),
                         StageConfig.from_dict(scfg_dict), dataset=_data())
     finally:
-        train_mod._shard = shard
+        train_mod.shard_rows = shard
         dist.barrier()  # every rank done before rank 0's store goes away
         dist.destroy_process_group()
 

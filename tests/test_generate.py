@@ -19,7 +19,8 @@ from tiny_models import tiny_model
 
 from prisme import cli, faults
 from prisme.config import PrismeConfig
-from prisme.costs.analytic import token_ops, trace_cost
+from prisme.costs.analytic import token_ops
+from prisme.costs.traces import trace_cost
 from prisme.decoding.generate import GenerationOutput, calibrate_lambda, generate, generate_stream
 from prisme.decoding.sampling import sample_logits
 from prisme.model.prisme import PrismeModel
@@ -179,6 +180,8 @@ SOURCES = {  # the source-bank options beside the seed's inputs (tests/test_cont
     "embedding": dict(bank_source="embedding", bank_shift=True, controller_source="residual", controller_bank=True,
                       controller_entropy=True),
     "two_sources": dict(bank_source="residual+embedding", query_source="layer1", bank_shift=True),
+    # the router decides step 0 (from norm(H) and whether the current bigram was seen), the controller the rest
+    "router": dict(router=True, router_ngram=2, bank_shift=True),
 }
 
 
@@ -554,8 +557,10 @@ def test_cli_generate_from_a_checkpoint_matches_the_library(tmp_path, capsys):
     prompt = ByteTokenizer().encode("Mr. Knightley")
     ref = generate(model, [prompt], 6, max_budget=2, lambda_cost=0.0)
     rc = cli.main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--prompt", "Mr. Knightley",
-                   "--max-new-tokens", "6", "--budget", "2", "--lambda-cost", "0"])
-    assert rc == 0
-    assert capsys.readouterr().out == "Mr. Knightley" + ByteTokenizer().decode(ref.tokens[0]) + "\n"
+                   "--max-new-tokens", "6", "--budget", "2", "--lambda-cost", "0", "--allow-untrained"])
+    assert rc == 0  # the saved workspace was never trained (an export of random weights): allowed, with a warning
+    captured = capsys.readouterr()
+    assert captured.out == "Mr. Knightley" + ByteTokenizer().decode(ref.tokens[0]) + "\n"
+    assert "warning" in captured.err and "workspace" in captured.err
     assert cli.main(["generate", "--checkpoint", str(tmp_path / "missing"), "--prompt", "x"]) == 2
     assert "does not exist" in capsys.readouterr().err

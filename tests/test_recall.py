@@ -19,7 +19,7 @@ from prisme.data.mqar import MQARConfig, make_mqar_batch
 from prisme.data.text import IGNORE_INDEX
 from prisme.model.prisme import PrismeModel
 from prisme.studies.recall_eval import evaluate_backbone
-from prisme.studies.recall_setup import RecallStudyConfig, parse_seeds
+from prisme.studies.recall_setup import RecallStudyConfig, parse_seeds, study_config
 from prisme.training.config import StageConfig
 from prisme.training.objectives import ControllerObjective, WorkspaceObjective
 from prisme.training.trainer import train_stage
@@ -175,11 +175,11 @@ def test_study_seeds_must_be_a_nonempty_list_of_nonnegative_ints(tmp_path, capsy
 def test_forced_rows_scored_at_the_queries_equal_the_full_forward():
     """The study scores forced policies at the query positions only; that equals the accuracy of model(x, actions)
     over every position (here for the budget-1 policy and the backbone)."""
-    from prisme.studies.recall_eval import _batches, _forced_row
+    from prisme.studies.recall_eval import _batches, forced_row
 
     model = recall_model(torch.float32).eval()
     mcfg = MQARConfig(**MQ)
-    row = _forced_row(model, mcfg, 5, 64, "fixed_1xk1", "fixed", 1, 1)
+    row = forced_row(model, mcfg, 5, 64, "fixed_1xk1", "fixed", 1, 1)
     x, y = next(iter(_batches(mcfg, 64, 5)))
     with torch.no_grad():
         logits = model(x, torch.zeros(64, 32, 1, dtype=torch.long)).logits
@@ -225,12 +225,12 @@ def test_study_quick_run_writes_the_documented_json(tmp_path):
 def test_controller_rows_equal_forward_policy():
     """The study's controller rows (one encoding per batch, rolled out at every price) equal forward_policy's
     accuracy, edits and query share at each price."""
-    from prisme.studies.recall_eval import _batches, _controller_rows
+    from prisme.studies.recall_eval import _batches, policy_rows
 
     model = recall_model(torch.float32).eval()
     torch.nn.init.normal_(model.controller.mlp[-1].weight, std=0.3)  # a controller that edits at some positions
     mcfg = MQARConfig(**MQ)
-    rows = _controller_rows(model, mcfg, 7, 32, [0.0, 0.5])
+    rows = policy_rows(model, mcfg, 7, 32, [0.0, 0.5])
     x, y = next(iter(_batches(mcfg, 32, 7)))
     lab = y != IGNORE_INDEX
     for r in rows:
@@ -239,3 +239,64 @@ def test_controller_rows_equal_forward_policy():
         assert r["accuracy"] == float((out.logits.argmax(-1)[lab] == y[lab]).float().mean())
         assert r["edits_per_token"] == float(out.n_edits.double().mean())
     assert rows[0]["edits_per_token"] > rows[1]["edits_per_token"]
+
+
+def test_frontier_quick_run_writes_both_families_the_verdict_and_the_router_cost(tmp_path):
+    """`prisme study recall --frontier --quick`: the controls, the dense grid (every depth x width) and a PRISME size
+    with its router, in the table and in the JSON layout other tools read (`frontier.dense` / `frontier.prisme`
+    entries, `frontier.verdict`, `frontier.router`), with ops against one reference; the plot is written."""
+    out = tmp_path / "f"
+    buf = StringIO()
+    with redirect_stdout(buf):
+        rc = cli.main(["study", "recall", "--frontier", "--quick", "--jobs", "1", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    text = buf.getvalue()
+    doc = json.loads(text[text.index("\n{") + 1:])
+    f = doc["frontier"]
+    cfg = RecallStudyConfig()
+    assert {(e["n_layer"], e["d_model"]) for e in f["dense"]} == {(L, d) for L in cfg.frontier_depths
+                                                                  for d in cfg.frontier_widths}
+    keys = {"n_layer", "d_model", "w", "ops_ratio", "accuracy", "seeds_at_95"}
+    assert all(keys <= set(e) and e["w"] is None and len(e["accuracy"]) == 1 for e in f["dense"])
+    assert len(f["prisme"]) == 1 and keys <= set(f["prisme"][0]) and f["prisme"][0]["w"] == cfg.family[0][1]
+    ref = next(e for e in f["dense"] if (e["n_layer"], e["d_model"]) == (1, 64))
+    assert abs(ref["ops_ratio"] - 1.0) < 1e-12  # the reference is the recipe's 1-layer d=64 backbone
+    assert [e["ops_ratio"] for e in f["dense"]] == sorted(e["ops_ratio"] for e in f["dense"])
+    assert set(f["verdict"]) == {"dense_best", "prisme_best", "ops_ratio_prisme_over_dense"}
+    assert 0 < f["router"]["share_of_backbone_layer"] <= 0.10 and f["router"]["ops_per_position"] > 0
+    assert "cheapest dense passing" in text and (out / "recall_frontier.png").stat().st_size > 0
+    model, meta = load_checkpoint(f["prisme"][0]["checkpoints"][0])
+    assert meta.stage == "router" and model.cfg.router
+    buf = StringIO()  # --evaluate-only scores the same checkpoints again, training nothing: the same numbers
+    with redirect_stdout(buf):
+        rc = cli.main(["study", "recall", "--frontier", "--quick", "--jobs", "1", "--out", str(out), "--no-progress",
+                       "--evaluate-only"])
+    text = buf.getvalue()
+    again = json.loads(text[text.index("\n{") + 1:])["frontier"]
+    assert rc == 0 and [e["accuracy"] for e in again["dense"] + again["prisme"]] == \
+        [e["accuracy"] for e in f["dense"] + f["prisme"]]
+    from prisme.studies.recall import run_study
+
+    with pytest.raises(ValueError, match="evaluate-only.*holds no checkpoint"):
+        run_study(study_config({"frontier": True, "quick": True, "evaluate_only": True,
+                                "out_dir": str(tmp_path / "empty")}), progress=False)
+
+
+@pytest.mark.parametrize("override, field", [({"frontier_widths": [15]}, "frontier_widths"),
+                                             ({"frontier_widths": []}, "frontier_widths"),
+                                             ({"frontier_depths": [0]}, "frontier_depths"),
+                                             ({"family": [[16, -32]]}, "family"),
+                                             ({"family": [[18, 32]]}, "family"),
+                                             ({"family": [[16, 33]]}, "family"),
+                                             ({"frontier_steps": 1000}, "frontier_steps")])
+def test_a_bad_frontier_grid_is_a_value_error_naming_the_field_before_anything_trains(tmp_path, override, field):
+    """A width the head count does not divide (or an odd head dim), an empty or non-positive entry, a workspace width
+    its heads do not divide, a dense frontier trained less than the PRISME family: ValueError naming the field."""
+    from prisme.studies.recall import run_study
+
+    out = tmp_path / "f"
+    quick = {} if field == "frontier_steps" else {"quick": True}  # were a check to miss, a smoke run, not the study
+    with pytest.raises(ValueError, match=field):
+        run_study(study_config({"frontier": True, "out_dir": str(out), "seeds": [0], "jobs": 1, **quick, **override}),
+                  progress=False)
+    assert not out.exists()

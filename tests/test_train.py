@@ -3,6 +3,7 @@ checkpoints, resumes exactly, saves on Ctrl-C and stops on a non-finite loss."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -16,7 +17,7 @@ from prisme.data.text import TokenDataset
 from prisme.model.prisme import PrismeModel
 from prisme.training import objectives as objectives
 from prisme.training import trainer as train_mod
-from prisme.training.config import StageConfig, load_run_config
+from prisme.training.config import STAGES, StageConfig, load_run_config
 from prisme.training.trainer import NonFiniteLossError, train_stage
 
 REPO = Path(__file__).resolve().parents[1]
@@ -204,7 +205,7 @@ def test_resume_after_ctrl_c_equals_an_uninterrupted_run(pipeline, data, tmp_pat
     b = ckpt.load_model(resumed.checkpoint)[0].state_dict()
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
     # negative control: a resume that forgets the generator states draws other batches and ends elsewhere
-    monkeypatch.setattr(train_mod, "_set_rng_state", lambda gens, state: None)
+    monkeypatch.setattr(train_mod, "restore_rng_state", lambda gens, state: None)
     bad = train_stage(cfg, stage_cfg(tmp_path / "c", stage, **kw), dataset=data, callbacks=[_interrupt_at(3)])
     bad = train_stage(cfg, stage_cfg(tmp_path / "c", stage, resume=True, **kw), dataset=data)
     c = ckpt.load_model(bad.checkpoint)[0].state_dict()
@@ -226,7 +227,11 @@ def test_resume_with_the_prev_token_probe_equals_an_uninterrupted_run(pipeline, 
             opt_file = cut.checkpoint / ckpt.OPTIMIZER
             state = torch.load(opt_file, weights_only=False)
             assert "prev_probe.weight" in state.pop("objective")
-            torch.save(state, opt_file)
+            torch.save(state, opt_file)  # as if written without the probe: its recorded checksum follows
+            meta_file = cut.checkpoint / ckpt.STATE
+            meta = json.loads(meta_file.read_text())
+            meta["optimizer_sha256"] = hashlib.sha256(opt_file.read_bytes()).hexdigest()
+            meta_file.write_text(json.dumps(meta))
         resumed = train_stage(None, stage_cfg(out, "workspace", resume=True, **kw), dataset=data)
         b = ckpt.load_model(resumed.checkpoint)[0].state_dict()
         ends[strip] = [k for k in a if not torch.equal(a[k], b[k])]
@@ -250,7 +255,7 @@ def test_resume_after_a_crash_logs_each_step_once(pipeline, data, tmp_path, monk
         shutil.rmtree(run / ckpt.checkpoint_name(6))  # the crash: steps 4-6 logged, their checkpoint never written
         (run / ckpt.LATEST).write_text(ckpt.checkpoint_name(3))
         if not drop:
-            monkeypatch.setattr(train_mod, "_drop_rows_after", lambda path, step: None)
+            monkeypatch.setattr(train_mod, "drop_rows_after", lambda path, step: None)
         train_stage(cfg, stage_cfg(out, "backbone", resume=True, **kw), dataset=data)
         steps = train_rows(out)
         if drop:
@@ -315,7 +320,7 @@ def test_run_configs_in_repo_load():
         model_cfg, scfg = load_run_config(f)
         stages.add(scfg.stage)
         assert model_cfg is None or model_cfg.validate() is model_cfg
-    assert stages == {"backbone", "workspace", "controller"}
+    assert stages == set(STAGES)  # every stage of the registry has a recipe here
 
 
 def test_backbone_lr_gives_the_learning_backbone_its_own_schedule(pipeline, data, tmp_path):

@@ -13,7 +13,9 @@ def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float64, controller: bo
                **overrides) -> PrismeModel:
     """`tiny` (with `overrides`) in eval mode, weights drawn after `torch.manual_seed(seed)`; with a workspace, the
     readout's U ~ N(0, 0.5) (U starts at zero, which would hide every edit) and, if `controller`, every controller
-    parameter ~ N(0, 0.3) (decisions that vary from position to position)."""
+    parameter ~ N(0, 0.3) (decisions that vary from position to position); with a router, its head ~ N(0, 0.5), the
+    weight of its n-gram feature 1 and its bias -1.2 (it fires where the n-gram was seen before, and elsewhere at
+    some positions only)."""
     torch.manual_seed(seed)
     model = PrismeModel(PrismeConfig.from_name("tiny", **overrides)).to(dtype).eval()
     if model.cfg.use_workspace:
@@ -22,4 +24,11 @@ def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float64, controller: bo
             with torch.no_grad():
                 for p in model.controller.parameters():
                     torch.nn.init.normal_(p, std=0.3)
+        if model.cfg.router:
+            with torch.no_grad():
+                head = model.router.head
+                torch.nn.init.normal_(head.weight, std=0.5)
+                head.bias.fill_(-1.2)
+                if model.cfg.router_ngram:
+                    head.weight[:, -1] = 1.0
     return model

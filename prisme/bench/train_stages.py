@@ -45,7 +45,8 @@ def _backbone_fwd_ops(cfg: PrismeConfig, B: int, T: int) -> float:
 def workspace_stage_ops(cfg: PrismeConfig, extra: dict[str, torch.Tensor], y: torch.Tensor,
                         deep_supervision: float) -> float:
     """Analytic ops of one workspace-stage step (`OPS_CONVENTION`) for its sampled actions `[B, T, R]` and budgets."""
-    from prisme.costs.analytic import BACKBONE, backbone_ops, readout_ops, trace_cost
+    from prisme.costs.analytic import BACKBONE, backbone_ops, readout_ops
+    from prisme.costs.traces import trace_cost
     from prisme.data.text import IGNORE_INDEX
 
     acts, budget = extra["actions"], extra["budget"]
@@ -143,7 +144,7 @@ def stage_paths(cfg: PrismeConfig, stage: str, seed: int = 42, batch: int | None
     from prisme.model.prisme import PrismeModel
     from prisme.training.config import StageConfig
     from prisme.training.objectives import OBJECTIVES
-    from prisme.training.optim import _trainable
+    from prisme.training.optim import stage_parameters
 
     if not cfg.use_workspace:
         raise ValueError(f"stage {stage!r} needs a preset with a workspace; {cfg.name!r} has none")
@@ -160,7 +161,7 @@ def stage_paths(cfg: PrismeConfig, stage: str, seed: int = 42, batch: int | None
 
         compile_editor(model, strict=True)
     objective = OBJECTIVES[stage](model, scfg)
-    params = _trainable(model, scfg) + [p for n, p in objective.named_parameters() if not n.startswith("model.")]
+    params = stage_parameters(model, scfg) + [p for n, p in objective.named_parameters() if not n.startswith("model.")]
     opt = torch.optim.AdamW(params, lr=scfg.lr, betas=ADAMW["betas"], eps=ADAMW["eps"])
     seq = harness.make_tokens(cfg.vocab_size, B, T + 1, seed)
     x, y = seq[:, :-1], seq[:, 1:]

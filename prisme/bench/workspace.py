@@ -72,8 +72,9 @@ from prisme.bench.workspace_report import (
     target_summary,
 )
 from prisme.config import PrismeConfig
-from prisme.costs.analytic import BACKBONE, COMPONENTS, SEED_ROWS, trace_cost
+from prisme.costs.analytic import BACKBONE, COMPONENTS, SEED_ROWS
 from prisme.costs.counting import OpsCounter
+from prisme.costs.traces import trace_cost
 from prisme.io import environment
 from prisme.model.prisme import PrismeModel
 from prisme.model.state import DecodeState

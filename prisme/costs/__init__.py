@@ -1,5 +1,6 @@
-"""The analytic cost model (`analytic`: seed 000's terms, per-trace costs), its tie to the real modules (`counting`:
-matmul FLOPs counted by `FlopCounterMode`) and the `prisme costs` table (`table`). docs/costs.md derives every term."""
+"""The analytic cost model (`analytic`: seed 000's terms; `traces`: the cost of actual traces), its tie to the real
+modules (`counting`: matmul FLOPs counted by `FlopCounterMode`) and the `prisme costs` table (`table`). docs/costs.md
+derives every term."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from prisme.costs.analytic import (
     SEED_ASSUMPTIONS,
     SEED_ROWS,
     SLOT_KV_ASSUMPTIONS,
-    TraceCost,
     action_cost_proxy,
     action_editor_ops,
     backbone_linear_allowance,
@@ -29,13 +29,16 @@ from prisme.costs.analytic import (
     cost_document,
     cost_table,
     readout_ops,
+    router_match_ops,
+    router_ops,
+    router_share_of_layer,
     seed_rows,
     token_ops,
-    trace_cost,
     workspace_params,
 )
 from prisme.costs.counting import OpsCounter
 from prisme.costs.table import costs_cli, format_table
+from prisme.costs.traces import TraceCost, trace_cost
 
 __all__ = [
     "COMPONENTS", "BACKBONE", "OPTIONAL_COMPONENTS", "components", "controller_entropy_ops", "controller_bank_ops",
@@ -43,5 +46,5 @@ __all__ = [
     "SLOT_KV_ASSUMPTIONS", "backbone_params", "backbone_linear_allowance", "workspace_params", "action_editor_ops",
     "controller_step_ops", "readout_ops", "bank_projection_ops", "bank_shift_ops", "bank_ops", "backbone_ops",
     "token_ops", "seed_rows", "action_cost_proxy", "cost_table", "cost_document", "TraceCost", "trace_cost",
-    "OpsCounter", "format_table", "costs_cli"
+    "OpsCounter", "format_table", "costs_cli", "router_ops", "router_match_ops", "router_share_of_layer"
 ]

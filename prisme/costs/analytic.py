@@ -27,17 +27,14 @@ tests/test_costs.py checks every integer of the seed, ties each term to the matm
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 from prisme.config import PrismeConfig
 
 COMPONENTS = ("backbone_linear", "backbone_attention", "lm_head", "bank_projection", "editor_source_attn",
               "editor_slot_attn", "editor_ffn", "editor_gate", "controller", "readout")
 BACKBONE = COMPONENTS[:3]
-OPTIONAL_COMPONENTS = ("bank_shift", "controller_input", "controller_bank", "controller_entropy")  # `components`
+OPTIONAL_COMPONENTS = ("bank_shift", "router", "controller_input", "controller_bank", "controller_entropy")
 
 
 def components(cfg: PrismeConfig) -> tuple[str, ...]:
@@ -47,6 +44,8 @@ def components(cfg: PrismeConfig) -> tuple[str, ...]:
     out = list(COMPONENTS)
     if cfg.bank_shift:
         out.insert(out.index("bank_projection") + 1, "bank_shift")
+    if cfg.router:
+        out.insert(out.index("controller"), "router")
     if cfg.controller_source is not None:
         out.insert(out.index("controller") + 1, "controller_input")
     at = out.index("controller") + 1 + (cfg.controller_source is not None)
@@ -56,6 +55,30 @@ def components(cfg: PrismeConfig) -> tuple[str, ...]:
     if cfg.controller_entropy:
         out.insert(at, "controller_entropy")
     return tuple(out)
+
+
+def router_ops(cfg: PrismeConfig, T: int) -> int:
+    """The router (`cfg.router`, prisme.model.router) at one position of context T: the linear value head over
+    [norm(H), seen] (2 (d + 1) A; 2 d A with router_ngram = 0) plus its n-gram feature, n token comparisons against
+    each of the T - 1 earlier positions, counted as one op each (`router_match_ops`). 0 without a router."""
+    if not cfg.router:
+        return 0
+    n = cfg.router_ngram
+    return 2 * (cfg.d_model + (1 if n > 0 else 0)) * cfg.n_actions + router_match_ops(cfg, T)
+
+
+def router_match_ops(cfg: PrismeConfig, T: int) -> int:
+    """The router's n-gram feature at context T: n id comparisons per earlier position (no matmul: a named allowance
+    in the tie to counted FLOPs)."""
+    return cfg.router_ngram * (T - 1) if cfg.router else 0
+
+
+def router_share_of_layer(cfg: PrismeConfig, T: int | None = None) -> float:
+    """The router's ops per position over one backbone layer's (its linears and attention at context T, default
+    `cfg.cost_context`): what "nearly free" is measured against."""
+    T = _check_T(cfg, cfg.cost_context if T is None else T)
+    layer = 2 * matmul_params_per_layer(cfg) + 4 * T * cfg.d_model
+    return router_ops(cfg, T) / layer
 
 
 def controller_entropy_ops(cfg: PrismeConfig) -> int:
@@ -170,7 +193,10 @@ def workspace_params(cfg: PrismeConfig) -> dict[str, int]:
     controller = (F * 2 * w + 2 * w) + (2 * w * w + w) + w * w + 2 * cfg.n_actions
     controller += d * w if cfg.controller_source is not None else 0  # P_ctrl
     controller += w * w if cfg.controller_bank else 0  # BankMatch.W_bank
-    return {"workspace": bank + cfg.n_edit_blocks * block + readout, "controller": controller}
+    out = {"workspace": bank + cfg.n_edit_blocks * block + readout, "controller": controller}
+    if cfg.router:  # the head (d [+ 1] -> A, with bias)
+        out["router"] = (d + (1 if cfg.router_ngram > 0 else 0) + 1) * cfg.n_actions
+    return out
 
 
 # ---------------------------------------------------------------------- per-token ops
@@ -251,7 +277,7 @@ def backbone_ops(cfg: PrismeConfig, T: int) -> dict[str, int]:
     }
 
 
-def _finish(row: dict[str, int], cfg: PrismeConfig) -> dict[str, int]:
+def finish_row(row: dict[str, int], cfg: PrismeConfig) -> dict[str, int]:
     comps = components(cfg)
     row = {c: int(row.get(c, 0)) for c in comps}
     row["backbone"] = sum(row[c] for c in BACKBONE)
@@ -262,7 +288,7 @@ def _finish(row: dict[str, int], cfg: PrismeConfig) -> dict[str, int]:
 
 def token_ops(cfg: PrismeConfig, T: int, ks: Sequence[int] = (), controller_steps: int | None = None,
               readout: bool | None = None, optimised: bool = False,
-              dense: Sequence[bool] | None = None) -> dict[str, int]:
+              dense: Sequence[bool] | None = None, router: bool = False) -> dict[str, int]:
     """Ops for one generated token at context T whose workspace applied actions of `ks` slots each, in order.
 
     Args:
@@ -271,6 +297,8 @@ def token_ops(cfg: PrismeConfig, T: int, ks: Sequence[int] = (), controller_step
         readout: whether the readout ran (default: n >= 1).
         optimised: the optimised column; the slot K/V cache state is followed through the sequence of actions.
         dense: per action, whether it is DENSE (default: k == M).
+        router: the router decided step 0 (`cfg.router` policies): the position pays the router and the bank
+            whether it edits or not; `controller_steps` then counts the controller's evaluations from step 1 on.
     Returns:
         The components (`components(cfg)`: seed 000's ten, plus `bank_shift` with a shifted bank) plus `backbone`,
         `workspace` and `total`. No workspace term is charged when `ks` is
@@ -288,9 +316,13 @@ def token_ops(cfg: PrismeConfig, T: int, ks: Sequence[int] = (), controller_step
     steps = min(n + 1, cfg.r_max) if controller_steps is None else int(controller_steps)
     if steps < 0:
         raise ValueError(f"controller_steps must be >= 0, got {steps}")
-    if n == 0 and steps == 0:
-        return _finish(row, cfg)
+    if router and not cfg.router:
+        raise ValueError(f"router=True prices a router, but {cfg.name!r} has none (cfg.router=False)")
+    if n == 0 and steps == 0 and not router:
+        return finish_row(row, cfg)
     row.update(bank_ops(cfg))
+    if router:
+        row["router"] = router_ops(cfg, T)
     ready = False  # optimised path: does the position hold its slot K/V cache?
     for k, is_dense in zip(ks, dense):
         for name, v in action_editor_ops(cfg, k, T, optimised, ready, is_dense).items():
@@ -305,7 +337,7 @@ def token_ops(cfg: PrismeConfig, T: int, ks: Sequence[int] = (), controller_step
         row["controller_entropy"] = controller_entropy_ops(cfg)
     if n > 0 if readout is None else readout:
         row["readout"] = readout_ops(cfg, optimised)
-    return _finish(row, cfg)
+    return finish_row(row, cfg)
 
 
 def seed_rows(cfg: PrismeConfig, T: int, optimised: bool = False) -> dict[str, dict[str, int]]:
@@ -351,88 +383,3 @@ def cost_document(cfg: PrismeConfig, T: int, optimised: bool = False) -> dict[st
         doc["optimised_action_cost_proxy"] = opt["action_cost_proxy"]
         doc["optimised_assumptions"] = opt["assumptions"]
     return doc
-
-
-# ---------------------------------------------------------------------- cost of actual traces
-@dataclass
-class TraceCost:
-    """Ops of a batch of generated/evaluated positions under an actual action trace."""
-
-    total_ops: float  # summed over positions
-    n_positions: int
-    backbone_ops: float  # what the backbone alone would have cost on the same positions
-    by_component: dict[str, float] = field(default_factory=dict)  # summed over positions
-
-    @property
-    def ops_per_token(self) -> float:
-        return self.total_ops / max(self.n_positions, 1)
-
-    @property
-    def relative(self) -> float:
-        """Total ops over the backbone-only ops of the same positions."""
-        return self.total_ops / max(self.backbone_ops, 1.0)
-
-    @property
-    def per_token_by_component(self) -> dict[str, float]:
-        return {c: v / max(self.n_positions, 1) for c, v in self.by_component.items()}
-
-
-def trace_cost(cfg: PrismeConfig, actions: Any, contexts: Any, controller_steps: Any = None,
-               optimised: bool = False) -> TraceCost:
-    """Cost of actual traces by SPEC §6's rules.
-
-    Args:
-        actions: `[N, R]` (or `[..., R]` matching `contexts`) action ids per position (STOP = A, absorbing: steps
-            after the first STOP are not charged; DENSE = A + 1); None or R == 0 for the backbone alone.
-        contexts: `[N]` context length of each position: t + 1 (its own keys).
-        controller_steps: `[N]` controller evaluations per position (None or zeros for forced policies).
-    Rules: a position with n >= 1 actions pays them, its controller steps (`min(n + 1, budget)` under the
-    controller), the bank projection and the readout; one the controller stopped at once pays the bank projection
-    and one controller step, no readout; forced policies pay no controller (an all-STOP forced position still pays
-    the bank projection: later positions read its bank entry); R == 0 or None is the backbone alone.
-    """
-    ctx_t = torch.as_tensor(contexts).flatten()
-    if ctx_t.is_floating_point() and not bool((ctx_t == ctx_t.round()).all()):
-        raise ValueError("contexts must hold integer context lengths")
-    ctx_t = ctx_t.long().cpu()
-    N = int(ctx_t.numel())
-    kinds_t = None  # [N, R] per step: slots of the action (1, 2), -1 for DENSE, 0 from the first STOP on
-    if actions is not None:
-        a = torch.as_tensor(actions)
-        if a.dim() == 0 or (a.shape[:-1].numel() != N):
-            raise ValueError(f"actions must be [N, R] with N = {N} positions (as contexts), got {tuple(a.shape)}")
-        if a.shape[-1] > 0:
-            kinds_t = _kinds(cfg, a.reshape(N, a.shape[-1]).long().cpu())
-    steps_t = torch.zeros(N, dtype=torch.long) if controller_steps is None else \
-        torch.as_tensor(controller_steps).flatten().long().cpu()
-    if steps_t.numel() != N or bool((steps_t < 0).any()):
-        raise ValueError(f"controller_steps must be [N] = [{N}] counts >= 0, got {steps_t.numel()} entries")
-    comps = components(cfg)
-    comp = dict.fromkeys(comps, 0.0)
-    base = 0.0
-    # positions with the same (context, action kinds, controller steps) cost the same: price each distinct one once
-    cols = [ctx_t.unsqueeze(1), steps_t.unsqueeze(1)] + ([kinds_t] if kinds_t is not None else [])
-    keys, counts = torch.unique(torch.cat(cols, 1), dim=0, return_counts=True)
-    for key, count in zip(keys.tolist(), counts.tolist()):
-        T, n_steps, kinds = int(key[0]), int(key[1]), [k for k in key[2:] if k != 0]
-        ks = [cfg.n_slots if k == -1 else k for k in kinds]
-        row = token_ops(cfg, T, ks, controller_steps=n_steps, optimised=optimised, dense=[k == -1 for k in kinds])
-        if kinds_t is not None and not ks and n_steps == 0:  # forced, all STOP: the bank entry still runs
-            row = _finish({**row, **bank_ops(cfg)}, cfg)
-        for c in comps:
-            comp[c] += row[c] * count
-        base += row["backbone"] * count
-    return TraceCost(total_ops=sum(comp.values()), n_positions=N, backbone_ops=base, by_component=comp)
-
-
-def _kinds(cfg: PrismeConfig, acts: torch.Tensor) -> torch.Tensor:
-    """`[N, R]` action ids -> per step the slots it edits (1 or 2), -1 for DENSE, and 0 from the first STOP on
-    (STOP is absorbing: later steps are never charged). ValueError for an id that is not an edit or STOP."""
-    stop, dense, A, M = cfg.stop_action, cfg.dense_action, cfg.n_actions, cfg.n_slots
-    after = torch.cumsum((acts == stop).long(), dim=-1) > 0  # [N, R] at or after the first STOP
-    bad = ~after & ((acts < 0) | (acts >= A)) & (acts != dense)
-    if bool(bad.any()):
-        a = int(acts[bad][0])
-        raise ValueError(f"action id {a} is not an edit (valid: [0, {A}) or DENSE={dense})")
-    kinds = torch.where(acts == dense, -1, torch.where(acts < M, 1, 2))
-    return kinds.masked_fill(after, 0)

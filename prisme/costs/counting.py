@@ -28,7 +28,7 @@ class OpsCounter:
     formula for `aten._scaled_dot_product_flash_attention_for_cpu`, which FlopCounterMode counts as 0. Each op goes to
     the component of the innermost tagged module running it: backbone blocks -> `backbone_linear` (their SDPA ->
     `backbone_attention`); `backbone.head` -> `lm_head`; W_K, W_V, P (and their `_more` terms) -> `bank_projection`,
-    W_K_shift -> `bank_shift`, P_ctrl -> `controller_input`; editor linears by name
+    W_K_shift -> `bank_shift`, P_ctrl -> `controller_input`; the router -> `router`; editor linears by name
     (src_q/src_o, slot_q/slot_kv/slot_o, w13/w2, gate); an SDPA inside an editor block -> `editor_source_attn` if it
     carries a mask (the causal bank) else `editor_slot_attn` (the M slots); controller; readout. Anything else lands
     in `untagged`. Not counted, by the convention: norms, softmax, activations, embeddings, biases.
@@ -82,6 +82,8 @@ class OpsCounter:
             if getattr(m.controller, "entropy", None) is not None:
                 tags[m.controller.entropy] = "controller_entropy"
             tags[m.readout] = "readout"
+            if getattr(m, "router", None) is not None:
+                tags[m.router] = "router"
         return tags
 
     def _add(self, packet: Any, ops: int, kwargs: dict[str, Any]) -> None:

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import torch
 
 from prisme.checks import is_int
-from prisme.costs.analytic import trace_cost
+from prisme.costs.traces import trace_cost
 from prisme.decoding.sampling import sample_logits
 from prisme.model.backbone import check_tokens
 from prisme.model.prisme import PrismeModel
-from prisme.model.state import _check_price
+from prisme.model.state import check_price
 
 
 # ====================================================================== generation
@@ -141,7 +141,8 @@ def _calibrate(model: PrismeModel, tokens: torch.Tensor, lengths: list[int], max
     contexts = (torch.arange(P, device=tokens.device) + 1).expand(B, P)[valid]  # [N]
     N = contexts.numel()
     stop_all = torch.full((N, max_budget), cfg.stop_action, dtype=torch.long)
-    floor = trace_cost(cfg, stop_all, contexts, torch.ones(N, dtype=torch.long), cfg.optimised).relative
+    steps0 = torch.full((N,), 0 if cfg.router else 1, dtype=torch.long)  # the router decides step 0 alone
+    floor = trace_cost(cfg, stop_all, contexts, steps0, cfg.optimised, router=cfg.router).relative
     if target_cost < floor * (1 - rel_tol):
         raise ValueError(f"target_cost={target_cost} is below the cheapest controller policy's cost {floor:.6f} "
                          f"(every position stopping at once); use max_budget=0 for the backbone alone")
@@ -149,7 +150,8 @@ def _calibrate(model: PrismeModel, tokens: torch.Tensor, lengths: list[int], max
 
     def cost_at(lam: float) -> float:
         out = model.forward_policy(tokens, max_budget, lambda_cost=lam, kappa_risk=kappa_risk)
-        rel = trace_cost(cfg, out.actions[valid], contexts, out.controller_steps[valid], cfg.optimised).relative
+        rel = trace_cost(cfg, out.actions[valid], contexts, out.controller_steps[valid], cfg.optimised,
+                         router=cfg.router).relative
         probes.append((lam, rel))
         return rel
 
@@ -218,8 +220,10 @@ def _prepare(model: PrismeModel, prompts, max_new_tokens, temperature, top_k, to
         raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
     if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
         raise ValueError(f"top_p must lie in (0, 1], got {top_p!r}")
-    if seed is not None and (not is_int(seed)):
-        raise ValueError(f"seed must be an int or None, got {seed!r}")
+    if seed is not None and (not is_int(seed) or not 0 <= seed < 2**62):
+        raise ValueError(f"seed must be None or an int in [0, 2**62), got {seed!r}")
+    if isinstance(stop_tokens, (str, bytes)) or not hasattr(stop_tokens, "__iter__"):
+        raise ValueError(f"stop_tokens must be a sequence of token ids, got {stop_tokens!r}")
     stops = list(stop_tokens)
     if any(not is_int(t) or not 0 <= t < cfg.vocab_size for t in stops):
         raise ValueError(f"stop_tokens must be ids in [0, {cfg.vocab_size}), got {stops}")
@@ -229,8 +233,8 @@ def _prepare(model: PrismeModel, prompts, max_new_tokens, temperature, top_k, to
         raise ValueError(f"max_budget={max_budget} exceeds r_max={cfg.r_max}")
     if max_budget > 0 and not cfg.use_workspace:
         raise ValueError("this model has no workspace (use_workspace=False): max_budget must be 0")
-    _check_price("lambda_cost", lambda_cost)
-    _check_price("kappa_risk", kappa_risk)
+    check_price("lambda_cost", lambda_cost)
+    check_price("kappa_risk", kappa_risk)
     if prefill_chunk_size is not None and (isinstance(prefill_chunk_size, bool)
                                            or not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1):
         raise ValueError(f"prefill_chunk_size must be a positive int or None, got {prefill_chunk_size!r}")
@@ -261,7 +265,8 @@ class _OpsOf:
         key = (context, tuple(actions), steps)
         if key not in self.memo:
             acts = None if self.max_budget == 0 else [actions]
-            self.memo[key] = int(trace_cost(self.cfg, acts, [context], [steps], self.cfg.optimised).total_ops)
+            self.memo[key] = int(trace_cost(self.cfg, acts, [context], [steps], self.cfg.optimised,
+                                             router=self.cfg.router).total_ops)
         return self.memo[key]
 
 
@@ -333,7 +338,7 @@ def _collect(run: _Run) -> GenerationOutput:
     actions = [torch.stack(a) for a in acts]  # [n_b, R] each
     flat = None if run.max_budget == 0 else torch.cat(actions)
     cost = trace_cost(cfg, flat, [c for row in contexts for c in row], [s for row in steps for s in row],
-                      cfg.optimised)
+                      cfg.optimised, router=cfg.router)
     return GenerationOutput(tokens=toks, prompt_lengths=list(run.lengths), actions=actions, n_edits=n_edits,
                             controller_steps=steps, ops=ops, relative_cost=cost.relative, lambda_cost=run.lambda_cost,
                             finish_reasons=reasons, calibration=run.calibration)
@@ -346,7 +351,9 @@ def main(args: argparse.Namespace) -> int:
     from prisme.config import PrismeConfig
     from prisme.data.tokenizers import BPETokenizer, ByteTokenizer
 
-    if args.threads > 0:
+    if args.threads != -1:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1 (or -1 to leave torch's setting), got {args.threads}")
         torch.set_num_threads(args.threads)
     device = getattr(args, "device", None) or "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -359,6 +366,16 @@ def main(args: argparse.Namespace) -> int:
         if str(path) != str(args.checkpoint):
             print(f"note: using {path}", file=sys.stderr)
         model, _meta = load_model(path, map_location=device)
+        from prisme.checkpoint import trained_groups
+        from prisme.config import untrained_for_policy
+
+        missing = untrained_for_policy(model.cfg, trained_groups(_meta), args.budget)
+        if missing:
+            msg = (f"--budget {args.budget} runs the model's {' and '.join(missing)}, which no stage of {path} trained "
+                   f"(a {_meta.stage!r} checkpoint): train it first, or pass --budget 0 for the backbone alone")
+            if not getattr(args, "allow_untrained", False):
+                raise ValueError(msg + " (or --allow-untrained to run it anyway)")
+            print(f"warning: {msg}", file=sys.stderr)
     else:
         torch.manual_seed(0 if args.seed is None else args.seed)
         model = PrismeModel(PrismeConfig.from_name(args.preset))

@@ -14,6 +14,8 @@ def check_sampling(temperature: Any, top_k: Any, top_p: Any) -> None:
     """ValueError unless temperature is a finite number >= 0, top_k None or an int >= 1, top_p None or in (0, 1]."""
     if not is_number(temperature) or temperature < 0:
         raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if 0 < temperature < 1e-4:  # logits / 1e-300 overflow to inf: use 0 for greedy
+        raise ValueError(f"temperature must be 0 (greedy) or >= 1e-4, got {temperature!r}")
     if top_k is not None and (not is_int(top_k) or top_k < 1):
         raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
     if top_p is not None and (not is_number(top_p) or not 0 < top_p <= 1):

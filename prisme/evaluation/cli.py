@@ -76,8 +76,14 @@ def main(args: argparse.Namespace) -> int:
     from prisme.checkpoint import load_model
     from prisme.stats import check_bootstrap_args
 
-    if getattr(args, "threads", -1) and args.threads > 0:
+    if getattr(args, "threads", -1) != -1:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1 (or -1 to leave torch's setting), got {args.threads}")
         torch.set_num_threads(args.threads)
+    from prisme.io import check_output_file
+
+    check_output_file(args.json, "--json")  # output paths first: never fail after the whole evaluation
+    check_output_file(args.plot, "--plot")
     max_batches = parse_batches(args.batches)
     check_bootstrap_args(args.bootstrap, args.bootstrap_seed)
     if args.device is not None and args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -119,6 +125,19 @@ def main(args: argparse.Namespace) -> int:
                                bootstrap_seed=args.bootstrap_seed,
                                controller_budget=getattr(args, "controller_budget", None),
                                kappa_risk=getattr(args, "kappa_risk", None))
+    from prisme.checkpoint import trained_groups
+    from prisme.config import untrained_for_policy
+
+    groups = trained_groups(meta)
+    for row in report.rows:  # a policy that runs a part no stage trained is not what would be deployed
+        budget = (row.budget or 0) if row.family not in ("backbone", "matched", "reference") else 0
+        if row.family == "controller":
+            missing = untrained_for_policy(model.cfg, groups, budget)
+        else:  # forced rows (and the equal-edits baselines) run the workspace only
+            missing = ["workspace"] if budget and "workspace" not in groups else []
+        if missing:
+            row.deployable = False
+            row.untrained = missing
     print(report.table())
     if args.json:
         doc = report.to_json()

@@ -46,6 +46,7 @@ class EvalRow:
     verdict_vs_equal_edits: str | None = None
     tokens_per_s: float = 0.0  # positions per second of this policy's forwards during the evaluation
     equal_edits_of: str | None = None  # equal_edits rows: the controller row they match
+    untrained: list[str] | None = None  # parts this policy runs that no stage trained (then not deployable)
 
 
 @dataclass
@@ -93,7 +94,8 @@ class EvalReport:
         lines = [head, "-" * len(head)]
         for r in self.rows:
             acc = "-" if r.accuracy is None else f"{r.accuracy:.3f}"
-            dep = "yes" if r.deployable else "no (upper bound)"
+            dep = "yes" if r.deployable else (f"no (untrained {'+'.join(r.untrained)})" if r.untrained
+                                              else "no (upper bound)")
             vb = ci(r.delta_vs_backbone) + ("" if not r.verdict_vs_backbone or r.family == "backbone"
                                             else f" {r.verdict_vs_backbone}")
             vm = ci(r.delta_vs_matched) + ("" if not r.verdict_vs_matched or r.family == "matched"

@@ -37,7 +37,7 @@ import torch
 
 from prisme.checks import is_int
 from prisme.config import PrismeConfig
-from prisme.costs.analytic import TraceCost, trace_cost
+from prisme.costs.traces import TraceCost, trace_cost
 from prisme.data.mqar import MQARDataset
 from prisme.data.text import IGNORE_INDEX, TokenDataset
 from prisme.evaluation.oracle import greedy_oracle
@@ -76,6 +76,7 @@ class _Acc:
     seq_matched: list[torch.Tensor] = field(default_factory=list)  # [B] the matched backbone's, when there is one
     time_s: float = 0.0  # wall time of this policy's forwards
     n_timed: int = 0  # positions those forwards covered
+    routed: bool = False  # the traces are a routed policy's (the router decided step 0 at every position)
 
     def add_loss(self, logits: torch.Tensor, y: torch.Tensor, base_ce: torch.Tensor | None = None,
                  matched_ce: torch.Tensor | None = None) -> None:
@@ -110,7 +111,7 @@ class _Acc:
         ctx = torch.cat(self.contexts)
         acts = torch.cat(self.actions) if self.actions else None
         steps = torch.cat(self.steps) if self.steps else None
-        return trace_cost(cfg, acts, ctx, steps, optimised=optimised)
+        return trace_cost(cfg, acts, ctx, steps, optimised=optimised, router=self.routed)
 
 
 def _check_inputs(model, dataset, policies, batch_size, seq_len, max_batches, matched_backbone, lambdas,
@@ -317,6 +318,7 @@ def _run_batches(model, plan, accs, batches, device, matched_backbone, oracle_po
                 acc.time_s += time.perf_counter() - t0
                 acc.add_loss(out.logits, y, base_ce, matched_ce)
                 acc.add_trace(out.actions, contexts, out.controller_steps)
+                acc.routed = cfg.router  # the router decided step 0 of this policy's traces
                 edits_seen[p.name] = float(out.n_edits.double().mean())
             elif p.family == "oracle":
                 if oracle_pos is None:  # the same positions for every oracle row of this batch

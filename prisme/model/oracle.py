@@ -35,7 +35,7 @@ def repeat_queries(ctx: EncodedContext, A: int) -> EncodedContext:
         return x.repeat_interleave(A, dim=1)
 
     return dataclasses.replace(ctx, H=rep(ctx.H), z=rep(ctx.z), S0=rep(ctx.S0), bank_mask=rep(ctx.bank_mask),
-                               ctrl_in=None)
+                               ctrl_in=None, router_seen=None if ctx.router_seen is None else rep(ctx.router_seen))
 
 
 def candidate_losses(model: torch.nn.Module, S: torch.Tensor, ctx_c: EncodedContext, actions: torch.Tensor,

@@ -16,13 +16,15 @@ class Streams:
 
     H: torch.Tensor  # [B, T, d] final residual stream (before the final norm)
     src: dict[str, torch.Tensor]  # {term: [B, T, d]} for every source term ("residual" is H itself)
+    ids: torch.Tensor | None = None  # [B, T] the token ids of the pass (the router's n-gram match reads them)
 
     def index(self, rows: torch.Tensor, pos: torch.Tensor) -> Streams:
         """The streams at `[rows, pos]` (e.g. query positions `[B, P]` with rows `[B, 1]`)."""
-        return Streams(self.H[rows, pos], {k: v[rows, pos] for k, v in self.src.items()})
+        return Streams(self.H[rows, pos], {k: v[rows, pos] for k, v in self.src.items()},
+                       None if self.ids is None else self.ids[rows, pos])
 
     def detach(self) -> Streams:
-        return Streams(self.H.detach(), {k: v.detach() for k, v in self.src.items()})
+        return Streams(self.H.detach(), {k: v.detach() for k, v in self.src.items()}, self.ids)
 
 
 @dataclass
@@ -36,6 +38,7 @@ class EncodedContext:
     bank_mask: torch.Tensor  # [B, Tq, Tb] bool: query t may read key j
     S0: torch.Tensor  # [B, Tq, M, w] initial workspace
     ctrl_in: torch.Tensor | None = None  # [B, Tq, d] normed stream the controller projects (cfg.controller_source)
+    router_seen: torch.Tensor | None = None  # [B, Tq] bool: the query's n-gram occurred earlier (cfg.router)
 
 
 @dataclass

@@ -22,15 +22,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from prisme.checks import check_max_budget
+from prisme.checks import check_max_budget, check_number
 from prisme.config import PrismeConfig, source_layer
 from prisme.model.attention import RMSNorm
-from prisme.model.backbone import Backbone, check_tokens
+from prisme.model.backbone import Backbone
 from prisme.model.controller import ValueController
 from prisme.model.editor import EditInfo, SlotKV, SparseEditor
 from prisme.model.outputs import EncodedContext, PrismeOutput, Rollout, Streams
 from prisme.model.readout import DifferentialReadout
-from prisme.model.workspace import absorb_stop, bank_mask, check_actions, init_workspace, slot_counts
+from prisme.model.router import Router, ngram_seen
+from prisme.model.workspace import absorb_stop, bank_mask, check_cost, check_forced, init_workspace, slot_counts
 
 if TYPE_CHECKING:
     from prisme.model.state import DecodeState
@@ -59,6 +60,8 @@ class PrismeModel(nn.Module):
                 nn.init.constant_(block.gate.bias, cfg.gate_bias_init)
             self.register_buffer("action_slot_counts", self._slot_counts(cfg), persistent=False)  # [A+2, M]
             self.register_buffer("action_cost", torch.tensor(action_cost_proxy(cfg)), persistent=False)  # [A]
+            if cfg.router:  # built last: every other weight is drawn as without it
+                self.router = Router(cfg)
 
     def _build_sources(self, cfg: PrismeConfig) -> None:
         """The source bank's modules. The seed's inputs keep the seed's names: one norm `bank_norm` and `W_K`, `W_V`,
@@ -120,19 +123,32 @@ class PrismeModel(nn.Module):
         return out
 
     # ------------------------------------------------------------------ parameter groups
+    GROUPS = ("backbone", "workspace", "controller", "router")
+    _GROUP_OF = {"backbone": "backbone", "controller": "controller", "P_ctrl": "controller", "router": "router"}
+
+    @classmethod
+    def group_of(cls, name: str) -> str:
+        """The group of a parameter by its top-level module: the backbone, the controller (with its own input
+        projection), the router; every other part (bank, slots, editor, readout) is the workspace's."""
+        return cls._GROUP_OF.get(name.split(".")[0], "workspace")
+
+    def parameter_group(self, group: str) -> list[nn.Parameter]:
+        """The parameters of one group (`GROUPS`), in registration order."""
+        if group not in self.GROUPS:
+            raise ValueError(f"unknown parameter group {group!r}; groups: {self.GROUPS}")
+        return [p for n, p in self.named_parameters() if self.group_of(n) == group]
+
     def backbone_parameters(self) -> list[nn.Parameter]:
-        return list(self.backbone.parameters())
+        return self.parameter_group("backbone")
 
     def workspace_parameters(self) -> list[nn.Parameter]:
-        names = ("bank_norm", "W_K", "W_V", "P", "src_norm", "W_K_more", "W_V_more", "P_more", "W_K_shift",
-                 "W_K_shift_more", "slot_embed", "editor", "readout")
-        return [p for n, p in self.named_parameters() if n.split(".")[0] in names]
+        return self.parameter_group("workspace")
 
     def controller_parameters(self) -> list[nn.Parameter]:
-        if not self.cfg.use_workspace:
-            return []
-        own = list(self.P_ctrl.parameters()) if "P_ctrl" in self._modules else []
-        return list(self.controller.parameters()) + own
+        return self.parameter_group("controller")
+
+    def router_parameters(self) -> list[nn.Parameter]:
+        return self.parameter_group("router")
 
     # ------------------------------------------------------------------ encoding
     def streams(self, tokens: torch.Tensor, cache: object | None = None,
@@ -140,10 +156,10 @@ class PrismeModel(nn.Module):
         """A backbone pass (`Backbone.forward` arguments) that also keeps the source streams the workspace reads."""
         H, kept = self.backbone.streams(tokens, cache, n_new, getattr(self, "source_layers", ()))
         if not self.cfg.use_workspace:
-            return Streams(H, {})
+            return Streams(H, {}, tokens)
         L = self.cfg.n_layer
         terms = dict.fromkeys(self.cfg.bank_terms + self.cfg.query_terms + self.cfg.controller_terms)
-        return Streams(H, {t: H if source_layer(t, L) == L else kept[source_layer(t, L)] for t in terms})
+        return Streams(H, {t: H if source_layer(t, L) == L else kept[source_layer(t, L)] for t in terms}, tokens)
 
     def _as_streams(self, x: Streams | torch.Tensor) -> Streams:
         if isinstance(x, Streams):
@@ -210,9 +226,23 @@ class PrismeModel(nn.Module):
         Tq = query.H.shape[1]
         K, V = self.bank_entries(bank)
         z, S0 = self.query_state(query)
-        return EncodedContext(H=query.H, K=K, V=V, z=z, bank_mask=self.bank_mask(B, Tq, Tb, query_pos, bank_len,
-                                                                                  bank.H.device), S0=S0,
-                              ctrl_in=self.controller_stream(query))
+        mask = self.bank_mask(B, Tq, Tb, query_pos, bank_len, bank.H.device)
+        pos = torch.arange(Tq, device=bank.H.device).expand(B, Tq) if query_pos is None else query_pos
+        return EncodedContext(H=query.H, K=K, V=V, z=z, bank_mask=mask, S0=S0, ctrl_in=self.controller_stream(query),
+                              router_seen=self.router_seen(bank.ids, pos))
+
+    def router_seen(self, ids: torch.Tensor | None, pos: torch.Tensor) -> torch.Tensor | None:
+        """The router's n-gram feature `[B, Q]` (`prisme.model.router.ngram_seen`) of queries at positions `pos`
+        `[B, Q]` in the context `ids` `[B, Tb]`; None without a router that reads it."""
+        if not self.cfg.router or self.cfg.router_ngram == 0:
+            return None
+        if ids is None:
+            raise ValueError("this model's router reads the token ids: pass model.streams(tokens), not a tensor")
+        return ngram_seen(ids, pos, self.cfg.router_ngram)
+
+    def router_values(self, ctx: EncodedContext) -> torch.Tensor:
+        """The router's predicted loss drop of each action at step 0, `[B, Tq, A]`."""
+        return self.router(ctx.H, ctx.router_seen)
 
     def controller_stream(self, st: Streams | torch.Tensor) -> torch.Tensor | None:
         """The normed stream `[B, Tq, d]` the controller projects (`cfg.controller_source`), or None (it reads z)."""
@@ -298,7 +328,11 @@ class PrismeModel(nn.Module):
     def rollout_policy(self, ctx: EncodedContext, max_budget: int, cost: torch.Tensor,
                        lambda_cost: float | None = None, kappa_risk: float | None = None,
                        on_step: object | None = None) -> Rollout:
-        """Run the controller loop at every position in parallel: score, select, edit, until STOP or the budget."""
+        """Run the controller loop at every position in parallel: score, select, edit, until STOP or the budget.
+
+        With `cfg.router`, the router decides step 0 at every position (an action or STOP) and the controller runs
+        only at the positions still editing from step 1 on; `controller_steps` counts the controller's evaluations.
+        """
         cfg = self.cfg
         B, Tq = ctx.z.shape[:2]
         dev = ctx.z.device
@@ -310,19 +344,28 @@ class PrismeModel(nn.Module):
         trace = torch.full((B, Tq, max_budget), stop, dtype=torch.long, device=dev)
         ctrl_steps = torch.zeros(B, Tq, dtype=torch.long, device=dev)
         budget = torch.full((B, Tq), max_budget, dtype=torch.long, device=dev)
-        zc, match = self.controller_inputs(ctx)  # [B, Tq, w], [B, Tq, 2] or None
+        routed = cfg.router
+        if routed:  # step 0: the router at every position, nothing else
+            lam = check_number("lambda_cost", cfg.lambda_cost if lambda_cost is None else lambda_cost, lo=0)
+            first = self.router.select(self.router_values(ctx), cost, lam)  # [B, Tq]
         infos = []
+        zc = match = None
         for r in range(max_budget):
-            b, t = torch.nonzero(~stopped, as_tuple=True)  # only positions still deciding
-            if b.numel() == 0:
-                break
-            step = torch.full_like(b, r)
-            preds = self.controller(zc[b, t], S[b, t], ctx.S0[b, t], edits[b, t], taken[b, t], step, budget[b, t],
-                                    None if match is None else match[b, t])
-            chosen = self.controller.select(preds, cost, lambda_cost, kappa_risk)  # [N]
-            a = torch.full((B, Tq), stop, dtype=torch.long, device=dev).index_put((b, t), chosen)
+            if routed and r == 0:
+                a = first
+            else:
+                b, t = torch.nonzero(~stopped, as_tuple=True)  # only positions still deciding
+                if b.numel() == 0:
+                    break
+                if zc is None:  # [B, Tq, w], [B, Tq, 2] or None: read once, where the controller runs at all
+                    zc, match = self.controller_inputs(ctx)
+                step = torch.full_like(b, r)
+                preds = self.controller(zc[b, t], S[b, t], ctx.S0[b, t], edits[b, t], taken[b, t], step,
+                                        budget[b, t], None if match is None else match[b, t])
+                chosen = self.controller.select(preds, cost, lambda_cost, kappa_risk)  # [N]
+                a = torch.full((B, Tq), stop, dtype=torch.long, device=dev).index_put((b, t), chosen)
+                ctrl_steps[b, t] += 1
             trace[:, :, r] = a
-            ctrl_steps[b, t] += 1
             stopped = stopped | (a == stop)
             if on_step is not None:
                 on_step(r, a)
@@ -352,7 +395,7 @@ class PrismeModel(nn.Module):
                 raise ValueError("this model has no workspace (use_workspace=False): actions must be None")
             H = self.backbone(tokens)
             return PrismeOutput(logits=self.backbone.head(H), H=H)
-        budget = self._check_forced(tokens, actions, budget)
+        budget = check_forced(cfg, tokens, actions, budget)
         ctx = self.encode(tokens)
         return self._output(ctx, self.rollout_forced(ctx, actions, budget), return_state)
 
@@ -372,7 +415,7 @@ class PrismeModel(nn.Module):
             zeros = torch.zeros(tokens.shape, dtype=torch.long, device=tokens.device)
             return PrismeOutput(logits=self.backbone.head(H), H=H, n_edits=zeros, controller_steps=zeros,
                                 actions=zeros.unsqueeze(-1)[..., :0])
-        cost = self._check_cost(cost)
+        cost = check_cost(cost, self.action_cost)
         ctx = self.encode(tokens)
         return self._output(ctx, self.rollout_policy(ctx, max_budget, cost, lambda_cost, kappa_risk), return_state)
 
@@ -385,50 +428,16 @@ class PrismeModel(nn.Module):
             out.ctx, out.S_final, out.infos = ctx, roll.S, roll.infos
         return out
 
-    # ------------------------------------------------------------------ validation helpers
-    def _check_forced(self, tokens: torch.Tensor, actions: torch.Tensor, budget: int | torch.Tensor | None):
-        cfg = self.cfg
-        check_tokens(tokens, cfg.vocab_size)
-        check_actions(actions, cfg, allow_dense=True)
-        if actions.dim() != 3 or actions.shape[:2] != tokens.shape:
-            raise ValueError(f"actions must have shape [B, T, R] = [{tokens.shape[0]}, {tokens.shape[1]}, R], "
-                             f"got {tuple(actions.shape)}")
-        R = actions.shape[-1]
-        if R > cfg.r_max:
-            raise ValueError(f"{R} forced steps exceed the hard cap r_max={cfg.r_max}")
-        if budget is None:
-            budget = R
-        if not torch.is_tensor(budget):
-            budget = torch.full(tokens.shape, int(budget), dtype=torch.long, device=tokens.device)
-        if budget.shape != tokens.shape:
-            raise ValueError(f"budget must be an int or a [B, T] tensor, got shape {tuple(budget.shape)}")
-        if int(budget.min()) < 1 or int(budget.max()) > cfg.r_max:
-            raise ValueError(f"budget must lie in [1, r_max={cfg.r_max}], got [{int(budget.min())}, "
-                             f"{int(budget.max())}]")
-        steps = torch.arange(R, device=tokens.device)
-        late = (absorb_stop(actions, cfg.stop_action) != cfg.stop_action) & (steps >= budget.unsqueeze(-1))
-        if bool(late.any()):
-            raise ValueError("a forced action is scheduled at a step >= its position's budget")
-        return budget.long()
-
-    def _check_cost(self, cost: torch.Tensor | None) -> torch.Tensor:
-        if cost is None:
-            return self.action_cost
-        cost = torch.as_tensor(cost, dtype=self.action_cost.dtype, device=self.action_cost.device)
-        if cost.shape != (self.cfg.n_actions,):
-            raise ValueError(f"cost must have shape [A] = [{self.cfg.n_actions}], got {tuple(cost.shape)}")
-        return cost
-
     def num_parameters(self) -> dict[str, int]:
         """Parameter counts per group."""
-        groups = {"backbone": self.backbone_parameters(), "workspace": self.workspace_parameters(),
-                  "controller": self.controller_parameters()}
-        return {k: sum(p.numel() for p in v) for k, v in groups.items()}
+        out = {k: sum(p.numel() for p in v) for k, v in self.parameter_groups()}
+        if not self.cfg.router:
+            del out["router"]
+        return out
 
     def parameter_groups(self) -> Iterator[tuple[str, list[nn.Parameter]]]:
-        yield "backbone", self.backbone_parameters()
-        yield "workspace", self.workspace_parameters()
-        yield "controller", self.controller_parameters()
+        for g in self.GROUPS:
+            yield g, self.parameter_group(g)
 
     def new_decode_state(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None,
                          bank: bool | None = None) -> DecodeState:

@@ -31,6 +31,7 @@ import torch
 from prisme.checks import check_max_budget, is_int
 from prisme.model.backbone import check_tokens
 from prisme.model.outputs import EncodedContext, Streams
+from prisme.model.workspace import check_cost, check_forced
 
 if TYPE_CHECKING:
     from prisme.model.prisme import PrismeModel
@@ -115,6 +116,9 @@ class DecodeState:
         # bank_shift: each bank term's normed stream at each row's last position, read by the next key
         n_shift = len(cfg.bank_terms) if bank and cfg.bank_shift else 0
         self.prev = [param.new_zeros(batch_size, cfg.d_model) for _ in range(n_shift)]  # [B, d] each
+        # the token ids, for the router's n-gram feature (cfg.router with router_ngram > 0)
+        routed = bank and cfg.router and cfg.router_ngram > 0
+        self.ids = torch.zeros(batch_size, self.max_len, dtype=torch.long, device=param.device) if routed else None
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -127,6 +131,8 @@ class DecodeState:
         """Exact payload bytes of the backbone K/V cache and the source bank."""
         bank = 0 if self.K is None else 2 * self.K.numel() * self.K.element_size()
         bank += sum(p.numel() * p.element_size() for p in self.prev)
+        if self.ids is not None:
+            bank += self.ids.numel() * self.ids.element_size()
         return self.cache.nbytes + bank
 
     def rewind(self, length: int) -> DecodeState:
@@ -148,6 +154,8 @@ class DecodeState:
             self.V.zero_()
         for p in self.prev:
             p.zero_()
+        if self.ids is not None:
+            self.ids.zero_()
 
     # ------------------------------------------------------------------ public steps
     @torch.no_grad()
@@ -250,6 +258,7 @@ class DecodeState:
         if self.K is not None:
             hs = self.model.bank_inputs(st)  # [B, C, d] per bank term: only the new positions are projected
             K, V = self.model.bank_from_inputs(hs, self.prev if self.prev else None)  # [B, C, w] each
+            entries = [(self.K, K), (self.V, V)] + ([(self.ids, tokens)] if self.ids is not None else [])
             if self.prev:  # the shift's memory: each row's last real position (padding is never read)
                 n_t = torch.tensor(n_new, device=H.device)
                 moved = (n_t > 0).unsqueeze(1)  # [B, 1]
@@ -257,14 +266,14 @@ class DecodeState:
                 for p, h in zip(self.prev, hs):
                     p.copy_(torch.where(moved, h.gather(1, last).squeeze(1).to(p.dtype), p))
             if len(set(start)) == 1 and all(n == C for n in n_new):
-                self.K.narrow(1, start[0], C).copy_(K)
-                self.V.narrow(1, start[0], C).copy_(V)
+                for buf, new in entries:
+                    buf.narrow(1, start[0], C).copy_(new)
             else:
                 valid = torch.arange(C, device=H.device) < torch.tensor(n_new, device=H.device)[:, None]  # [B, C]
                 rows, cols = valid.nonzero(as_tuple=True)  # real tokens only: padding is never written
                 at = cols + torch.tensor(start, device=H.device)[rows]  # their absolute positions
-                self.K[rows, at] = K[rows, cols]
-                self.V[rows, at] = V[rows, cols]
+                for buf, new in entries:
+                    buf[rows, at] = new[rows, cols].to(buf.dtype)
         return st
 
     def _workspace(self, st: Streams, pos: torch.Tensor, valid: torch.Tensor | None, keep: list[int] | None,
@@ -302,7 +311,9 @@ class DecodeState:
         K, V = sub(self.K.narrow(1, 0, Tb)), sub(self.V.narrow(1, 0, Tb))  # [b, Tb, w]
         z, S0 = model.query_state(st_q)  # [b, Q, w], [b, Q, M, w]
         mask = model.bank_mask(H_q.shape[0], Q, Tb, pos_q, bank_len, dev)  # [b, Q, Tb]
-        ctx = EncodedContext(H=H_q, K=K, V=V, z=z, bank_mask=mask, S0=S0, ctrl_in=model.controller_stream(st_q))
+        seen = None if self.ids is None else model.router_seen(sub(self.ids.narrow(1, 0, Tb)), pos_q)  # [b, Q]
+        ctx = EncodedContext(H=H_q, K=K, V=V, z=z, bank_mask=mask, S0=S0, ctrl_in=model.controller_stream(st_q),
+                             router_seen=seen)
         if ws.actions is not None:
             w_sub = ws.rows(keep) if keep is not None else ws
             roll = model.rollout_forced(ctx, w_sub.actions, w_sub.budget)
@@ -376,23 +387,23 @@ class DecodeState:
             if budget is not None and torch.is_tensor(budget):
                 budget = budget.to(actions.device)
             shape_only = torch.zeros(B, Q, dtype=torch.long, device=actions.device)
-            budget = model._check_forced(shape_only, actions, budget)  # ids, R <= r_max, budgets in [1, r_max]
+            budget = check_forced(cfg, shape_only, actions, budget)  # ids, R <= r_max, budgets in [1, r_max]
             return _Workspace(actions=actions.long(), budget=budget)
         if budget is not None:
             raise ValueError("budget applies to forced actions; the controller's budget is max_budget")
         check_max_budget(max_budget, cfg.r_max)
-        _check_price("lambda_cost", lambda_cost)
-        _check_price("kappa_risk", kappa_risk)
+        check_price("lambda_cost", lambda_cost)
+        check_price("kappa_risk", kappa_risk)
         if max_budget == 0:
             return _Workspace()
         check_max_budget(max_budget, cfg.r_max, cfg.use_workspace)
         if not self.has_bank:
             raise ValueError("this DecodeState was allocated without a source bank (bank=False): max_budget must be 0")
         return _Workspace(max_budget=max_budget, lambda_cost=lambda_cost, kappa_risk=kappa_risk,
-                          cost=model._check_cost(cost))
+                          cost=check_cost(cost, model.action_cost))
 
 
-def _check_price(name: str, value: float | None) -> None:
+def check_price(name: str, value: float | None) -> None:
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from prisme.config import PrismeConfig
+from prisme.model.backbone import check_tokens
 
 
 def action_table(cfg: PrismeConfig) -> torch.Tensor:
@@ -100,3 +101,55 @@ def bank_mask(B: int, Tq: int, Tb: int, query_pos: torch.Tensor | None = None, b
     if bank_len is not None:
         mask = mask & (keys < bank_len.view(B, 1, 1))
     return mask
+
+
+def check_forced(cfg: PrismeConfig, tokens: torch.Tensor, actions: torch.Tensor,
+                 budget: int | torch.Tensor | None) -> torch.Tensor:
+    """Forced actions `[B, T, R]` for `tokens` `[B, T]`: valid ids, R <= r_max, each position's budget (int or
+    `[B, T]`, default R) in [1, r_max] and no action at a step >= its budget; returns the budget `[B, T]` (long)."""
+    check_tokens(tokens, cfg.vocab_size)
+    check_actions(actions, cfg, allow_dense=True)
+    if actions.dim() != 3 or actions.shape[:2] != tokens.shape:
+        raise ValueError(f"actions must have shape [B, T, R] = [{tokens.shape[0]}, {tokens.shape[1]}, R], "
+                         f"got {tuple(actions.shape)}")
+    R = actions.shape[-1]
+    if R > cfg.r_max:
+        raise ValueError(f"{R} forced steps exceed the hard cap r_max={cfg.r_max}")
+    if budget is None:
+        budget = R
+    if not torch.is_tensor(budget):
+        budget = torch.full(tokens.shape, int(budget), dtype=torch.long, device=tokens.device)
+    if budget.shape != tokens.shape:
+        raise ValueError(f"budget must be an int or a [B, T] tensor, got shape {tuple(budget.shape)}")
+    if int(budget.min()) < 1 or int(budget.max()) > cfg.r_max:
+        raise ValueError(f"budget must lie in [1, r_max={cfg.r_max}], got [{int(budget.min())}, "
+                         f"{int(budget.max())}]")
+    steps = torch.arange(R, device=tokens.device)
+    late = (absorb_stop(actions, cfg.stop_action) != cfg.stop_action) & (steps >= budget.unsqueeze(-1))
+    if bool(late.any()):
+        raise ValueError("a forced action is scheduled at a step >= its position's budget")
+    return budget.long()
+
+
+def check_cost(cost: torch.Tensor | None, default: torch.Tensor) -> torch.Tensor:
+    """A price vector `[A]` of finite real numbers >= 0 (None: `default`, the model's `action_cost`), on `default`'s
+    device and dtype. A NaN, infinite or negative price would silently make every position STOP (or edit at any cost):
+    a ValueError naming `cost`."""
+    if cost is None:
+        return default
+    if isinstance(cost, (str, bytes)) or not (torch.is_tensor(cost) or isinstance(cost, (list, tuple))
+                                              or hasattr(cost, "__array__")):
+        raise ValueError(f"cost must be a tensor or sequence of {default.shape[0]} prices, got "
+                         f"{type(cost).__name__}")
+    try:
+        raw = torch.as_tensor(cost)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"cost must be a tensor or sequence of {default.shape[0]} numbers: {e}") from None
+    if raw.dtype == torch.bool or raw.is_complex():
+        raise ValueError(f"cost must hold real numbers, got dtype {raw.dtype}")
+    if raw.shape != (default.shape[0],):
+        raise ValueError(f"cost must have shape [A] = [{default.shape[0]}], got {tuple(raw.shape)}")
+    cost = raw.to(dtype=default.dtype, device=default.device)
+    if not bool(torch.isfinite(cost).all()) or bool((cost < 0).any()):
+        raise ValueError(f"cost must hold finite prices >= 0, got {raw.tolist()}")
+    return cost

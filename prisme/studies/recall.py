@@ -40,7 +40,14 @@ import torch
 from prisme.checkpoint import load_model
 from prisme.io import write_text_atomic
 from prisme.studies.recall_eval import evaluate_backbone, evaluate_run
-from prisme.studies.recall_report import emit_study, format_table, plot_accuracy_vs_ops, plot_edits
+from prisme.studies.recall_frontier import (
+    assemble_frontier,
+    decode_speed,
+    evaluate_dense,
+    evaluate_family,
+    plan_frontier,
+)
+from prisme.studies.recall_report import emit_study, format_table, plot_accuracy_vs_ops, plot_edits, plot_frontier
 from prisme.studies.recall_setup import (
     EVAL_SEED,
     TARGET_ACCURACY,
@@ -73,11 +80,14 @@ def plan_tasks(cfg: RecallStudyConfig, recipe: Recipe) -> list[dict[str, Any]]:
         tasks.append(dict(kind="control", name=name, layers=layers, seed=seed0,
                           folder=str(out / f"control_{name}_seed{seed0}"),
                           stages=[s1.replace(steps=matched, warmup=min(s1.warmup, matched))]))
+    if cfg.frontier:  # the frontier replaces the controller runs; the controls run as always
+        tasks = [t for t in tasks if t["kind"] == "control"] + plan_frontier(cfg, recipe, out)
     for t in tasks:
-        t["model"] = recipe.model if t["kind"] != "control" else recipe.model.replace(n_layer=t["layers"])
+        if "model" not in t:
+            t["model"] = recipe.model if t["kind"] != "control" else recipe.model.replace(n_layer=t["layers"])
         t["mqar"] = recipe.mqar
         t["study"] = cfg
-    order = {"control": 2 if cfg.control_layers[1] > 1 else 0, "converged": 1, "seed": 0}
+    order = {"family": 3, "control": 2 if cfg.control_layers[1] > 1 else 0, "converged": 1, "seed": 0, "dense": 0}
     return sorted(tasks, key=lambda t: -order[t["kind"]])
 
 
@@ -86,11 +96,13 @@ def run_task(task: dict[str, Any]) -> dict[str, Any]:
     cfg: RecallStudyConfig = task["study"]
     torch.set_num_threads(cfg.threads)
     folder = Path(task["folder"])
-    names = ("1_backbone", "2_workspace", "3_controller")
     wall: dict[str, float] = {}
     init = None
     results = {}
-    for name, s in zip(names, task["stages"]):
+    for name, s in zip(stage_folders(task), task["stages"]):
+        if cfg.evaluate_only:  # the earlier run's checkpoint of this stage
+            init = str(folder / name)
+            continue
         t0 = time.perf_counter()
         s = s.replace(seed=task["seed"], out_dir=str(folder / name), init_from=init, progress=False,
                       compile=cfg.compile)
@@ -108,6 +120,11 @@ def run_task(task: dict[str, Any]) -> dict[str, Any]:
         entry = {"accuracy": evaluate_backbone(model, task["mqar"], EVAL_SEED + task["seed"], cfg.eval_sequences),
                  "layers": task["layers"],
                  "steps": task["stages"][0].steps, "seed": task["seed"], "checkpoint": init}
+    elif task["kind"] in ("dense", "family"):
+        evaluate = evaluate_dense if task["kind"] == "dense" else evaluate_family
+        entry = evaluate(model, task["mqar"], task["seed"], cfg) | {
+            "seed": task["seed"], "checkpoint": init, "model": model.cfg.to_dict(),
+            "steps": {s.stage: s.steps for s in task["stages"]}}
     else:
         entry = evaluate_run(model, task["mqar"], task["seed"], cfg)
         entry["checkpoint"] = init
@@ -116,6 +133,11 @@ def run_task(task: dict[str, Any]) -> dict[str, Any]:
     entry["wall_s"] = wall
     return {"task": {k: task[k] for k in ("kind", "seed", "folder") if k in task} | {"name": task.get("name")},
             "entry": entry}
+
+
+def stage_folders(task: dict[str, Any]) -> list[str]:
+    """The run folder of each of a task's stages: 1_backbone, 2_workspace, 3_controller (or 3_router)."""
+    return [f"{i + 1}_{s.stage}" for i, s in enumerate(task["stages"])]
 
 
 # ------------------------------------------------------------------------------------------------------------ report
@@ -128,9 +150,13 @@ def run_study(cfg: RecallStudyConfig, progress: bool = True) -> dict[str, Any]:
     recipe, _ = load_recipe(cfg)
     out = Path(cfg.out_dir)
     for t in plan_tasks(cfg, recipe):  # nothing trains if any run folder is already taken
-        for s in ("1_backbone", "2_workspace", "3_controller"):
-            if (Path(t["folder"]) / s / "latest").exists():
+        for s in stage_folders(t):
+            taken = (Path(t["folder"]) / s / "latest").exists()
+            if taken and not cfg.evaluate_only:
                 raise ValueError(f"{Path(t['folder']) / s} already holds a run; pass another --out or remove it")
+            if cfg.evaluate_only and not taken:
+                raise ValueError(f"--evaluate-only: {Path(t['folder']) / s} holds no checkpoint; run the study "
+                                 f"with the same settings (and --out) first")
     tasks = plan_tasks(cfg, recipe)
     t0 = time.perf_counter()
     jobs = cfg.jobs or (os.cpu_count() or 1)
@@ -147,6 +173,12 @@ def run_study(cfg: RecallStudyConfig, progress: bool = True) -> dict[str, Any]:
             for f in cf.as_completed(futures):
                 done.append(f.result())
                 _progress(progress, done[-1], len(done), len(tasks), t0)
+    if cfg.frontier:
+        doc = assemble_frontier_study(cfg, recipe, done, time.perf_counter() - t0, jobs)
+        out.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(out / "recall.json", json.dumps(doc, indent=2, allow_nan=False) + "\n")
+        plot_frontier(doc, out / "recall_frontier.png")
+        return doc
     doc = assemble(cfg, recipe, done, time.perf_counter() - t0, jobs)
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "recall.json", json.dumps(doc, indent=2, allow_nan=False) + "\n")
@@ -162,8 +194,9 @@ def _progress(on: bool, res: dict[str, Any], i: int, n: int, t0: float) -> None:
     if not on:
         return
     t, e = res["task"], res["entry"]
-    what = t["kind"] if t["kind"] != "control" else f"control {t['name']}"
-    acc = e.get("budget1_accuracy", e.get("accuracy"))
+    what = t["kind"] if t["kind"] not in ("control", "dense", "family") else f"{t['kind']} {t['name']}"
+    acc = e.get("accuracy", e.get("budget1_accuracy")) if t["kind"] == "family" else \
+        e.get("budget1_accuracy", e.get("accuracy"))
     print(f"[{i}/{n} {time.perf_counter() - t0:6.0f} s] {what} seed {t['seed']}: accuracy {acc:.4f}",
           file=sys.stderr, flush=True)
 
@@ -212,11 +245,48 @@ def assemble(cfg: RecallStudyConfig, recipe: Recipe, done: list[dict[str, Any]],
     return doc
 
 
+def assemble_frontier_study(cfg: RecallStudyConfig, recipe: Recipe, done: list[dict[str, Any]], total_s: float,
+                            jobs: int) -> dict[str, Any]:
+    """The `--frontier` study's JSON document: the controls, the frontier, the winners' decode speed."""
+    by = {(r["task"]["kind"], r["task"].get("name"), r["task"]["seed"]): r["entry"] for r in done}
+    controls = {name: by[("control", name, cfg.seeds[0])] for name in ("one_layer", "two_layer")}
+    frontier = assemble_frontier(cfg, recipe, done)
+    phases: dict[str, float] = {}
+    for r in done:
+        for k, v in r["entry"]["wall_s"].items():
+            key = f"{r['task']['kind']}_{k}"
+            phases[key] = phases.get(key, 0.0) + v
+    t0 = time.perf_counter()
+    speed = decode_speed(frontier, recipe.mqar)
+    v = frontier["verdict"]
+    return {
+        "task": dataclasses.asdict(recipe.mqar),
+        "model": recipe.model.to_dict(),
+        "recipe": {"backbone": recipe.backbone.to_dict(), "workspace": recipe.workspace.to_dict(),
+                   "router": recipe.router.to_dict()},
+        "study": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("config_dir",)},
+        "controls": controls,
+        "frontier": frontier,
+        "decode_speed": speed,
+        "summary": {"negative_control_ok": controls["one_layer"]["accuracy"] <= 0.30,
+                    "positive_control_ok": controls["two_layer"]["accuracy"] >= TARGET_ACCURACY,
+                    "prisme_beats_dense": v["ops_ratio_prisme_over_dense"] is not None
+                    and v["ops_ratio_prisme_over_dense"] < 1},
+        "wall_s": {"total": total_s + time.perf_counter() - t0, **phases, "decode_speed": time.perf_counter() - t0,
+                   "jobs": jobs, "note": "phases sum the time of every run in that phase over all workers"},
+    }
+
+
 # ---------------------------------------------------------------------------------------------------------------- CLI
 def main(args: Any) -> int:
     """`prisme study recall`."""
     seeds = parse_seeds(args.seeds) if args.seeds is not None else None
     cfg = study_config({"seeds": seeds, "out_dir": args.out, "jobs": args.jobs, "threads": args.threads,
                         "quick": args.quick, "bank_source": args.bank_source,
+                        "frontier": getattr(args, "frontier", False) or None,
+                        "evaluate_only": getattr(args, "evaluate_only", False) or None,
                         "compile": getattr(args, "compile", None) or "off"}, args.configs)
+    from prisme.io import check_output_file
+
+    check_output_file(args.json, "--json")  # before anything trains
     return emit_study(run_study(cfg, progress=not args.no_progress), format_table, args.json)

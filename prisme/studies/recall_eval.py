@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from prisme.costs.analytic import trace_cost
+from prisme.costs.traces import trace_cost
 from prisme.data.mqar import MQARConfig, make_mqar_batch
 from prisme.data.text import IGNORE_INDEX
 from prisme.evaluation.policies import forced_actions
@@ -53,7 +53,7 @@ def evaluate_backbone(model: torch.nn.Module, mcfg: MQARConfig, data_seed: int, 
     return hit / n
 
 
-def _forced_row(model, mcfg, data_seed, n_seq, name, family, n, k) -> dict[str, Any]:
+def forced_row(model, mcfg, data_seed, n_seq, name, family, n, k) -> dict[str, Any]:
     """A forced policy: accuracy at the query positions; ops and edits over every position of its trace."""
     cfg = model.cfg
     T = mcfg.seq_len
@@ -72,20 +72,22 @@ def _forced_row(model, mcfg, data_seed, n_seq, name, family, n, k) -> dict[str, 
     trace = forced_actions(cfg, family, n, k, (1, T), torch.Generator().manual_seed(0))  # every position alike
     ops = trace_cost(cfg, trace, torch.arange(1, T + 1), optimised=cfg.optimised)
     return {"policy": name, "family": family, "accuracy": hit / tot, "ops_ratio": ops.relative,
-            "edits_per_token": float(n)}
+            "ops_per_token": ops.ops_per_token, "edits_per_token": float(n)}
 
 
-def _controller_rows(model, mcfg, data_seed, n_seq, lambdas) -> list[dict[str, Any]]:
-    """The controller at each price in `lambdas`: every position decides; accuracy at the queries, ops and edits over
-    all positions. Each batch is encoded once and rolled out at every price (what `forward_policy` does per call)."""
+def policy_rows(model, mcfg, data_seed, n_seq, lambdas, budget: int | None = None) -> list[dict[str, Any]]:
+    """The deployed policy (the controller; with `cfg.router`, the router first) at each price in `lambdas`, with
+    `budget` steps (default r_max): every position decides; accuracy at the queries, ops and edits over all
+    positions. Each batch is encoded once and rolled out at every price (what `forward_policy` does per call)."""
     cfg = model.cfg
+    budget = cfg.r_max if budget is None else budget
     T = mcfg.seq_len
     acc = [{"hit": 0, "tot": 0, "edits": 0.0, "edits_q": 0.0, "acts": [], "steps": []} for _ in lambdas]
     for x, y in _batches(mcfg, n_seq, data_seed):
         ctx = model.encode(x)
         lab = y != IGNORE_INDEX
         for a, lam in zip(acc, lambdas):
-            roll = model.rollout_policy(ctx, cfg.r_max, model.action_cost, lambda_cost=lam)
+            roll = model.rollout_policy(ctx, budget, model.action_cost, lambda_cost=lam)
             logits, _ = model.logits_from_state(roll.S, ctx, roll.n_edits > 0)
             a["hit"] += int((logits.argmax(-1)[lab] == y[lab]).sum())
             a["tot"] += int(lab.sum())
@@ -96,8 +98,10 @@ def _controller_rows(model, mcfg, data_seed, n_seq, lambdas) -> list[dict[str, A
     contexts = torch.arange(1, T + 1).repeat(n_seq)
     rows = []
     for a, lam in zip(acc, lambdas):
-        ops = trace_cost(cfg, torch.cat(a["acts"]), contexts, torch.cat(a["steps"]), optimised=cfg.optimised)
+        ops = trace_cost(cfg, torch.cat(a["acts"]), contexts, torch.cat(a["steps"]), optimised=cfg.optimised,
+                         router=cfg.router)
         rows.append({"lambda": float(lam), "accuracy": a["hit"] / a["tot"], "ops_ratio": ops.relative,
+                     "ops_per_token": ops.ops_per_token,
                      "edits_per_token": a["edits"] / (n_seq * T),
                      "query_edit_share": a["edits_q"] / a["edits"] if a["edits"] else 0.0})
     return rows
@@ -162,20 +166,10 @@ def evaluate_run(model: torch.nn.Module, mcfg: MQARConfig, seed: int, cfg: Recal
     ns = [n for n in (1, 2, 4) if n <= mc.r_max]
     fixed = [{"policy": "backbone", "family": "backbone", "accuracy": evaluate_backbone(model, mcfg, data, n_eval),
               "ops_ratio": 1.0, "edits_per_token": 0.0}]
-    fixed += [_forced_row(model, mcfg, data, n_eval, f"fixed_{n}xk{k}", "fixed", n, k) for k in (1, 2) for n in ns]
-    fixed += [_forced_row(model, mcfg, data, n_eval, f"random_{n}xk1", "random", n, 1) for n in ns[:2]]
-    fixed += [_forced_row(model, mcfg, data, n_eval, "dense_1", "dense", 1, mc.n_slots)]
-    lambdas = sorted({float(v) for v in cfg.lambdas})
-    calib = _controller_rows(model, mcfg, CALIBRATION_SEED + seed, cfg.calibration_sequences, lambdas)
-    budget1_calib = _forced_row(model, mcfg, CALIBRATION_SEED + seed, cfg.calibration_sequences, "fixed_1xk1",
-                                "fixed", 1, 1)["accuracy"]
-    ok = [r for r in calib if r["accuracy"] >= budget1_calib - cfg.accuracy_tolerance]
-    best = min(ok, key=lambda r: r["ops_ratio"]) if ok else max(calib, key=lambda r: r["accuracy"])
-    chosen = best["lambda"]
-    controllers = _controller_rows(model, mcfg, EVAL_SEED + seed, n_eval, lambdas)
-    controller = dict(next(r for r in controllers if r["lambda"] == chosen))
-    controller["calibration_accuracy"] = next(r for r in calib if r["lambda"] == chosen)["accuracy"]
-    controller["calibration_budget1_accuracy"] = budget1_calib
+    fixed += [forced_row(model, mcfg, data, n_eval, f"fixed_{n}xk{k}", "fixed", n, k) for k in (1, 2) for n in ns]
+    fixed += [forced_row(model, mcfg, data, n_eval, f"random_{n}xk1", "random", n, 1) for n in ns[:2]]
+    fixed += [forced_row(model, mcfg, data, n_eval, "dense_1", "dense", 1, mc.n_slots)]
+    controllers, controller = calibrated_policy(model, mcfg, seed, cfg, cfg.lambdas)
     oracle = _oracle_row(model, mcfg, seed, min(n_eval, 512))
     entry = {"seed": seed, "budget1_accuracy": next(r for r in fixed if r["policy"] == "fixed_1xk1")["accuracy"],
              **diagnostics(model, mcfg, seed), "fixed": fixed, "controller": controller, "controllers": controllers,
@@ -183,6 +177,24 @@ def evaluate_run(model: torch.nn.Module, mcfg: MQARConfig, seed: int, cfg: Recal
              "bank_shift": mc.bank_shift}
     entry["success"] = seed_success(entry)
     return entry
+
+
+def calibrated_policy(model, mcfg: MQARConfig, seed: int, cfg: RecallStudyConfig, lambdas,
+                      budget: int | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The deployed policy at every price of `lambdas` on the held-out sequences, and its row at the price chosen on
+    the separate calibration set: the cheapest whose calibration accuracy is within `accuracy_tolerance` of the
+    budget-1 policy's (the most accurate where none is)."""
+    lambdas = sorted({float(v) for v in lambdas})
+    calib = policy_rows(model, mcfg, CALIBRATION_SEED + seed, cfg.calibration_sequences, lambdas, budget)
+    budget1_calib = forced_row(model, mcfg, CALIBRATION_SEED + seed, cfg.calibration_sequences, "fixed_1xk1",
+                                "fixed", 1, 1)["accuracy"]
+    ok = [r for r in calib if r["accuracy"] >= budget1_calib - cfg.accuracy_tolerance]
+    best = min(ok, key=lambda r: r["ops_ratio"]) if ok else max(calib, key=lambda r: r["accuracy"])
+    rows = policy_rows(model, mcfg, EVAL_SEED + seed, cfg.eval_sequences, lambdas, budget)
+    chosen = dict(next(r for r in rows if r["lambda"] == best["lambda"]))
+    chosen["calibration_accuracy"] = best["accuracy"]
+    chosen["calibration_budget1_accuracy"] = budget1_calib
+    return rows, chosen
 
 
 def seed_success(entry: dict[str, Any]) -> dict[str, bool]:

@@ -16,13 +16,21 @@ from prisme.studies.recall_setup import EVAL_SEED, TARGET_ACCURACY
 
 
 def format_table(doc: dict[str, Any]) -> str:
-    """The study's table for humans."""
+    """The study's table for humans (the frontier's, for a `--frontier` study)."""
     c = doc["controls"]
     lines = [f"MQAR N={doc['task']['n_pairs']} V={doc['task']['vocab_size']} T={doc['task']['seq_len']} "
              f"(filler after each query); bank {doc['model']['bank_source']!r}, shift {doc['model']['bank_shift']}, "
              f"query {doc['model']['query_source']!r}, controller source {doc['model']['controller_source']!r}",
              f"controls (backbone alone, {c['one_layer']['steps']} steps, seed {c['one_layer']['seed']}): "
              f"1 layer {c['one_layer']['accuracy']:.4f}, 2 layers {c['two_layer']['accuracy']:.4f}", ""]
+    if "frontier" in doc:
+        from prisme.studies.recall_frontier import format_frontier
+
+        s = doc["summary"]
+        return "\n".join(lines + [format_frontier(doc), "",
+                                  f"negative control <= 30%: {'yes' if s['negative_control_ok'] else 'NO'}; positive "
+                                  f"control >= 95%: {'yes' if s['positive_control_ok'] else 'NO'}; wall "
+                                  f"{doc['wall_s']['total']:.0f} s ({doc['wall_s']['jobs']} workers)"])
     head = (f"{'run':<14}{'budget1':>9}{'xattn':>7}{'gate q/o':>12}{'|d|/|H|':>9}{'lambda':>8}{'ctrl acc':>9}"
             f"{'edits':>7}{'on q':>6}{'ops':>7}{'fix95 ops':>10}  ok")
     lines += [head, "-" * len(head)]
@@ -86,6 +94,42 @@ def plot_accuracy_vs_ops(doc: dict[str, Any], path: Path) -> None:
     ax.set_title("MQAR: 1-layer backbone + workspace, every seed")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+    plt.close(fig)
+
+
+def plot_frontier(doc: dict[str, Any], path: Path) -> None:
+    """Accuracy against ops per token (x the reference backbone) of every dense and PRISME configuration, one point
+    per seed at the configuration's mean ops, the per-seed mean joined within each family."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    f = doc["frontier"]
+    fig, ax = plt.subplots(figsize=(7.5, 5), dpi=120)
+    for kind, entries, col in (("dense", f["dense"], "C0"), ("prisme", f["prisme"], "C3")):
+        for L in sorted({e["n_layer"] for e in entries}):
+            es = sorted((e for e in entries if e["n_layer"] == L), key=lambda e: e["ops_ratio"])
+            label = f"{kind}, {L} layer{'s' if L > 1 else ''}" if kind == "dense" else "PRISME + router (1 layer)"
+            marker = {1: "s", 2: "o"}.get(L, "^") if kind == "dense" else "*"
+            ax.plot([e["ops_ratio"] for e in es], [sum(e["accuracy"]) / len(e["accuracy"]) for e in es], "-",
+                    color=col, alpha=0.4 if L == 1 and kind == "dense" else 0.8)
+            for i, e in enumerate(es):
+                ax.scatter([e["ops_ratio"]] * len(e["accuracy"]), e["accuracy"], marker=marker, color=col, s=28,
+                           alpha=0.7, label=label if i == 0 else None)
+                tag = f"d{e['d_model']}" + (f"/w{e['w']}" if e["w"] else "")
+                ax.annotate(tag, (e["ops_ratio"], max(e["accuracy"])), fontsize=6, xytext=(2, 3),
+                            textcoords="offset points")
+    ax.axhline(TARGET_ACCURACY, color="gray", ls=":", lw=1)
+    ax.set_xscale("log")
+    ax.set_xlabel(f"ops per token / 1-layer d=64 backbone ({f['reference']['ops_per_token']:,.0f})")
+    ax.set_ylabel("accuracy on query positions (each seed)")
+    ax.set_title("MQAR: the dense frontier and PRISME with its router")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="center right")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png")

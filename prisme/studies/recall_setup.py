@@ -19,7 +19,7 @@ from prisme.training.config import StageConfig, load_run_config
 EVAL_SEED, CALIBRATION_SEED, RANDOM_POLICY_SEED = 100_003, 200_003, 300_007  # + the run's seed
 
 RECIPE_FILES = {"backbone": "recall_backbone.json", "workspace": "recall_workspace.json",
-                "controller": "recall_controller.json", "study": "recall_study.json"}
+                "controller": "recall_controller.json", "router": "recall_router.json", "study": "recall_study.json"}
 TARGET_ACCURACY = 0.95
 CHUNK = 256  # sequences per evaluation forward
 
@@ -43,6 +43,16 @@ class RecallStudyConfig:
     bank_source: str | None = None  # override the recipe's bank source (and query source), e.g. "residual"
     config_dir: str | None = None  # where the recall_*.json recipe lives (default: the project's configs/)
     compile: str = "off"  # the editor under torch.compile in stages 2-3 and the evaluation ("auto" | "strict")
+    # --- the dense frontier (`--frontier`): backbones alone over depths x widths, and the PRISME family
+    frontier: bool = False  # run the frontier study instead of the controller runs (the controls run as always)
+    evaluate_only: bool = False  # train nothing: score the checkpoints an earlier run of the same study left in out_dir
+    frontier_depths: list[int] = field(default_factory=lambda: [1, 2])
+    frontier_widths: list[int] = field(default_factory=lambda: [16, 24, 32, 64])
+    frontier_steps: int = 1500  # every dense model's steps: >= 1500 and >= the PRISME family's three stages together
+    family: list[list[int]] = field(default_factory=lambda: [[16, 32], [24, 32], [32, 32]])  # [backbone d, w]
+    family_workspace_steps: int = 1000  # the family's workspace stage (the recipe's 300 is too short below d = 64)
+    router_lambdas: list[float] = field(default_factory=lambda: [0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
+                                                                 0.06, 0.07, 0.08, 0.1, 0.12, 0.15, 0.2])
 
     def validate(self) -> RecallStudyConfig:
         def need(ok: bool, msg: str) -> None:
@@ -63,6 +73,20 @@ class RecallStudyConfig:
              f"lambdas must be a non-empty list of finite numbers >= 0, got {self.lambdas!r}")
         need(0 <= self.accuracy_tolerance < 1, f"accuracy_tolerance must be in [0, 1), got {self.accuracy_tolerance}")
         check_choice("compile", self.compile, COMPILE_SETTINGS, "recall study: ")
+        positive = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1  # noqa: E731
+        for f in ("frontier_depths", "frontier_widths"):
+            v = getattr(self, f)
+            need(isinstance(v, list) and len(v) > 0 and all(positive(x) for x in v) and len(set(v)) == len(v),
+                 f"{f} must be a non-empty list of distinct ints >= 1, got {v!r}")
+        need(isinstance(self.family, list) and len(self.family) > 0
+             and all(isinstance(e, (list, tuple)) and len(e) == 2 and all(positive(x) for x in e) for e in self.family),
+             f"family must be a non-empty list of [backbone width, workspace width] pairs of ints >= 1, got "
+             f"{self.family!r}")
+        for f in ("frontier_steps", "family_workspace_steps"):
+            need(positive(getattr(self, f)), f"{f} must be an int >= 1, got {getattr(self, f)!r}")
+        need(len(self.router_lambdas) > 0 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                  and math.isfinite(x) and x >= 0 for x in self.router_lambdas),
+             f"router_lambdas must be a non-empty list of finite numbers >= 0, got {self.router_lambdas!r}")
         return self
 
 
@@ -91,6 +115,7 @@ class Recipe:
     workspace: StageConfig
     controller: StageConfig
     mqar: MQARConfig
+    router: StageConfig | None = None  # the PRISME family's third stage (`--frontier`)
 
 
 def load_recipe(cfg: RecallStudyConfig) -> tuple[Recipe, dict[str, Any]]:
@@ -104,6 +129,7 @@ def load_recipe(cfg: RecallStudyConfig) -> tuple[Recipe, dict[str, Any]]:
     model, s1 = load_run_config(paths["backbone"])
     _, s2 = load_run_config(paths["workspace"])
     _, s3 = load_run_config(paths["controller"])
+    _, s_router = load_run_config(paths["router"])
     if model is None:
         raise ValueError(f"{paths['backbone']} must name the model (a 'model' entry)")
     try:
@@ -114,7 +140,7 @@ def load_recipe(cfg: RecallStudyConfig) -> tuple[Recipe, dict[str, Any]]:
         model = model.replace(bank_source=cfg.bank_source, query_source=cfg.bank_source)
     mqar = MQARConfig(**s1.mqar)
     mqar.validate()
-    return Recipe(model, s1, s2, s3, mqar), study
+    return Recipe(model, s1, s2, s3, mqar, s_router), study
 
 
 def study_config(overrides: dict[str, Any], config_dir: str | None = None) -> RecallStudyConfig:

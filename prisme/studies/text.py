@@ -331,6 +331,8 @@ def main(args: Any) -> int:
                           jobs=args.jobs or 0, threads=args.threads or 1, progress=not args.no_progress,
                           val_batches=None if args.val_batches == "all" else int(args.val_batches),
                           held_out=args.held_out, compile=getattr(args, "compile", None) or "off")
+    from prisme.io import check_output_file
     from prisme.studies.recall_report import emit_study
 
+    check_output_file(args.json, "--json")  # before anything trains
     return emit_study(run_study(cfg), format_report, args.json)

@@ -20,7 +20,9 @@ from prisme.training.trainer import NonFiniteLossError, train_stage
 
 def main(args: Any) -> int:
     """`prisme train`: one stage from a run config JSON and/or flags; returns the process exit code."""
-    if args.threads and args.threads > 0:
+    if args.threads is not None and args.threads != -1:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1 (or -1 to leave torch's setting), got {args.threads}")
         torch.set_num_threads(args.threads)
     model_cfg, scfg = load_run_config(args.config) if args.config else (None, None)
     changes: dict[str, Any] = {}
@@ -35,12 +37,16 @@ def main(args: Any) -> int:
         changes["resume"] = True
     if getattr(args, "reschedule", False):
         changes["reschedule"] = True
+    if getattr(args, "overwrite", False):
+        changes["overwrite"] = True
     if args.no_progress:
         changes["progress"] = False
     if args.backbone_keeps_learning:
         changes["train_backbone_in_workspace_stage"] = True
     if getattr(args, "compile", None):
         changes["compile"] = args.compile
+    if scfg is None and args.resume:  # the run's own settings are the defaults; a flag may not change them
+        scfg = saved_stage_config(changes.get("out_dir"))
     if scfg is None:
         if "stage" not in changes:
             raise ValueError("pass --config FILE or at least --stage")
@@ -60,4 +66,19 @@ def main(args: Any) -> int:
         shown = ", ".join(f"{k} {v:.4g}" for k, v in result.val.items())
         print(f"{result.stage}: {result.step} steps, {result.tokens:,} tokens in {result.wall_s:.1f} s; "
               f"val {shown or '-'}; checkpoint {result.checkpoint}")
-    return 130 if result.interrupted else 0
+    return {"SIGTERM": 143, "SIGINT": 130}.get(result.signal or "", 130) if result.interrupted else 0
+
+
+def saved_stage_config(out_dir: str | None) -> StageConfig:
+    """The StageConfig of the run in `out_dir` (its latest checkpoint's), for `--resume` without `--config`."""
+    from pathlib import Path
+
+    from prisme import checkpoint as ckpt
+
+    if out_dir is None:
+        raise ValueError("--resume needs --out RUN_FOLDER (or a --config naming it)")
+    found = ckpt.latest_checkpoint(Path(out_dir))
+    if found is None:
+        raise ValueError(f"--resume: {out_dir} holds no checkpoint ({Path(out_dir) / ckpt.LATEST} is missing); start "
+                         f"the stage without --resume")
+    return StageConfig.from_dict(ckpt.read_meta(found).stage_config)

@@ -18,12 +18,31 @@ from prisme.data.mqar import MQARConfig, MQARDataset
 from prisme.data.text import TokenDataset
 from prisme.io import CONFIG_DIR
 
-STAGES = ("backbone", "workspace", "controller")
-_RESUME_FREE = ("steps", "resume", "reschedule", "out_dir", "init_from", "progress", "log_every", "eval_every",
-                "eval_batches", "ckpt_every", "keep_last", "log_tensorboard", "device", "cache_dir", "compile")
-PREVIOUS = {"workspace": "backbone", "controller": "workspace"}
-ACCEPTS_INIT = {"backbone": ("backbone", "workspace", "controller", "export"),
-                "workspace": ("backbone", "workspace"), "controller": ("workspace", "controller")}
+
+@dataclass(frozen=True)
+class StageSpec:
+    """What a training stage is: where it starts, what it may start from, and the parameter group it trains (its
+    objective is `prisme.training.objectives.OBJECTIVES[name]`)."""
+
+    name: str
+    previous: str | None  # the stage whose checkpoint it normally starts from (None: it can start fresh)
+    accepts_init: tuple[str, ...]  # checkpoint stages it may start from (its own: a second run of the stage)
+    group: str  # the `PrismeModel` parameter group it trains (the workspace stage may add the backbone's)
+    needs: str | None = None  # a model option the stage needs ("router"), or None
+
+
+STAGE_SPECS = {s.name: s for s in (
+    StageSpec("backbone", None, ("backbone", "workspace", "controller", "router", "export"), "backbone"),
+    StageSpec("workspace", "backbone", ("backbone", "workspace"), "workspace"),
+    StageSpec("controller", "workspace", ("workspace", "controller", "router"), "controller"),
+    StageSpec("router", "workspace", ("workspace", "router", "controller"), "router", needs="router"),
+)}
+STAGES = tuple(STAGE_SPECS)
+RESUME_FREE = ("steps", "resume", "reschedule", "overwrite", "out_dir", "init_from", "progress", "log_every",
+               "eval_every", "eval_batches", "ckpt_every", "keep_last", "log_tensorboard", "device", "cache_dir",
+               "compile")  # what a resumed run may change without changing the run it continues
+PREVIOUS = {s.name: s.previous for s in STAGE_SPECS.values() if s.previous is not None}
+ACCEPTS_INIT = {s.name: s.accepts_init for s in STAGE_SPECS.values()}
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.float32}
 
 
@@ -34,7 +53,7 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 class StageConfig:
     """One training stage. Load from JSON with `StageConfig.from_json` / `load_run_config`."""
 
-    stage: str = "backbone"  # "backbone" | "workspace" | "controller"
+    stage: str = "backbone"  # "backbone" | "workspace" | "controller" | "router" (STAGE_SPECS)
     steps: int = 200  # optimizer steps of this stage (the cosine schedule ends here)
     batch_size: int = 16  # global batch: sequences per optimizer step, over all ranks and accumulation steps
     seq_len: int | None = None  # tokens per sequence (default: the model's max_seq_len; MQAR: its seq_len)
@@ -60,6 +79,8 @@ class StageConfig:
     init_from: str | None = None  # checkpoint (or run folder) to start from; required by workspace/controller
     resume: bool = False  # continue out_dir's latest checkpoint exactly (weights, optimizer, step, RNGs)
     reschedule: bool = False  # with resume: accept another `steps` than the run was started with (a new lr schedule)
+    overwrite: bool = False  # a fresh run into an out_dir that holds another run's checkpoints or metrics replaces
+    #   them (without it: a ValueError naming --resume and --overwrite)
     # --- workspace stage
     train_backbone_in_workspace_stage: bool = False  # let the backbone keep learning in stage 2 (SPEC §5 lesson)
     backbone_aux_weight: float = 1.0  # with the option above: weight of the backbone head's own LM loss
@@ -73,7 +94,7 @@ class StageConfig:
     max_budget: int | None = None  # default: the model's r_max (also bounds the controller stage's rollouts: train the
     #   controller for the budgets its workspace was trained for)
     p_dense: float = 0.0  # probability that a forced step is DENSE (trains the dense baseline's path too)
-    # --- controller stage
+    # --- controller and router stages
     oracle_positions: int = 16  # positions per sequence where every candidate action is executed
     oracle_greedy: float = 0.5  # behaviour policy: P(follow the oracle's best action), else a random action
     value_clip: float = 5.0  # dL targets are clipped to +- value_clip * scale (scale: std of dL at the start)
@@ -107,6 +128,7 @@ class StageConfig:
         for f in ("warmup", "eval_every", "ckpt_every", "keep_last", "seed"):
             v = getattr(self, f)
             need(isinstance(v, int) and not isinstance(v, bool) and v >= 0, f"{f} must be an int >= 0, got {v!r}")
+        need(self.seed < 2**63 - 8, f"seed must be below 2**63 (a torch generator seed), got {self.seed}")
         need(self.seq_len is None or (isinstance(self.seq_len, int) and self.seq_len >= 1),
              f"seq_len must be None or an int >= 1, got {self.seq_len!r}")
         need(self.max_budget is None or (isinstance(self.max_budget, int) and self.max_budget >= self.min_budget),
@@ -144,6 +166,8 @@ class StageConfig:
              f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         need(isinstance(self.mqar, dict), f"mqar must be a dict of MQARConfig fields, got {type(self.mqar).__name__}")
         need(bool(self.out_dir), "out_dir must be a folder path")
+        need(not (self.resume and self.overwrite), "resume and overwrite exclude each other: continue the run in "
+             "out_dir, or replace it")
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -41,14 +41,21 @@ def setup_distributed(device: str) -> DistInfo:
     return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)), owns_group=True)
 
 
-def _shard(t: torch.Tensor, micro: int, accum: int, di: DistInfo) -> torch.Tensor:
+def check_layout(scfg: StageConfig, di: DistInfo) -> None:
+    """The global batch splits evenly over ranks and accumulation steps (ValueError naming both otherwise)."""
+    if scfg.batch_size % (scfg.grad_accum * di.world):
+        raise ValueError(f"batch_size={scfg.batch_size} must be divisible by grad_accum x world size = "
+                         f"{scfg.grad_accum} x {di.world}")
+
+
+def shard_rows(t: torch.Tensor, micro: int, accum: int, di: DistInfo) -> torch.Tensor:
     """Rows of micro-batch `micro` for this rank: [(micro W + rank) b, +b) with b = B / (W accum)."""
     b = t.shape[0] // (accum * di.world)
     start = (micro * di.world + di.rank) * b
     return t[start : start + b]
 
 
-def _all_reduce_stats(stats: dict[str, torch.Tensor], di: DistInfo) -> dict[str, torch.Tensor]:
+def all_reduce_stats(stats: dict[str, torch.Tensor], di: DistInfo) -> dict[str, torch.Tensor]:
     if di.world == 1:
         return stats
     import torch.distributed as dist
@@ -64,7 +71,7 @@ def _all_reduce_stats(stats: dict[str, torch.Tensor], di: DistInfo) -> dict[str,
     return out
 
 
-def _any_rank(flag: bool, di: DistInfo) -> bool:
+def any_rank(flag: bool, di: DistInfo) -> bool:
     if di.world == 1:
         return flag
     import torch.distributed as dist
@@ -77,7 +84,7 @@ def _any_rank(flag: bool, di: DistInfo) -> bool:
 # ------------------------------------------------------------------------------------------------------------ helpers
 
 
-def _resolve_device(name: str, di: DistInfo) -> torch.device:
+def resolve_device(name: str, di: DistInfo) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda"):
@@ -88,7 +95,7 @@ def _resolve_device(name: str, di: DistInfo) -> torch.device:
     return torch.device(name)
 
 
-def _wrap(objective: nn.Module, scfg: StageConfig, di: DistInfo, device: torch.device) -> nn.Module:
+def wrap_for_ranks(objective: nn.Module, scfg: StageConfig, di: DistInfo, device: torch.device) -> nn.Module:
     """DDP or FSDP2 around the objective when there are several processes; only trainable parameters sync."""
     if di.world == 1:
         return objective
@@ -106,7 +113,7 @@ def _wrap(objective: nn.Module, scfg: StageConfig, di: DistInfo, device: torch.d
     return DDP(objective, device_ids=[device.index] if device.type == "cuda" else None, **sync)
 
 
-def _no_sync(wrapped: nn.Module, di: DistInfo, last: bool):
+def no_sync_unless_last(wrapped: nn.Module, di: DistInfo, last: bool):
     """Skip the gradient all-reduce on all but the last micro-batch of a step."""
     if di.world == 1 or last:
         if di.world > 1 and hasattr(wrapped, "set_requires_gradient_sync"):
@@ -118,14 +125,14 @@ def _no_sync(wrapped: nn.Module, di: DistInfo, last: bool):
     return contextlib.nullcontext()
 
 
-def _barrier(di: DistInfo) -> None:
+def rank_barrier(di: DistInfo) -> None:
     if di.world > 1:
         import torch.distributed as dist
 
         dist.barrier()
 
 
-def _gather_state(wrapped: nn.Module, opt: torch.optim.Optimizer, scfg: StageConfig,
+def gather_state(wrapped: nn.Module, opt: torch.optim.Optimizer, scfg: StageConfig,
                   di: DistInfo) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any]]:
     """Full (unsharded) model state dict and optimizer state, on every rank (collectives under FSDP)."""
     if di.world > 1 and scfg.parallel == "fsdp":
@@ -143,7 +150,7 @@ def _gather_state(wrapped: nn.Module, opt: torch.optim.Optimizer, scfg: StageCon
     return None, {"format": "torch", "state": opt.state_dict()}
 
 
-def _load_optimizer(wrapped: nn.Module, opt: torch.optim.Optimizer, saved: dict[str, Any], scfg: StageConfig,
+def restore_optimizer(wrapped: nn.Module, opt: torch.optim.Optimizer, saved: dict[str, Any], scfg: StageConfig,
                     di: DistInfo) -> None:
     fmt = saved.get("format")
     fsdp = di.world > 1 and scfg.parallel == "fsdp"

@@ -7,9 +7,7 @@ import math
 import torch
 import torch.nn as nn
 
-from prisme.training.config import (
-    StageConfig,
-)
+from prisme.training.config import STAGE_SPECS, StageConfig
 
 
 def lr_at(step: int, scfg: StageConfig, peak: float | None = None, floor: float | None = None) -> float:
@@ -22,7 +20,7 @@ def lr_at(step: int, scfg: StageConfig, peak: float | None = None, floor: float 
     return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
 
 
-def _group_lrs(scfg: StageConfig) -> dict[str, tuple[float, float]]:
+def group_lrs(scfg: StageConfig) -> dict[str, tuple[float, float]]:
     """Peak and final lr per optimizer group kind: "main", and "backbone" when it learns in the workspace stage."""
     out = {"main": (scfg.lr, scfg.min_lr)}
     if scfg.stage == "workspace" and scfg.train_backbone_in_workspace_stage:
@@ -32,24 +30,21 @@ def _group_lrs(scfg: StageConfig) -> dict[str, tuple[float, float]]:
     return out
 
 
-def _trainable(model: nn.Module, scfg: StageConfig) -> list[nn.Parameter]:
-    if scfg.stage == "backbone":
-        params = model.backbone_parameters()
-    elif scfg.stage == "workspace":
-        params = model.workspace_parameters()
-        if scfg.train_backbone_in_workspace_stage:
-            params = model.backbone_parameters() + params
-    else:
-        params = model.controller_parameters()
+def stage_parameters(model: nn.Module, scfg: StageConfig) -> list[nn.Parameter]:
+    """The stage's parameter group (`STAGE_SPECS`; the workspace stage adds the backbone's when it keeps learning);
+    every other parameter gets `requires_grad=False`."""
+    params = model.parameter_group(STAGE_SPECS[scfg.stage].group)
+    if scfg.stage == "workspace" and scfg.train_backbone_in_workspace_stage:
+        params = model.backbone_parameters() + params
     ids = {id(p) for p in params}
     for p in model.parameters():
         p.requires_grad_(id(p) in ids)
     return params
 
 
-def _optimizer(wrapped: nn.Module, scfg: StageConfig) -> torch.optim.Optimizer:
+def make_optimizer(wrapped: nn.Module, scfg: StageConfig) -> torch.optim.Optimizer:
     """AdamW with decay on >= 2-D weights only; the backbone gets its own groups (and lr) when it learns in stage 2."""
-    kinds = _group_lrs(scfg)
+    kinds = group_lrs(scfg)
     kind_of = {n: "backbone" if "backbone" in kinds and "model.backbone." in n else "main"
                for n, _ in wrapped.named_parameters()}
     named = [(n, p) for n, p in wrapped.named_parameters() if p.requires_grad]

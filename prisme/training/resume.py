@@ -1,5 +1,5 @@
-"""What exact resume needs around the stage loop: the RNG streams' state, dropping metrics rows past the
-checkpoint, and a SIGINT that finishes the step and saves."""
+"""What a run folder needs around the stage loop: one process at a time (`RunLock`), the RNG streams' state, dropping
+metrics rows past the checkpoint, and a SIGINT or SIGTERM that finishes the step and saves."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -17,13 +18,13 @@ from prisme import checkpoint as ckpt
 from prisme.io import write_text_atomic
 
 
-def _rng_state(gens: dict[str, torch.Generator]) -> dict[str, str]:
+def rng_state(gens: dict[str, torch.Generator]) -> dict[str, str]:
     out = {k: ckpt.encode_rng(g.get_state()) for k, g in gens.items()}
     out["torch"] = ckpt.encode_rng(torch.get_rng_state())
     return out
 
 
-def _set_rng_state(gens: dict[str, torch.Generator], state: dict[str, str]) -> None:
+def restore_rng_state(gens: dict[str, torch.Generator], state: dict[str, str]) -> None:
     for k, g in gens.items():
         if k not in state:
             raise ValueError(f"checkpoint RNG state lacks generator {k!r}; it cannot be resumed exactly")
@@ -32,28 +33,78 @@ def _set_rng_state(gens: dict[str, torch.Generator], state: dict[str, str]) -> N
         torch.set_rng_state(ckpt.decode_rng(state["torch"]))
 
 
+STOP_SIGNALS = ("SIGINT", "SIGTERM")  # Ctrl-C, and what schedulers and `timeout` send
+
+
 @contextlib.contextmanager
-def _graceful_sigint() -> Iterator[dict[str, bool]]:
-    """First Ctrl-C sets a flag the loop checks at the next step boundary; a second one raises at once."""
-    flag = {"stop": False}
+def graceful_sigint() -> Iterator[dict[str, Any]]:
+    """The first SIGINT or SIGTERM sets a flag the loop checks at the next step boundary (`flag["signal"]` names it);
+    a second one raises KeyboardInterrupt at once (a save already under way is atomic: the previous checkpoint
+    stays intact)."""
+    flag: dict[str, Any] = {"stop": False, "signal": None}
     if threading.current_thread() is not threading.main_thread():
         yield flag
         return
-    previous = signal.getsignal(signal.SIGINT)
+    sigs = [getattr(signal, name) for name in STOP_SIGNALS]
+    previous = {s: signal.getsignal(s) for s in sigs}
 
     def handler(signum, frame):
         if flag["stop"]:
             raise KeyboardInterrupt
-        flag["stop"] = True
+        flag["stop"], flag["signal"] = True, signal.Signals(signum).name
 
-    signal.signal(signal.SIGINT, handler)
+    for s in sigs:
+        signal.signal(s, handler)
     try:
         yield flag
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
-def _drop_rows_after(path: Path, step: int) -> None:
+class RunLock:
+    """An exclusive lock on a run folder (`.prisme-run.lock`, `fcntl.flock`): one process trains into it at a time.
+
+    The kernel releases the lock when its holder exits, however it exits, so a dead holder never blocks a later run.
+    The lock file records the holder's pid, which the error of a second process names. A folder the lock created
+    and that holds nothing else when it is released (a run that stopped on bad input) is removed again.
+    """
+
+    NAME = ".prisme-run.lock"
+
+    def __init__(self, out: Path):
+        import fcntl
+        import os
+
+        self.out = Path(out)
+        self.created = not self.out.exists()
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.path = self.out / self.NAME
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(self.fd, 200, 0).decode(errors="replace").strip() or "another process"
+            os.close(self.fd)
+            raise ValueError(f"{self.out} is in use by {holder}: two runs must not write one run folder; wait for "
+                             f"it to finish, or pass another --out") from None
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"process {os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        import os
+
+        if self.fd is None:
+            return
+        os.close(self.fd)  # closing the descriptor releases the flock
+        self.fd = None
+        if self.created and [p.name for p in self.out.iterdir()] == [self.NAME]:
+            self.path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                self.out.rmdir()
+
+
+def drop_rows_after(path: Path, step: int) -> None:
     """Forget metrics rows logged after `step` (the resumed checkpoint): the resumed run logs them again. A torn
     last line (a kill in the middle of an append) is dropped with a note; a torn line elsewhere is an error naming
     the file and line."""
@@ -79,7 +130,40 @@ def _drop_rows_after(path: Path, step: int) -> None:
         write_text_atomic(path, "".join(line + "\n" for line in keep))
 
 
-def _accumulate(acc: dict[str, torch.Tensor], stats: dict[str, torch.Tensor]) -> None:
+def accumulate(acc: dict[str, torch.Tensor], stats: dict[str, torch.Tensor]) -> None:
     for k, v in stats.items():
         v = v.detach().double().cpu()
         acc[k] = acc[k] + v if k in acc else v
+
+
+def run_contents(out: Path) -> list[str]:
+    """What of a run a folder holds (checkpoints, the latest pointer, metrics), whatever state `latest` is in."""
+    if not out.is_dir():
+        return []
+    names = sorted(p.name for p in out.iterdir() if p.name.startswith("ckpt_") or p.name in (ckpt.LATEST,
+                                                                                          "metrics.jsonl"))
+    return names[:3] + ([f"... {len(names) - 3} more"] if len(names) > 3 else [])
+
+
+def clear_run(out: Path) -> None:
+    """`overwrite`: remove a previous run's checkpoints, pointer, metrics, stage config and tensorboard events."""
+    import shutil
+
+    for p in out.iterdir():
+        if p.name.startswith("ckpt_") or p.name.startswith(".ckpt_") or p.name == "tb":
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+        elif p.name in (ckpt.LATEST, "metrics.jsonl", "stage_config.json"):
+            p.unlink()
+
+
+def check_resume_settings(saved: dict[str, Any], asked: dict[str, Any], out: Path) -> None:
+    """ValueError naming every setting (outside `RESUME_FREE`) in which a resume would not continue the saved run,
+    with the run's value and the asked one."""
+    from prisme.training.config import RESUME_FREE
+
+    changed = {k: (saved[k], v) for k, v in asked.items() if k not in RESUME_FREE and k in saved and saved[k] != v}
+    if changed:
+        shown = "; ".join(f"{k}: the run has {a!r}, asked {b!r}" for k, (a, b) in changed.items())
+        raise ValueError(f"resume would not continue the run in {out}: {shown}. Leave these settings as the run has "
+                         f"them (`prisme train --resume --out {out}` reads them from its stage_config.json), or start "
+                         f"a new run")

@@ -5,11 +5,9 @@
     train_stage(None, StageConfig(stage="workspace", init_from="runs/x/backbone", out_dir="runs/x/workspace"))
     train_stage(None, StageConfig(stage="controller", init_from="runs/x/workspace", out_dir="runs/x/controller"))
 
-Each stage loads the previous stage's checkpoint (`init_from`), trains only its own parameter group (everything
-else has `requires_grad=False`), logs JSONL metrics and writes atomic checkpoints to `out_dir` (prisme.checkpoint).
-
-The stages' losses are in `prisme.objectives` (1. backbone LM, 2. workspace on forced actions, 3. controller
-regressed on the oracle's true loss drops; only stage 3 executes candidate edits).
+Each stage (`STAGE_SPECS`: backbone, workspace, controller, router) loads the previous stage's checkpoint
+(`init_from`), trains only its own parameter group (everything else has `requires_grad=False`), holds its run folder's
+lock, logs JSONL metrics and writes atomic checkpoints to `out_dir`. The losses are in `prisme.training.objectives`.
 
 Notation: B global batch (sequences per optimizer step), b rows of one micro-batch on one rank, T seq_len,
 P oracle positions per sequence, A actions, R forced steps, W world size.
@@ -28,6 +26,7 @@ import contextlib
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -43,29 +42,40 @@ from prisme.data.mqar import MQARDataset
 from prisme.data.text import TokenDataset
 from prisme.io import write_text_atomic
 from prisme.training.config import (
-    _RESUME_FREE,
     ACCEPTS_INIT,
     DTYPES,
     PREVIOUS,
+    STAGE_SPECS,
     StageConfig,
     build_dataset,
 )
 from prisme.training.distributed import (
     DistInfo,
-    _all_reduce_stats,
-    _any_rank,
-    _barrier,
-    _gather_state,
-    _load_optimizer,
-    _no_sync,
-    _resolve_device,
-    _shard,
-    _wrap,
+    all_reduce_stats,
+    any_rank,
+    check_layout,
+    gather_state,
+    no_sync_unless_last,
+    rank_barrier,
+    resolve_device,
+    restore_optimizer,
     setup_distributed,
+    shard_rows,
+    wrap_for_ranks,
 )
 from prisme.training.objectives import OBJECTIVES
-from prisme.training.optim import _group_lrs, _optimizer, _trainable, lr_at
-from prisme.training.resume import _accumulate, _drop_rows_after, _graceful_sigint, _rng_state, _set_rng_state
+from prisme.training.optim import group_lrs, lr_at, make_optimizer, stage_parameters
+from prisme.training.resume import (
+    RunLock,
+    accumulate,
+    check_resume_settings,
+    clear_run,
+    drop_rows_after,
+    graceful_sigint,
+    restore_rng_state,
+    rng_state,
+    run_contents,
+)
 
 
 @dataclass
@@ -80,17 +90,12 @@ class TrainResult:
     train: dict[str, float]  # last logged training metrics
     val: dict[str, float]  # last validation metrics
     wall_s: float
-    interrupted: bool = False  # stopped by Ctrl-C (a checkpoint was saved)
+    interrupted: bool = False  # stopped by Ctrl-C or SIGTERM (a checkpoint was saved)
+    signal: str | None = None  # the signal that stopped it: "SIGINT" or "SIGTERM"
 
 
 class NonFiniteLossError(RuntimeError):
     """Training hit a NaN/inf loss or gradient norm; nothing was written after the last good checkpoint."""
-
-
-def _check_layout(scfg: StageConfig, di: DistInfo) -> None:
-    if scfg.batch_size % (scfg.grad_accum * di.world):
-        raise ValueError(f"batch_size={scfg.batch_size} must be divisible by grad_accum x world size = "
-                         f"{scfg.grad_accum} x {di.world}")
 
 
 def _load_start(model_cfg: PrismeConfig | None, scfg: StageConfig) -> tuple[nn.Module, ckpt.CheckpointMeta | None]:
@@ -116,10 +121,12 @@ def _load_start(model_cfg: PrismeConfig | None, scfg: StageConfig) -> tuple[nn.M
                              f"pass --steps {saved} to continue exactly, or --reschedule to accept the new schedule")
         if scfg.steps < meta.step:
             raise ValueError(f"resume asks for steps={scfg.steps} but {found} is already at step {meta.step}")
+        check_resume_settings(meta.stage_config, scfg.to_dict(), out)
         return model, meta
-    if ckpt.latest_checkpoint(out) is not None:
-        raise ValueError(f"{out} already holds a run ({out / ckpt.LATEST} -> {ckpt.latest_checkpoint(out).name}); "
-                         f"pass resume=True (--resume) to continue it, or choose another out_dir")
+    held = run_contents(out)
+    if held and not scfg.overwrite:
+        raise ValueError(f"{out} already holds a run ({', '.join(held)}); pass --resume (resume=True) to continue it, "
+                         f"--overwrite (overwrite=True) to replace it, or choose another out_dir")
     if scfg.init_from is None:
         if scfg.stage in PREVIOUS:
             prev = PREVIOUS[scfg.stage]
@@ -163,9 +170,13 @@ def train_stage(model_cfg: PrismeConfig | None, stage_cfg: StageConfig, *,
     scfg = stage_cfg.validate()
     t_start = time.perf_counter()
     di = setup_distributed(scfg.device if scfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    lock = None
     try:
+        lock = RunLock(Path(scfg.out_dir)) if di.main else None  # one process per run folder, from here to the end
         return _Trainer(model_cfg, scfg, dataset, di, t_start).run(callbacks)
     finally:
+        if lock is not None:
+            lock.release()
         if di.owns_group:
             import torch.distributed as dist
 
@@ -179,14 +190,18 @@ class _Trainer:
 
     def __init__(self, model_cfg: PrismeConfig | None, scfg: StageConfig, dataset, di: DistInfo, t_start: float):
         # ---- everything that can fail on user input happens before anything is written
-        _check_layout(scfg, di)
+        check_layout(scfg, di)
         self.scfg, self.di, self.t_start = scfg, di, t_start
-        self.device = device = _resolve_device(scfg.device, di)
+        self.device = device = resolve_device(scfg.device, di)
         model, meta = _load_start(model_cfg, scfg)
         cfg = model.cfg
         if scfg.stage != "backbone" and not cfg.use_workspace:
             raise ValueError(f"stage {scfg.stage!r} needs a model with a workspace; {cfg.name!r} has "
                              f"use_workspace=False")
+        needs = STAGE_SPECS[scfg.stage].needs
+        if needs is not None and not getattr(cfg, needs):
+            raise ValueError(f"stage {scfg.stage!r} trains the model's {needs}, but {cfg.name!r} has {needs}=False: "
+                             f"build the model with {needs}=True from stage 1 on")
         self.data = dataset if dataset is not None else build_dataset(scfg, cfg.vocab_size)
         self.T = scfg.seq_len or (self.data.cfg.seq_len if isinstance(self.data, MQARDataset) else cfg.max_seq_len)
         if self.T > cfg.max_seq_len:
@@ -205,7 +220,7 @@ class _Trainer:
             from prisme.model.compiled import maybe_compile
 
             maybe_compile(model, scfg.compile)
-        self.params = _trainable(model, scfg)
+        self.params = stage_parameters(model, scfg)
         if not self.params:
             raise ValueError(f"stage {scfg.stage!r} has no parameters to train in model {cfg.name!r}")
         self.objective = objective = OBJECTIVES[scfg.stage](model, scfg)
@@ -224,30 +239,29 @@ class _Trainer:
         self.gens = {"data": torch.Generator().manual_seed(scfg.seed),
                      "sample": torch.Generator().manual_seed(scfg.seed + 1)}
         self.extra_state: dict[str, Any] = dict(meta.extra) if resuming else {}
+        trained = ckpt.trained_groups(meta) if meta is not None else set()
+        trained |= {STAGE_SPECS[scfg.stage].group} | ({"backbone"} if scfg.stage == "workspace"
+                                                      and scfg.train_backbone_in_workspace_stage else set())
+        self.extra_state["trained_groups"] = sorted(trained)  # which parts of this model some stage has trained
         if resuming:
-            _set_rng_state(self.gens, meta.rng)
-        self.rng = _rng_state(self.gens)  # generator states at the current step boundary (saved with checkpoints)
+            restore_rng_state(self.gens, meta.rng)
+        self.rng = rng_state(self.gens)  # generator states at the current step boundary (saved with checkpoints)
         self.updating = False
-        if scfg.stage == "controller":
+        if scfg.stage in ("controller", "router"):  # the value heads regress dL / scale
             if "value_scale" in self.extra_state:
                 objective.scale = float(self.extra_state["value_scale"])
             else:  # the same calibration batch on every rank, from its own generator
                 g = torch.Generator().manual_seed(scfg.seed + 3)
                 xc, yc = self.data.batch("train", scfg.batch_size, self.T, g)
-                fresh = meta is not None and meta.stage == "workspace"  # not a controller checkpoint
+                fresh = meta is not None and meta.stage != scfg.stage  # not a checkpoint of this stage
                 objective.calibrate(xc.to(device), yc.to(device), objective.sample(xc, yc, g), init_heads=fresh)
             self.extra_state["value_scale"] = objective.scale
 
         # ---- wrapper for several processes, optimizer
-        self.wrapped = _wrap(objective, scfg, di, device)
-        self.opt = _optimizer(self.wrapped, scfg)
-        if resuming:
-            _load_optimizer(self.wrapped, self.opt, meta.optimizer_state, scfg, di)
-            changed = {k: (v, meta.stage_config.get(k)) for k, v in scfg.to_dict().items()
-                       if k not in _RESUME_FREE and meta.stage_config.get(k, v) != v}
-            if changed and di.main:
-                print(f"warning: resuming {meta.path} with changed settings {changed}; the run will not match an "
-                      f"uninterrupted one")
+        self.wrapped = wrap_for_ranks(objective, scfg, di, device)
+        self.opt = make_optimizer(self.wrapped, scfg)
+        if resuming:  # `_load_start` refused any setting that would not continue the run
+            restore_optimizer(self.wrapped, self.opt, meta.optimizer_state, scfg, di)
         self.autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if scfg.dtype == "bfloat16" \
             else contextlib.nullcontext
 
@@ -257,9 +271,11 @@ class _Trainer:
         self.writer = None
         if di.main:
             self.out.mkdir(parents=True, exist_ok=True)
+            if scfg.overwrite and not resuming:
+                clear_run(self.out)
             write_text_atomic(self.out / "stage_config.json", json.dumps(scfg.to_dict(), indent=2) + "\n")
             if resuming:
-                _drop_rows_after(self.out / "metrics.jsonl", self.step)
+                drop_rows_after(self.out / "metrics.jsonl", self.step)
             if scfg.log_tensorboard:
                 self.writer = SummaryWriter(str(self.out / "tb"))
 
@@ -291,7 +307,7 @@ class _Trainer:
                 dn = obj.denominators(x, y, ex)
                 _, st = self.wrapped(x.to(self.device), y.to(self.device),
                                      {k: v.to(self.device) for k, v in ex.items()}, dn)
-                _accumulate(acc, st)
+                accumulate(acc, st)
         obj.train()
         return obj.summarise(acc) if acc else {}
 
@@ -301,7 +317,7 @@ class _Trainer:
         Weights, optimizer and `self.rng` all describe the state after `self.step` steps: an interrupt in the
         middle of the next step's forward/backward has not touched them yet.
         """
-        state_dict, opt_state = _gather_state(self.wrapped, self.opt, self.scfg, self.di)
+        state_dict, opt_state = gather_state(self.wrapped, self.opt, self.scfg, self.di)
         aux = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()  # collective (FSDP)
                for n, p in _own_parameters(self.objective).items()}
         if aux:  # the objective's own weights (the aux_prev_token probe) travel with the optimizer state
@@ -312,7 +328,7 @@ class _Trainer:
                                  step=self.step, stage_config=self.scfg.to_dict(), optimizer_state=opt_state,
                                  rng=self.rng, metrics=metrics, extra=self.extra_state, state_dict=state_dict)
             ckpt.prune_checkpoints(self.out, self.scfg.keep_last)
-        _barrier(self.di)
+        rank_barrier(self.di)
         self.last_ckpt = ckpt.latest_checkpoint(self.out)
         return self.last_ckpt
 
@@ -322,19 +338,19 @@ class _Trainer:
         x, y = self.data.batch("train", scfg.batch_size, self.T, self.gens["data"])  # [B, T], same on every rank
         ex = obj.sample(x, y, self.gens["sample"])
         dn = obj.denominators(x, y, ex)
-        lrs = {k: lr_at(self.step, scfg, *v) for k, v in _group_lrs(scfg).items()}
+        lrs = {k: lr_at(self.step, scfg, *v) for k, v in group_lrs(scfg).items()}
         lr = lrs["main"]
         for group in self.opt.param_groups:
             group["lr"] = lrs[group.get("kind", "main")]
         acc: dict[str, torch.Tensor] = {}
         for m in range(accum):
-            xm, ym = _shard(x, m, accum, di).to(self.device), _shard(y, m, accum, di).to(self.device)
-            exm = {k: _shard(v, m, accum, di).to(self.device) for k, v in ex.items()}
-            with _no_sync(self.wrapped, di, last=m == accum - 1), self.autocast():
+            xm, ym = shard_rows(x, m, accum, di).to(self.device), shard_rows(y, m, accum, di).to(self.device)
+            exm = {k: shard_rows(v, m, accum, di).to(self.device) for k, v in ex.items()}
+            with no_sync_unless_last(self.wrapped, di, last=m == accum - 1), self.autocast():
                 loss, st = self.wrapped(xm, ym, exm, dn)
             (loss * di.world).backward()  # DDP/FSDP average over ranks; the loss is already a global mean
-            _accumulate(acc, {**st, "objective": loss.detach()})
-        acc = _all_reduce_stats(acc, di)
+            accumulate(acc, {**st, "objective": loss.detach()})
+        acc = all_reduce_stats(acc, di)
         objective = float(acc.pop("objective"))
         trainable = self.params if di.world == 1 else [p for p in self.wrapped.parameters() if p.requires_grad]
         norms = []
@@ -359,7 +375,7 @@ class _Trainer:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.step += 1
-        self.rng = _rng_state(self.gens)
+        self.rng = rng_state(self.gens)
         self.updating = False
         extra_lr = {"lr_backbone": lrs["backbone"]} if "backbone" in lrs else {}
         return {"objective": objective, **obj.summarise(acc), "lr": lr, **extra_lr, "grad_norm": grad_norm}
@@ -379,13 +395,14 @@ class _Trainer:
         scfg, di = self.scfg, self.di
         train_metrics: dict[str, float] = {}
         val_metrics: dict[str, float] = {}
-        tokens, tok_last, t_last = 0, 0, time.perf_counter()
-        interrupted = False
+        start_tokens = self.step * scfg.batch_size * self.T  # a resumed run continues the count
+        tokens, tok_last, t_last = start_tokens, start_tokens, time.perf_counter()
+        interrupted, stopped_by = False, None
         bar = tqdm(total=scfg.steps, initial=self.step, desc=scfg.stage, disable=not (di.main and scfg.progress),
                    dynamic_ncols=True)
         self.objective.train()
         try:
-            with _graceful_sigint() as sigint:
+            with graceful_sigint() as sigint:
                 while self.step < scfg.steps:
                     train_metrics = self.train_step()
                     step, now = self.step, time.perf_counter()
@@ -404,25 +421,27 @@ class _Trainer:
                         self.save({"train": train_metrics, "val": val_metrics})
                     for cb in callbacks:
                         cb(step, train_metrics)
-                    if _any_rank(sigint["stop"], di):
+                    if any_rank(sigint["stop"], di):
                         raise KeyboardInterrupt
         except KeyboardInterrupt:
             interrupted = True
+            stopped_by = sigint["signal"] or "SIGINT"
             bar.close()
             if self.updating:  # pragma: no cover - a second Ctrl-C inside optimizer.step(): weights may be torn
                 raise
             if self.last_ckpt is None or self.last_ckpt.name != ckpt.checkpoint_name(self.step):
                 self.save({"train": train_metrics, "val": val_metrics, "interrupted": True})
             if di.main:
-                print(f"\ninterrupted at step {self.step}/{scfg.steps}: saved {self.last_ckpt}; continue with "
-                      f"--resume")
+                print(f"\n{stopped_by}: stopped at step {self.step}/{scfg.steps}; saved {self.last_ckpt}; continue "
+                      f"with prisme train --resume --out {self.out}", file=sys.stderr)
         finally:
             bar.close()
             if self.writer is not None:
                 self.writer.close()
         return TrainResult(stage=scfg.stage, out_dir=self.out, checkpoint=self.last_ckpt, step=self.step,
-                           tokens=tokens, train=train_metrics, val=val_metrics,
-                           wall_s=time.perf_counter() - self.t_start, interrupted=interrupted)
+                           tokens=tokens - start_tokens, train=train_metrics, val=val_metrics,
+                           wall_s=time.perf_counter() - self.t_start, interrupted=interrupted,
+                           signal=stopped_by if interrupted else None)
 
 
 def _own_parameters(objective: nn.Module) -> dict[str, nn.Parameter]:

@@ -1,0 +1,99 @@
+"""The cost of actual traces (SPEC §6): ops of evaluated or generated positions under the actions they took, each
+position at its own context, priced by the analytic terms of `prisme.costs.analytic`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from prisme.config import PrismeConfig
+from prisme.costs.analytic import bank_ops, components, finish_row, token_ops
+
+
+@dataclass
+class TraceCost:
+    """Ops of a batch of generated/evaluated positions under an actual action trace."""
+
+    total_ops: float  # summed over positions
+    n_positions: int
+    backbone_ops: float  # what the backbone alone would have cost on the same positions
+    by_component: dict[str, float] = field(default_factory=dict)  # summed over positions
+
+    @property
+    def ops_per_token(self) -> float:
+        return self.total_ops / max(self.n_positions, 1)
+
+    @property
+    def relative(self) -> float:
+        """Total ops over the backbone-only ops of the same positions."""
+        return self.total_ops / max(self.backbone_ops, 1.0)
+
+    @property
+    def per_token_by_component(self) -> dict[str, float]:
+        return {c: v / max(self.n_positions, 1) for c, v in self.by_component.items()}
+
+
+def trace_cost(cfg: PrismeConfig, actions: Any, contexts: Any, controller_steps: Any = None,
+               optimised: bool = False, router: bool = False) -> TraceCost:
+    """Cost of actual traces by SPEC §6's rules.
+
+    Args:
+        actions: `[N, R]` (or `[..., R]` matching `contexts`) action ids per position (STOP = A, absorbing: steps
+            after the first STOP are not charged; DENSE = A + 1); None or R == 0 for the backbone alone.
+        contexts: `[N]` context length of each position: t + 1 (its own keys).
+        controller_steps: `[N]` controller evaluations per position (None or zeros for forced policies).
+        router: the trace is a routed policy's (`cfg.router`): every position pays the router and the bank projection
+            (the router decided step 0 there), and the controller only its own steps.
+    Rules: a position with n >= 1 actions pays them, its controller steps (`min(n + 1, budget)` under the
+    controller), the bank projection and the readout; one the controller stopped at once pays the bank projection
+    and one controller step, no readout; forced policies pay no controller (an all-STOP forced position still pays
+    the bank projection: later positions read its bank entry); R == 0 or None is the backbone alone.
+    """
+    ctx_t = torch.as_tensor(contexts).flatten()
+    if ctx_t.is_floating_point() and not bool((ctx_t == ctx_t.round()).all()):
+        raise ValueError("contexts must hold integer context lengths")
+    ctx_t = ctx_t.long().cpu()
+    N = int(ctx_t.numel())
+    kinds_t = None  # [N, R] per step: slots of the action (1, 2), -1 for DENSE, 0 from the first STOP on
+    if actions is not None:
+        a = torch.as_tensor(actions)
+        if a.dim() == 0 or (a.shape[:-1].numel() != N):
+            raise ValueError(f"actions must be [N, R] with N = {N} positions (as contexts), got {tuple(a.shape)}")
+        if a.shape[-1] > 0:
+            kinds_t = _kinds(cfg, a.reshape(N, a.shape[-1]).long().cpu())
+    steps_t = torch.zeros(N, dtype=torch.long) if controller_steps is None else \
+        torch.as_tensor(controller_steps).flatten().long().cpu()
+    if steps_t.numel() != N or bool((steps_t < 0).any()):
+        raise ValueError(f"controller_steps must be [N] = [{N}] counts >= 0, got {steps_t.numel()} entries")
+    comps = components(cfg)
+    comp = dict.fromkeys(comps, 0.0)
+    base = 0.0
+    # positions with the same (context, action kinds, controller steps) cost the same: price each distinct one once
+    cols = [ctx_t.unsqueeze(1), steps_t.unsqueeze(1)] + ([kinds_t] if kinds_t is not None else [])
+    keys, counts = torch.unique(torch.cat(cols, 1), dim=0, return_counts=True)
+    for key, count in zip(keys.tolist(), counts.tolist()):
+        T, n_steps, kinds = int(key[0]), int(key[1]), [k for k in key[2:] if k != 0]
+        ks = [cfg.n_slots if k == -1 else k for k in kinds]
+        row = token_ops(cfg, T, ks, controller_steps=n_steps, optimised=optimised, dense=[k == -1 for k in kinds],
+                        router=router and kinds_t is not None)
+        if kinds_t is not None and not ks and n_steps == 0:  # forced, all STOP: the bank entry still runs
+            row = finish_row({**row, **bank_ops(cfg)}, cfg)
+        for c in comps:
+            comp[c] += row[c] * count
+        base += row["backbone"] * count
+    return TraceCost(total_ops=sum(comp.values()), n_positions=N, backbone_ops=base, by_component=comp)
+
+
+def _kinds(cfg: PrismeConfig, acts: torch.Tensor) -> torch.Tensor:
+    """`[N, R]` action ids -> per step the slots it edits (1 or 2), -1 for DENSE, and 0 from the first STOP on
+    (STOP is absorbing: later steps are never charged). ValueError for an id that is not an edit or STOP."""
+    stop, dense, A, M = cfg.stop_action, cfg.dense_action, cfg.n_actions, cfg.n_slots
+    after = torch.cumsum((acts == stop).long(), dim=-1) > 0  # [N, R] at or after the first STOP
+    bad = ~after & ((acts < 0) | (acts >= A)) & (acts != dense)
+    if bool(bad.any()):
+        a = int(acts[bad][0])
+        raise ValueError(f"action id {a} is not an edit (valid: [0, {A}) or DENSE={dense})")
+    kinds = torch.where(acts == dense, -1, torch.where(acts < M, 1, 2))
+    return kinds.masked_fill(after, 0)

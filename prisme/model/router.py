@@ -1,0 +1,77 @@
+"""Router: decides, per position and before any workspace work, whether the workspace runs and its first action.
+
+Notation: B rows, Tq query positions, Tb bank positions, d backbone width, n = `cfg.router_ngram`, A actions.
+
+The value controller costs about as much per step as a small backbone and runs at every position, including the
+many where it then stops; a router makes "do nothing" nearly free (Mixture-of-Depths decides with one d-vector per
+token). Its features are target-free and causal:
+
+    f_t = [norm(H_t), seen_t]                                    (d + 1; d with router_ngram = 0)
+    seen_t = 1 if the n tokens ending at t occurred earlier in the context (ending at some i < t), else 0
+    value_a = W_v f_t + b_v                                      (A: the predicted drop of the position's loss)
+
+`seen` is the training-free cue of an induction head, of prompt-lookup decoding and of the associative-recall slices
+of Zoology: the current n-gram was seen before, followed by something the workspace can read in the bank. It costs
+n T comparisons of token ids and no weights; the head costs 2 (d + 1) A (`prisme.costs.analytic.router_ops`).
+`DecodeState` keeps the token ids for it. `select` takes the argmax of value_a - lambda cost_a, or STOP when no
+score beats 0 (ties go to STOP), as the controller's rule does. The `router` training stage regresses the head on
+the oracle's true loss drops at step 0 (`prisme.training.objectives.RouterObjective`); deployed, it reads no target.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from prisme.config import PrismeConfig
+
+
+def ngram_seen(ids: torch.Tensor, pos: torch.Tensor, n: int) -> torch.Tensor:
+    """Whether the n tokens ending at each query position occurred earlier in its row.
+
+    Args:
+        ids: `[B, Tb]` token ids of the context (positions past a row's length are never read: i < pos).
+        pos: `[B, Q]` absolute query positions (< Tb).
+        n: n-gram length >= 1.
+    Returns:
+        `[B, Q]` bool: some i < pos with ids[i - m] == ids[pos - m] for m = 0..n-1 (and i >= n - 1, pos >= n - 1).
+    """
+    B, Tb = ids.shape
+    idx = torch.arange(Tb, device=ids.device)
+    hit = pos.unsqueeze(-1) > idx  # [B, Q, Tb]: earlier positions only
+    for m in range(n):
+        qm = (pos - m).clamp(min=0)  # [B, Q]
+        q_tok = ids.gather(1, qm)  # [B, Q]
+        k_tok = torch.cat([ids.new_full((B, m), -1), ids[:, :Tb - m]], dim=1) if m else ids  # [B, Tb]: ids[i - m]
+        hit = hit & (k_tok.unsqueeze(1) == q_tok.unsqueeze(-1)) & (pos - m >= 0).unsqueeze(-1)
+    return hit.any(-1)
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: PrismeConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.ngram = cfg.router_ngram
+        self.head = nn.Linear(cfg.d_model + (1 if self.ngram > 0 else 0), cfg.n_actions)
+
+    def forward(self, H: torch.Tensor, seen: torch.Tensor | None) -> torch.Tensor:
+        """Predicted loss drop of each action at step 0, `[B, Tq, A]`.
+
+        Args:
+            H: `[B, Tq, d]` residual stream at the queries.
+            seen: `[B, Tq]` bool (`ngram_seen`), None with router_ngram = 0.
+        """
+        f = F.rms_norm(H, (H.shape[-1],), eps=self.cfg.norm_eps)  # [B, Tq, d]
+        if self.ngram > 0:
+            if seen is None:
+                raise ValueError(f"this router reads whether the last {self.ngram} tokens were seen before: pass the "
+                                 f"token ids (model.streams keeps them)")
+            f = torch.cat([f, seen.unsqueeze(-1).to(f.dtype)], dim=-1)  # [B, Tq, d + 1]
+        return self.head(f)
+
+    def select(self, value: torch.Tensor, cost: torch.Tensor, lambda_cost: float) -> torch.Tensor:
+        """argmax_a value_a - lambda cost_a `[...]`, or STOP (A) where no score beats 0 (ties go to STOP)."""
+        score = value - float(lambda_cost) * cost  # [..., A]
+        best, idx = score.max(dim=-1)
+        return torch.where(best > 0, idx, torch.full_like(idx, self.cfg.stop_action))

@@ -1,0 +1,234 @@
+"""The recall study's dense frontier (`prisme study recall --frontier`): what PRISME costs against backbones alone.
+
+Two families, every member trained on every seed of the study and scored on the same held-out sequences:
+
+* **dense**: backbones alone over `frontier_depths` x `frontier_widths` (the recipe's stage 1 at `frontier_steps`,
+  at least 1,500 and at least as many as the PRISME family's three stages together: trained to what it can do);
+* **PRISME**: the recipe at each `family` size (backbone width d x workspace width w; one layer), stage 2 at
+  `family_workspace_steps`, then the router stage (configs/recall_router.json), deployed with the router at budget 1
+  and the price chosen on the calibration set (the cheapest within `accuracy_tolerance` of budget 1's accuracy).
+
+Every model's ops per token come from the same cost model (`prisme.costs.analytic.trace_cost` over all T positions of
+its actual traces, each at its own context) and are divided by the same reference: the recipe's one-layer d = 64
+backbone alone. The verdict compares the cheapest configuration of each family that reaches 95% on at least 4 of 5
+seeds (`seeds_needed`: all but one when fewer than five).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from prisme.config import PrismeConfig
+from prisme.costs.analytic import router_ops, router_share_of_layer
+from prisme.costs.traces import trace_cost
+from prisme.data.mqar import MQARConfig, make_mqar_batch
+from prisme.studies.recall_eval import calibrated_policy, evaluate_backbone, forced_row
+from prisme.studies.recall_setup import EVAL_SEED, TARGET_ACCURACY, RecallStudyConfig, Recipe, _quick
+
+
+def seeds_needed(n_seeds: int) -> int:
+    """Seeds a configuration must pass: 4 of 5 (all but one), and all of them with fewer than two."""
+    return max(1, n_seeds - 1)
+
+
+def dense_config(recipe: Recipe, n_layer: int, d: int) -> PrismeConfig:
+    """The recipe's backbone at another depth and width, without a workspace; ValueError naming the grid field."""
+    try:
+        return recipe.model.replace(n_layer=n_layer, d_model=d, use_workspace=False, name=f"dense_L{n_layer}_d{d}")
+    except ValueError as e:
+        raise ValueError(f"recall study: frontier_widths / frontier_depths entry (n_layer={n_layer}, d_model={d}) "
+                         f"does not make a model: {e}") from None
+
+
+def family_config(recipe: Recipe, d: int, w: int) -> PrismeConfig:
+    """The recipe's model at backbone width d and workspace width w, with the router; ValueError naming `family`."""
+    try:
+        return recipe.model.replace(d_model=d, w=w, ws_head_dim=min(recipe.model.ws_head_dim, w), router=True,
+                                    name=f"prisme_d{d}_w{w}")
+    except ValueError as e:
+        raise ValueError(f"recall study: family entry [{d}, {w}] does not make a model: {e}") from None
+
+
+def frontier_stages(cfg: RecallStudyConfig, recipe: Recipe) -> tuple[Any, Any, Any, Any]:
+    """(dense stage, family stages 1, 2, 3) with the study's step counts; ValueError if the dense frontier would be
+    trained for fewer steps than 1,500 or than the family's stages together."""
+    s1, s2, s3 = recipe.backbone, recipe.workspace.replace(steps=cfg.family_workspace_steps), recipe.router
+    family_steps = s1.steps + s2.steps + s3.steps
+    if not cfg.quick and cfg.frontier_steps < max(1500, family_steps):
+        raise ValueError(f"recall study: frontier_steps={cfg.frontier_steps} must be >= 1500 and >= the PRISME "
+                         f"family's stages together ({family_steps}): the dense frontier is trained to what it can do")
+    dense = s1.replace(steps=cfg.frontier_steps, warmup=min(s1.warmup, cfg.frontier_steps))
+    if cfg.quick:
+        dense, s1, s2, s3 = _quick(dense, 12), _quick(s1, 12), _quick(s2, 12), _quick(s3, 6)
+    return dense, s1, s2, s3
+
+
+def plan_frontier(cfg: RecallStudyConfig, recipe: Recipe, out) -> list[dict[str, Any]]:
+    """The frontier's runs: every dense configuration and every family size, on every seed."""
+    dense, s1, s2, s3 = frontier_stages(cfg, recipe)
+    depths, widths = cfg.frontier_depths, cfg.frontier_widths
+    family = cfg.family[:1] if cfg.quick else cfg.family
+    tasks = []
+    for L in depths:
+        for d in widths:
+            model = dense_config(recipe, L, d)
+            for seed in cfg.seeds:
+                tasks.append(dict(kind="dense", name=f"L{L}_d{d}", seed=seed, model=model, stages=[dense],
+                                  folder=str(out / "frontier" / f"dense_L{L}_d{d}_seed{seed}")))
+    for d, w in family:
+        model = family_config(recipe, d, w)
+        for seed in cfg.seeds:
+            tasks.append(dict(kind="family", name=f"d{d}_w{w}", seed=seed, model=model, stages=[s1, s2, s3],
+                              folder=str(out / "frontier" / f"prisme_d{d}_w{w}_seed{seed}")))
+    return tasks
+
+
+def reference_ops(recipe: Recipe, T: int) -> float:
+    """Ops per token of the reference: the recipe's one-layer d = 64 backbone alone, over contexts 1..T."""
+    ref = recipe.model.replace(n_layer=1, d_model=64, use_workspace=False, name="reference")
+    return trace_cost(ref, None, torch.arange(1, T + 1)).ops_per_token
+
+
+@torch.no_grad()
+def evaluate_dense(model: torch.nn.Module, mcfg: MQARConfig, seed: int, cfg: RecallStudyConfig) -> dict[str, Any]:
+    """A backbone alone: query accuracy on the held-out sequences and its ops per token."""
+    T = mcfg.seq_len
+    ops = trace_cost(model.cfg, None, torch.arange(1, T + 1)).ops_per_token
+    return {"accuracy": evaluate_backbone(model, mcfg, EVAL_SEED + seed, cfg.eval_sequences), "ops_per_token": ops}
+
+
+@torch.no_grad()
+def evaluate_family(model: torch.nn.Module, mcfg: MQARConfig, seed: int, cfg: RecallStudyConfig) -> dict[str, Any]:
+    """A PRISME family member: budget-1 accuracy, and the router deployed at budget 1 at its calibrated price."""
+    budget1 = forced_row(model, mcfg, EVAL_SEED + seed, cfg.eval_sequences, "fixed_1xk1", "fixed", 1, 1)
+    rows, chosen = calibrated_policy(model, mcfg, seed, cfg, cfg.router_lambdas, budget=1)
+    return {"budget1_accuracy": budget1["accuracy"], "budget1_ops_per_token": budget1["ops_per_token"],
+            "router": chosen, "routers": rows, "accuracy": chosen["accuracy"],
+            "ops_per_token": chosen["ops_per_token"]}
+
+
+def _entry(kind: str, cfg_model: dict[str, Any], runs: list[dict[str, Any]], ref: float, need: int) -> dict[str, Any]:
+    acc = [r["accuracy"] for r in runs]
+    ops = sum(r["ops_per_token"] for r in runs) / len(runs)
+    e = {"n_layer": cfg_model["n_layer"], "d_model": cfg_model["d_model"],
+         "w": cfg_model["w"] if kind == "family" else None, "ops_per_token": ops, "ops_ratio": ops / ref,
+         "accuracy": acc, "seeds": [r["seed"] for r in runs], "seeds_at_95": sum(a >= TARGET_ACCURACY for a in acc),
+         "passes": sum(a >= TARGET_ACCURACY for a in acc) >= need}
+    if kind == "family":
+        e["budget1_accuracy"] = [r["budget1_accuracy"] for r in runs]
+        e["lambda"] = [r["router"]["lambda"] for r in runs]
+        e["edits_per_token"] = [r["router"]["edits_per_token"] for r in runs]
+        e["query_edit_share"] = [r["router"]["query_edit_share"] for r in runs]
+        e["ops_ratio_per_seed"] = [r["ops_per_token"] / ref for r in runs]
+    return e
+
+
+def assemble_frontier(cfg: RecallStudyConfig, recipe: Recipe, done: list[dict[str, Any]]) -> dict[str, Any]:
+    """`frontier`: both families' entries, the verdict and the deployed router's cost (the issue's JSON layout)."""
+    T = recipe.mqar.seq_len
+    ref = reference_ops(recipe, T)
+    need = seeds_needed(len(cfg.seeds))
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    models: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in done:
+        t = r["task"]
+        if t["kind"] in ("dense", "family"):
+            groups.setdefault((t["kind"], t["name"]), []).append(r["entry"])
+            models[(t["kind"], t["name"])] = r["entry"]["model"]
+    dense, family = [], []
+    for (kind, name), runs in groups.items():
+        runs = sorted(runs, key=lambda e: cfg.seeds.index(e["seed"]))
+        (dense if kind == "dense" else family).append(_entry(kind, models[(kind, name)], runs, ref, need) |
+                                                      {"checkpoints": [e["checkpoint"] for e in runs]})
+    dense.sort(key=lambda e: e["ops_ratio"])
+    family.sort(key=lambda e: e["ops_ratio"])
+    best_d = next((e for e in dense if e["passes"]), None)
+    best_p = next((e for e in family if e["passes"]), None)
+    ratio = best_p["ops_ratio"] / best_d["ops_ratio"] if best_d and best_p else None
+    deployed = best_p or (family[0] if family else None)
+    router = None
+    if deployed is not None:
+        rc = PrismeConfig.from_dict(groups[("family", f"d{deployed['d_model']}_w{deployed['w']}")][0]["model"])
+        router = {"n_layer": rc.n_layer, "d_model": rc.d_model, "w": rc.w,
+                  "ops_per_position": router_ops(rc, rc.cost_context), "context": rc.cost_context,
+                  "share_of_backbone_layer": router_share_of_layer(rc)}
+    return {"reference": {"n_layer": 1, "d_model": 64, "ops_per_token": ref,
+                          "note": "ops per token over contexts 1..T of the recipe's one-layer d=64 backbone alone"},
+            "seeds_needed": need, "target_accuracy": TARGET_ACCURACY, "dense": dense, "prisme": family,
+            "verdict": {"dense_best": best_d, "prisme_best": best_p, "ops_ratio_prisme_over_dense": ratio},
+            "router": router}
+
+
+@torch.no_grad()
+def decode_speed(frontier: dict[str, Any], mcfg: MQARConfig, batches: tuple[int, ...] = (1, 8),
+                 repeats: int = 3) -> dict[str, Any]:
+    """Tokens/s of batched greedy decoding (`prisme.generate`) of the two winners' first-seed checkpoints, side by
+    side: held-out MQAR prompts (the pairs and the first query slot), then the rest of the sequence; the PRISME
+    model with its router at budget 1 and its calibrated price. Median over `repeats`, the two models alternating."""
+    from prisme.checkpoint import load_model
+    from prisme.decoding.generate import generate
+
+    v = frontier["verdict"]
+    picks = {k: v[f"{k}_best"] for k in ("dense", "prisme") if v[f"{k}_best"] is not None}
+    if not picks:
+        return {}
+    models = {k: load_model(e["checkpoints"][0])[0].eval() for k, e in picks.items()}
+    P = mcfg.query_start + 1
+    new = mcfg.seq_len - P
+    out: dict[str, Any] = {"prompt_tokens": P, "new_tokens": new, "repeats": repeats,
+                           "threads": torch.get_num_threads()}
+    for B in batches:
+        x, _ = make_mqar_batch(mcfg, B, torch.Generator().manual_seed(EVAL_SEED + 99))
+        times: dict[str, list[float]] = {k: [] for k in models}
+        for _ in range(repeats + 1):  # the first round warms up
+            for k, m in models.items():
+                kw = dict(max_budget=1, lambda_cost=picks[k]["lambda"][0]) if k == "prisme" else {}
+                t0 = time.perf_counter()
+                generate(m, x[:, :P], new, **kw)
+                times[k].append(time.perf_counter() - t0)
+        out[f"batch{B}"] = {k: B * new / sorted(t[1:])[len(t[1:]) // 2] for k, t in times.items()}
+    return out
+
+
+def format_frontier(doc: dict[str, Any]) -> str:
+    """The frontier table, the verdict and the router's cost, for humans."""
+    f = doc["frontier"]
+    lines = [f"dense frontier and PRISME family (ops/token / the 1-layer d=64 backbone's "
+             f"{f['reference']['ops_per_token']:,.0f}; pass = >= 95% on >= {f['seeds_needed']} seeds)", ""]
+    head = f"{'family':<8}{'L':>3}{'d':>5}{'w':>5}{'ops':>8}  {'accuracy per seed':<44}{'@95':>4}  extra"
+    lines += [head, "-" * (len(head) + 30)]
+    for kind, entries in (("dense", f["dense"]), ("prisme", f["prisme"])):
+        for e in entries:
+            acc = " ".join(f"{a:.3f}" for a in e["accuracy"])
+            extra = ""
+            if kind == "prisme":
+                extra = (f"budget1 {min(e['budget1_accuracy']):.3f}-{max(e['budget1_accuracy']):.3f}, edits/token "
+                         f"{min(e['edits_per_token']):.3f}-{max(e['edits_per_token']):.3f}, on queries "
+                         f"{min(e['query_edit_share']):.2f}-{max(e['query_edit_share']):.2f}")
+            lines.append(f"{kind:<8}{e['n_layer']:>3}{e['d_model']:>5}{e['w'] if e['w'] else '-':>5}"
+                         f"{e['ops_ratio']:>8.3f}  {acc:<44}{e['seeds_at_95']:>4}  {extra}")
+    v = f["verdict"]
+
+    def name(e: dict[str, Any] | None) -> str:
+        if e is None:
+            return "none reaches 95%"
+        return f"L{e['n_layer']} d{e['d_model']}" + (f" w{e['w']}" if e["w"] else "") + f" at {e['ops_ratio']:.3f}x"
+
+    lines += ["", f"cheapest dense passing: {name(v['dense_best'])}; cheapest PRISME passing: {name(v['prisme_best'])}"]
+    if v["ops_ratio_prisme_over_dense"] is not None:
+        r = v["ops_ratio_prisme_over_dense"]
+        verdict = "beats" if r < 1 else "does not beat"
+        lines.append(f"PRISME / dense ops: {r:.3f} -> PRISME {verdict} the dense frontier")
+    if f["router"]:
+        rt = f["router"]
+        lines.append(f"router: {rt['ops_per_position']} ops per position at T={rt['context']} = "
+                     f"{100 * rt['share_of_backbone_layer']:.2f}% of one backbone layer (d={rt['d_model']})")
+    sp = doc.get("decode_speed") or {}
+    for B in (1, 8):
+        if f"batch{B}" in sp:
+            speeds = ", ".join(f"{k} {v:,.0f}" for k, v in sp[f"batch{B}"].items())
+            lines.append(f"decode tokens/s, batch {B}: {speeds}")
+    return "\n".join(lines)
