@@ -57,6 +57,22 @@ def format_table(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def finish_log_plot(fig: Any, ax: Any, path: Path, xlabel: str, ylabel: str, title: str, legend_loc: str) -> None:
+    """Label an accuracy-vs-ops figure (log x, grid, small legend) and write it as a PNG to `path`."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc=legend_loc)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+    plt.close(fig)
+
+
 def plot_accuracy_vs_ops(doc: dict[str, Any], path: Path) -> None:
     """Accuracy against ops per token (x the backbone): fixed/random/dense rows, the controller across lambda
     (its chosen lambda ringed), the oracle, per seed."""
@@ -88,16 +104,8 @@ def plot_accuracy_vs_ops(doc: dict[str, Any], path: Path) -> None:
         seen.add("oracle")
     ax.axhline(TARGET_ACCURACY, color="gray", ls=":", lw=1)
     ax.axhline(doc["controls"]["two_layer"]["accuracy"], color="C1", ls="--", lw=1, label="2-layer backbone")
-    ax.set_xscale("log")
-    ax.set_xlabel("ops per token / backbone only (actual traces, all positions)")
-    ax.set_ylabel("accuracy on query positions")
-    ax.set_title("MQAR: 1-layer backbone + workspace, every seed")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png")
-    plt.close(fig)
+    finish_log_plot(fig, ax, path, "ops per token / backbone only (actual traces, all positions)",
+                    "accuracy on query positions", "MQAR: 1-layer backbone + workspace, every seed", "lower right")
 
 
 def plot_frontier(doc: dict[str, Any], path: Path) -> None:
@@ -124,16 +132,9 @@ def plot_frontier(doc: dict[str, Any], path: Path) -> None:
                 ax.annotate(tag, (e["ops_ratio"], max(e["accuracy"])), fontsize=6, xytext=(2, 3),
                             textcoords="offset points")
     ax.axhline(TARGET_ACCURACY, color="gray", ls=":", lw=1)
-    ax.set_xscale("log")
-    ax.set_xlabel(f"ops per token / 1-layer d=64 backbone ({f['reference']['ops_per_token']:,.0f})")
-    ax.set_ylabel("accuracy on query positions (each seed)")
-    ax.set_title("MQAR: the dense frontier and PRISME with its router")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7, loc="center right")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png")
-    plt.close(fig)
+    finish_log_plot(fig, ax, path, f"ops per token / 1-layer d=64 backbone ({f['reference']['ops_per_token']:,.0f})",
+                    "accuracy on query positions (each seed)", "MQAR: the dense frontier and PRISME with its router",
+                    "center right")
 
 
 @torch.no_grad()
