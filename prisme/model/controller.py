@@ -28,6 +28,15 @@ from prisme.checks import is_number
 from prisme.config import PrismeConfig
 
 
+def argmax_or_stop(score: torch.Tensor, stop_action: int, by_mean: bool = False) -> torch.Tensor:
+    """The selection rule of the controller and the router: argmax over the actions of `score` `[..., A]`, or
+    `stop_action` where the best score (the mean score with `by_mean`) does not beat STOP's 0 (ties go to STOP)."""
+    best, idx = score.max(dim=-1)
+    if by_mean:
+        best = score.mean(dim=-1)
+    return torch.where(best > 0, idx, torch.full_like(idx, stop_action))
+
+
 def slot_summaries(X: torch.Tensor) -> torch.Tensor:
     """`[..., M, w]` -> `[..., A, w]`: each action's mean slot (singles, then pairs (2j, 2j+1)); no matmul."""
     return torch.cat([X, 0.5 * (X[..., 0::2, :] + X[..., 1::2, :])], dim=-2)
@@ -139,7 +148,5 @@ class ValueController(nn.Module):
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
         lam, kap = float(lam), float(kap)
         score = preds.value - lam * cost - kap * preds.risk  # [..., A]
-        best, idx = score.max(dim=-1)
-        if self.cfg.controller_select == "mean":  # edit or STOP by the action-averaged score: no winner's curse
-            best = score.mean(dim=-1)
-        return torch.where(best > 0, idx, torch.full_like(idx, self.cfg.stop_action))
+        # edit or STOP by the best score, or ("mean") by the action-averaged one: no winner's curse
+        return argmax_or_stop(score, self.cfg.stop_action, by_mean=self.cfg.controller_select == "mean")

@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from prisme.config import PrismeConfig
+from prisme.model.controller import argmax_or_stop
 
 
 def ngram_seen(ids: torch.Tensor, pos: torch.Tensor, n: int) -> torch.Tensor:
@@ -72,6 +73,4 @@ class Router(nn.Module):
 
     def select(self, value: torch.Tensor, cost: torch.Tensor, lambda_cost: float) -> torch.Tensor:
         """argmax_a value_a - lambda cost_a `[...]`, or STOP (A) where no score beats 0 (ties go to STOP)."""
-        score = value - float(lambda_cost) * cost  # [..., A]
-        best, idx = score.max(dim=-1)
-        return torch.where(best > 0, idx, torch.full_like(idx, self.cfg.stop_action))
+        return argmax_or_stop(value - float(lambda_cost) * cost, self.cfg.stop_action)  # score [..., A]
