@@ -11,7 +11,7 @@ Layout of a checkpoint folder::
 A run folder (a stage's `out_dir`) holds `ckpt_<step>` folders and a `latest` file naming the newest one;
 `load_checkpoint(run_dir)` follows it. A checkpoint folder is first written under a temporary name next to its
 final place (every file fsynced), then renamed into place, and only then is `latest` replaced (temp file +
-`os.replace`): a crash at any moment leaves either the previous checkpoint or the new one, never half of one.
+`os.replace`): a crash (or a full disk) at any moment leaves the previous checkpoint or the new one, never half.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 
 from prisme.checks import is_int
 from prisme.config import PrismeConfig, complete_config
-from prisme.io import current_umask, fsync_dir, json_default, write_file, write_text_atomic
+from prisme.io import current_umask, fsync_dir, json_default, loads_config, write_file, write_text_atomic
 
 SCHEMA_VERSION = 1
 WEIGHTS = "model.safetensors"
@@ -118,12 +118,6 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return p
 
 
-def config_diff(a: PrismeConfig, b: PrismeConfig, ignore: tuple[str, ...] = ("name", "extra")) -> dict[str, tuple]:
-    """Fields where two configs differ: {field: (a, b)}."""
-    da, db = a.to_dict(), b.to_dict()
-    return {k: (da[k], db.get(k)) for k in da if k not in ignore and da[k] != db.get(k)}
-
-
 # ------------------------------------------------------------------------------------------------------------- saving
 
 
@@ -187,8 +181,13 @@ def save_checkpoint(
         fsync_dir(path.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) or type(e).__name__ == "SafetensorError":  # disk full, quota, read-only, ...
+            kept = (f"the previous checkpoint {prev} is intact" if (prev := latest_checkpoint(path.parent))
+                    else "no earlier checkpoint was touched")  # the failed write touched neither it nor `latest`
+            msg = f"could not write checkpoint {path} ({getattr(e, 'strerror', None) or e}); {kept}"
+            raise (OSError(e.errno, msg) if getattr(e, "errno", None) else OSError(msg)) from e
         raise
     if update_latest:
         write_text_atomic(path.parent / LATEST, path.name + "\n")
@@ -238,8 +237,8 @@ def find_model_checkpoint(path: str | Path) -> Path:
     p = Path(path)
     try:
         return resolve_checkpoint(p)
-    except ValueError:
-        if not p.is_dir():
+    except ValueError:  # an incomplete checkpoint or run folder: its own error (which file is missing) is the answer
+        if not p.is_dir() or any((p / n).exists() for n in (*REQUIRED, LATEST)) or any(p.glob("ckpt_*")):
             raise
     found = []
     for depth in ("*", "*/*", "*/*/*"):
@@ -300,8 +299,8 @@ def trained_groups(meta: CheckpointMeta) -> set[str]:
 
 def _read_json_object(path: Path) -> dict[str, Any]:
     try:
-        d = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        d = loads_config(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
         raise ValueError(f"not a readable JSON file ({e})") from None
     if not isinstance(d, dict):
         raise ValueError("must hold a JSON object")
@@ -349,7 +348,7 @@ def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu
     meta = read_meta(path)
     p = meta.path
     if expected_config is not None:
-        diff = config_diff(expected_config, meta.config)
+        diff = expected_config.diff(meta.config)
         if diff:
             shown = ", ".join(f"{k}: expected {a!r}, checkpoint has {b!r}" for k, (a, b) in diff.items())
             raise ValueError(f"checkpoint {p} was written for another model config ({shown}); use a checkpoint of "
@@ -421,7 +420,7 @@ def rebase(path: str | Path, cfg: PrismeConfig, out_dir: str | Path, seed: int,
     if (meta.stage == "backbone") == ws and not (ws and meta.stage == "controller"):
         need = "a workspace or controller" if ws else "a backbone"
         raise ValueError(f"{meta.path} is a {meta.stage!r} checkpoint; keep={keep} needs {need} checkpoint")
-    diff = {k: v for k, v in config_diff(cfg, meta.config).items() if k in BACKBONE_FIELDS}
+    diff = {k: v for k, v in cfg.diff(meta.config).items() if k in BACKBONE_FIELDS}
     if diff:
         raise ValueError(f"cannot rebase {meta.path}: the backbones differ in {sorted(diff)}")
     torch.manual_seed(seed)

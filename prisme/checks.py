@@ -11,8 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import typing
 from typing import Any
+
+# Token ids on an accelerator are range-checked only when this is set (the check reads them back: one host sync per
+# forward, a stall in every decode step). Ids on the CPU are always checked; `generate` checks prompts on the host
+# before they are uploaded. Set PRISME_CHECK_DEVICE_VALUES=1 (or assign True) while debugging an index error.
+DEVICE_VALUE_CHECKS = os.environ.get("PRISME_CHECK_DEVICE_VALUES", "") not in ("", "0")
 
 
 def is_int(v: Any) -> bool:

@@ -118,8 +118,10 @@ def _cmd_tokenizer(args: argparse.Namespace) -> int:
 def _cmd_export_hf(args: argparse.Namespace) -> int:
     from prisme.checkpoint import find_model_checkpoint, load_model
     from prisme.data.tokenizers import BPETokenizer
-    from prisme.interop import export_hf
+    from prisme.interop import INSTALL_HINT, export_hf, hf_available
 
+    if not hf_available():
+        raise ValueError(f"export-hf needs the optional `transformers` package: {INSTALL_HINT}")
     tokenizer = {"byte": "byte", "none": None}.get(args.tokenizer)
     if args.tokenizer not in ("byte", "none"):
         tokenizer = BPETokenizer.load(args.tokenizer)
@@ -381,11 +383,31 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# options whose value may start with "-<digit>" (argparse would read "-1,2" as an unknown option)
+NEGATIVE_VALUE_OPTIONS = ("--prompt-ids", "--prompt")
+
+
+def attach_negative_values(argv: list[str]) -> list[str]:
+    """`--prompt-ids -1,2` -> `--prompt-ids=-1,2`, so the value reaches its own check (which names the bad id)
+    instead of argparse's "expected one argument"."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] in NEGATIVE_VALUE_OPTIONS and i + 1 < len(argv) and argv[i + 1][:1] == "-" \
+                and argv[i + 1][1:2].isdigit():
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Every failure goes through here: a user error (ValueError, a missing or unreadable file) prints one line
     `prisme: error: ...` and exits 2; anything else does the same with its type (PRISME_DEBUG=1 shows the traceback);
     Ctrl-C exits 130 without a traceback; a closed output pipe (`prisme info | head -1`) exits quietly."""
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(attach_negative_values(sys.argv[1:] if argv is None else list(argv)))
     try:
         return int(args.func(args) or 0)
     except BrokenPipeError:

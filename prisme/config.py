@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from prisme.checks import check_fields
+from prisme.io import loads_config
 
 FAMILIES = ("llama", "gpt2")
 
@@ -279,9 +280,11 @@ class PrismeConfig:
         except UnicodeDecodeError as e:
             raise ValueError(f"config file {p} is not UTF-8 text ({e.reason} at byte {e.start})") from None
         try:
-            d = json.loads(text)
+            d = loads_config(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"config {p or 'string'} is not valid JSON: {e}") from None
+        except ValueError as e:
+            raise ValueError(f"config {p or 'string'}: {e}") from None
         if not isinstance(d, dict):
             raise ValueError(f"config {p or 'string'} must hold a JSON object")
         return cls.from_dict(d)
@@ -293,6 +296,11 @@ class PrismeConfig:
         d = dict(PRESETS[name])
         d.update(overrides)
         return cls.from_dict({"name": name, **d})
+
+    def diff(self, other: PrismeConfig, ignore: tuple[str, ...] = ("name", "extra")) -> dict[str, tuple]:
+        """Fields where two configs differ: {field: (self's value, other's)}."""
+        da, db = self.to_dict(), other.to_dict()
+        return {k: (da[k], db.get(k)) for k in da if k not in ignore and da[k] != db.get(k)}
 
     def replace(self, **changes: Any) -> PrismeConfig:
         """A copy with `changes`. A derived field (`DERIVED`) that held its derived value is derived again from the new

@@ -359,7 +359,7 @@ def export_hf(model: nn.Module, folder: str | Path, tokenizer: Any = "byte") -> 
     tokenizer has no spare id for special tokens, so byte 0 (NUL) is the model config's bos / eos / pad id; the
     tokenizer declares no special token strings (any string it could use can occur in text, and would then no longer
     encode as its bytes)."""
-    from transformers import PreTrainedTokenizerFast
+    PreTrainedTokenizerFast = _transformers().PreTrainedTokenizerFast
 
     folder = Path(folder)
     hf = to_hf(model)

@@ -96,6 +96,21 @@ def write_json_atomic(doc: Any, path: str | Path, **dumps: Any) -> None:
 
 
 # -------------------------------------------------------------------------------------------------------------- JSON
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in seen:
+            raise ValueError(f"the key {k!r} appears twice (JSON keeps only the last; remove one)")
+        seen[k] = v
+    return seen
+
+
+def loads_config(text: str) -> Any:
+    """`json.loads` for files a person writes (configs): a key given twice is a ValueError naming it, not a silent
+    last-one-wins."""
+    return json.loads(text, object_pairs_hook=_no_duplicate_keys)
+
+
 def json_default(o: Any) -> Any:
     """`json.dumps(default=...)` for what state files hold: paths, tensors, tuples."""
     if isinstance(o, Path):

@@ -205,7 +205,7 @@ def test_resume_after_ctrl_c_equals_an_uninterrupted_run(pipeline, data, tmp_pat
     b = ckpt.load_model(resumed.checkpoint)[0].state_dict()
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
     # negative control: a resume that forgets the generator states draws other batches and ends elsewhere
-    monkeypatch.setattr(train_mod, "restore_rng_state", lambda gens, state: None)
+    monkeypatch.setattr(train_mod, "restore_rng_state", lambda gens, state, source=None: None)
     bad = train_stage(cfg, stage_cfg(tmp_path / "c", stage, **kw), dataset=data, callbacks=[_interrupt_at(3)])
     bad = train_stage(cfg, stage_cfg(tmp_path / "c", stage, resume=True, **kw), dataset=data)
     c = ckpt.load_model(bad.checkpoint)[0].state_dict()

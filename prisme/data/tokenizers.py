@@ -108,6 +108,11 @@ class BPETokenizer:
             special_tokens=[],
         )
         tok.train_from_iterator(_split_for_encoding(text, chunk_chars), trainer=trainer)
+        got = tok.get_vocab_size()
+        if got < vocab_size:
+            fix = f"ask for vocab_size <= {got} or train on more text" if got > 256 else "train on more text"
+            raise ValueError(f"vocab_size={vocab_size}: the text ({len(text):,} characters) yields only {got} "
+                             f"tokens (merges of pairs seen at least twice); {fix}")
         return cls(tok)
 
     @classmethod
@@ -117,6 +122,11 @@ class BPETokenizer:
         from tokenizers import Tokenizer
 
         path = Path(path)
+        if path.is_dir():
+            if not (path / "tokenizer.json").is_file():
+                raise ValueError(f"tokenizer path {path} is a folder with no tokenizer.json in it; pass the tokenizer "
+                                 f"file written by `prisme tokenizer train`")
+            path = path / "tokenizer.json"
         if not path.is_file():
             raise ValueError(f"BPE tokenizer file {path} does not exist; train one with `prisme tokenizer train` "
                              f"(or BPETokenizer.train) and save it")

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from prisme.checks import is_int
@@ -177,7 +178,12 @@ def _calibrate(model: PrismeModel, tokens: torch.Tensor, lengths: list[int], max
 
 
 def _pad_prompts(prompts: Sequence[Sequence[int]] | torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, list[int]]:
-    """Right-padded `[B, P]` ids (padding 0) and each row's length; ValueError for empty or out-of-range prompts."""
+    """Right-padded `[B, P]` ids (padding 0) and each row's length; ValueError for empty or out-of-range prompts.
+    NumPy arrays and NumPy integers are accepted where tensors and ints are."""
+    if isinstance(prompts, np.ndarray):
+        if prompts.dtype.kind not in "iu":
+            raise ValueError(f"a prompt array must hold integer token ids, got dtype {prompts.dtype}")
+        prompts = torch.from_numpy(prompts.astype(np.int64))
     if isinstance(prompts, torch.Tensor):
         if prompts.dim() == 1:
             prompts = prompts.unsqueeze(0)
@@ -189,7 +195,9 @@ def _pad_prompts(prompts: Sequence[Sequence[int]] | torch.Tensor, vocab_size: in
         raise ValueError("prompts must be a non-empty list of token-id lists (or a [B, P] tensor)")
     rows = []
     for b, row in enumerate(prompts):
-        row = row.tolist() if isinstance(row, torch.Tensor) else row
+        row = row.tolist() if isinstance(row, (torch.Tensor, np.ndarray)) else row
+        if isinstance(row, Sequence) and not isinstance(row, (str, bytes)):
+            row = [int(t) if isinstance(t, np.integer) else t for t in row]
         if isinstance(row, (str, bytes)) or not isinstance(row, Sequence) or len(row) == 0:
             raise ValueError(f"prompt {b} is empty or not a list of token ids; encode text with a tokenizer first")
         if any(not is_int(t) for t in row):
@@ -292,13 +300,17 @@ def _events(run: _Run) -> Iterator[GenerationEvent]:
             out = state.decode_step(feed, [0 if d else 1 for d in done], **policy)
         active = [b for b in range(B) if not done[b]]
         if gens is None:
-            new = out.logits[active, -1].argmax(-1).tolist()
+            picked = out.logits[:, -1].argmax(-1)  # [B]
         else:
-            new = [int(sample_logits(out.logits[b:b + 1, -1], run.temperature, run.top_k, run.top_p, gens[b]))
-                   for b in active]
+            picked = torch.cat([sample_logits(out.logits[b:b + 1, -1], run.temperature, run.top_k, run.top_p, gens[b])
+                                if not done[b] else out.positions.new_zeros(1) for b in range(B)])
         acts = out.actions[:, -1]  # [B, R]
-        acts_l, pos_l = acts.tolist(), out.positions[:, -1].tolist()
-        n_l, s_l = out.n_edits[:, -1].tolist(), out.controller_steps[:, -1].tolist()
+        # everything the host needs of this step in one device-to-host copy (one sync per token, not five)
+        host = torch.cat([picked[:, None], out.positions[:, -1:], out.n_edits[:, -1:], out.controller_steps[:, -1:],
+                          acts], dim=1).tolist()  # [B, 4 + R]
+        new = [host[b][0] for b in active]
+        pos_l, n_l, s_l = [r[1] for r in host], [r[2] for r in host], [r[3] for r in host]
+        acts_l = [r[4:] for r in host]
         ev = GenerationEvent(step=step, tokens=[None] * B, positions=[None] * B,
                              actions=acts.masked_fill(torch.tensor(done, device=dev)[:, None], cfg.stop_action),
                              n_edits=[None] * B, controller_steps=[None] * B, ops=[None] * B, finished=[True] * B)
@@ -398,6 +410,10 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
         if not prompt:
             raise ValueError("--prompt-ids lists no token id")
+        bad = [i for i in prompt if not 0 <= i < model.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"--prompt-ids: id {bad[0]} lies outside the model's vocabulary "
+                             f"[0, {model.cfg.vocab_size})")
         decode = lambda ids: " " + " ".join(str(i) for i in ids)  # noqa: E731
         args.prompt = ",".join(str(i) for i in prompt)
     else:

@@ -33,7 +33,7 @@ def sample_logits(logits: torch.Tensor, temperature: float = 0.0, top_k: int | N
     check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return logits.argmax(-1)
-    logits = logits / temperature
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # bf16/fp16: sample in fp32
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # [N, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

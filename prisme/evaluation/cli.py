@@ -100,10 +100,10 @@ def main(args: argparse.Namespace) -> int:
     maybe_compile(model, getattr(args, "compile", None))
     matched = None
     if args.matched_backbone:
-        from prisme.checkpoint import BACKBONE_FIELDS, config_diff
+        from prisme.checkpoint import BACKBONE_FIELDS
 
         matched, _ = load_model(args.matched_backbone, map_location=device)
-        diff = {k: v for k, v in config_diff(model.cfg, matched.cfg).items() if k in BACKBONE_FIELDS}
+        diff = {k: v for k, v in model.cfg.diff(matched.cfg).items() if k in BACKBONE_FIELDS}
         if diff:
             shown = ", ".join(f"{k} {a!r} vs {b!r}" for k, (a, b) in sorted(diff.items()))
             raise ValueError(f"--matched-backbone {args.matched_backbone} is another backbone ({shown}); the matched "

@@ -126,8 +126,8 @@ class LayerKVCache:
             rows, pos, k_rows, v_rows = rows[valid], input_pos[valid], k_rows[valid], v_rows[valid]
         else:
             pos = input_pos
-        self.k[rows, :, pos] = k_rows
-        self.v[rows, :, pos] = v_rows
+        self.k[rows, :, pos] = k_rows.to(self.k.dtype)  # under autocast the projections are bf16, the cache not
+        self.v[rows, :, pos] = v_rows.to(self.v.dtype)
 
     def reset(self) -> None:
         self.k.zero_()

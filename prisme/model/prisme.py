@@ -390,6 +390,9 @@ class PrismeModel(nn.Module):
                 `remaining = budget - step - 1`. Non-STOP actions at steps >= budget are an error.
         """
         cfg = self.cfg
+        if actions is not None and not isinstance(actions, torch.Tensor):
+            raise ValueError(f"actions must be a [B, T, R] tensor of action ids (or None), got "
+                             f"{type(actions).__name__}")
         if actions is None or not cfg.use_workspace or actions.shape[-1] == 0:
             if actions is not None and not cfg.use_workspace and actions.shape[-1] > 0:
                 raise ValueError("this model has no workspace (use_workspace=False): actions must be None")

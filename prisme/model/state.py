@@ -269,8 +269,12 @@ class DecodeState:
                 for buf, new in entries:
                     buf.narrow(1, start[0], C).copy_(new)
             else:
-                valid = torch.arange(C, device=H.device) < torch.tensor(n_new, device=H.device)[:, None]  # [B, C]
-                rows, cols = valid.nonzero(as_tuple=True)  # real tokens only: padding is never written
+                if all(n == C for n in n_new):  # rows at different offsets, all full (decoding): no host read
+                    rows = torch.arange(B, device=H.device).repeat_interleave(C)
+                    cols = torch.arange(C, device=H.device).repeat(B)
+                else:
+                    valid = torch.arange(C, device=H.device) < torch.tensor(n_new, device=H.device)[:, None]
+                    rows, cols = valid.nonzero(as_tuple=True)  # [N]: real tokens only, padding is never written
                 at = cols + torch.tensor(start, device=H.device)[rows]  # their absolute positions
                 for buf, new in entries:
                     buf[rows, at] = new[rows, cols].to(buf.dtype)

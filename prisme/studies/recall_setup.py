@@ -13,7 +13,7 @@ from typing import Any
 from prisme.checks import COMPILE_SETTINGS, check_choice
 from prisme.config import PrismeConfig
 from prisme.data.mqar import MQARConfig
-from prisme.io import CONFIG_DIR
+from prisme.io import CONFIG_DIR, loads_config
 from prisme.training.config import StageConfig, load_run_config
 
 EVAL_SEED, CALIBRATION_SEED, RANDOM_POLICY_SEED = 100_003, 200_003, 300_007  # + the run's seed
@@ -150,9 +150,11 @@ def study_config(overrides: dict[str, Any], config_dir: str | None = None) -> Re
     base: dict[str, Any] = {}
     if path.is_file():
         try:
-            raw = json.loads(path.read_text())
+            raw = loads_config(path.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} is not valid JSON: {e}") from None
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
         known = {f.name for f in dataclasses.fields(RecallStudyConfig)}
         unknown = sorted(set(raw) - known - {"description"})
         if unknown:

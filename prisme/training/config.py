@@ -16,7 +16,7 @@ from prisme.checks import COMPILE_SETTINGS, check_choice, check_fields
 from prisme.config import PrismeConfig, reject_unknown_fields
 from prisme.data.mqar import MQARConfig, MQARDataset
 from prisme.data.text import TokenDataset
-from prisme.io import CONFIG_DIR
+from prisme.io import CONFIG_DIR, loads_config
 
 
 @dataclass(frozen=True)
@@ -197,11 +197,13 @@ def load_run_config(path: str | Path) -> tuple[PrismeConfig | None, StageConfig]
     if not p.is_file():
         raise ValueError(f"run config {p} does not exist")
     try:
-        d = json.loads(p.read_bytes().decode("utf-8"))
+        d = loads_config(p.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as e:
         raise ValueError(f"run config {p} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"run config {p} is not valid JSON: {e}") from None
+    except ValueError as e:
+        raise ValueError(f"run config {p}: {e}") from None
     if not isinstance(d, dict):
         raise ValueError(f"run config {p} must hold a JSON object")
     d = dict(d)

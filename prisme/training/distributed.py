@@ -32,13 +32,18 @@ def setup_distributed(device: str) -> DistInfo:
     """Join the process group torchrun describes (WORLD_SIZE > 1), or use one that is already initialised."""
     import torch.distributed as dist
 
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if dist.is_available() and dist.is_initialized():
-        return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)))
+        if device.startswith("cuda"):
+            torch.cuda.set_device(local_rank)
+        return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return DistInfo()
+    if device.startswith("cuda"):  # before the group: NCCL, FSDP2 and every `.cuda()` use the current device
+        torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
-    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)), owns_group=True)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, owns_group=True)
 
 
 def check_layout(scfg: StageConfig, di: DistInfo) -> None:
@@ -48,6 +53,28 @@ def check_layout(scfg: StageConfig, di: DistInfo) -> None:
                          f"{scfg.grad_accum} x {di.world}")
 
 
+def device_memory(device: torch.device) -> int | None:
+    """Bytes of memory on `device`: the GPU's total, or the machine's physical memory for the CPU (None: unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - platforms without sysconf
+        return None
+
+
+def check_memory(scfg: StageConfig, cfg: Any, seq_len: int, di: DistInfo, device: torch.device) -> None:
+    """Refuse a micro-batch whose activations cannot fit, before anything is allocated: a lower bound, the logits
+    and one residual stream per layer kept for backward (4 bytes each), against the device's memory."""
+    micro = scfg.batch_size // (scfg.grad_accum * di.world)
+    need = micro * seq_len * (cfg.vocab_size + cfg.d_model * (cfg.n_layer + 1)) * 4
+    have = device_memory(device)
+    if have is not None and need > have:
+        raise ValueError(f"batch_size={scfg.batch_size} (a micro-batch of {micro} x seq_len {seq_len}) needs at "
+                         f"least {need / 2**30:,.0f} GiB of activations, more than the {have / 2**30:,.0f} GiB of "
+                         f"{device.type} memory: lower --batch-size or raise --grad-accum")
+
+
 def shard_rows(t: torch.Tensor, micro: int, accum: int, di: DistInfo) -> torch.Tensor:
     """Rows of micro-batch `micro` for this rank: [(micro W + rank) b, +b) with b = B / (W accum)."""
     b = t.shape[0] // (accum * di.world)
@@ -55,13 +82,14 @@ def shard_rows(t: torch.Tensor, micro: int, accum: int, di: DistInfo) -> torch.T
     return t[start : start + b]
 
 
-def all_reduce_stats(stats: dict[str, torch.Tensor], di: DistInfo) -> dict[str, torch.Tensor]:
+def all_reduce_stats(stats: dict[str, torch.Tensor], di: DistInfo, device: torch.device) -> dict[str, torch.Tensor]:
+    """Sum the step's statistics over ranks, in one collective on the training `device` (NCCL takes no CPU tensor)."""
     if di.world == 1:
         return stats
     import torch.distributed as dist
 
     keys = sorted(stats)
-    flat = torch.cat([stats[k].detach().double().reshape(-1).cpu() for k in keys])
+    flat = torch.cat([stats[k].detach().to(device=device, dtype=torch.float64).reshape(-1) for k in keys])
     dist.all_reduce(flat)
     out, i = {}, 0
     for k in keys:
@@ -71,12 +99,13 @@ def all_reduce_stats(stats: dict[str, torch.Tensor], di: DistInfo) -> dict[str, 
     return out
 
 
-def any_rank(flag: bool, di: DistInfo) -> bool:
+def any_rank(flag: bool, di: DistInfo, device: torch.device) -> bool:
+    """True on every rank if `flag` is set on any (one collective on the training `device`)."""
     if di.world == 1:
         return flag
     import torch.distributed as dist
 
-    t = torch.tensor([1.0 if flag else 0.0])
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
     dist.all_reduce(t)
     return bool(t.item() > 0)
 
@@ -151,7 +180,17 @@ def gather_state(wrapped: nn.Module, opt: torch.optim.Optimizer, scfg: StageConf
 
 
 def restore_optimizer(wrapped: nn.Module, opt: torch.optim.Optimizer, saved: dict[str, Any], scfg: StageConfig,
-                    di: DistInfo) -> None:
+                      di: DistInfo, source: Any = "optimizer.pt") -> None:
+    """Load a checkpoint's optimizer state (read from `source`, which errors name) into `opt`."""
+    try:
+        _restore_optimizer(wrapped, opt, saved, scfg, di)
+    except (KeyError, RuntimeError, TypeError, AttributeError, ValueError) as e:
+        raise ValueError(f"{source} does not fit this run's optimizer ({e}); it comes from another "
+                         f"run or stage: restore it, or start from the weights only with init_from") from None
+
+
+def _restore_optimizer(wrapped: nn.Module, opt: torch.optim.Optimizer, saved: dict[str, Any], scfg: StageConfig,
+                       di: DistInfo) -> None:
     fmt = saved.get("format")
     fsdp = di.world > 1 and scfg.parallel == "fsdp"
     if fsdp != (fmt == "fqn"):

@@ -3,6 +3,7 @@ metrics rows past the checkpoint, and a SIGINT or SIGTERM that finishes the step
 
 from __future__ import annotations
 
+import binascii
 import contextlib
 import json
 import signal
@@ -24,13 +25,20 @@ def rng_state(gens: dict[str, torch.Generator]) -> dict[str, str]:
     return out
 
 
-def restore_rng_state(gens: dict[str, torch.Generator], state: dict[str, str]) -> None:
-    for k, g in gens.items():
+def restore_rng_state(gens: dict[str, torch.Generator], state: dict[str, str], source: Path | str = "checkpoint") \
+        -> None:
+    """Set the generators from a checkpoint's `rng` entry (read from `source`, which errors name)."""
+    for k in gens:
         if k not in state:
-            raise ValueError(f"checkpoint RNG state lacks generator {k!r}; it cannot be resumed exactly")
-        g.set_state(ckpt.decode_rng(state[k]))
-    if "torch" in state:
-        torch.set_rng_state(ckpt.decode_rng(state["torch"]))
+            raise ValueError(f"{source}: its RNG state lacks generator {k!r}; the run cannot be resumed exactly")
+    try:
+        for k, g in gens.items():
+            g.set_state(ckpt.decode_rng(state[k]))
+        if "torch" in state:
+            torch.set_rng_state(ckpt.decode_rng(state["torch"]))
+    except (RuntimeError, TypeError, ValueError, binascii.Error) as e:
+        raise ValueError(f"{source}: its `rng` entry is corrupt ({e}); the run cannot be resumed exactly (restore "
+                         f"the file, or start from the weights with init_from)") from None
 
 
 STOP_SIGNALS = ("SIGINT", "SIGTERM")  # Ctrl-C, and what schedulers and `timeout` send
@@ -131,9 +139,24 @@ def drop_rows_after(path: Path, step: int) -> None:
 
 
 def accumulate(acc: dict[str, torch.Tensor], stats: dict[str, torch.Tensor]) -> None:
+    """Sum statistics in float64 where they are (no host read: `stats_to_host` reads them all at once)."""
     for k, v in stats.items():
-        v = v.detach().double().cpu()
+        v = v.detach().double()
         acc[k] = acc[k] + v if k in acc else v
+
+
+def stats_to_host(stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The statistics on the CPU in one device-to-host copy (a `float()` of each would be a host sync apiece)."""
+    if not stats or all(v.device.type == "cpu" for v in stats.values()):
+        return stats
+    keys = sorted(stats)
+    flat = torch.cat([stats[k].reshape(-1) for k in keys]).cpu()
+    out, i = {}, 0
+    for k in keys:
+        n = stats[k].numel()
+        out[k] = flat[i : i + n].view(stats[k].shape)
+        i += n
+    return out
 
 
 def run_contents(out: Path) -> list[str]:

@@ -23,6 +23,7 @@ W accumulation steps give the update of one process on the whole batch, up to su
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import os
@@ -41,19 +42,13 @@ from prisme.config import PrismeConfig
 from prisme.data.mqar import MQARDataset
 from prisme.data.text import TokenDataset
 from prisme.io import write_text_atomic
-from prisme.training.config import (
-    ACCEPTS_INIT,
-    DTYPES,
-    PREVIOUS,
-    STAGE_SPECS,
-    StageConfig,
-    build_dataset,
-)
+from prisme.training.config import ACCEPTS_INIT, DTYPES, PREVIOUS, STAGE_SPECS, StageConfig, build_dataset
 from prisme.training.distributed import (
     DistInfo,
     all_reduce_stats,
     any_rank,
     check_layout,
+    check_memory,
     gather_state,
     no_sync_unless_last,
     rank_barrier,
@@ -75,6 +70,7 @@ from prisme.training.resume import (
     restore_rng_state,
     rng_state,
     run_contents,
+    stats_to_host,
 )
 
 
@@ -177,6 +173,8 @@ def train_stage(model_cfg: PrismeConfig | None, stage_cfg: StageConfig, *,
     finally:
         if lock is not None:
             lock.release()
+        if di.world > 1:  # free DDP's reducer and its gloo work objects (held in reference cycles) while the group
+            gc.collect()  # and the interpreter are alive: freed at interpreter exit they abort the process
         if di.owns_group:
             import torch.distributed as dist
 
@@ -206,6 +204,7 @@ class _Trainer:
         self.T = scfg.seq_len or (self.data.cfg.seq_len if isinstance(self.data, MQARDataset) else cfg.max_seq_len)
         if self.T > cfg.max_seq_len:
             raise ValueError(f"seq_len={self.T} exceeds the model's max_seq_len={cfg.max_seq_len}")
+        check_memory(scfg, cfg, self.T, di, device)
         for split in ("train", "val"):  # ValueError now if the data is too small
             self.data.batch(split, 1, self.T, torch.Generator().manual_seed(0))
         if scfg.log_tensorboard:
@@ -223,7 +222,7 @@ class _Trainer:
         self.params = stage_parameters(model, scfg)
         if not self.params:
             raise ValueError(f"stage {scfg.stage!r} has no parameters to train in model {cfg.name!r}")
-        self.objective = objective = OBJECTIVES[scfg.stage](model, scfg)
+        self.objective = objective = OBJECTIVES[scfg.stage](model, scfg).to(device, DTYPES[scfg.dtype])  # + probes
         self.params += list(_own_parameters(objective).values())  # aux probes
         resuming = scfg.resume and meta is not None
         if resuming and "objective" in (meta.optimizer_state or {}):
@@ -244,7 +243,7 @@ class _Trainer:
                                                       and scfg.train_backbone_in_workspace_stage else set())
         self.extra_state["trained_groups"] = sorted(trained)  # which parts of this model some stage has trained
         if resuming:
-            restore_rng_state(self.gens, meta.rng)
+            restore_rng_state(self.gens, meta.rng, meta.path / ckpt.STATE)
         self.rng = rng_state(self.gens)  # generator states at the current step boundary (saved with checkpoints)
         self.updating = False
         if scfg.stage in ("controller", "router"):  # the value heads regress dL / scale
@@ -254,14 +253,15 @@ class _Trainer:
                 g = torch.Generator().manual_seed(scfg.seed + 3)
                 xc, yc = self.data.batch("train", scfg.batch_size, self.T, g)
                 fresh = meta is not None and meta.stage != scfg.stage  # not a checkpoint of this stage
-                objective.calibrate(xc.to(device), yc.to(device), objective.sample(xc, yc, g), init_heads=fresh)
+                exc = {k: v.to(device) for k, v in objective.sample(xc, yc, g).items()}  # with the batch
+                objective.calibrate(xc.to(device), yc.to(device), exc, init_heads=fresh)
             self.extra_state["value_scale"] = objective.scale
 
         # ---- wrapper for several processes, optimizer
         self.wrapped = wrap_for_ranks(objective, scfg, di, device)
         self.opt = make_optimizer(self.wrapped, scfg)
         if resuming:  # `_load_start` refused any setting that would not continue the run
-            restore_optimizer(self.wrapped, self.opt, meta.optimizer_state, scfg, di)
+            restore_optimizer(self.wrapped, self.opt, meta.optimizer_state, scfg, di, meta.path / ckpt.OPTIMIZER)
         self.autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if scfg.dtype == "bfloat16" \
             else contextlib.nullcontext
 
@@ -309,7 +309,7 @@ class _Trainer:
                                      {k: v.to(self.device) for k, v in ex.items()}, dn)
                 accumulate(acc, st)
         obj.train()
-        return obj.summarise(acc) if acc else {}
+        return obj.summarise(stats_to_host(acc)) if acc else {}
 
     def save(self, metrics: dict[str, Any]) -> Path | None:
         """Checkpoint the current step boundary (collective under FSDP; rank 0 writes); returns its folder.
@@ -350,14 +350,15 @@ class _Trainer:
                 loss, st = self.wrapped(xm, ym, exm, dn)
             (loss * di.world).backward()  # DDP/FSDP average over ranks; the loss is already a global mean
             accumulate(acc, {**st, "objective": loss.detach()})
-        acc = all_reduce_stats(acc, di)
-        objective = float(acc.pop("objective"))
         trainable = self.params if di.world == 1 else [p for p in self.wrapped.parameters() if p.requires_grad]
         norms = []
         for group in self._clip_groups(trainable):
             gn = torch.nn.utils.clip_grad_norm_(group, scfg.grad_clip if scfg.grad_clip > 0 else float("inf"))
-            norms.append(float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn))
-        grad_norm = math.sqrt(sum(n * n for n in norms))
+            norms.append((gn.full_tensor() if hasattr(gn, "full_tensor") else gn).detach().double().reshape(1))
+        # the statistics and the clip norms reach the host in one copy: one sync per step, not one per number
+        acc = stats_to_host({**all_reduce_stats(acc, di, self.device), "grad_norms": torch.cat(norms)})
+        objective = float(acc.pop("objective"))
+        grad_norm = math.sqrt(sum(n * n for n in acc.pop("grad_norms").tolist()))
         if not (math.isfinite(objective) and math.isfinite(grad_norm)):
             self.opt.zero_grad(set_to_none=True)
             self.log({"step": self.step, "event": "non_finite", "loss": objective, "grad_norm": grad_norm})
@@ -421,7 +422,7 @@ class _Trainer:
                         self.save({"train": train_metrics, "val": val_metrics})
                     for cb in callbacks:
                         cb(step, train_metrics)
-                    if any_rank(sigint["stop"], di):
+                    if any_rank(sigint["stop"], di, self.device):
                         raise KeyboardInterrupt
         except KeyboardInterrupt:
             interrupted = True
