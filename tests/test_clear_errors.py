@@ -5,14 +5,13 @@ negative control: the well-formed neighbour of the bad input still works."""
 from __future__ import annotations
 
 import errno
-import io
 import json
-from contextlib import redirect_stdout
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from test_run_safety import T, run_cli, tiny_run
 
 from prisme import checkpoint as ckpt
 from prisme import cli
@@ -22,34 +21,20 @@ from prisme.decoding.generate import generate
 from prisme.interop import hf_available
 from prisme.io import loads_config
 from prisme.model.prisme import PrismeModel
-from prisme.training.config import StageConfig, load_run_config
+from prisme.training.config import load_run_config
 from prisme.training.distributed import DistInfo, check_memory, restore_optimizer
 from prisme.training.resume import restore_rng_state
 from prisme.training.trainer import train_stage
 
-T = 16
-MQAR = dict(vocab_size=64, seq_len=T, n_pairs=2, query_min_pos=4)
 TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want "
         "of a wife.\n") * 30
-
-
-def run_cli(*argv: str) -> tuple[int, str]:
-    buf = io.StringIO()
-    with redirect_stdout(buf):
-        rc = cli.main(list(argv))
-    return rc, buf.getvalue()
-
-
-def tiny_run(out: Path, steps: int = 2, **kw) -> StageConfig:
-    return StageConfig(**{**dict(stage="backbone", steps=steps, batch_size=4, seq_len=T, out_dir=str(out),
-                                 dataset="mqar", mqar=MQAR, progress=False, eval_every=0, eval_batches=1), **kw})
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
     """A 2-step backbone run (MQAR, tiny preset)."""
     out = tmp_path_factory.mktemp("clear") / "run"
-    train_stage(PrismeConfig.from_name("tiny"), tiny_run(out))
+    train_stage(PrismeConfig.from_name("tiny"), tiny_run(out, steps=2))
     return out
 
 
@@ -197,4 +182,4 @@ def test_the_duplicate_key_check_reads_what_save_writes(tmp_path):
     """Every config PRISME writes reads back through the strict loader (no key written twice)."""
     cfg = PrismeConfig.from_name("tiny")
     assert PrismeConfig.from_json(cfg.to_json()) == cfg
-    assert loads_config(json.dumps(tiny_run(tmp_path).to_dict()))["steps"] == 2
+    assert loads_config(json.dumps(tiny_run(tmp_path).to_dict()))["steps"] == 3

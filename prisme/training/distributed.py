@@ -82,21 +82,36 @@ def shard_rows(t: torch.Tensor, micro: int, accum: int, di: DistInfo) -> torch.T
     return t[start : start + b]
 
 
+def _flat(stats: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The statistics (sorted by name) as one float64 vector on `device`; `_unflat` splits it back."""
+    return torch.cat([stats[k].detach().to(device=device, dtype=torch.float64).reshape(-1) for k in sorted(stats)])
+
+
+def _unflat(flat: torch.Tensor, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out, i = {}, 0
+    for k in sorted(like):
+        n = like[k].numel()
+        out[k] = flat[i : i + n].view(like[k].shape)
+        i += n
+    return out
+
+
 def all_reduce_stats(stats: dict[str, torch.Tensor], di: DistInfo, device: torch.device) -> dict[str, torch.Tensor]:
     """Sum the step's statistics over ranks, in one collective on the training `device` (NCCL takes no CPU tensor)."""
     if di.world == 1:
         return stats
     import torch.distributed as dist
 
-    keys = sorted(stats)
-    flat = torch.cat([stats[k].detach().to(device=device, dtype=torch.float64).reshape(-1) for k in keys])
+    flat = _flat(stats, device)
     dist.all_reduce(flat)
-    out, i = {}, 0
-    for k in keys:
-        n = stats[k].numel()
-        out[k] = flat[i : i + n].view(stats[k].shape)
-        i += n
-    return out
+    return _unflat(flat, stats)
+
+
+def stats_to_host(stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The statistics on the CPU in one device-to-host copy (a `float()` of each would be a host sync apiece)."""
+    if not stats or all(v.device.type == "cpu" for v in stats.values()):
+        return stats
+    return _unflat(_flat(stats, next(iter(stats.values())).device).cpu(), stats)
 
 
 def any_rank(flag: bool, di: DistInfo, device: torch.device) -> bool:

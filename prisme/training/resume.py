@@ -145,20 +145,6 @@ def accumulate(acc: dict[str, torch.Tensor], stats: dict[str, torch.Tensor]) -> 
         acc[k] = acc[k] + v if k in acc else v
 
 
-def stats_to_host(stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The statistics on the CPU in one device-to-host copy (a `float()` of each would be a host sync apiece)."""
-    if not stats or all(v.device.type == "cpu" for v in stats.values()):
-        return stats
-    keys = sorted(stats)
-    flat = torch.cat([stats[k].reshape(-1) for k in keys]).cpu()
-    out, i = {}, 0
-    for k in keys:
-        n = stats[k].numel()
-        out[k] = flat[i : i + n].view(stats[k].shape)
-        i += n
-    return out
-
-
 def run_contents(out: Path) -> list[str]:
     """What of a run a folder holds (checkpoints, the latest pointer, metrics), whatever state `latest` is in."""
     if not out.is_dir():

@@ -56,6 +56,7 @@ from prisme.training.distributed import (
     restore_optimizer,
     setup_distributed,
     shard_rows,
+    stats_to_host,
     wrap_for_ranks,
 )
 from prisme.training.objectives import OBJECTIVES
@@ -70,7 +71,6 @@ from prisme.training.resume import (
     restore_rng_state,
     rng_state,
     run_contents,
-    stats_to_host,
 )
 
 
