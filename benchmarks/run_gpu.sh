@@ -31,6 +31,7 @@ BENCHES=${ONLY:-"workspace vs-hf train"}
 # Per-bench settings sized for the window (the GPU is fast; model construction on the host dominates).
 declare -A EXTRA=(
     [workspace]="--presets demo,prisme_103m --batches 1,8 --new-tokens 16 --repeats 5 --profile --compile"
+    [train]="--presets demo,prisme_103m --stages workspace,controller --stage-presets demo --repeats 3 --threads -1"
 )
 
 has_flag() { grep -qE -- "(^|[[:space:][])$1([[:space:]]|]|$)" <<<"$help"; }

@@ -210,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="presets whose workspace/controller stages are timed (default: demo; a prisme_103m stage step "
                          "takes minutes on a CPU)")
     tr.add_argument("--compile", action="store_true", help="the stages with the editor under torch.compile")
+    tr.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]: where the steps and matmuls run")
     s.set_defaults(func=_cmd_bench)
 
     s = sub.add_parser("eval", help="every policy's validation loss vs measured ops per token (table, JSON, plot)")
@@ -307,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default=None, choices=["float32", "float64", "bfloat16"],
                    help="float32/float64 weights, or bf16 autocast over float32 weights")
     s.add_argument("--parallel", default=None, choices=["ddp", "fsdp"], help="multi-process wrapper (torchrun)")
+    s.add_argument("--tf32", action="store_true", help="allow TF32 matmuls on CUDA (Ampere+; off by default)")
     s.add_argument("--backbone-keeps-learning", action="store_true",
                    help="workspace stage: train the backbone too (train_backbone_in_workspace_stage)")
     s.add_argument("--threads", type=int, default=-1, help="torch CPU threads per process (-1 = leave as is)")

@@ -193,3 +193,19 @@ def test_collectives_see_the_training_device_and_cuda_ranks_set_their_device(mon
     calls.clear()
     D.setup_distributed("cpu")  # control: a CPU rank sets no CUDA device and joins with gloo
     assert calls == [("init", "gloo")]
+
+
+def test_the_training_bench_runs_its_steps_and_matmuls_on_the_device():
+    """`prisme bench train --device`: the backbone step, the matmul peak and a stage's step all run off the CPU
+    (a device mix would raise), with the losses of the CPU run."""
+    from prisme.bench.train import train_throughput
+    from prisme.bench.train_stages import stage_paths
+
+    cfg = PrismeConfig.from_name("tiny")
+    ref = train_throughput(cfg, 2, 8, warmups=0, repeats=2, matmul_sizes=[16])
+    with FakeDevice() as fd:
+        row = train_throughput(cfg, 2, 8, warmups=0, repeats=2, matmul_sizes=[16], device=fd.device)
+        path, info = stage_paths(cfg, "controller", batch=2, seq_len=8, device=fd.device)
+        path[2](None)
+    assert row.losses == pytest.approx(ref.losses, abs=1e-5) and len(info["losses"]) == 1
+    assert all(p.device == fd.device for p in info["objective"].parameters())

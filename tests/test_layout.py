@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "prisme"
 
 # Lowest first. A module may import its own layer and the layers below it, never one above.
 LAYERS = (
-    ("prisme.checks", "prisme.io", "prisme.stats"),
+    ("prisme.checks", "prisme.devices", "prisme.io", "prisme.stats"),
     ("prisme.config",),
     ("prisme.costs", "prisme.data"),
     ("prisme.model",),

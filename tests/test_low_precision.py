@@ -108,3 +108,15 @@ def test_every_stage_trains_under_bf16_autocast_with_a_finite_loss(bf16_runs, st
     assert res.step == 3 and res.train and res.val, res
     values = [v for v in {**res.train, **res.val}.values() if isinstance(v, float)]
     assert "loss" in res.val and all(v == v and abs(v) != float("inf") for v in values), (res.train, res.val)
+
+
+def test_rope_keeps_the_activations_dtype_under_autocast():
+    """The float32 RoPE tables used to promote bf16 q and k to float32 (twice the attention's memory traffic)."""
+    from prisme.model.attention import apply_rope, rope_tables
+
+    cos, sin = (t.float()[:4, None] for t in rope_tables(8, 4, 10000.0))  # [4, 1, 8]
+    x = torch.randn(2, 4, 3, 8).to(torch.bfloat16)
+    assert apply_rope(x, cos, sin).dtype == torch.bfloat16
+    assert (x * cos + x.roll(4, dims=-1) * sin).dtype == torch.float32  # the negative control: the old expression
+    ref = apply_rope(x.float(), cos, sin)
+    assert float((apply_rope(x, cos, sin).float() - ref).abs().max()) <= 0.05

@@ -9,13 +9,13 @@ import json
 import sys
 import tracemalloc
 from collections.abc import Callable, Iterator, Sequence
-from time import perf_counter_ns
 from typing import Any
 
 import numpy as np
 import torch
 
 from prisme.config import PrismeConfig
+from prisme.devices import Stopwatch
 from prisme.io import write_json_atomic
 from prisme.model.backbone import Backbone
 
@@ -31,12 +31,17 @@ def percentiles(samples_ms: Sequence[float]) -> tuple[float, float]:
     return float(p50), float(p95)
 
 
-def time_paths(paths: Sequence[TimedPath], warmups: int, repeats: int) -> dict[str, list[float]]:
-    """Run every path `warmups` untimed then `repeats` timed times, order rotated each repeat; samples in ms."""
+def time_paths(paths: Sequence[TimedPath], warmups: int, repeats: int,
+               device: torch.device | str | None = None) -> dict[str, list[float]]:
+    """Run every path `warmups` untimed then `repeats` timed times, order rotated each repeat; samples in ms.
+
+    On a CUDA `device` each sample is read from CUDA events around the run (queued work included, no
+    synchronisation inside the timed region); elsewhere from `perf_counter_ns`."""
     if warmups < 0 or repeats < 1:
         raise ValueError(f"need warmups >= 0 and repeats >= 1, got {warmups} and {repeats}")
     samples: dict[str, list[float]] = {name: [] for name, _, _ in paths}
     n = len(paths)
+    watch = Stopwatch(device)
     gc_was_enabled = gc.isenabled()
     with torch.inference_mode():
         try:
@@ -46,11 +51,11 @@ def time_paths(paths: Sequence[TimedPath], warmups: int, repeats: int) -> dict[s
                     gc.disable()
                 for name, setup, run in (paths[(r + i) % n] for i in range(n)):
                     state = setup()
-                    t0 = perf_counter_ns()
+                    watch.start()
                     run(state)
-                    t1 = perf_counter_ns()
+                    ms = watch.stop()
                     if r >= warmups:
-                        samples[name].append((t1 - t0) / 1e6)
+                        samples[name].append(ms)
         finally:
             if gc_was_enabled:
                 gc.enable()

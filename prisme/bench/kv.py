@@ -174,7 +174,8 @@ def kv_timing(model: Backbone, prompts: Sequence[int], new_tokens: int, warmups:
     rows = []
     for P in prompts:
         seq = make_tokens(model.cfg.vocab_size, 1, P + new_tokens, seed + P)
-        samples = time_paths(kv_paths(model, seq[:, :P], seq[:, P:]), warmups, repeats)
+        seq = seq.to(next(model.parameters()).device)
+        samples = time_paths(kv_paths(model, seq[:, :P], seq[:, P:]), warmups, repeats, next(model.parameters()).device)
         (pre50, pre95), (full50, full95), (c50, c95) = (percentiles(samples[k]) for k in ("prefill", "full", "cached"))
         rows.append(TimingRow(
             prompt_tokens=P, appended_tokens=new_tokens,

@@ -66,14 +66,17 @@ def stream_read_path(nbytes: int = BANDWIDTH_BYTES, reads: int = 1, name: str = 
     return name, lambda: None, run
 
 
-def matmul_paths(sizes: Sequence[int] = MATMUL_SIZES, dtype: torch.dtype = torch.float32) -> list[TimedPath]:
-    """One timed path per size n, `a @ b` with a, b `[n, n]` (2 n^3 FLOPs), named `matmul_<n>`."""
+def matmul_paths(sizes: Sequence[int] = MATMUL_SIZES, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None) -> list[TimedPath]:
+    """One timed path per size n, `a @ b` with a, b `[n, n]` on `device` (2 n^3 FLOPs), named `matmul_<n>`."""
     if not sizes or any(n < 1 for n in sizes):
         raise ValueError(f"matmul sizes must be positive, got {list(sizes)}")
     g = torch.Generator().manual_seed(0)
     paths = []
     for n in sizes:
         a, b = torch.randn(n, n, generator=g, dtype=dtype), torch.randn(n, n, generator=g, dtype=dtype)
+        if device is not None:
+            a, b = a.to(device), b.to(device)
         paths.append((f"matmul_{n}", lambda: None, lambda _, a=a, b=b: a @ b))
     return paths
 
@@ -171,7 +174,7 @@ def train_step(model: Backbone, opt: torch.optim.Optimizer, x: torch.Tensor, y: 
         torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return loss.detach()
+        return loss.detach()
 
 
 @dataclass
@@ -193,24 +196,27 @@ class TrainRow:
 
 
 def backbone_step_path(cfg: PrismeConfig, batch: int, seq_len: int, seed: int = 42, lr: float = 3e-4,
-                       name: str = "train_step") -> tuple[Backbone, TimedPath, list[float]]:
-    """A seeded backbone in train mode and a timed path of its training step on one fixed batch (its losses are
-    appended to the returned list)."""
-    model = harness.build_model(cfg, seed).train()
+                       name: str = "train_step", device: torch.device | str = "cpu"
+                       ) -> tuple[Backbone, TimedPath, list[float]]:
+    """A seeded backbone in train mode on `device` and a timed path of its training step on one fixed batch (its
+    losses are appended to the returned list)."""
+    model = harness.build_model(cfg, seed).to(device).train()
     opt = make_optimizer(model, lr)
-    seq = harness.make_tokens(cfg.vocab_size, batch, seq_len + 1, seed)  # [B, T + 1], made outside inference mode
+    seq = harness.make_tokens(cfg.vocab_size, batch, seq_len + 1, seed).to(device)  # [B, T + 1], outside inference
     x, y = seq[:, :-1], seq[:, 1:]
     losses: list[float] = []
     return model, (name, lambda: None, lambda _: losses.append(float(train_step(model, opt, x, y)))), losses
 
 
 def train_throughput(cfg: PrismeConfig, batch: int, seq_len: int, warmups: int = 1, repeats: int = 3,
-                     seed: int = 42, matmul_sizes: Sequence[int] = MATMUL_SIZES, lr: float = 3e-4) -> TrainRow:
-    """Time `warmups` + `repeats` training steps (one fixed batch), rotated with the matmul sizes each repeat."""
+                     seed: int = 42, matmul_sizes: Sequence[int] = MATMUL_SIZES, lr: float = 3e-4,
+                     device: torch.device | str = "cpu") -> TrainRow:
+    """Time `warmups` + `repeats` training steps (one fixed batch) on `device`, rotated with the matmul sizes each
+    repeat (on the same device)."""
     if not 1 <= seq_len <= cfg.max_seq_len - 1:
         raise ValueError(f"seq_len must be in [1, T_max - 1 = {cfg.max_seq_len - 1}], got {seq_len}")
-    model, path, losses = backbone_step_path(cfg, batch, seq_len, seed, lr)
-    samples = time_paths([path, *matmul_paths(matmul_sizes)], warmups, repeats)
+    model, path, losses = backbone_step_path(cfg, batch, seq_len, seed, lr, device=device)
+    samples = time_paths([path, *matmul_paths(matmul_sizes, device=device)], warmups, repeats, device)
     peak = MatmulPeak.from_samples(samples)
     p50, p95 = percentiles(samples["train_step"])
     flops = train_step_flops(cfg, batch, seq_len)
@@ -223,7 +229,8 @@ def train_throughput(cfg: PrismeConfig, batch: int, seq_len: int, warmups: int =
 def run_train(presets: Sequence[str] = ("demo", "prisme_103m"), warmups: int = 1, repeats: int = 5,
               threads: int = 2, seed: int = 42, quick: bool = False,
               shapes: dict[str, tuple[int, int]] | None = None, stages: Sequence[str] = (),
-              stage_presets: Sequence[str] | None = None, compile: bool = False) -> dict[str, Any]:
+              stage_presets: Sequence[str] | None = None, compile: bool = False,
+              device: torch.device | str = "cpu") -> dict[str, Any]:
     """The whole `prisme bench train` protocol; returns the JSON document.
 
     stages: also time these stages ("workspace", "controller") on `stage_presets` (default: the presets with a
@@ -242,7 +249,7 @@ def run_train(presets: Sequence[str] = ("demo", "prisme_103m"), warmups: int = 1
             batch, seq_len = shapes.get(cfg.name, (8, min(128, cfg.max_seq_len - 1)))
             if quick:
                 batch = max(1, batch // 4)
-            rows.append(train_throughput(cfg, batch, seq_len, warmups, repeats, seed, sizes))
+            rows.append(train_throughput(cfg, batch, seq_len, warmups, repeats, seed, sizes, device=device))
             with torch.device("meta"):
                 models[cfg.name] = harness.model_facts(Backbone(cfg))
         stage_rows = []
@@ -250,14 +257,15 @@ def run_train(presets: Sequence[str] = ("demo", "prisme_103m"), warmups: int = 1
             bb = next(r for r in rows if r.preset == cfg.name)
             for stage in stages:
                 b = max(1, STAGE_RECIPES[stage]["batch_size"] // 4) if quick else None
-                path, info = stage_paths(cfg, stage, seed, batch=b, compile=compile)
+                path, info = stage_paths(cfg, stage, seed, batch=b, compile=compile, device=device)
                 # the backbone stage's step in the same rotation: the ratio's denominator sees the same machine
-                _, bb_path, _ = backbone_step_path(cfg, bb.batch, bb.seq_len, seed, name="backbone_step")
-                samples = time_paths([bb_path, path], warmups, repeats)
+                _, bb_path, _ = backbone_step_path(cfg, bb.batch, bb.seq_len, seed, name="backbone_step",
+                                                   device=device)
+                samples = time_paths([bb_path, path], warmups, repeats, device)
                 bb_tps = bb.batch * bb.seq_len / percentiles(samples["backbone_step"])[0] * 1e3
                 stage_rows.append(stage_row(cfg, stage, samples[path[0]], info, warmups, bb_tps,
                                             samples["backbone_step"]))
-        env = environment(dtype=torch.float32, seed=seed)
+        env = environment(dtype=torch.float32, seed=seed) | {"device": str(device)}
     big = [r for r in rows if r.parameters >= 50_000_000]
     targets = [{"name": f"training >= {TRAIN_TARGET:.0%} of the fp32 matmul peak ({r.preset})",
                 "target": TRAIN_TARGET, "measured": r.fraction_of_peak, "met": r.fraction_of_peak >= TRAIN_TARGET}
@@ -266,7 +274,8 @@ def run_train(presets: Sequence[str] = ("demo", "prisme_103m"), warmups: int = 1
     checks = {"losses_finite": finite}
     checks["passed"] = all(checks.values())
     return {
-        "scope": "Backbone-stage training steps (random init, one fixed batch of random tokens), fp32, eager, CPU",
+        "scope": f"Backbone-stage training steps (random init, one fixed batch of random tokens), fp32, eager, "
+                 f"{torch.device(device).type} (the bandwidth row reads host memory)",
         "environment": env,
         "models": models,
         "protocol": {
@@ -338,6 +347,9 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"need --warmups >= 0 and --repeats >= 1, got {args.warmups} and {args.repeats}")
     stages = tuple(s.strip() for s in getattr(args, "stages", "").split(",") if s.strip())
     stage_presets = tuple(s.strip() for s in getattr(args, "stage_presets", "demo").split(",") if s.strip())
+    device = torch.device(getattr(args, "device", "cpu") or "cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available on this machine")
     doc = run_train(presets, args.warmups, args.repeats, args.threads, args.seed, args.quick, stages=stages,
-                    stage_presets=stage_presets, compile=getattr(args, "compile", False))
+                    stage_presets=stage_presets, compile=getattr(args, "compile", False), device=device)
     return harness.emit(doc, format_train_table(doc), args.json)

@@ -138,7 +138,7 @@ class StageRow:
 
 
 def stage_paths(cfg: PrismeConfig, stage: str, seed: int = 42, batch: int | None = None, seq_len: int | None = None,
-                compile: bool = False) -> tuple[TimedPath, dict[str, Any]]:
+                compile: bool = False, device: torch.device | str = "cpu") -> tuple[TimedPath, dict[str, Any]]:
     """A timed path of `stage`'s real training step (its objective, AdamW, grad clip) on one fixed batch of random
     tokens with fresh sampled actions each step, and the info to price it."""
     from prisme.model.prisme import PrismeModel
@@ -155,26 +155,28 @@ def stage_paths(cfg: PrismeConfig, stage: str, seed: int = 42, batch: int | None
     scfg = StageConfig(stage=stage, batch_size=B, seq_len=T, seed=seed, progress=False, **recipe).validate()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = PrismeModel(cfg)
+        model = PrismeModel(cfg).to(device)
     if compile:
         from prisme.model.compiled import compile_editor
 
         compile_editor(model, strict=True)
-    objective = OBJECTIVES[stage](model, scfg)
+    objective = OBJECTIVES[stage](model, scfg).to(device)
     params = stage_parameters(model, scfg) + [p for n, p in objective.named_parameters() if not n.startswith("model.")]
     opt = torch.optim.AdamW(params, lr=scfg.lr, betas=ADAMW["betas"], eps=ADAMW["eps"])
     seq = harness.make_tokens(cfg.vocab_size, B, T + 1, seed)
-    x, y = seq[:, :-1], seq[:, 1:]
+    x, y = seq[:, :-1], seq[:, 1:]  # the sampler draws on the host (as the trainer's); the step runs on `device`
+    xd, yd = x.to(device), y.to(device)
     g = torch.Generator().manual_seed(seed + 1)
     if stage == "controller":
-        objective.calibrate(x, y, objective.sample(x, y, g), init_heads=True)
+        objective.calibrate(xd, yd, {k: v.to(device) for k, v in objective.sample(x, y, g).items()}, init_heads=True)
     info: dict[str, Any] = {"extras": [], "losses": [], "B": B, "T": T, "scfg": scfg, "objective": objective,
                             "y": y, "compiled": compile}
 
     def step(_: object) -> None:
         with torch.inference_mode(False), torch.enable_grad():
             ex = objective.sample(x, y, g)
-            loss, _ = objective(x, y, ex, objective.denominators(x, y, ex))
+            exd = {k: v.to(device) for k, v in ex.items()}
+            loss, _ = objective(xd, yd, exd, objective.denominators(x, y, ex))
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
             opt.step()

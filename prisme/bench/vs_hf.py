@@ -268,7 +268,7 @@ class ShapeBench:
         timed = [p.timed(N) for p in paths]
         if stream_bytes:  # four reads a sample: about as long as a sample of the batch-1 compiled path
             timed.append(bench_train.stream_read_path(stream_bytes, STREAM_READS))
-        samples = time_paths(timed, warmups, repeats)
+        samples = time_paths(timed, warmups, repeats, prompt.device)
         stats = {k: percentiles(v) for k, v in samples.items()}
         p50 = {k: s[0] for k, s in stats.items() if k != "stream_read"}
         per_step = {k: v / N for k, v in p50.items()}
@@ -286,7 +286,7 @@ class ShapeBench:
         paths = prefill_paths(self.pair, prompt, decoder)
         self.check_prefill(paths, prompt)
         peak_paths = bench_train.matmul_paths(matmul_sizes) if matmul_sizes else []
-        samples = time_paths([*paths, *peak_paths], warmups, repeats)
+        samples = time_paths([*paths, *peak_paths], warmups, repeats, prompt.device)
         stats = {k: percentiles(v) for k, v in samples.items() if not k.startswith("matmul_")}
         flops = bench_train.forward_flops(cfg, B, P, head_positions=1).total
         gflops = {k: flops / s[0] / 1e6 for k, s in stats.items()}

@@ -208,7 +208,7 @@ def time_batch(models: dict[str, PrismeModel], batch: int, P: int, N: int, warmu
             sync()
             splits[p.name].append(dict(st.ns))
 
-        samples = time_paths([(p.name, setup(p), run) for p in paths], warmups, repeats)
+        samples = time_paths([(p.name, setup(p), run) for p in paths], warmups, repeats, dev)
     base_p50 = percentiles(samples[ROWS[0]])[0]
     split_ms, bb = {}, {}
     for p in paths:

@@ -89,7 +89,8 @@ class SplitTimer:
     Installs instance-attribute wrappers on each model (removed on exit): `backbone.streams`, `backbone.head`, and the
     workspace methods `bank_inputs`, `bank_from_inputs`, `query_state`, `bank_mask`, `rollout_forced`,
     `logits_from_state` (the head
-    called inside the readout counts as head). On CUDA each wrapper synchronises before and after. With `label`, each
+    called inside the readout counts as head). On CUDA each wrapper records CUDA events around its call and nothing
+    waits inside the timed region: `ns` reads the events (one synchronisation, after the run). With `label`, each
     wrapped call also opens a `torch.profiler.record_function("prisme::<backbone|head|method name>")` range.
 
         with SplitTimer(models) as st:
@@ -103,12 +104,27 @@ class SplitTimer:
     def __init__(self, models: Sequence[PrismeModel], label: bool = False):
         self.models = list(models)
         self.label = label
-        self.ns = dict.fromkeys(self.SECTIONS, 0)
-        self._sync: Callable[[], None] = lambda: None
+        self._ns = dict.fromkeys(self.SECTIONS, 0)
+        self._cuda = False
+        self._pending: list[tuple[str, Any, Any, int, int]] = []  # CUDA: (section, start, end, heads from, to)
         self._depth = 0
 
     def reset(self) -> None:
-        self.ns = dict.fromkeys(self.SECTIONS, 0)
+        self._ns = dict.fromkeys(self.SECTIONS, 0)
+        self._pending = []
+
+    @property
+    def ns(self) -> dict[str, int]:
+        """Nanoseconds per section since `reset` (on CUDA: read from the recorded events, after they complete)."""
+        if self._pending:
+            self._pending[-1][2].synchronize()
+            heads = [i for i, p in enumerate(self._pending) if p[0] == "head"]
+            elapsed = [int(p[1].elapsed_time(p[2]) * 1e6) for p in self._pending]
+            for i, (section, _, _, h0, h1) in enumerate(self._pending):
+                inner = sum(elapsed[j] for j in heads if h0 <= j < h1) if section == "workspace_modules" else 0
+                self._ns[section] += elapsed[i] - inner
+            self._pending = []
+        return self._ns
 
     def _wrap(self, fn: Callable[..., Any], section: str, name: str) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -116,28 +132,33 @@ class SplitTimer:
             ws = section == "workspace_modules"
             if ws and self._depth > 0:  # nested workspace call (none today): already timed by the outer one
                 return fn(*args, **kwargs)
-            self._sync()
+            if self._cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                first = len(self._pending)
+                start.record()
             t0 = perf_counter_ns()
             if ws:
                 self._depth += 1
-                head_before = self.ns["head"]
+                head_before = self._ns["head"]
             try:
                 with label:
                     out = fn(*args, **kwargs)
-                self._sync()
             finally:
                 dt = perf_counter_ns() - t0
                 if ws:
                     self._depth -= 1
-                    dt -= self.ns["head"] - head_before
-            self.ns[section] += dt
+                    dt -= self._ns["head"] - head_before
+            if self._cuda:  # this call's entry comes after the heads it contains: they are indices [first, now)
+                end.record()
+                self._pending.append((section, start, end, first, len(self._pending)))
+            else:
+                self._ns[section] += dt
             return out
 
         return timed
 
     def __enter__(self) -> SplitTimer:
-        if any(p.is_cuda for m in self.models for p in m.parameters()):
-            self._sync = torch.cuda.synchronize
+        self._cuda = any(p.is_cuda for m in self.models for p in m.parameters())
         for m in self.models:
             m.backbone.streams = self._wrap(m.backbone.streams, "backbone", "backbone")
             m.backbone.head = self._wrap(m.backbone.head, "head", "head")

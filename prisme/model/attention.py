@@ -54,8 +54,9 @@ def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x `[..., hd]` (e.g. `[B, C, heads, hd]`); cos/sin from `rope_tables`, broadcastable to x (`[C, 1, hd]`)."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+    """x `[..., hd]` (e.g. `[B, C, heads, hd]`); cos/sin from `rope_tables`, broadcastable to x (`[C, 1, hd]`).
+    Computed in x's dtype: under bf16 autocast the float32 tables would otherwise promote q and k to float32."""
+    return x * cos.to(x.dtype) + x.roll(x.shape[-1] // 2, dims=-1) * sin.to(x.dtype)
 
 
 def causal_mask(input_pos: torch.Tensor, kv_len: int) -> torch.Tensor:

@@ -43,6 +43,18 @@ from prisme.model.backbone import Backbone, check_tokens
 from prisme.model.editor import blocks_pass
 
 DEFAULT_MODE = "max-autotune-no-cudagraphs"
+CUDA_MODE = "max-autotune"  # on CUDA the step also runs as a CUDA graph: one launch instead of one per kernel
+
+
+def step_mode(mode: str | None, device: torch.device) -> str | None:
+    """The compile mode of the one-token step on `device`: the default becomes `CUDA_MODE` on CUDA, where the step's
+    inputs live at fixed addresses (the preallocated cache, one token buffer, one position tensor per step)."""
+    return CUDA_MODE if mode == DEFAULT_MODE and device.type == "cuda" else mode
+
+
+def uses_cuda_graphs(mode: str | None) -> bool:
+    """Whether Inductor replays the step as a CUDA graph (its outputs are overwritten by the next replay)."""
+    return mode is not None and "cudagraphs" not in mode and mode in ("max-autotune", "reduce-overhead")
 QUIET = {"autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}  # no autotune tables
 _serial = itertools.count()
 _graphs = torch._dynamo.utils.counters["stats"]  # "unique_graphs": graphs compiled in this process
@@ -215,10 +227,10 @@ class CompiledDecoder:
         start = cache.lengths[0]
         if start >= cache.max_len:
             raise ValueError(f"the decoder is full: {start} positions of {cache.max_len}")
-        check_tokens(tokens, self.backbone.cfg.vocab_size)
+        check_tokens(tokens, self.backbone.cfg.vocab_size)  # shape only on CUDA: no host read per step
         logits = self._step(self._tokens.copy_(tokens), self._positions[start], cache)  # [B, V]
         cache.advance([1] * cache.batch_size)
-        return logits
+        return logits.clone() if uses_cuda_graphs(self.mode) else logits  # a graph's output is its next replay's
 
 
 def compile_decode(backbone: Backbone, batch_size: int, max_len: int | None = None, mode: str | None = DEFAULT_MODE,
@@ -227,7 +239,8 @@ def compile_decode(backbone: Backbone, batch_size: int, max_len: int | None = No
     """A `CompiledDecoder` for `backbone` with a `batch_size` x `max_len` cache (default T_max).
 
     Args:
-        mode: `torch.compile` mode of the one-token step (static shapes); None = run `decode_step` eagerly.
+        mode: `torch.compile` mode of the one-token step (static shapes); None = run `decode_step` eagerly. The
+            default is `CUDA_MODE` (CUDA graphs; each step's logits cloned out of the graph) on CUDA.
         prefill_mode: `torch.compile` mode of the prompt step (dynamic length); None = run `prefill_step` eagerly.
         freeze: Inductor freezing: weights become constants (read at the first call), which Inductor's own CPU GEMM
             kernels need. Compiled calls must run under `torch.no_grad()` or `torch.inference_mode()`.
@@ -242,6 +255,7 @@ def compile_decode(backbone: Backbone, batch_size: int, max_len: int | None = No
     if (mode is not None or prefill_mode is not None) and backbone.training:
         raise ValueError("compile_decode needs a backbone in eval mode (call backbone.eval())")
     cache = backbone.new_cache(batch_size, max_len)
+    mode = step_mode(mode, cache.layers[0].k.device)
 
     def fixed_step(tokens: torch.Tensor, input_pos: torch.Tensor, kv: KVCache) -> torch.Tensor:
         return decode_step(backbone, tokens, input_pos, kv)

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from prisme.checkpoint import load_model
+from prisme.devices import spread
 from prisme.io import write_text_atomic
 from prisme.studies.recall_eval import evaluate_backbone, evaluate_run
 from prisme.studies.recall_frontier import (
@@ -105,7 +106,7 @@ def run_task(task: dict[str, Any]) -> dict[str, Any]:
             continue
         t0 = time.perf_counter()
         s = s.replace(seed=task["seed"], out_dir=str(folder / name), init_from=init, progress=False,
-                      compile=cfg.compile)
+                      compile=cfg.compile, device=task.get("device", "auto") if s.device == "auto" else s.device)
         res = train_stage(task["model"] if s.stage == "backbone" else None, s)
         wall[s.stage] = time.perf_counter() - t0
         init = str(res.checkpoint)
@@ -157,7 +158,7 @@ def run_study(cfg: RecallStudyConfig, progress: bool = True) -> dict[str, Any]:
             if cfg.evaluate_only and not taken:
                 raise ValueError(f"--evaluate-only: {Path(t['folder']) / s} holds no checkpoint; run the study "
                                  f"with the same settings (and --out) first")
-    tasks = plan_tasks(cfg, recipe)
+    tasks = [t | {"device": spread(i)} for i, t in enumerate(plan_tasks(cfg, recipe))]  # workers over the GPUs
     t0 = time.perf_counter()
     jobs = cfg.jobs or (os.cpu_count() or 1)
     jobs = max(1, min(jobs, len(tasks)))

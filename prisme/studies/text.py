@@ -38,6 +38,7 @@ from prisme.checks import COMPILE_SETTINGS, check_choice
 from prisme.config import PrismeConfig
 from prisme.data.text import HELD_OUT_TEXT, TokenDataset, load_text
 from prisme.data.tokenizers import ByteTokenizer
+from prisme.devices import spread
 from prisme.io import write_text_atomic
 from prisme.training.config import StageConfig
 from prisme.training.trainer import train_stage
@@ -126,9 +127,10 @@ def source_config(base: PrismeConfig, source: str) -> PrismeConfig:
 
 # ------------------------------------------------------------------------------------------------------------ tasks
 def _task(kind: str, cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[str, StageConfig],
-          source: str | None = None) -> dict[str, Any]:
-    """One unit of work, in a worker process: a training run or an evaluation."""
+          source: str | None = None, device: str = "auto") -> dict[str, Any]:
+    """One unit of work, in a worker process: a training run or an evaluation (on `device`, see `devices.spread`)."""
     torch.set_num_threads(cfg.threads)
+    stages = {k: v.replace(device=device) if v.device == "auto" else v for k, v in stages.items()}
     t0 = time.perf_counter()
     run = Path(cfg.out_dir)
     data = TokenDataset.from_text(load_text("austen"), ByteTokenizer(), val_fraction=0.1)
@@ -229,7 +231,8 @@ def run_study(cfg: TextStudyConfig, model_cfg: PrismeConfig | None = None) -> di
 
     def submit(pool, name):
         kind, _, src = name.partition(":")
-        return (pool.submit if pool else _Now)(_task, kind, cfg, model_cfg, stages, src or None)
+        return (pool.submit if pool else _Now)(_task, kind, cfg, model_cfg, stages, src or None,
+                                               spread(order.index(name)))
 
     pool = None if jobs == 1 else cf.ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context(
         "spawn"))

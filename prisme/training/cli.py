@@ -45,6 +45,8 @@ def main(args: Any) -> int:
         changes["train_backbone_in_workspace_stage"] = True
     if getattr(args, "compile", None):
         changes["compile"] = args.compile
+    if getattr(args, "tf32", False):
+        changes["tf32"] = True
     if scfg is None and args.resume:  # the run's own settings are the defaults; a flag may not change them
         scfg = saved_stage_config(changes.get("out_dir"))
     if scfg is None:

@@ -40,7 +40,7 @@ STAGE_SPECS = {s.name: s for s in (
 STAGES = tuple(STAGE_SPECS)
 RESUME_FREE = ("steps", "resume", "reschedule", "overwrite", "out_dir", "init_from", "progress", "log_every",
                "eval_every", "eval_batches", "ckpt_every", "keep_last", "log_tensorboard", "device", "cache_dir",
-               "compile")  # what a resumed run may change without changing the run it continues
+               "compile", "tf32")  # what a resumed run may change without changing the run it continues
 PREVIOUS = {s.name: s.previous for s in STAGE_SPECS.values() if s.previous is not None}
 ACCEPTS_INIT = {s.name: s.accepts_init for s in STAGE_SPECS.values()}
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.float32}
@@ -111,6 +111,7 @@ class StageConfig:
     progress: bool = True  # tqdm progress bar (rank 0)
     compile: str = "off"  # workspace and controller stages: "auto" = the editor under torch.compile where it works
     #   (one warning and eager elsewhere), "strict" = an error where it cannot compile, "off" = eager
+    tf32: bool = False  # allow TF32 matmuls on CUDA (`prisme.devices.set_tf32`); off = PyTorch's float32 default
 
     def validate(self) -> StageConfig:
         """Raise ValueError naming the field for every bad value; returns self."""

@@ -165,6 +165,24 @@ def clear_run(out: Path) -> None:
             p.unlink()
 
 
+def check_resumable(meta: ckpt.CheckpointMeta, scfg: Any, out: Path) -> None:
+    """ValueError unless the checkpoint `meta` (the latest of run folder `out`) can be continued exactly by `scfg`:
+    it has optimizer state, it is of the same stage, the schedule and every setting outside `RESUME_FREE` match."""
+    found = meta.path
+    if meta.optimizer_state is None:
+        raise ValueError(f"{found} has no {ckpt.OPTIMIZER}; it cannot be resumed (use it as init_from instead)")
+    if meta.stage != scfg.stage:
+        raise ValueError(f"{found} is a {meta.stage!r} checkpoint; cannot resume it as stage {scfg.stage!r}")
+    saved = meta.stage_config.get("steps")
+    if saved is not None and saved != scfg.steps and not scfg.reschedule:
+        raise ValueError(f"resume asks for steps={scfg.steps} but {found} was trained toward steps={saved}: the "
+                         f"learning-rate schedule (warm-up, then cosine to the last step) would change under it; "
+                         f"pass --steps {saved} to continue exactly, or --reschedule to accept the new schedule")
+    if scfg.steps < meta.step:
+        raise ValueError(f"resume asks for steps={scfg.steps} but {found} is already at step {meta.step}")
+    check_resume_settings(meta.stage_config, scfg.to_dict(), out)
+
+
 def check_resume_settings(saved: dict[str, Any], asked: dict[str, Any], out: Path) -> None:
     """ValueError naming every setting (outside `RESUME_FREE`) in which a resume would not continue the saved run,
     with the run's value and the asked one."""

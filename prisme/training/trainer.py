@@ -41,6 +41,7 @@ from prisme import checkpoint as ckpt
 from prisme.config import PrismeConfig
 from prisme.data.mqar import MQARDataset
 from prisme.data.text import TokenDataset
+from prisme.devices import set_tf32, upload
 from prisme.io import write_text_atomic
 from prisme.training.config import ACCEPTS_INIT, DTYPES, PREVIOUS, STAGE_SPECS, StageConfig, build_dataset
 from prisme.training.distributed import (
@@ -64,7 +65,7 @@ from prisme.training.optim import group_lrs, lr_at, make_optimizer, stage_parame
 from prisme.training.resume import (
     RunLock,
     accumulate,
-    check_resume_settings,
+    check_resumable,
     clear_run,
     drop_rows_after,
     graceful_sigint,
@@ -106,18 +107,7 @@ def _load_start(model_cfg: PrismeConfig | None, scfg: StageConfig) -> tuple[nn.M
             raise ValueError(f"resume=True but {out} holds no checkpoint ({out / ckpt.LATEST} is missing); "
                              f"start the stage without --resume")
         model, meta = ckpt.load_checkpoint(found, expected_config=model_cfg, load_optimizer=True)
-        if meta.optimizer_state is None:
-            raise ValueError(f"{found} has no {ckpt.OPTIMIZER}; it cannot be resumed (use it as init_from instead)")
-        if meta.stage != scfg.stage:
-            raise ValueError(f"{found} is a {meta.stage!r} checkpoint; cannot resume it as stage {scfg.stage!r}")
-        saved = meta.stage_config.get("steps")
-        if saved is not None and saved != scfg.steps and not scfg.reschedule:
-            raise ValueError(f"resume asks for steps={scfg.steps} but {found} was trained toward steps={saved}: the "
-                             f"learning-rate schedule (warm-up, then cosine to the last step) would change under it; "
-                             f"pass --steps {saved} to continue exactly, or --reschedule to accept the new schedule")
-        if scfg.steps < meta.step:
-            raise ValueError(f"resume asks for steps={scfg.steps} but {found} is already at step {meta.step}")
-        check_resume_settings(meta.stage_config, scfg.to_dict(), out)
+        check_resumable(meta, scfg, out)
         return model, meta
     held = run_contents(out)
     if held and not scfg.overwrite:
@@ -214,6 +204,8 @@ class _Trainer:
                 raise ValueError("log_tensorboard=True needs tensorboard: pip install 'prisme[tb]'") from None
 
         # ---- model, objective, generators
+        if scfg.tf32:
+            set_tf32(True)
         self.model = model = model.to(device=device, dtype=DTYPES[scfg.dtype])
         if scfg.stage != "backbone":
             from prisme.model.compiled import maybe_compile
@@ -344,8 +336,8 @@ class _Trainer:
             group["lr"] = lrs[group.get("kind", "main")]
         acc: dict[str, torch.Tensor] = {}
         for m in range(accum):
-            xm, ym = shard_rows(x, m, accum, di).to(self.device), shard_rows(y, m, accum, di).to(self.device)
-            exm = {k: shard_rows(v, m, accum, di).to(self.device) for k, v in ex.items()}
+            xm, ym = upload(shard_rows(x, m, accum, di), self.device), upload(shard_rows(y, m, accum, di), self.device)
+            exm = {k: upload(shard_rows(v, m, accum, di), self.device) for k, v in ex.items()}  # pinned, async
             with no_sync_unless_last(self.wrapped, di, last=m == accum - 1), self.autocast():
                 loss, st = self.wrapped(xm, ym, exm, dn)
             (loss * di.world).backward()  # DDP/FSDP average over ranks; the loss is already a global mean

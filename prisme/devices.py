@@ -1,0 +1,79 @@
+"""Device helpers every layer may use: synchronising the right device, timing without a sync inside the timed region,
+TF32 as an explicit opt-in, and host-to-device copies that do not block the host.
+
+On the CPU each helper is the plain thing (no sync, `perf_counter_ns`, `.to(device)`), so CPU results and timings are
+unchanged; on CUDA they do what a correct GPU measurement or input pipeline needs.
+"""
+
+from __future__ import annotations
+
+from time import perf_counter_ns
+
+import torch
+
+
+def synchronize(device: torch.device | str | None) -> None:
+    """Wait for the work queued on `device` (CUDA, MPS); a no-op on the CPU or for None."""
+    if device is None:
+        return
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":  # pragma: no cover - no MPS machine in CI
+        torch.mps.synchronize()
+
+
+class Stopwatch:
+    """Elapsed time of a region on `device`: CUDA events on CUDA (recorded in the stream, read after the region: no
+    synchronisation inside it), `perf_counter_ns` elsewhere (after synchronising other devices before the start).
+
+        sw = Stopwatch(device); sw.start(); work(); ms = sw.stop()
+    """
+
+    def __init__(self, device: torch.device | str | None = None):
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.cuda = self.device.type == "cuda"
+        self._t0 = 0
+        self._events: tuple | None = None
+
+    def start(self) -> None:
+        if self.cuda:
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+        else:
+            synchronize(self.device)
+            self._t0 = perf_counter_ns()
+
+    def stop(self) -> float:
+        """Milliseconds since `start` (on CUDA: waits for the end event, after the region)."""
+        if self.cuda:
+            start, end = self._events
+            end.record()
+            end.synchronize()
+            return float(start.elapsed_time(end))
+        synchronize(self.device)
+        return (perf_counter_ns() - self._t0) / 1e6
+
+
+def set_tf32(enabled: bool) -> None:
+    """TF32 matmuls and convolutions on Ampere and later GPUs (10 bits of mantissa instead of 23; about 2-8x the
+    float32 matmul rate). Off by default in PRISME, as in PyTorch: results differ from float32 at ~1e-3 relative."""
+    if not isinstance(enabled, bool):
+        raise ValueError(f"tf32 must be True or False, got {enabled!r}")
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+
+
+def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device`: on CUDA through pinned memory and a non-blocking copy (the host goes on preparing the next
+    batch while it transfers); elsewhere a plain `.to(device)`."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def spread(i: int) -> str:
+    """The device of a study's i-th worker task: round-robin over the CUDA devices when there are several (every
+    worker on cuda:0 would leave the others idle), else "auto" (the stage's own choice)."""
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return f"cuda:{i % n}" if n > 1 else "auto"
