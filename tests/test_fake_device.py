@@ -209,3 +209,16 @@ def test_the_training_bench_runs_its_steps_and_matmuls_on_the_device():
         path[2](None)
     assert row.losses == pytest.approx(ref.losses, abs=1e-5) and len(info["losses"]) == 1
     assert all(p.device == fd.device for p in info["objective"].parameters())
+
+
+def test_the_recall_studys_quick_run_trains_on_a_device(tmp_path):
+    """`prisme study recall --quick` (one worker) with every stage on the device: it completes and scores its runs."""
+    from prisme.studies.recall import run_study
+    from prisme.studies.recall_setup import study_config
+
+    with FakeDevice() as fd, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trainer_mod, "resolve_device", lambda name, di: fd.device)
+        doc = run_study(study_config({"quick": True, "jobs": 1, "threads": 1, "out_dir": str(tmp_path / "r")}),
+                        progress=False)
+    accs = [doc["controls"][k]["accuracy"] for k in ("one_layer", "two_layer")]
+    assert len(doc["seeds"]) == 1 and all(0 <= a <= 1 for a in accs)
