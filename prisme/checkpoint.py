@@ -30,6 +30,7 @@ import torch
 
 from prisme.checks import is_int
 from prisme.config import PrismeConfig, complete_config
+from prisme.data.tokenizers import TOKENIZER_FILE, ByteTokenizer, tokenizer_from_record, tokenizer_record
 from prisme.io import current_umask, fsync_dir, json_default, loads_config, write_file, write_text_atomic
 
 SCHEMA_VERSION = 1
@@ -134,6 +135,7 @@ def save_checkpoint(
     extra: dict[str, Any] | None = None,
     state_dict: dict[str, torch.Tensor] | None = None,
     update_latest: bool = True,
+    tokenizer: Any = "unrecorded",
 ) -> Path:
     """Write a checkpoint folder atomically and return its path.
 
@@ -143,6 +145,9 @@ def save_checkpoint(
         model: a PrismeModel (its `cfg` goes to config.json; its state dict to model.safetensors unless `state_dict`
             is given, e.g. gathered from FSDP shards).
         optimizer_state: `optimizer.state_dict()` (written with torch.save), or None for a weights-only folder.
+        tokenizer: the tokenizer of the training text (a BPE is saved as tokenizer.json in the folder, so that the
+            checkpoint travels with it; `load_tokenizer` reads it back), None for token-id data (MQAR), or
+            "unrecorded" (the default: `load_tokenizer` then goes by the stage config, as for older checkpoints).
     """
     from safetensors.torch import save_file
 
@@ -167,7 +172,11 @@ def save_checkpoint(
             with open(tmp / OPTIMIZER, "rb+") as f:
                 os.fsync(f.fileno())
             opt_digest = hashlib.sha256((tmp / OPTIMIZER).read_bytes()).hexdigest()
+        tok_record, tok_file = tokenizer_record(tokenizer) if tokenizer != "unrecorded" else (None, None)
+        if tok_file is not None:
+            write_file(tmp / TOKENIZER_FILE, tok_file)
         state = {"schema_version": SCHEMA_VERSION, "stage": stage, "step": int(step),
+                 **({"tokenizer": tok_record} if tok_record is not None else {}),
                  "stage_config": stage_config or {}, "rng": rng or {}, "metrics": metrics or {},
                  "extra": extra or {}, "weights_sha256": digest, "has_optimizer": optimizer_state is not None,
                  "optimizer_sha256": opt_digest, "torch_version": torch.__version__}
@@ -396,50 +405,17 @@ def load_model(path: str | Path, map_location: str | torch.device = "cpu") -> tu
     return load_checkpoint(path, map_location=map_location, load_optimizer=False)
 
 
-BACKBONE_FIELDS = ("family", "vocab_size", "max_seq_len", "d_model", "n_layer", "n_head", "n_kv_head", "ffn_hidden",
-                   "ffn_multiple_of", "rope_theta", "norm_eps", "tie_embeddings", "init_std")
+def load_tokenizer(path: str | Path) -> Any:
+    """The tokenizer a checkpoint (or run folder) was trained with: a `ByteTokenizer`, a `BPETokenizer` read from
+    the checkpoint's own tokenizer.json, or None (token-id data such as MQAR). Checkpoints written before the
+    tokenizer was recorded fall back to their stage config (its `dataset` and `tokenizer` path)."""
+    meta = read_meta(path)
+    state = json.loads((meta.path / STATE).read_text())
+    if "tokenizer" in state:
+        return tokenizer_from_record(state["tokenizer"], meta.path)
+    sc = meta.stage_config
+    if sc.get("dataset") == "mqar":
+        return None
+    name = sc.get("tokenizer", "byte")
+    return ByteTokenizer() if name == "byte" else tokenizer_from_record({"kind": "bpe", "file": str(name)}, meta.path)
 
-
-def rebase(path: str | Path, cfg: PrismeConfig, out_dir: str | Path, seed: int,
-           keep: tuple[str, ...] = ("backbone",)) -> Path:
-    """A checkpoint of `path`'s trained parameter groups `keep` under another config `cfg`; the other groups are
-    initialised as `torch.manual_seed(seed); PrismeModel(cfg)` does.
-
-    keep=("backbone",): a stage-1 checkpoint. Stage 1 trains the backbone alone and never touches the workspace, and
-    `PrismeModel` builds (and seeds) the backbone first, so training stage 1 with `cfg` and seed `seed` ends with
-    exactly this checkpoint (tests/test_text_study.py checks it bitwise). keep=("backbone", "workspace"): a stage-2
-    checkpoint whose controller (and controller features) are new, e.g. to train another controller recipe on a
-    trained workspace. ValueError if the kept groups do not fit `cfg` (another backbone, other workspace shapes).
-    """
-    from prisme.model.prisme import PrismeModel
-
-    if not keep or set(keep) - {"backbone", "workspace"} or "backbone" not in keep:
-        raise ValueError(f"keep must be ('backbone',) or ('backbone', 'workspace'), got {keep!r}")
-    src, meta = load_checkpoint(path, load_optimizer=False)
-    ws = "workspace" in keep
-    if (meta.stage == "backbone") == ws and not (ws and meta.stage == "controller"):
-        need = "a workspace or controller" if ws else "a backbone"
-        raise ValueError(f"{meta.path} is a {meta.stage!r} checkpoint; keep={keep} needs {need} checkpoint")
-    diff = {k: v for k, v in cfg.diff(meta.config).items() if k in BACKBONE_FIELDS}
-    if diff:
-        raise ValueError(f"cannot rebase {meta.path}: the backbones differ in {sorted(diff)}")
-    torch.manual_seed(seed)
-    model = PrismeModel(cfg.validate()).to(next(src.parameters()).dtype)
-    model.backbone.load_state_dict(src.backbone.state_dict(), strict=True)
-    if ws:
-        names = {n for n, p in model.named_parameters() if any(p is q for q in model.workspace_parameters())}
-        theirs = dict(src.named_parameters())
-        with torch.no_grad():
-            for n in sorted(names):
-                if n not in theirs or theirs[n].shape != model.get_parameter(n).shape:
-                    raise ValueError(f"cannot keep the workspace of {meta.path}: parameter {n} does not fit "
-                                     f"{cfg.name!r} (the workspace options differ; only controller options may)")
-                model.get_parameter(n).copy_(theirs[n])
-    return save_checkpoint(Path(out_dir) / checkpoint_name(meta.step), model, stage="workspace" if ws else "backbone",
-                           step=meta.step, stage_config=meta.stage_config, metrics=meta.metrics,
-                           extra={"rebased_from": str(meta.path), "kept": list(keep)})
-
-
-def rebase_backbone(path: str | Path, cfg: PrismeConfig, out_dir: str | Path, seed: int) -> Path:
-    """`rebase(path, cfg, out_dir, seed, keep=("backbone",))`: the stage-1 backbone under another workspace config."""
-    return rebase(path, cfg, out_dir, seed, ("backbone",))

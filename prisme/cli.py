@@ -116,17 +116,11 @@ def _cmd_tokenizer(args: argparse.Namespace) -> int:
 
 
 def _cmd_export_hf(args: argparse.Namespace) -> int:
-    from prisme.checkpoint import find_model_checkpoint, load_model
-    from prisme.data.tokenizers import BPETokenizer
-    from prisme.interop import INSTALL_HINT, export_hf, hf_available
+    from prisme.interop import INSTALL_HINT, export_hf_checkpoint, hf_available
 
     if not hf_available():
         raise ValueError(f"export-hf needs the optional `transformers` package: {INSTALL_HINT}")
-    tokenizer = {"byte": "byte", "none": None}.get(args.tokenizer)
-    if args.tokenizer not in ("byte", "none"):
-        tokenizer = BPETokenizer.load(args.tokenizer)
-    model, _ = load_model(find_model_checkpoint(args.checkpoint))
-    export_hf(model, args.out, tokenizer)
+    export_hf_checkpoint(args.checkpoint, args.out, args.tokenizer)
     print(f"wrote {args.out}: the backbone (the workspace is not exported) and its tokenizer, loadable with "
           f"AutoModelForCausalLM / AutoTokenizer.from_pretrained")
     return 0
@@ -253,7 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--prompt-ids", default=None,
                         help="prompt as comma-separated token ids (models without a text tokenizer, e.g. MQAR)")
-    s.add_argument("--tokenizer", default="byte", help="'byte' (default) or the path of a saved BPE tokenizer")
+    s.add_argument("--tokenizer", default=None,
+                   help="'byte' or a saved BPE tokenizer (file, or a folder holding tokenizer.json); default: the "
+                        "checkpoint's own tokenizer, or 'byte' for a preset")
     s.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
     s.add_argument("--budget", type=int, default=0, help="controller budget per token, 0..r_max (0 = backbone only)")
     s.add_argument("--lambda-cost", type=float, default=None, help="price of compute (default: the config's)")
@@ -304,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--lr", type=float, default=None, help="peak learning rate")
     s.add_argument("--seed", type=int, default=None, help="seed for init, data order and random actions")
     s.add_argument("--dataset", default=None, help="austen (embedded), a text file or folder, or mqar")
+    s.add_argument("--tokenizer", default=None,
+                   help="byte (default) or a BPE from `prisme tokenizer train` (a file, or a folder holding "
+                        "tokenizer.json, e.g. the previous stage's checkpoint); saved with every checkpoint")
     s.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N")
     s.add_argument("--dtype", default=None, choices=["float32", "float64", "bfloat16"],
                    help="float32/float64 weights, or bf16 autocast over float32 weights")
@@ -327,7 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("export-hf", help="write a checkpoint's backbone and tokenizer as an HF folder (needs [hf])")
     s.add_argument("--checkpoint", required=True, help="checkpoint, stage folder or demo/study folder")
     s.add_argument("--out", required=True, help="folder to write (save_pretrained layout)")
-    s.add_argument("--tokenizer", default="byte", help="byte (default), a BPE tokenizer JSON, or none")
+    s.add_argument("--tokenizer", default=None,
+                   help="byte, a BPE tokenizer JSON, or none (default: the checkpoint's own tokenizer)")
     s.set_defaults(func=_cmd_export_hf)
 
     s = sub.add_parser("study", help="controlled studies with success rates over seeds")

@@ -86,7 +86,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
                 train_stage(MODEL if prev is None else None, stage_cfg(run, stage, prev, **kw))
             else:
                 with FakeDevice() as fd, pytest.MonkeyPatch.context() as mp:
-                    mp.setattr(trainer_mod, "resolve_device", lambda name, di: fd.device)
+                    mp.setattr(trainer_mod, "resolve_device", lambda name, di, tf32=False: fd.device)
                     marks: list[int] = []
                     train_stage(MODEL if prev is None else None, stage_cfg(run, stage, prev, **kw),
                                 callbacks=[lambda step, m, marks=marks: marks.append(fd.sync_count())])
@@ -217,7 +217,7 @@ def test_the_recall_studys_quick_run_trains_on_a_device(tmp_path):
     from prisme.studies.recall_setup import study_config
 
     with FakeDevice() as fd, pytest.MonkeyPatch.context() as mp:
-        mp.setattr(trainer_mod, "resolve_device", lambda name, di: fd.device)
+        mp.setattr(trainer_mod, "resolve_device", lambda name, di, tf32=False: fd.device)
         doc = run_study(study_config({"quick": True, "jobs": 1, "threads": 1, "out_dir": str(tmp_path / "r")}),
                         progress=False)
     accs = [doc["controls"][k]["accuracy"] for k in ("one_layer", "two_layer")]

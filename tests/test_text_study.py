@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prisme.checkpoint import load_model, rebase, rebase_backbone
+from prisme.checkpoint import load_model
 from prisme.config import PrismeConfig
 from prisme.model.prisme import PrismeModel
+from prisme.rebase import rebase, rebase_backbone
 from prisme.studies.text import verdicts
 from prisme.training.config import StageConfig
 from prisme.training.trainer import train_stage

@@ -185,3 +185,43 @@ def get_tokenizer(
             tok.save(path)
         return tok
     raise ValueError(f"unknown tokenizer kind {kind!r}; expected 'byte' or 'bpe'")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The tokenizer a checkpoint records
+# ----------------------------------------------------------------------------------------------------------------------
+TOKENIZER_FILE = "tokenizer.json"  # a BPE's HF JSON inside a checkpoint folder
+
+
+def tokenizer_record(tok: ByteTokenizer | BPETokenizer | None) -> tuple[dict[str, str], bytes | None]:
+    """What a checkpoint's state.json says of its tokenizer, and the file to write beside it (a BPE's JSON):
+    {"kind": "byte"}, {"kind": "bpe", "file": "tokenizer.json", "identity": ...} or {"kind": "none"} (token ids,
+    e.g. MQAR)."""
+    if tok is None:
+        return {"kind": "none"}, None
+    if isinstance(tok, ByteTokenizer):
+        return {"kind": "byte"}, None
+    if isinstance(tok, BPETokenizer):
+        return {"kind": "bpe", "file": TOKENIZER_FILE, "identity": tok.identity}, tok._tok.to_str().encode("utf-8")
+    raise ValueError(f"a checkpoint can record a ByteTokenizer, a BPETokenizer or None, got {type(tok).__name__}")
+
+
+def tokenizer_from_record(record: dict[str, str], folder: Path) -> ByteTokenizer | BPETokenizer | None:
+    """The tokenizer `tokenizer_record` described, read from checkpoint `folder`; ValueError naming the file when the
+    BPE's file is missing or is not the one recorded."""
+    kind = record.get("kind")
+    if kind == "none":
+        return None
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind == "bpe":
+        path = Path(folder) / record.get("file", TOKENIZER_FILE)
+        if not path.is_file():
+            raise ValueError(f"{path} is missing: the checkpoint was trained with a BPE tokenizer saved there; "
+                             f"restore the file")
+        tok = BPETokenizer.load(path)
+        if record.get("identity") and tok.identity != record["identity"]:
+            raise ValueError(f"{path} is not the tokenizer this checkpoint was trained with (its identity differs "
+                             f"from the one recorded in state.json); restore the file")
+        return tok
+    raise ValueError(f"unknown tokenizer record {record!r} in {folder}; the checkpoint is corrupt")

@@ -359,7 +359,7 @@ def _collect(run: _Run) -> GenerationOutput:
 # ====================================================================== command line
 def main(args: argparse.Namespace) -> int:
     """`prisme generate`: load a model (checkpoint, or a preset with random weights), generate, print the text."""
-    from prisme.checkpoint import find_model_checkpoint, load_model
+    from prisme.checkpoint import find_model_checkpoint, load_model, load_tokenizer
     from prisme.config import PrismeConfig
     from prisme.data.tokenizers import BPETokenizer, ByteTokenizer
 
@@ -372,12 +372,17 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--device {device!r} requested but CUDA is not available")
     if device != "cpu" and not device.startswith("cuda"):
         raise ValueError(f"--device must be cpu or cuda[:N], got {device!r}")
-    tokenizer = ByteTokenizer() if args.tokenizer == "byte" else BPETokenizer.load(args.tokenizer)
+    tokenizer = None if args.tokenizer is None else (ByteTokenizer() if args.tokenizer == "byte"
+                                                     else BPETokenizer.load(args.tokenizer))
     if args.checkpoint is not None:
         path = find_model_checkpoint(args.checkpoint)
         if str(path) != str(args.checkpoint):
             print(f"note: using {path}", file=sys.stderr)
         model, _meta = load_model(path, map_location=device)
+        if tokenizer is None:  # the checkpoint's own; None for a token-id model (MQAR)
+            tokenizer = load_tokenizer(path)
+            if tokenizer is None and getattr(args, "prompt_ids", None) is None:
+                raise ValueError(f"{path} was trained on token ids (no text tokenizer): pass --prompt-ids")
         from prisme.checkpoint import trained_groups
         from prisme.config import untrained_for_policy
 
@@ -391,6 +396,7 @@ def main(args: argparse.Namespace) -> int:
     else:
         torch.manual_seed(0 if args.seed is None else args.seed)
         model = PrismeModel(PrismeConfig.from_name(args.preset))
+        tokenizer = tokenizer or ByteTokenizer()
         print(f"note: preset {args.preset!r} with random weights (pass --checkpoint for a trained model)",
               file=sys.stderr)
     model = model.to(device).eval()
@@ -399,7 +405,7 @@ def main(args: argparse.Namespace) -> int:
     maybe_compile(model, getattr(args, "compile", None))
     ids_mode = getattr(args, "prompt_ids", None) is not None
     if not ids_mode and tokenizer.vocab_size > model.cfg.vocab_size:
-        what = "the byte tokenizer" if args.tokenizer == "byte" else f"tokenizer {args.tokenizer}"
+        what = "the byte tokenizer" if isinstance(tokenizer, ByteTokenizer) else f"tokenizer {tokenizer!r}"
         raise ValueError(f"{what} has {tokenizer.vocab_size} ids but the model's vocab_size is {model.cfg.vocab_size}: "
                          f"use a model with vocab_size >= {tokenizer.vocab_size} (e.g. --preset demo), another "
                          f"--tokenizer, or --prompt-ids")

@@ -23,12 +23,16 @@ def dataset_for_checkpoint(meta: Any, vocab_size: int, corpus: str | None = None
     `corpus`: "austen" / "mqar" with the checkpoint's other data settings (their val split), or a held-out text (the
     embedded "devils_dictionary", a UTF-8 file or folder) scored whole with the checkpoint's tokenizer. Returns
     (dataset, seq_len or None)."""
+    from prisme.checkpoint import load_tokenizer
     from prisme.data.text import EMBEDDED_CORPUS, load_text
     from prisme.data.tokenizers import BPETokenizer, ByteTokenizer
     from prisme.training.config import StageConfig, build_dataset
 
     sc = getattr(meta, "stage_config", None) or {}
     scfg = StageConfig.from_dict(sc) if sc else StageConfig()
+    own = load_tokenizer(meta.path) if getattr(meta, "path", None) is not None else None
+    if isinstance(own, BPETokenizer):  # the checkpoint's own copy: the run folder may have moved since training
+        scfg = scfg.replace(tokenizer=str(meta.path))
     if corpus is not None and corpus not in (EMBEDDED_CORPUS, "mqar") and corpus != scfg.dataset:
         tok = ByteTokenizer() if scfg.tokenizer == "byte" else BPETokenizer.load(scfg.tokenizer)
         if tok.vocab_size > vocab_size:
@@ -100,7 +104,7 @@ def main(args: argparse.Namespace) -> int:
     maybe_compile(model, getattr(args, "compile", None))
     matched = None
     if args.matched_backbone:
-        from prisme.checkpoint import BACKBONE_FIELDS
+        from prisme.rebase import BACKBONE_FIELDS
 
         matched, _ = load_model(args.matched_backbone, map_location=device)
         diff = {k: v for k, v in model.cfg.diff(matched.cfg).items() if k in BACKBONE_FIELDS}

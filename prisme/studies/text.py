@@ -14,7 +14,7 @@ scored whole). Every difference is a paired 95% bootstrap interval over sequence
 Bank sources: "residual" is the seed's workspace (bank and z from H, the demo's config); "embedding" is the recall
 study's (bank keys, values and z from the token embeddings with a token shift; the controller reads H and the bank
 match). Stage 1 is trained once: it never touches the workspace, so the other source's stage-1 checkpoint is the same
-backbone under its own workspace config (`checkpoint.rebase_backbone`, exact).
+backbone under its own workspace config (`rebase.rebase_backbone`, exact).
 """
 
 from __future__ import annotations
@@ -33,13 +33,14 @@ from typing import Any
 
 import torch
 
-from prisme.checkpoint import load_model, rebase_backbone
+from prisme.checkpoint import load_model
 from prisme.checks import COMPILE_SETTINGS, check_choice
 from prisme.config import PrismeConfig
 from prisme.data.text import HELD_OUT_TEXT, TokenDataset, load_text
 from prisme.data.tokenizers import ByteTokenizer
 from prisme.devices import spread
 from prisme.io import write_text_atomic
+from prisme.rebase import rebase_backbone
 from prisme.training.config import StageConfig
 from prisme.training.trainer import train_stage
 

@@ -29,7 +29,7 @@ def main(args: Any) -> int:
     for flag, name in (("stage", "stage"), ("steps", "steps"), ("batch_size", "batch_size"), ("lr", "lr"),
                        ("out", "out_dir"), ("init_from", "init_from"), ("dataset", "dataset"), ("device", "device"),
                        ("dtype", "dtype"), ("parallel", "parallel"), ("seed", "seed"), ("seq_len", "seq_len"),
-                       ("grad_accum", "grad_accum")):
+                       ("grad_accum", "grad_accum"), ("tokenizer", "tokenizer")):
         value = getattr(args, flag, None)
         if value is not None:
             changes[name] = value

@@ -252,6 +252,21 @@ def build_dataset(scfg: StageConfig, vocab_size: int) -> TokenDataset | MQARData
                                   cache_dir=scfg.cache_dir, name="corpus")
 
 
+def check_same_tokenizer(meta: Any, data: Any) -> None:
+    """ValueError when a stage would train on other tokens than the checkpoint it starts from (or resumes) was
+    trained on: the embedding rows would mean other strings."""
+    from prisme.checkpoint import load_tokenizer
+
+    ours = getattr(data, "tokenizer", None)
+    if meta is None or ours is None:
+        return
+    theirs = load_tokenizer(meta.path)
+    if theirs is not None and theirs.identity != ours.identity:
+        raise ValueError(f"this stage's tokenizer ({ours!r}) is not the one {meta.path} was trained with "
+                         f"({theirs!r}); pass --tokenizer {meta.path / 'tokenizer.json'} (a checkpoint folder also "
+                         f"works) or start from a checkpoint of this tokenizer")
+
+
 # --------------------------------------------------------------------------------------------- the demo's recipe
 DEMO_CONFIGS = {"backbone": "demo_backbone.json", "workspace": "demo_workspace.json",
                 "matched": "demo_backbone_matched.json", "controller": "demo_controller.json"}

@@ -128,7 +128,12 @@ def any_rank(flag: bool, di: DistInfo, device: torch.device) -> bool:
 # ------------------------------------------------------------------------------------------------------------ helpers
 
 
-def resolve_device(name: str, di: DistInfo) -> torch.device:
+def resolve_device(name: str, di: DistInfo, tf32: bool = False) -> torch.device:
+    """The training device ("auto": CUDA when there is one; "cuda": this rank's GPU); `tf32` allows TF32 matmuls."""
+    if tf32:
+        from prisme.devices import set_tf32
+
+        set_tf32(True)
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda"):

@@ -41,9 +41,17 @@ from prisme import checkpoint as ckpt
 from prisme.config import PrismeConfig
 from prisme.data.mqar import MQARDataset
 from prisme.data.text import TokenDataset
-from prisme.devices import set_tf32, upload
+from prisme.devices import upload
 from prisme.io import write_text_atomic
-from prisme.training.config import ACCEPTS_INIT, DTYPES, PREVIOUS, STAGE_SPECS, StageConfig, build_dataset
+from prisme.training.config import (
+    ACCEPTS_INIT,
+    DTYPES,
+    PREVIOUS,
+    STAGE_SPECS,
+    StageConfig,
+    build_dataset,
+    check_same_tokenizer,
+)
 from prisme.training.distributed import (
     DistInfo,
     all_reduce_stats,
@@ -180,7 +188,7 @@ class _Trainer:
         # ---- everything that can fail on user input happens before anything is written
         check_layout(scfg, di)
         self.scfg, self.di, self.t_start = scfg, di, t_start
-        self.device = device = resolve_device(scfg.device, di)
+        self.device = device = resolve_device(scfg.device, di, scfg.tf32)
         model, meta = _load_start(model_cfg, scfg)
         cfg = model.cfg
         if scfg.stage != "backbone" and not cfg.use_workspace:
@@ -191,6 +199,7 @@ class _Trainer:
             raise ValueError(f"stage {scfg.stage!r} trains the model's {needs}, but {cfg.name!r} has {needs}=False: "
                              f"build the model with {needs}=True from stage 1 on")
         self.data = dataset if dataset is not None else build_dataset(scfg, cfg.vocab_size)
+        check_same_tokenizer(meta, self.data)
         self.T = scfg.seq_len or (self.data.cfg.seq_len if isinstance(self.data, MQARDataset) else cfg.max_seq_len)
         if self.T > cfg.max_seq_len:
             raise ValueError(f"seq_len={self.T} exceeds the model's max_seq_len={cfg.max_seq_len}")
@@ -204,8 +213,6 @@ class _Trainer:
                 raise ValueError("log_tensorboard=True needs tensorboard: pip install 'prisme[tb]'") from None
 
         # ---- model, objective, generators
-        if scfg.tf32:
-            set_tf32(True)
         self.model = model = model.to(device=device, dtype=DTYPES[scfg.dtype])
         if scfg.stage != "backbone":
             from prisme.model.compiled import maybe_compile
@@ -318,7 +325,8 @@ class _Trainer:
             ckpt.clean_stale_temps(self.out)  # a killed earlier save's leftovers (this process is the only writer)
             ckpt.save_checkpoint(self.out / ckpt.checkpoint_name(self.step), self.model, stage=self.scfg.stage,
                                  step=self.step, stage_config=self.scfg.to_dict(), optimizer_state=opt_state,
-                                 rng=self.rng, metrics=metrics, extra=self.extra_state, state_dict=state_dict)
+                                 rng=self.rng, metrics=metrics, extra=self.extra_state, state_dict=state_dict,
+                                 tokenizer=getattr(self.data, "tokenizer", None))
             ckpt.prune_checkpoints(self.out, self.scfg.keep_last)
         rank_barrier(self.di)
         self.last_ckpt = ckpt.latest_checkpoint(self.out)
