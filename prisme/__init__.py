@@ -11,7 +11,7 @@ from typing import Any
 from prisme.config import PRESETS, PrismeConfig
 
 __all__ = ["PRESETS", "PrismeConfig", "PrismeModel", "generate", "load_model"]
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"  # the one version: pyproject.toml reads it (CHANGELOG: 0.2.0, unreleased)
 
 _LAZY = {"PrismeModel": "prisme.model.prisme", "load_model": "prisme.checkpoint",
          "generate": "prisme.decoding.generate"}

@@ -135,10 +135,12 @@ def _bench_parser(bsub, name: str, **kw) -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from prisme import __version__
     from prisme.training.config import STAGES  # the stage registry
 
     p = argparse.ArgumentParser(prog="prisme", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"prisme {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     s = sub.add_parser("info", help="list presets and their parameter counts")
@@ -281,7 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "DDP/FSDP2",
                        description="Train one stage. Several processes: torchrun --nproc_per_node=N -m prisme train "
                                    "... (gloo on CPU, nccl on CUDA); --batch-size is the global batch.")
-    s.add_argument("--config", default=None, help="run config JSON: StageConfig fields + optional 'model' (configs/)")
+    s.add_argument("--config", default=None,
+                   help="run config JSON (StageConfig fields + optional 'model'), or a shipped recipe's name "
+                        "(prisme/configs/: demo_backbone, recall_router, ...)")
     s.add_argument("--stage", default=None, choices=list(STAGES),
                    help="stage to train (overrides the config's)")
     s.add_argument("--preset", default=None, help="model preset for a fresh backbone stage (overrides 'model')")
@@ -341,7 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--quick", action="store_true", help="one seed, few steps: a smoke run of every phase")
     r.add_argument("--bank-source", default=None,
                    help="override the recipe's bank and query source (e.g. residual: the seed's, for comparison)")
-    r.add_argument("--configs", default=None, help="folder holding recall_*.json (default: the project's configs/)")
+    r.add_argument("--configs", default=None,
+                   help="folder holding recall_*.json (default: the shipped recipes, prisme/configs/)")
     r.add_argument("--frontier", action="store_true",
                    help="the dense frontier instead of the controller runs: backbones alone over depths x widths and "
                         "the PRISME family with its router, every seed, ops against the same reference")

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 PACKAGE_DIR = Path(__file__).resolve().parent  # prisme/: the embedded corpora and reference reports ship inside
-CONFIG_DIR = PACKAGE_DIR.parent / "configs"  # the recipes (configs/*.json) of a source checkout
+CONFIG_DIR = PACKAGE_DIR / "configs"  # the recipes (prisme/configs/*.json), shipped as package data
 
 
 # ------------------------------------------------------------------------------------------------------- atomic writes

@@ -308,11 +308,11 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(data, tmp_path
 
 
 def test_run_configs_in_repo_load():
-    """Every configs/*.json run config parses into a valid StageConfig (and model config where given); the study
+    """Every prisme/configs/*.json run config parses into a valid StageConfig (and model config where given); the study
     settings (*_study.json) parse into theirs."""
     from prisme.studies.recall_setup import study_config
 
-    files = sorted(f for f in (REPO / "configs").glob("*.json") if not f.name.endswith("_study.json"))
+    files = sorted(f for f in (REPO / "prisme" / "configs").glob("*.json") if not f.name.endswith("_study.json"))
     assert files, "no example configs"
     assert study_config({}).seeds == [0, 1, 2, 3, 4]
     stages = set()
@@ -480,7 +480,7 @@ def test_aux_prev_token_adds_the_probe_ce_on_the_previous_token(data):
 
 
 def test_demo_stage_configs_are_the_recipe_files():
-    """The demo and the text study read configs/demo_*.json (what `prisme train --config` runs): same steps, lr,
+    """The demo and the text study read prisme/configs/demo_*.json (what `prisme train --config` runs): same steps, lr,
     budgets and objectives; only the folders, the seed and a --scale differ."""
     from prisme.io import CONFIG_DIR
     from prisme.training.config import DEMO_CONFIGS, demo_stage_configs

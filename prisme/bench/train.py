@@ -46,7 +46,7 @@ from prisme.model.backbone import Backbone
 
 BANDWIDTH_BYTES = 512 * 2**20  # 16x a 32 MiB last-level cache: nothing of it survives in cache between reads
 MATMUL_SIZES = (1024, 2048, 3072)
-TRAIN_SHAPES = {"demo": (16, 128), "prisme_103m": (4, 256)}  # preset -> (batch, seq_len): demo = configs/demo_*
+TRAIN_SHAPES = {"demo": (16, 128), "prisme_103m": (4, 256)}  # preset -> (batch, seq_len): demo = prisme/configs/demo_*
 TRAIN_TARGET = 0.5  # issue 7: training >= 50% of the matmul peak at the ~100M shape
 
 

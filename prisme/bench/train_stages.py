@@ -13,7 +13,7 @@ from prisme.bench.harness import TimedPath, percentiles
 from prisme.config import PrismeConfig
 
 # ------------------------------------------------------------------------------------- workspace and controller stages
-# The demo's stage 2 and 3 recipes (configs/demo_workspace.json, configs/demo_controller.json): what is timed.
+# The demo's stage 2 and 3 recipes (prisme/configs/demo_workspace.json, demo_controller.json): what is timed.
 STAGE_RECIPES: dict[str, dict[str, Any]] = {
     "workspace": dict(batch_size=16, seq_len=128, lr=1e-3, max_budget=4, deep_supervision=0.5, p_dense=0.05),
     "controller": dict(batch_size=8, seq_len=128, lr=3e-3, max_budget=4, oracle_positions=16),

@@ -1,4 +1,4 @@
-"""The recall study's settings and recipe: `RecallStudyConfig`, the recipe files (configs/recall_*.json),
+"""The recall study's settings and recipe: `RecallStudyConfig`, the recipe files (prisme/configs/recall_*.json),
 the seeds."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ CHUNK = 256  # sequences per evaluation forward
 # ------------------------------------------------------------------------------------------------------------ config
 @dataclass
 class RecallStudyConfig:
-    """The study's own settings (`configs/recall_study.json`) plus the command line's."""
+    """The study's own settings (`prisme/configs/recall_study.json`) plus the command line's."""
 
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 4])
     converged_backbone_steps: int = 600  # stage 1 of the converged case: the backbone trained to its plateau
@@ -41,7 +41,7 @@ class RecallStudyConfig:
     threads: int = 1  # torch threads per worker
     quick: bool = False  # one seed, few steps: a smoke run of every phase
     bank_source: str | None = None  # override the recipe's bank source (and query source), e.g. "residual"
-    config_dir: str | None = None  # where the recall_*.json recipe lives (default: the project's configs/)
+    config_dir: str | None = None  # where the recall_*.json recipe lives (default: the project's prisme/configs/)
     compile: str = "off"  # the editor under torch.compile in stages 2-3 and the evaluation ("auto" | "strict")
     # --- the dense frontier (`--frontier`): backbones alone over depths x widths, and the PRISME family
     frontier: bool = False  # run the frontier study instead of the controller runs (the controls run as always)

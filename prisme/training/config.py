@@ -195,8 +195,11 @@ def load_run_config(path: str | Path) -> tuple[PrismeConfig | None, StageConfig]
     PrismeConfig dict; leave it out for stages that take the model from `init_from`.
     """
     p = Path(path)
+    if not p.is_file() and p.parent == Path("."):  # a shipped recipe by name: `--config demo_backbone`
+        p = next((c for c in (CONFIG_DIR / p.name, CONFIG_DIR / f"{p.name}.json") if c.is_file()), p)
     if not p.is_file():
-        raise ValueError(f"run config {p} does not exist")
+        shipped = ", ".join(sorted(c.stem for c in CONFIG_DIR.glob("*.json")))
+        raise ValueError(f"run config {p} does not exist (a JSON file, or a shipped recipe: {shipped})")
     try:
         d = loads_config(p.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as e:
@@ -276,7 +279,7 @@ _FOLDERS = {"backbone": "1_backbone", "workspace": "2_workspace", "matched": "3_
 
 def demo_stage_configs(run: Path, scale: float = 1.0, seed: int = 1337, backbone_keeps_learning: bool = False,
                        seq_len: int = 128, config_dir: str | Path | None = None) -> dict[str, StageConfig]:
-    """The demo's four runs, read from configs/demo_*.json (what `prisme train --config` runs), placed in `run`.
+    """The demo's four runs, read from prisme/configs/demo_*.json (what `prisme train --config` runs), placed in `run`.
 
     `scale` multiplies every step count (0.05 makes a smoke run); `seq_len` caps the sequence length (small test
     models). The matched run's steps are set so that it sees as many tokens as the workspace stage.
