@@ -108,3 +108,14 @@ def test_a_checkpoint_saved_without_a_record_reads_its_stage_config(tmp_path):
     ckpt.save_checkpoint(tmp_path / "b", model, stage="backbone", step=0, stage_config={"dataset": "mqar"})
     assert isinstance(ckpt.load_tokenizer(tmp_path / "a"), ByteTokenizer)
     assert ckpt.load_tokenizer(tmp_path / "b") is None
+
+
+def test_export_hf_writes_the_checkpoints_own_bpe(bpe_run, tmp_path):
+    """`prisme export-hf` with no --tokenizer: the exported tokenizer is the BPE the model was trained with."""
+    transformers = pytest.importorskip("transformers")
+    rc, _ = run_cli("export-hf", "--checkpoint", str(bpe_run["run"]), "--out", str(tmp_path / "hf"))
+    assert rc == 0
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "a truth universally acknowledged"
+    assert hf_tok(text)["input_ids"] == bpe_run["want"].encode(text)
+    assert hf_tok(text)["input_ids"] != list(text.encode())  # control: not the byte tokenizer
