@@ -312,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="float32/float64 weights, or bf16 autocast over float32 weights")
     s.add_argument("--parallel", default=None, choices=["ddp", "fsdp"], help="multi-process wrapper (torchrun)")
     s.add_argument("--tf32", action="store_true", help="allow TF32 matmuls on CUDA (Ampere+; off by default)")
+    s.add_argument("--set", action="append", metavar="FIELD=VALUE",
+                   help="any StageConfig field (--set warmup=100), or a model field (--set model.d_model=128); "
+                        "repeatable; values read as JSON, else as text")
     s.add_argument("--backbone-keeps-learning", action="store_true",
                    help="workspace stage: train the backbone too (train_backbone_in_workspace_stage)")
     s.add_argument("--threads", type=int, default=-1, help="torch CPU threads per process (-1 = leave as is)")

@@ -56,7 +56,11 @@ def main(args: Any) -> int:
     else:
         scfg = scfg.replace(**changes)
     if args.preset:
+        if model_cfg is not None and args.config:  # the preset would silently replace the config's model
+            raise ValueError(f"--preset {args.preset} and the 'model' entry of {args.config} both name the model; "
+                             f"use one (a preset's fields can be changed with --set model.FIELD=VALUE)")
         model_cfg = PrismeConfig.from_name(args.preset)
+    scfg, model_cfg = apply_sets(getattr(args, "set", None) or [], scfg, model_cfg)
     if scfg.stage == "backbone" and model_cfg is None and scfg.init_from is None and not scfg.resume:
         raise ValueError("a fresh backbone stage needs a model: --preset NAME or a 'model' entry in --config")
     try:
@@ -84,3 +88,56 @@ def saved_stage_config(out_dir: str | None) -> StageConfig:
         raise ValueError(f"--resume: {out_dir} holds no checkpoint ({Path(out_dir) / ckpt.LATEST} is missing); start "
                          f"the stage without --resume")
     return StageConfig.from_dict(ckpt.read_meta(found).stage_config)
+
+
+def parse_set(item: str) -> tuple[str, Any]:
+    """`key=value` -> (key, value): the value read as JSON (numbers, true/false, null, lists), else as a string."""
+    import json
+
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"--set {item!r}: expected FIELD=VALUE (e.g. --set warmup=100 or --set model.d_model=128)")
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    return key.strip(), value
+
+
+def apply_sets(items: list[str], scfg: StageConfig, model_cfg: PrismeConfig | None
+               ) -> tuple[StageConfig, PrismeConfig | None]:
+    """`--set FIELD=VALUE` (repeatable) on the stage config, or `--set model.FIELD=VALUE` on the model config; every
+    value type-checked by the config's own validation, a ValueError naming the field otherwise."""
+    import dataclasses
+
+    stage_fields = {f.name for f in dataclasses.fields(StageConfig)}
+    model_fields = {f.name for f in dataclasses.fields(PrismeConfig)}
+    stage_changes: dict[str, Any] = {}
+    model_changes: dict[str, Any] = {}
+    for item in items:
+        key, value = parse_set(item)
+        if key.startswith("model."):
+            name = key.removeprefix("model.")
+            if name not in model_fields:
+                raise ValueError(f"--set {key}: PrismeConfig has no field {name!r}")
+            model_changes[name] = value
+        elif key in stage_fields:
+            stage_changes[key] = value
+        else:
+            hint = " (model fields take the prefix model.)" if key in model_fields else ""
+            raise ValueError(f"--set {key}: StageConfig has no field {key!r}{hint}")
+    if model_changes:
+        if model_cfg is None:
+            raise ValueError(f"--set model.{next(iter(model_changes))}: this run takes its model from a checkpoint; "
+                             f"a model field can be set with --preset or a config's 'model' entry")
+        try:
+            model_cfg = model_cfg.replace(**model_changes)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"--set model.*: {e}") from None
+    if stage_changes:
+        try:
+            scfg = scfg.replace(**stage_changes).validate()
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"--set: {e}") from None
+    return scfg, model_cfg
+

@@ -1,0 +1,48 @@
+"""`prisme train --set FIELD=VALUE`: any stage or model field from the command line, type-checked with the field
+named; a preset that would silently replace a config's model is refused."""
+
+from __future__ import annotations
+
+import json
+
+from test_run_safety import run_cli
+
+from prisme import checkpoint as ckpt
+from prisme.config import PrismeConfig
+
+BASE = ["train", "--stage", "backbone", "--dataset", "mqar", "--steps", "2", "--batch-size", "4", "--no-progress"]
+
+
+def test_set_changes_stage_and_model_fields(tmp_path):
+    out = tmp_path / "run"
+    rc, _ = run_cli(*BASE, "--preset", "tiny", "--out", str(out), "--set", "warmup=1", "--set", "lr=0.02",
+                    "--set", 'mqar={"vocab_size": 64, "seq_len": 16, "n_pairs": 2, "query_min_pos": 4}',
+                    "--set", "model.d_model=48", "--set", "model.n_layer=1")
+    assert rc == 0
+    meta = ckpt.read_meta(out)
+    assert meta.stage_config["warmup"] == 1 and meta.stage_config["lr"] == 0.02
+    want = PrismeConfig.from_name("tiny", d_model=48, n_layer=1)
+    assert (meta.config.d_model, meta.config.n_layer) == (48, 1)
+    assert meta.config.ffn_hidden == want.ffn_hidden != PrismeConfig.from_name("tiny").ffn_hidden  # derived anew
+
+
+def test_a_bad_set_names_the_field_before_anything_is_written(tmp_path, capsys):
+    out = tmp_path / "run"
+    for item, words in (("nosuch=1", ["StageConfig has no field 'nosuch'"]),
+                        ("d_model=32", ["no field 'd_model'", "model."]),
+                        ("steps=abc", ["steps"]),
+                        ("model.nosuch=1", ["PrismeConfig has no field 'nosuch'"]),
+                        ("model.d_model=30", ["d_model"]),  # not divisible by the head count
+                        ("warmup", ["FIELD=VALUE"])):
+        rc, _ = run_cli(*BASE, "--preset", "tiny", "--out", str(out), "--set", item)
+        err = capsys.readouterr().err
+        assert rc == 2 and all(w in err for w in words), (item, err)
+        assert not out.exists()
+
+
+def test_a_preset_beside_a_configs_model_is_refused(tmp_path, capsys):
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"model": {"preset": "tiny", "vocab_size": 300}, "stage": "backbone", "steps": 1}))
+    rc, _ = run_cli("train", "--config", str(cfg), "--preset", "demo", "--out", str(tmp_path / "r"))
+    assert rc == 2 and "both name the model" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
