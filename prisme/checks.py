@@ -101,3 +101,16 @@ def check_fields(obj: Any, where: str = "") -> None:
             kinds = [(_KIND.get(p.strip()) or p.strip()) for p in ann.split("|")]
             want = " or ".join("None" if k == "None" else k for k in kinds)
             raise ValueError(f"{where}{name} must be {want}, got {v!r} ({type(v).__name__})")
+
+
+def check_utf8(text: str, option: str) -> str:
+    """`text` itself when it is valid Unicode; a ValueError naming `option` and the bad byte when it holds the
+    surrogate escapes Python puts in place of undecodable bytes (a non-UTF-8 command-line argument)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = ord(text[e.start])
+        byte = f"byte 0x{bad - 0xDC00:02x}" if 0xDC80 <= bad <= 0xDCFF else f"code point U+{bad:04X}"
+        raise ValueError(f"{option} is not valid UTF-8 text ({byte} at character {e.start}); pass UTF-8 text (or "
+                         f"token ids with --prompt-ids)") from None
+    return text

@@ -183,3 +183,13 @@ def test_the_duplicate_key_check_reads_what_save_writes(tmp_path):
     cfg = PrismeConfig.from_name("tiny")
     assert PrismeConfig.from_json(cfg.to_json()) == cfg
     assert loads_config(json.dumps(tiny_run(tmp_path).to_dict()))["steps"] == 3
+
+
+def test_a_prompt_that_is_not_utf8_names_the_option_and_the_byte(capsys):
+    """A non-UTF-8 command-line prompt reaches Python as surrogate escapes; encoding them used to fail with
+    "surrogates not allowed"."""
+    from prisme.checks import check_utf8
+
+    rc, _ = run_cli("generate", "--preset", "demo", "--prompt", "ab\udcffc", "--max-new-tokens", "1")
+    assert rc == 2 and "--prompt is not valid UTF-8 text (byte 0xff at character 2)" in capsys.readouterr().err
+    assert check_utf8("naïve 日本", "--prompt") == "naïve 日本"  # control: real Unicode passes

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from prisme.checks import is_int
+from prisme.checks import check_utf8, is_int
 from prisme.costs.traces import trace_cost
 from prisme.decoding.sampling import sample_logits
 from prisme.model.backbone import check_tokens
@@ -423,7 +423,7 @@ def main(args: argparse.Namespace) -> int:
         decode = lambda ids: " " + " ".join(str(i) for i in ids)  # noqa: E731
         args.prompt = ",".join(str(i) for i in prompt)
     else:
-        prompt = tokenizer.encode(args.prompt)
+        prompt = tokenizer.encode(check_utf8(args.prompt, "--prompt"))
         decode = tokenizer.decode
     out = generate(model, [prompt], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, max_budget=args.budget, lambda_cost=args.lambda_cost,
