@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from prisme.data.text import IGNORE_INDEX, _check_split
+from prisme.data.text import IGNORE_INDEX, check_split
 
 # ----------------------------------------------------------------------------------------------------------------------
 # MQAR: multi-query associative recall (Zoology, Arora et al. 2023)
@@ -175,7 +175,7 @@ class MQARDataset:
         self, split: str, batch_size: int, seq_len: int | None, generator: torch.Generator | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x, y)`` ``[B, T]``; fixed for ``split="val"``, drawn from ``generator`` for ``"train"``."""
-        if _check_split(split) == "val":
+        if check_split(split) == "val":
             generator = torch.Generator().manual_seed(self.val_seed)
         elif generator is None:
             raise ValueError("MQARDataset.batch('train', ...) needs a torch.Generator")
@@ -185,7 +185,7 @@ class MQARDataset:
         self, split: str, batch_size: int, seq_len: int | None = None, max_batches: int | None = None
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Deterministic evaluation batches ``(x, y)`` ``[B, T]`` from a fixed per-split seed."""
-        seed = self.val_seed if _check_split(split) == "val" else self.train_eval_seed
+        seed = self.val_seed if check_split(split) == "val" else self.train_eval_seed
         g = torch.Generator().manual_seed(seed)
         cfg = self._cfg_for(seq_len)
         n = self.n_eval_batches if max_batches is None else max_batches

@@ -53,7 +53,7 @@ def _decode_utf8(data: bytes, path: Path) -> str:
     return text.removeprefix("\ufeff")
 
 
-def _read_text_file(path: Path) -> str:
+def read_text_file(path: Path) -> str:
     data = path.read_bytes()
     if path.suffix == ".xz":
         data = lzma.decompress(data)
@@ -78,9 +78,9 @@ def load_text(source: str | Path | None = None) -> str:
                 f"folder {path} holds no {'/'.join('*' + s for s in TEXT_SUFFIXES)} files; add text files to it, "
                 f"or pass a file, or None/{EMBEDDED_CORPUS!r} for the embedded corpus"
             )
-        text = "\n\n".join(_read_text_file(p) for p in files)
+        text = "\n\n".join(read_text_file(p) for p in files)
     elif path.is_file():
-        text = _read_text_file(path)
+        text = read_text_file(path)
     else:
         raise ValueError(
             f"corpus path {path} does not exist; pass a UTF-8 text file, a folder of *.txt/*.md files, "
@@ -128,7 +128,7 @@ def _encode_cached(text: str, tokenizer: Tokenizer, cache_dir: str | Path | None
     return arr
 
 
-def _check_split(split: str) -> str:
+def check_split(split: str) -> str:
     if split in ("train",):
         return "train"
     if split in ("val", "valid", "validation"):
@@ -202,7 +202,7 @@ class TokenDataset:
 
     def split_tokens(self, split: str) -> torch.Tensor:
         """The 1-D int32 token stream of ``split`` (``"train"`` or ``"val"``)."""
-        return self.train_tokens if _check_split(split) == "train" else self.val_tokens
+        return self.train_tokens if check_split(split) == "train" else self.val_tokens
 
     def n_tokens(self, split: str) -> int:
         """Number of tokens in ``split``."""
@@ -214,7 +214,7 @@ class TokenDataset:
         toks = self.split_tokens(split)
         if toks.numel() < seq_len + 1:
             raise ValueError(
-                f"corpus too small for seq_len={seq_len}: the {_check_split(split)} split has {toks.numel()} tokens "
+                f"corpus too small for seq_len={seq_len}: the {check_split(split)} split has {toks.numel()} tokens "
                 f"but needs at least {seq_len + 1}; use a larger corpus, a smaller seq_len, or another val_fraction"
             )
         return toks

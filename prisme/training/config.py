@@ -244,6 +244,18 @@ def build_dataset(scfg: StageConfig, vocab_size: int) -> TokenDataset | MQARData
         if mcfg.vocab_size > vocab_size:
             raise ValueError(f"MQAR vocab_size={mcfg.vocab_size} exceeds the model's vocab_size={vocab_size}")
         return MQARDataset(mcfg)
+    from prisme.data.shards import ShardDataset, is_prepared
+
+    if is_prepared(scfg.dataset):  # `prisme data prepare`'s token files: the tokens are already made
+        ds = ShardDataset(scfg.dataset)
+        asked = None if scfg.tokenizer == "byte" else BPETokenizer.load(scfg.tokenizer)
+        if asked is not None and (ds.tokenizer is None or asked.identity != ds.tokenizer.identity):
+            raise ValueError(f"{scfg.dataset} was prepared with another tokenizer ({ds.tokenizer!r}) than "
+                             f"--tokenizer {scfg.tokenizer}; prepare it again with this one, or leave --tokenizer out")
+        if ds.vocab_size > vocab_size:
+            raise ValueError(f"{scfg.dataset}'s tokenizer has {ds.vocab_size} ids but the model's vocab_size is "
+                             f"{vocab_size}; use a model with vocab_size >= {ds.vocab_size}")
+        return ds
     if scfg.tokenizer == "byte":
         tok = ByteTokenizer()
     else:

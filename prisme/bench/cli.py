@@ -1,0 +1,91 @@
+"""`prisme bench`'s command line: the subcommands' options (every benchmark shares --seed and --json) and the
+dispatch to each benchmark's `main` (imported only when that benchmark runs)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHES = {"kv": "prisme.bench.kv", "workspace": "prisme.bench.workspace", "vs-hf": "prisme.bench.vs_hf",
+           "train": "prisme.bench.train"}
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """`prisme bench <what>`: each benchmark prints its table, then its JSON document as the last thing on stdout."""
+    if args.bench not in BENCHES:
+        raise ValueError(f"unknown benchmark {args.bench!r}")
+    return importlib.import_module(BENCHES[args.bench]).main(args)
+
+
+def bench_parser(bsub, name: str, **kw) -> argparse.ArgumentParser:
+    """A `prisme bench` subcommand with the options every benchmark shares (--seed, --json)."""
+    b = bsub.add_parser(name, **kw)
+    b.add_argument("--seed", type=int, default=42, help="seed for weights and tokens")
+    b.add_argument("--json", default=None, help="also write the JSON document to this file (atomically)")
+    return b
+
+
+def add_bench_parser(sub) -> None:
+    """The `bench` command and its subcommands, on the `prisme` parser's subparsers `sub`."""
+    s = sub.add_parser("bench", help="benchmarks: table for humans, one JSON document for machines")
+    bsub = s.add_subparsers(dest="bench", required=True, metavar="WHAT")
+    kv = bench_parser(bsub, "kv", help="KV-cache correctness + timing (seed 001) and memory (seed 003)")
+    kv.add_argument("--preset", default="seed001", help="model preset (default: seed001)")
+    kv.add_argument("--prompts", default="16,64,128,256", help="comma-separated prompt lengths")
+    kv.add_argument("--new-tokens", type=int, default=16, help="forced continuation tokens per prompt")
+    kv.add_argument("--warmups", type=int, default=3, help="untimed repeats before timing")
+    kv.add_argument("--repeats", type=int, default=15, help="timed repeats per path")
+    kv.add_argument("--threads", type=int, default=1, help="torch CPU threads (-1 = leave as is)")
+    kv.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="dtype of the timed model")
+    kv.add_argument("--seq-len", type=int, default=24, help="tokens per sequence in the correctness check")
+    ws = bench_parser(bsub, "workspace", help="decode time per token of seed 000's rows vs their analytic ops, "
+                         "the workspace's own time, optimised vs seed modules")
+    ws.add_argument("--presets", default="demo,prisme_103m", help="comma-separated presets (random weights)")
+    ws.add_argument("--quick", action="store_true", help="demo only, 4 decoded tokens, 2 repeats (a smoke run)")
+    ws.add_argument("--batches", default="1,8", help="comma-separated batch sizes (B > 1: ragged budgets)")
+    ws.add_argument("--prompt-len", type=int, default=128, help="prompt tokens, prefilled untimed")
+    ws.add_argument("--new-tokens", type=int, default=16, help="forced decode steps per timed sample")
+    ws.add_argument("--warmups", type=int, default=1, help="untimed repeats before timing")
+    ws.add_argument("--repeats", type=int, default=5, help="timed repeats per row x model")
+    ws.add_argument("--threads", type=int, default=-1,
+                    help="torch CPU threads (-1 = 2 for prisme_103m/459m, 1 for other presets)")
+    ws.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"],
+                    help="dtype of the timed models")
+    ws.add_argument("--device", default="cpu", help="cpu or cuda")
+    ws.add_argument("--profile", action="store_true",
+                    help="profile the workspace's ATen ops (last preset, largest batch, optimised model)")
+    ws.add_argument("--profile-steps", type=int, default=4, help="decode steps per profiled row")
+    ws.add_argument("--compile", action="store_true",
+                    help="also time the seed model with its editor under torch.compile (variant 'compiled')")
+    hf = bench_parser(bsub, "vs-hf", help="the backbone vs the same weights in HF transformers (needs the hf extra): "
+                         "logits, cached decode and prefill, eager and compiled")
+    hf.add_argument("--shapes", default="seed001,prisme_103m", help="comma-separated: seed001, prisme_103m")
+    hf.add_argument("--quick", action="store_true",
+                    help="a smoke run: prompts 16,256, prisme_103m batch 1 only with 4 new tokens, 5 repeats")
+    hf.add_argument("--prompts", default=None, help="seed001 prompt lengths (default 16,64,128,256)")
+    hf.add_argument("--new-tokens", type=int, default=64, help="seed001 forced tokens per sample")
+    hf.add_argument("--big-prompt", type=int, default=64, help="prisme_103m decode prompt length")
+    hf.add_argument("--big-new-tokens", type=int, default=None, help="prisme_103m forced tokens per sample (default 8)")
+    hf.add_argument("--batches", default=None, help="prisme_103m decode batch sizes (default 1,8)")
+    hf.add_argument("--prefill-tokens", type=int, default=512, help="prisme_103m prefill length")
+    hf.add_argument("--warmups", type=int, default=2, help="untimed repeats before timing (prisme_103m: at most 1)")
+    hf.add_argument("--repeats", type=int, default=None, help="timed repeats (default 15; prisme_103m: a third, >= 3)")
+    hf.add_argument("--threads-small", type=int, default=1, help="torch threads for seed001 (-1 = leave as is)")
+    hf.add_argument("--threads-big", type=int, default=2, help="torch threads for prisme_103m (-1 = leave as is)")
+    hf.add_argument("--no-compile", action="store_true", help="skip the torch.compile paths")
+    hf.add_argument("--stock-layout", action="store_true",
+                    help="time our eager path on nn.Linear's [out, in] weights instead of the [in, out] layout")
+    tr = bench_parser(bsub, "train", help="training tokens/s and achieved GFLOP/s vs the measured fp32 matmul peak")
+    tr.add_argument("--presets", default="demo,prisme_103m", help="comma-separated presets (random weights)")
+    tr.add_argument("--quick", action="store_true", help="quarter batches, two matmul sizes, smaller bandwidth buffer")
+    tr.add_argument("--warmups", type=int, default=1, help="untimed steps before timing")
+    tr.add_argument("--repeats", type=int, default=5, help="timed steps per preset")
+    tr.add_argument("--threads", type=int, default=2, help="torch CPU threads (-1 = leave as is)")
+    tr.add_argument("--stages", default="workspace,controller",
+                    help="also time these stages on the presets with a workspace ('' = the backbone stage only)")
+    tr.add_argument("--stage-presets", default="demo",
+                    help="presets whose workspace/controller stages are timed (default: demo; a prisme_103m stage step "
+                         "takes minutes on a CPU)")
+    tr.add_argument("--compile", action="store_true", help="the stages with the editor under torch.compile")
+    tr.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]: where the steps and matmuls run")
+    s.set_defaults(func=run_bench)

@@ -1,0 +1,222 @@
+"""Your own data: documents (a folder searched recursively for `.txt` / `.md` / `.jsonl`, one file, or a Hugging Face
+`datasets` dataset saved on disk) prepared once into token files read through a memory map (`prisme data prepare`),
+and `ShardDataset`, which trains on them with memory that does not grow with the corpus.
+
+A prepared folder holds `train.bin` and `val.bin` (raw little-endian uint16 tokens when the vocabulary fits, else
+uint32), `manifest.json` (the tokenizer, documents and tokens per split, the split rule, the end-of-document id,
+the sources read and skipped) and, for a BPE, its `tokenizer.json`. Documents are split whole: a seeded shuffle of
+the documents puts `val_fraction` of them (at least one when there are two or more) in validation. An
+end-of-document token follows every document: the tokenizer's encoding of the NUL byte (id 0 for the byte
+tokenizer; text almost never holds one). Preparing streams one document at a time and writes into a temporary folder
+renamed into place at the end: a failure leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import random
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from prisme.data.text import TEXT_SUFFIXES, TokenDataset, check_split, read_text_file
+from prisme.data.tokenizers import TOKENIZER_FILE, ByteTokenizer, tokenizer_from_record, tokenizer_record
+from prisme.io import fsync_dir, write_json_atomic
+
+FORMAT = "prisme-tokens-v1"
+MANIFEST = "manifest.json"
+DOC_SUFFIXES = (*TEXT_SUFFIXES, ".jsonl")
+
+
+def is_prepared(path: str | Path) -> bool:
+    """Whether `path` is a folder written by `prepare` (it holds a manifest)."""
+    return (Path(path) / MANIFEST).is_file()
+
+
+# ------------------------------------------------------------------------------------------------------- documents
+def _is_hf_dataset(path: Path) -> bool:
+    return path.is_dir() and any((path / n).is_file() for n in ("dataset_info.json", "state.json", "dataset_dict.json"))
+
+
+def _handles(src: Path, text_field: str) -> tuple[list[tuple[str, Any]], list[str]]:
+    """Every document of `src` as a cheap handle ((file, None) or (file, line) or ("hf", row)), in a fixed order, and
+    the files skipped; ValueError naming the file and line of a `.jsonl` line that is not JSON or lacks the field."""
+    if _is_hf_dataset(src):
+        ds = _load_hf(src)
+        if text_field not in ds.column_names:
+            raise ValueError(f"dataset {src} has no column {text_field!r} (columns: {ds.column_names}); pass "
+                             f"--text-field")
+        return [("hf", i) for i in range(len(ds))], []
+    files = [src] if src.is_file() else sorted(p for p in src.rglob("*") if p.is_file())
+    handles, skipped = [], []
+    for f in files:
+        if f.suffix not in DOC_SUFFIXES:
+            skipped.append(str(f))
+            continue
+        if f.suffix != ".jsonl":
+            handles.append((str(f), None))
+            continue
+        with open(f, encoding="utf-8") as fh:
+            for n, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                handles.append((str(f), n))
+                _jsonl_text(line, text_field, f, n)  # checked now, before anything is written
+    return handles, skipped
+
+
+def _jsonl_text(line: str, field: str, f: Path | str, n: int) -> str:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{f}, line {n}: not valid JSON ({e.msg})") from None
+    if not isinstance(row, dict) or not isinstance(row.get(field), str):
+        raise ValueError(f"{f}, line {n}: no text field {field!r} (pass --text-field to name another)")
+    return row[field]
+
+
+def _load_hf(src: Path):
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"{src} is a Hugging Face dataset; reading it needs `datasets`: pip install "
+                         f"'prisme[data]'") from None
+    ds = datasets.load_from_disk(str(src))
+    if isinstance(ds, datasets.DatasetDict):  # every split, in name order: the split here is PRISME's own
+        ds = datasets.concatenate_datasets([ds[k] for k in sorted(ds)])
+    return ds
+
+
+def _documents(src: Path, handles: list[tuple[str, Any]], text_field: str) -> Iterator[str]:
+    """The documents' texts in handle order, one at a time (a `.jsonl` file is read once, line by line)."""
+    hf = _load_hf(src) if handles and handles[0][0] == "hf" else None
+    open_file, lines = None, None
+    for name, where in handles:
+        if hf is not None:
+            yield hf[where][text_field]
+        elif where is None:
+            yield read_text_file(Path(name))
+        else:
+            if open_file != name:
+                open_file, lines = name, enumerate(open(name, encoding="utf-8"), 1)  # noqa: SIM115
+            for n, line in lines:
+                if n == where:
+                    yield _jsonl_text(line, text_field, name, n)
+                    break
+
+
+# --------------------------------------------------------------------------------------------------------- prepare
+def prepare(src: str | Path, out: str | Path, tokenizer: Any = None, text_field: str = "text",
+            val_fraction: float = 0.1, seed: int = 0) -> dict[str, Any]:
+    """Tokenize the documents of `src` into `out` (see the module docstring); returns the manifest."""
+    src, out = Path(src), Path(out)
+    tok = tokenizer if tokenizer is not None else ByteTokenizer()
+    if not src.exists():
+        raise ValueError(f"data source {src} does not exist")
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out} already exists and is not empty; pass another --out")
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    handles, skipped = _handles(src, text_field)
+    if not handles:
+        raise ValueError(f"{src} holds no readable document ({'/'.join('*' + s for s in DOC_SUFFIXES)} files, or a "
+                         f"saved Hugging Face dataset)")
+    order = list(range(len(handles)))
+    random.Random(seed).shuffle(order)
+    n_val = 0 if len(handles) < 2 or val_fraction == 0 else max(1, round(len(handles) * val_fraction))
+    val = set(order[:n_val])
+    dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
+    eod = tok.encode("\x00")
+    if len(eod) != 1:
+        raise ValueError(f"the tokenizer encodes the NUL byte as {len(eod)} tokens; the end-of-document token must be "
+                         f"one")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    counts = {"train": [0, 0], "val": [0, 0]}  # documents, tokens
+    try:
+        files = {s: open(tmp / f"{s}.bin", "wb") for s in ("train", "val")}  # noqa: SIM115
+        try:
+            for i, text in enumerate(_documents(src, handles, text_field)):
+                split = "val" if i in val else "train"
+                ids = np.asarray(tok.encode(text) + eod, dtype=np.int64)
+                if ids.size and ids.max() >= tok.vocab_size:
+                    raise ValueError(f"the tokenizer produced id {int(ids.max())} >= its vocab_size")
+                files[split].write(ids.astype(dtype).tobytes())
+                counts[split][0] += 1
+                counts[split][1] += int(ids.size)
+        finally:
+            for f in files.values():
+                f.flush()
+                os.fsync(f.fileno())
+                f.close()
+        record, blob = tokenizer_record(tok)
+        if blob is not None:
+            (tmp / TOKENIZER_FILE).write_bytes(blob)
+        manifest = {"format": FORMAT, "dtype": np.dtype(dtype).name, "tokenizer": record, "eod_id": int(eod[0]),
+                    "vocab_size": tok.vocab_size, "files": {"train": "train.bin", "val": "val.bin"},
+                    "documents": {s: c[0] for s, c in counts.items()}, "tokens": {s: c[1] for s, c in counts.items()},
+                    "split": {"rule": "whole documents; a seeded shuffle of the documents puts val_fraction of them "
+                                      "(at least one of two or more) in val", "seed": seed,
+                              "val_fraction": val_fraction},
+                    "source": str(src), "text_field": text_field, "skipped": skipped}
+        write_json_atomic(manifest, tmp / MANIFEST)
+        fsync_dir(tmp)
+        if out.exists():  # an empty folder (checked above)
+            out.rmdir()
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+# --------------------------------------------------------------------------------------------------------- dataset
+class ShardDataset(TokenDataset):
+    """A prepared folder as a `TokenDataset`: the same sampling (random windows from the same generator calls) and
+    evaluation windows, read from memory-mapped token files instead of a tensor in memory."""
+
+    def __init__(self, path: str | Path):  # noqa: D107 - TokenDataset's constructor builds from a tensor instead
+        path = Path(path)
+        try:
+            m = json.loads((path / MANIFEST).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path / MANIFEST} is not a readable manifest ({e})") from None
+        if m.get("format") != FORMAT:
+            raise ValueError(f"{path / MANIFEST}: format {m.get('format')!r} is not {FORMAT!r}; prepare it again")
+        self.path, self.manifest = path, m
+        self.tokenizer = tokenizer_from_record(m["tokenizer"], path)
+        self.vocab_size = int(m["vocab_size"])
+        self._np = {}
+        for split in ("train", "val"):
+            f = path / m["files"][split]
+            n = f.stat().st_size // np.dtype(m["dtype"]).itemsize if f.is_file() else 0
+            self._np[split] = np.memmap(f, dtype=m["dtype"], mode="r") if n else np.zeros(0, dtype=m["dtype"])
+            mm = getattr(self._np[split], "_mmap", None)
+            if mm is not None and hasattr(mm, "madvise") and hasattr(mmap, "MADV_RANDOM"):
+                mm.madvise(mmap.MADV_RANDOM)  # random windows: no read-ahead of the pages around each one
+        self.val_fraction = float(m["split"]["val_fraction"])
+
+    def split_tokens(self, split: str) -> _Lazy:
+        """The split's token file, indexed lazily (`TokenDataset.batch` / `iter_eval` read only their windows)."""
+        return _Lazy(self._np[check_split(split)])
+
+
+class _Lazy:
+    """A 1-D memory-mapped token file that `TokenDataset` indexes like a tensor: `.numel()`, and `[idx]` with a
+    tensor of positions returning an int64 tensor (only those tokens are read)."""
+
+    def __init__(self, arr: np.ndarray):
+        self.arr = arr
+
+    def numel(self) -> int:
+        return int(self.arr.shape[0])
+
+    def __getitem__(self, idx: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(self.arr[idx.numpy()].astype(np.int64))
