@@ -90,6 +90,13 @@ def _cmd_study(args: argparse.Namespace) -> int:
     return study_recall(args)
 
 
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from prisme.training.curves import plot_run
+
+    print(f"wrote {plot_run(args.run, args.out)}")
+    return 0
+
+
 def _cmd_data(args: argparse.Namespace) -> int:
     from prisme.data.shards import prepare
     from prisme.data.tokenizers import BPETokenizer, ByteTokenizer
@@ -243,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="float32/float64 weights, or bf16 autocast over float32 weights")
     s.add_argument("--parallel", default=None, choices=["ddp", "fsdp"], help="multi-process wrapper (torchrun)")
     s.add_argument("--tf32", action="store_true", help="allow TF32 matmuls on CUDA (Ampere+; off by default)")
+    s.add_argument("--tensorboard", nargs="?", const=True, default=None, metavar="DIR",
+                   help="also write tensorboard events (into the run folder's tb/, or DIR; pip install 'prisme[tb]')")
     s.add_argument("--set", action="append", metavar="FIELD=VALUE",
                    help="any StageConfig field (--set warmup=100), or a model field (--set model.d_model=128); "
                         "repeatable; values read as JSON, else as text")
@@ -252,6 +261,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_compile(s)
     s.set_defaults(func=_cmd_train)
+
+    s = sub.add_parser("plot", help="a run's curves (train/val loss, tokens/s, workspace gates) as a PNG")
+    s.add_argument("run", help="a run folder written by `prisme train` (finished or still training)")
+    s.add_argument("--out", default=None, help="the PNG to write (default: RUN/curves.png)")
+    s.set_defaults(func=_cmd_plot)
 
     s = sub.add_parser("data", help="your own data: documents -> memory-mapped token files for `train --dataset`")
     dsub = s.add_subparsers(dest="data_cmd", required=True)

@@ -47,6 +47,10 @@ def main(args: Any) -> int:
         changes["compile"] = args.compile
     if getattr(args, "tf32", False):
         changes["tf32"] = True
+    if getattr(args, "tensorboard", None):  # --tensorboard (into the run folder) or --tensorboard DIR
+        changes["log_tensorboard"] = True
+        if args.tensorboard is not True:
+            changes["tensorboard_dir"] = args.tensorboard
     if scfg is None and args.resume:  # the run's own settings are the defaults; a flag may not change them
         scfg = saved_stage_config(changes.get("out_dir"))
     if scfg is None:
@@ -72,6 +76,10 @@ def main(args: Any) -> int:
         shown = ", ".join(f"{k} {v:.4g}" for k, v in result.val.items())
         print(f"{result.stage}: {result.step} steps, {result.tokens:,} tokens in {result.wall_s:.1f} s; "
               f"val {shown or '-'}; checkpoint {result.checkpoint}")
+        if not result.interrupted and result.step > 0:
+            from prisme.training.curves import plot_run
+
+            print(f"curves: {plot_run(result.out_dir)}")
     return {"SIGTERM": 143, "SIGINT": 130}.get(result.signal or "", 130) if result.interrupted else 0
 
 

@@ -39,8 +39,8 @@ STAGE_SPECS = {s.name: s for s in (
 )}
 STAGES = tuple(STAGE_SPECS)
 RESUME_FREE = ("steps", "resume", "reschedule", "overwrite", "out_dir", "init_from", "progress", "log_every",
-               "eval_every", "eval_batches", "ckpt_every", "keep_last", "log_tensorboard", "device", "cache_dir",
-               "compile", "tf32")  # what a resumed run may change without changing the run it continues
+               "eval_every", "eval_batches", "ckpt_every", "keep_last", "log_tensorboard", "tensorboard_dir", "device",
+               "cache_dir", "compile", "tf32")  # what a resumed run may change without changing the run it continues
 PREVIOUS = {s.name: s.previous for s in STAGE_SPECS.values() if s.previous is not None}
 ACCEPTS_INIT = {s.name: s.accepts_init for s in STAGE_SPECS.values()}
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.float32}
@@ -108,6 +108,7 @@ class StageConfig:
     parallel: str = "ddp"  # with several processes: "ddp" (DistributedDataParallel) or "fsdp" (FSDP2 fully_shard)
     log_every: int = 10  # JSONL/tensorboard train row every this many steps
     log_tensorboard: bool = False  # also write tensorboard events to out_dir/tb (needs `pip install prisme[tb]`)
+    tensorboard_dir: str | None = None  # where the events go instead of out_dir/tb
     progress: bool = True  # tqdm progress bar (rank 0)
     compile: str = "off"  # workspace and controller stages: "auto" = the editor under torch.compile where it works
     #   (one warning and eager elsewhere), "strict" = an error where it cannot compile, "off" = eager

@@ -276,7 +276,7 @@ class _Trainer:
             if resuming:
                 drop_rows_after(self.out / "metrics.jsonl", self.step)
             if scfg.log_tensorboard:
-                self.writer = SummaryWriter(str(self.out / "tb"))
+                self.writer = SummaryWriter(scfg.tensorboard_dir or str(self.out / "tb"))
 
     # ------------------------------------------------------------------------------------------------ pieces
     def log(self, row: dict[str, Any]) -> None:
