@@ -361,7 +361,8 @@ def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu
         if diff:
             shown = ", ".join(f"{k}: expected {a!r}, checkpoint has {b!r}" for k, (a, b) in diff.items())
             raise ValueError(f"checkpoint {p} was written for another model config ({shown}); use a checkpoint of "
-                             f"this config or drop the model override")
+                             f"this config, drop the model override, or (a backbone for another workspace design) "
+                             f"pass --rebase")
     tensors = _read_weights(p, verify)
     model = PrismeModel(meta.config)
     expected = model.state_dict()

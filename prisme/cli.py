@@ -230,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--init-from", default=None, help="previous stage's checkpoint or run folder")
     s.add_argument("--out", default=None, help="run folder for checkpoints and metrics (StageConfig.out_dir)")
     s.add_argument("--resume", action="store_true", help="continue the latest checkpoint in --out exactly")
+    s.add_argument("--rebase", action="store_true",
+                   help="start from --init-from's trained backbone under another model config (e.g. another "
+                        "workspace design): the new parts are initialised with --seed")
     s.add_argument("--overwrite", action="store_true",
                    help="replace the run already in --out (its checkpoints, metrics and stage config) instead of "
                         "refusing to start")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import torch
 from test_run_safety import run_cli
 
 from prisme import checkpoint as ckpt
@@ -46,3 +47,22 @@ def test_a_preset_beside_a_configs_model_is_refused(tmp_path, capsys):
     rc, _ = run_cli("train", "--config", str(cfg), "--preset", "demo", "--out", str(tmp_path / "r"))
     assert rc == 2 and "both name the model" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_rebase_starts_a_new_workspace_design_from_a_trained_backbone(tmp_path, capsys):
+    """`--init-from BACKBONE --rebase` with another bank source: the stage trains on the same (frozen) backbone
+    weights; without `--rebase` the mismatch is an error that names the option."""
+    mqar = 'mqar={"vocab_size": 64, "seq_len": 16, "n_pairs": 2, "query_min_pos": 4}'
+    assert run_cli(*BASE, "--preset", "tiny", "--set", mqar, "--out", str(tmp_path / "b"))[0] == 0
+    ws = ["train", "--stage", "workspace", "--init-from", str(tmp_path / "b"), "--dataset", "mqar", "--steps", "2",
+          "--batch-size", "4", "--no-progress", "--set", mqar, "--preset", "tiny",
+          "--set", "model.bank_source=embedding"]
+    rc, _ = run_cli(*ws, "--out", str(tmp_path / "plain"))
+    assert rc == 2 and "--rebase" in capsys.readouterr().err
+    rc, _ = run_cli(*ws, "--out", str(tmp_path / "w"), "--rebase", "--seed", "7")
+    assert rc == 0 and "with seed 7" in capsys.readouterr().err
+    new, meta = ckpt.load_model(tmp_path / "w")
+    old = ckpt.load_model(tmp_path / "b")[0]
+    assert meta.config.bank_source == "embedding" and meta.stage == "workspace"
+    assert all(torch.equal(a, b) for a, b in zip(new.backbone.state_dict().values(),
+                                                 old.backbone.state_dict().values()))

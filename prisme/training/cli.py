@@ -65,6 +65,9 @@ def main(args: Any) -> int:
                              f"use one (a preset's fields can be changed with --set model.FIELD=VALUE)")
         model_cfg = PrismeConfig.from_name(args.preset)
     scfg, model_cfg = apply_sets(getattr(args, "set", None) or [], scfg, model_cfg)
+    if getattr(args, "rebase", False):
+        scfg = rebased_start(scfg, model_cfg)
+        model_cfg = None
     if scfg.stage == "backbone" and model_cfg is None and scfg.init_from is None and not scfg.resume:
         raise ValueError("a fresh backbone stage needs a model: --preset NAME or a 'model' entry in --config")
     try:
@@ -148,4 +151,23 @@ def apply_sets(items: list[str], scfg: StageConfig, model_cfg: PrismeConfig | No
         except (TypeError, ValueError) as e:
             raise ValueError(f"--set: {e}") from None
     return scfg, model_cfg
+
+
+def rebased_start(scfg: StageConfig, model_cfg: PrismeConfig | None) -> StageConfig:
+    """`--rebase`: `init_from`'s trained backbone (and workspace, for a controller or router stage) under the asked
+    model config, the other parameters initialised as a fresh model of that config with the stage's seed
+    (`prisme.rebase.rebase`); written to OUT/0_rebased_init, which becomes the stage's init_from."""
+    from pathlib import Path
+
+    from prisme.rebase import rebase
+
+    if scfg.init_from is None or model_cfg is None or scfg.stage == "backbone" or scfg.resume:
+        raise ValueError("--rebase needs --init-from (a trained checkpoint), the new model (--preset, a config's "
+                         "'model', --set model.FIELD=...) and a stage after the backbone, without --resume")
+    keep = ("backbone",) if scfg.stage == "workspace" else ("backbone", "workspace")
+    folder = Path(scfg.out_dir) / "0_rebased_init"
+    path = rebase(scfg.init_from, model_cfg, folder, seed=scfg.seed, keep=keep)
+    print(f"rebased {scfg.init_from} under {model_cfg.name!r}: kept its {' and '.join(keep)}, the rest initialised "
+          f"as a fresh model with seed {scfg.seed}; written to {path}", file=sys.stderr)
+    return scfg.replace(init_from=str(path))
 
