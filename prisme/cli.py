@@ -126,6 +126,14 @@ def _cmd_export_hf(args: argparse.Namespace) -> int:
 
     if not hf_available():
         raise ValueError(f"export-hf needs the optional `transformers` package: {INSTALL_HINT}")
+    if args.workspace:
+        from prisme.hf_full import export_hf_full
+
+        out = export_hf_full(args.checkpoint, args.out, args.budget, args.lambda_cost)
+        print(f"wrote {out}: the whole model (workspace, controller, router), its tokenizer and a model card, "
+              f"loadable with AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True) where prisme is "
+              f"installed")
+        return 0
     export_hf_checkpoint(args.checkpoint, args.out, args.tokenizer)
     print(f"wrote {args.out}: the backbone (the workspace is not exported) and its tokenizer, loadable with "
           f"AutoModelForCausalLM / AutoTokenizer.from_pretrained")
@@ -295,6 +303,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True, help="folder to write (save_pretrained layout)")
     s.add_argument("--tokenizer", default=None,
                    help="byte, a BPE tokenizer JSON, or none (default: the checkpoint's own tokenizer)")
+    s.add_argument("--workspace", action="store_true",
+                   help="the whole model (workspace, controller, router) for trust_remote_code, with a model card")
+    s.add_argument("--budget", type=int, default=None,
+                   help="with --workspace: the exported policy's budget (default: the one its stages trained)")
+    s.add_argument("--lambda-cost", type=float, default=None, help="with --workspace: its price (default: config's)")
     s.set_defaults(func=_cmd_export_hf)
 
     s = sub.add_parser("study", help="controlled studies with success rates over seeds")

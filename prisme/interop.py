@@ -64,7 +64,7 @@ def hf_cache_kwarg(hf_model: nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(hf_model.forward).parameters else "past_key_values"
 
 
-def _transformers() -> ModuleType:
+def transformers_module() -> ModuleType:
     """The `transformers` module, or an ImportError that says how to install it."""
     try:
         return importlib.import_module("transformers")
@@ -160,7 +160,7 @@ def hf_config(cfg: PrismeConfig, attn_implementation: str = "sdpa") -> Any:
     if attn_implementation not in ATTN_IMPLEMENTATIONS:
         raise ValueError(f"attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, got {attn_implementation!r}")
     cfg.validate()
-    tf = _transformers()
+    tf = transformers_module()
     common = dict(vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_embeddings, bos_token_id=None,
                   eos_token_id=None, pad_token_id=None, attn_implementation=attn_implementation)
     if cfg.family == "llama":
@@ -288,7 +288,7 @@ def to_hf(model: nn.Module, attn_implementation: str = "sdpa", exact: bool = Fal
     if exact and cfg.family == "llama" and attn_implementation == "eager":
         raise ValueError("exact=True needs attn_implementation='sdpa': HF's eager Llama attention takes its softmax "
                          "in float32")
-    tf = _transformers()
+    tf = transformers_module()
     p = backbone.tok_emb.weight
     hf_cfg.dtype = p.dtype
     cls = tf.LlamaForCausalLM if cfg.family == "llama" else tf.GPT2LMHeadModel
@@ -359,7 +359,7 @@ def export_hf(model: nn.Module, folder: str | Path, tokenizer: Any = "byte") -> 
     tokenizer has no spare id for special tokens, so byte 0 (NUL) is the model config's bos / eos / pad id; the
     tokenizer declares no special token strings (any string it could use can occur in text, and would then no longer
     encode as its bytes)."""
-    PreTrainedTokenizerFast = _transformers().PreTrainedTokenizerFast
+    PreTrainedTokenizerFast = transformers_module().PreTrainedTokenizerFast
 
     folder = Path(folder)
     hf = to_hf(model)

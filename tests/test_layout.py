@@ -18,7 +18,7 @@ LAYERS = (
     ("prisme.config",),
     ("prisme.costs", "prisme.data"),
     ("prisme.model",),
-    ("prisme.checkpoint", "prisme.interop", "prisme.faults", "prisme.rebase"),
+    ("prisme.checkpoint", "prisme.interop", "prisme.faults", "prisme.rebase", "prisme.hf_full"),
     ("prisme.decoding",),
     ("prisme.training",),
     ("prisme.evaluation",),
