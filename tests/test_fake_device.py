@@ -211,8 +211,10 @@ def test_the_training_bench_runs_its_steps_and_matmuls_on_the_device():
     assert all(p.device == fd.device for p in info["objective"].parameters())
 
 
+@pytest.mark.slow
 def test_the_recall_studys_quick_run_trains_on_a_device(tmp_path):
-    """`prisme study recall --quick` (one worker) with every stage on the device: it completes and scores its runs."""
+    """`prisme study recall --quick` (one worker) with every stage on the device: it completes and scores its runs.
+    About a minute (every op goes through the harness): in the slow set, which CI runs."""
     from prisme.studies.recall import run_study
     from prisme.studies.recall_setup import study_config
 
