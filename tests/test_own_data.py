@@ -79,6 +79,14 @@ def test_train_on_prepared_bpe_data_keeps_its_tokenizer(tmp_path):
                     "--no-progress")
     assert rc == 0
     assert ckpt.load_tokenizer(tmp_path / "r").identity == bpe.identity  # the manifest's tokenizer, no flag
+    # as a user would: move the run (and drop the tokenizer file), then generate and evaluate with no tokenizer flag
+    (tmp_path / "bpe.json").unlink()
+    (tmp_path / "r").rename(tmp_path / "moved")
+    rc, out = run_cli("generate", "--checkpoint", str(tmp_path / "moved"), "--prompt", "It is", "--max-new-tokens", "3")
+    assert rc == 0 and out.startswith("It is")
+    rc, out = run_cli("eval", "--checkpoint", str(tmp_path / "moved"), "--batches", "1", "--batch-size", "2",
+                      "--policies", "backbone")
+    assert rc == 0 and "backbone" in out
 
 
 MEMORY = textwrap.dedent("""
