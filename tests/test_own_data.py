@@ -107,10 +107,11 @@ MEMORY = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_memory_does_not_grow_with_the_corpus(tmp_path):
     """Anonymous (private) resident memory the dataset adds, with 1 MB and 16 MB of prepared text: the same within 8
     MiB for the memory map (its pages are the page cache's); the in-memory dataset of the same tokens (the negative
-    control) grows by more than 40 MiB (Linux)."""
+    control) grows by more than 40 MiB (Linux). In the slow set (four interpreters), which CI runs."""
     peaks = {}
     for name, n_docs in (("small", 1), ("large", 16)):
         src = tmp_path / f"src_{name}"
