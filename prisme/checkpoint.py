@@ -57,6 +57,7 @@ class CheckpointMeta:
     extra: dict[str, Any] = field(default_factory=dict)  # stage-specific state (e.g. the controller's target scale)
     optimizer_state: dict[str, Any] | None = None  # loaded by `load_checkpoint(..., load_optimizer=True)`
     optimizer_sha256: str | None = None  # what state.json records of optimizer.pt (None: written before it did)
+    tokenizer: dict[str, Any] | None = None  # state.json's tokenizer record (None: written before it had one)
 
 
 # ---------------------------------------------------------------------------------------------------------------- RNG
@@ -290,7 +291,7 @@ def read_meta(path: str | Path) -> CheckpointMeta:
     return CheckpointMeta(path=p, config=cfg, schema_version=state["schema_version"], stage=state.get("stage", "?"),
                           step=step, stage_config=state.get("stage_config", {}),
                           rng=state.get("rng", {}), metrics=state.get("metrics", {}), extra=state.get("extra", {}),
-                          optimizer_sha256=state.get("optimizer_sha256"))
+                          optimizer_sha256=state.get("optimizer_sha256"), tokenizer=state.get("tokenizer"))
 
 
 # The parameter groups each stage's checkpoint has trained, for checkpoints written before `trained_groups` was
@@ -410,10 +411,13 @@ def load_tokenizer(path: str | Path) -> Any:
     """The tokenizer a checkpoint (or run folder) was trained with: a `ByteTokenizer`, a `BPETokenizer` read from
     the checkpoint's own tokenizer.json, or None (token-id data such as MQAR). Checkpoints written before the
     tokenizer was recorded fall back to their stage config (its `dataset` and `tokenizer` path)."""
-    meta = read_meta(path)
-    state = json.loads((meta.path / STATE).read_text())
-    if "tokenizer" in state:
-        return tokenizer_from_record(state["tokenizer"], meta.path)
+    return tokenizer_of(read_meta(path))
+
+
+def tokenizer_of(meta: CheckpointMeta) -> Any:
+    """`load_tokenizer` of a checkpoint whose meta is already read."""
+    if meta.tokenizer is not None:
+        return tokenizer_from_record(meta.tokenizer, meta.path)
     sc = meta.stage_config
     if sc.get("dataset") == "mqar":
         return None

@@ -99,9 +99,9 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 def _cmd_data(args: argparse.Namespace) -> int:
     from prisme.data.shards import prepare
-    from prisme.data.tokenizers import BPETokenizer, ByteTokenizer
+    from prisme.data.tokenizers import tokenizer_named
 
-    tok = ByteTokenizer() if args.tokenizer == "byte" else BPETokenizer.load(args.tokenizer)
+    tok = tokenizer_named(args.tokenizer)
     m = prepare(args.source, args.out, tok, args.text_field, args.val_fraction, args.seed)
     print(f"wrote {args.out}: {m['documents']['train']:,} + {m['documents']['val']:,} documents, "
           f"{m['tokens']['train']:,} + {m['tokens']['val']:,} tokens (train + val, {m['dtype']}); "

@@ -381,7 +381,7 @@ def export_hf_checkpoint(checkpoint: str | Path, folder: str | Path, tokenizer: 
     """`export_hf` of a checkpoint (or run / study folder: its most trained stage) with the tokenizer it was trained
     with, which its folder holds; `tokenizer` overrides it: "byte", "none" or a BPE file (or folder)."""
     from prisme.checkpoint import find_model_checkpoint, load_model, load_tokenizer
-    from prisme.data.tokenizers import BPETokenizer, ByteTokenizer
+    from prisme.data.tokenizers import ByteTokenizer, tokenizer_named
 
     path = find_model_checkpoint(checkpoint)
     if tokenizer is None:  # the checkpoint's own (None: a token-id model, exported without a tokenizer)
@@ -389,6 +389,6 @@ def export_hf_checkpoint(checkpoint: str | Path, folder: str | Path, tokenizer: 
         tok = "byte" if isinstance(tok, ByteTokenizer) else tok
     else:
         tok = {"byte": "byte", "none": None}.get(tokenizer) if tokenizer in ("byte", "none") \
-            else BPETokenizer.load(tokenizer)
+            else tokenizer_named(tokenizer)
     return export_hf(load_model(path)[0], folder, tok)
 

@@ -59,6 +59,9 @@ def test_rebase_starts_a_new_workspace_design_from_a_trained_backbone(tmp_path, 
           "--set", "model.bank_source=embedding"]
     rc, _ = run_cli(*ws, "--out", str(tmp_path / "plain"))
     assert rc == 2 and "--rebase" in capsys.readouterr().err
+    rc, _ = run_cli(*ws, "--out", str(tmp_path / "b"), "--rebase")  # a folder that holds a run: refused first
+    assert rc == 2 and "already holds a run" in capsys.readouterr().err
+    assert not (tmp_path / "b" / "0_rebased_init").exists()
     rc, _ = run_cli(*ws, "--out", str(tmp_path / "w"), "--rebase", "--seed", "7")
     assert rc == 0 and "with seed 7" in capsys.readouterr().err
     new, meta = ckpt.load_model(tmp_path / "w")

@@ -97,19 +97,26 @@ def _load_hf(src: Path):
 def _documents(src: Path, handles: list[tuple[str, Any]], text_field: str) -> Iterator[str]:
     """The documents' texts in handle order, one at a time (a `.jsonl` file is read once, line by line)."""
     hf = _load_hf(src) if handles and handles[0][0] == "hf" else None
-    open_file, lines = None, None
-    for name, where in handles:
-        if hf is not None:
-            yield hf[where][text_field]
-        elif where is None:
-            yield read_text_file(Path(name))
-        else:
-            if open_file != name:
-                open_file, lines = name, enumerate(open(name, encoding="utf-8"), 1)  # noqa: SIM115
-            for n, line in lines:
-                if n == where:
-                    yield _jsonl_text(line, text_field, name, n)
-                    break
+    open_file, fh, lines = None, None, None
+    try:
+        for name, where in handles:
+            if hf is not None:
+                yield hf[where][text_field]
+            elif where is None:
+                yield read_text_file(Path(name))
+            else:
+                if open_file != name:  # the next .jsonl file: its lines in order, the previous one closed
+                    if fh is not None:
+                        fh.close()
+                    fh = open(name, encoding="utf-8")  # noqa: SIM115
+                    open_file, lines = name, enumerate(fh, 1)
+                for n, line in lines:
+                    if n == where:
+                        yield _jsonl_text(line, text_field, name, n)
+                        break
+    finally:
+        if fh is not None:
+            fh.close()
 
 
 # --------------------------------------------------------------------------------------------------------- prepare

@@ -168,6 +168,11 @@ class BPETokenizer:
         return f"BPETokenizer(vocab_size={self.vocab_size})"
 
 
+def tokenizer_named(name: str | Path) -> ByteTokenizer | BPETokenizer:
+    """What a `--tokenizer` option names: "byte", or a saved BPE (its file, or a folder holding tokenizer.json)."""
+    return ByteTokenizer() if str(name) == "byte" else BPETokenizer.load(name)
+
+
 def get_tokenizer(
     kind: str = "byte", *, text: str | None = None, vocab_size: int = 4096, path: str | Path | None = None
 ) -> ByteTokenizer | BPETokenizer:

@@ -361,7 +361,7 @@ def main(args: argparse.Namespace) -> int:
     """`prisme generate`: load a model (checkpoint, or a preset with random weights), generate, print the text."""
     from prisme.checkpoint import find_model_checkpoint, load_model, load_tokenizer
     from prisme.config import PrismeConfig
-    from prisme.data.tokenizers import BPETokenizer, ByteTokenizer
+    from prisme.data.tokenizers import ByteTokenizer, tokenizer_named
 
     if args.threads != -1:
         if args.threads < 1:
@@ -372,8 +372,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--device {device!r} requested but CUDA is not available")
     if device != "cpu" and not device.startswith("cuda"):
         raise ValueError(f"--device must be cpu or cuda[:N], got {device!r}")
-    tokenizer = None if args.tokenizer is None else (ByteTokenizer() if args.tokenizer == "byte"
-                                                     else BPETokenizer.load(args.tokenizer))
+    tokenizer = None if args.tokenizer is None else tokenizer_named(args.tokenizer)
     if args.checkpoint is not None:
         path = find_model_checkpoint(args.checkpoint)
         if str(path) != str(args.checkpoint):

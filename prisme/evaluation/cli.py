@@ -25,7 +25,7 @@ def dataset_for_checkpoint(meta: Any, vocab_size: int, corpus: str | None = None
     (dataset, seq_len or None)."""
     from prisme.checkpoint import load_tokenizer
     from prisme.data.text import EMBEDDED_CORPUS, load_text
-    from prisme.data.tokenizers import BPETokenizer, ByteTokenizer
+    from prisme.data.tokenizers import BPETokenizer, tokenizer_named
     from prisme.training.config import StageConfig, build_dataset
 
     sc = getattr(meta, "stage_config", None) or {}
@@ -34,7 +34,7 @@ def dataset_for_checkpoint(meta: Any, vocab_size: int, corpus: str | None = None
     if isinstance(own, BPETokenizer):  # the checkpoint's own copy: the run folder may have moved since training
         scfg = scfg.replace(tokenizer=str(meta.path))
     if corpus is not None and corpus not in (EMBEDDED_CORPUS, "mqar") and corpus != scfg.dataset:
-        tok = ByteTokenizer() if scfg.tokenizer == "byte" else BPETokenizer.load(scfg.tokenizer)
+        tok = tokenizer_named(scfg.tokenizer)
         if tok.vocab_size > vocab_size:
             raise ValueError(f"the checkpoint's tokenizer has {tok.vocab_size} ids but the model has {vocab_size}")
         T = seq_len or scfg.seq_len

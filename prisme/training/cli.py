@@ -160,11 +160,13 @@ def rebased_start(scfg: StageConfig, model_cfg: PrismeConfig | None) -> StageCon
     from pathlib import Path
 
     from prisme.rebase import rebase
+    from prisme.training.resume import check_fresh_run
 
     if scfg.init_from is None or model_cfg is None or scfg.stage == "backbone" or scfg.resume:
         raise ValueError("--rebase needs --init-from (a trained checkpoint), the new model (--preset, a config's "
                          "'model', --set model.FIELD=...) and a stage after the backbone, without --resume")
     keep = ("backbone",) if scfg.stage == "workspace" else ("backbone", "workspace")
+    check_fresh_run(Path(scfg.out_dir), scfg.overwrite)  # before the rebased start is written into the folder
     folder = Path(scfg.out_dir) / "0_rebased_init"
     path = rebase(scfg.init_from, model_cfg, folder, seed=scfg.seed, keep=keep)
     print(f"rebased {scfg.init_from} under {model_cfg.name!r}: kept its {' and '.join(keep)}, the rest initialised "

@@ -234,7 +234,7 @@ def load_run_config(path: str | Path) -> tuple[PrismeConfig | None, StageConfig]
 def build_dataset(scfg: StageConfig, vocab_size: int) -> TokenDataset | MQARDataset:
     """The stage's dataset: the embedded corpus, a text path (byte or BPE tokens), or MQAR."""
     from prisme.data.text import load_text
-    from prisme.data.tokenizers import BPETokenizer, ByteTokenizer
+    from prisme.data.tokenizers import tokenizer_named
 
     if scfg.dataset == "mqar":
         reject_unknown_fields(MQARConfig, scfg.mqar, "StageConfig.mqar: ")
@@ -249,7 +249,7 @@ def build_dataset(scfg: StageConfig, vocab_size: int) -> TokenDataset | MQARData
 
     if is_prepared(scfg.dataset):  # `prisme data prepare`'s token files: the tokens are already made
         ds = ShardDataset(scfg.dataset)
-        asked = None if scfg.tokenizer == "byte" else BPETokenizer.load(scfg.tokenizer)
+        asked = None if scfg.tokenizer == "byte" else tokenizer_named(scfg.tokenizer)
         if asked is not None and (ds.tokenizer is None or asked.identity != ds.tokenizer.identity):
             raise ValueError(f"{scfg.dataset} was prepared with another tokenizer ({ds.tokenizer!r}) than "
                              f"--tokenizer {scfg.tokenizer}; prepare it again with this one, or leave --tokenizer out")
@@ -257,10 +257,7 @@ def build_dataset(scfg: StageConfig, vocab_size: int) -> TokenDataset | MQARData
             raise ValueError(f"{scfg.dataset}'s tokenizer has {ds.vocab_size} ids but the model's vocab_size is "
                              f"{vocab_size}; use a model with vocab_size >= {ds.vocab_size}")
         return ds
-    if scfg.tokenizer == "byte":
-        tok = ByteTokenizer()
-    else:
-        tok = BPETokenizer.load(scfg.tokenizer)
+    tok = tokenizer_named(scfg.tokenizer)
     if tok.vocab_size > vocab_size:
         raise ValueError(f"tokenizer {scfg.tokenizer!r} has {tok.vocab_size} ids but the model's vocab_size is "
                          f"{vocab_size}; use a model with vocab_size >= {tok.vocab_size}")
@@ -271,12 +268,12 @@ def build_dataset(scfg: StageConfig, vocab_size: int) -> TokenDataset | MQARData
 def check_same_tokenizer(meta: Any, data: Any) -> None:
     """ValueError when a stage would train on other tokens than the checkpoint it starts from (or resumes) was
     trained on: the embedding rows would mean other strings."""
-    from prisme.checkpoint import load_tokenizer
+    from prisme.checkpoint import tokenizer_of
 
     ours = getattr(data, "tokenizer", None)
     if meta is None or ours is None:
         return
-    theirs = load_tokenizer(meta.path)
+    theirs = tokenizer_of(meta)
     if theirs is not None and theirs.identity != ours.identity:
         raise ValueError(f"this stage's tokenizer ({ours!r}) is not the one {meta.path} was trained with "
                          f"({theirs!r}); pass --tokenizer {meta.path / 'tokenizer.json'} (a checkpoint folder also "

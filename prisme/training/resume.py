@@ -145,6 +145,14 @@ def accumulate(acc: dict[str, torch.Tensor], stats: dict[str, torch.Tensor]) -> 
         acc[k] = acc[k] + v if k in acc else v
 
 
+def check_fresh_run(out: Path, overwrite: bool) -> None:
+    """ValueError when a fresh run would write into a folder that holds a run (and `overwrite` was not asked)."""
+    held = run_contents(out)
+    if held and not overwrite:
+        raise ValueError(f"{out} already holds a run ({', '.join(held)}); pass --resume (resume=True) to continue it, "
+                         f"--overwrite (overwrite=True) to replace it, or choose another out_dir")
+
+
 def run_contents(out: Path) -> list[str]:
     """What of a run a folder holds (checkpoints, the latest pointer, metrics), whatever state `latest` is in."""
     if not out.is_dir():

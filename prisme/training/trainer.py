@@ -73,13 +73,13 @@ from prisme.training.optim import group_lrs, lr_at, make_optimizer, stage_parame
 from prisme.training.resume import (
     RunLock,
     accumulate,
+    check_fresh_run,
     check_resumable,
     clear_run,
     drop_rows_after,
     graceful_sigint,
     restore_rng_state,
     rng_state,
-    run_contents,
 )
 
 
@@ -117,10 +117,7 @@ def _load_start(model_cfg: PrismeConfig | None, scfg: StageConfig) -> tuple[nn.M
         model, meta = ckpt.load_checkpoint(found, expected_config=model_cfg, load_optimizer=True)
         check_resumable(meta, scfg, out)
         return model, meta
-    held = run_contents(out)
-    if held and not scfg.overwrite:
-        raise ValueError(f"{out} already holds a run ({', '.join(held)}); pass --resume (resume=True) to continue it, "
-                         f"--overwrite (overwrite=True) to replace it, or choose another out_dir")
+    check_fresh_run(out, scfg.overwrite)
     if scfg.init_from is None:
         if scfg.stage in PREVIOUS:
             prev = PREVIOUS[scfg.stage]
