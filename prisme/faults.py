@@ -18,16 +18,16 @@ from prisme.model import attention as attention
 @contextlib.contextmanager
 def reset_positions() -> Iterator[None]:
     """Every chunk is placed at positions 0..C-1, as if the cache forgot how long each row already is."""
-    original = attention.chunk_positions
+    original, original_start = attention.chunk_positions, attention.chunk_start
 
-    def broken(lengths: list[int], n_tokens: int, device: torch.device) -> torch.Tensor:
+    def broken(lengths: list[int], n_tokens: int, device: torch.device, lengths_t=None) -> torch.Tensor:
         return original([0] * len(lengths), n_tokens, device)
 
-    attention.chunk_positions = broken
+    attention.chunk_positions, attention.chunk_start = broken, lambda lengths: 0
     try:
         yield
     finally:
-        attention.chunk_positions = original
+        attention.chunk_positions, attention.chunk_start = original, original_start
 
 
 @contextlib.contextmanager

@@ -82,6 +82,7 @@ class FakeDevice:
         self._stack.enter_context(_generators())
         self._stack.enter_context(_FactoryMode())
         self._stack.enter_context(_MethodMode())
+        self._stack.enter_context(_inference_mode_as_no_grad())
         return self
 
     def __exit__(self, *exc) -> None:
@@ -105,6 +106,31 @@ class FakeDevice:
 
 
 _ACTIVE: FakeDevice | None = None
+
+
+class _NoGradInference:
+    """Stands in for `torch._C._InferenceMode`: a wrapper subclass cannot be an inference tensor (its views fail with
+    "Cannot set version_counter"), so on the fake device `torch.inference_mode` behaves as `torch.no_grad`, which is
+    what it means for the values computed."""
+
+    def __init__(self, mode: bool = True):
+        self.ctx = torch.no_grad() if mode else contextlib.nullcontext()
+
+    def __enter__(self):
+        return self.ctx.__enter__()
+
+    def __exit__(self, *exc):
+        return self.ctx.__exit__(*exc)
+
+
+@contextlib.contextmanager
+def _inference_mode_as_no_grad():
+    original = torch._C._InferenceMode
+    torch._C._InferenceMode = _NoGradInference
+    try:
+        yield
+    finally:
+        torch._C._InferenceMode = original
 _CPU_GENERATOR = torch.Generator
 
 
@@ -254,6 +280,8 @@ class _MethodMode(TorchFunctionMode):
                 return out.requires_grad_() if src.requires_grad and src.is_leaf else out
         # torch.tensor(..., device=...), torch.arange(...): made on the CPU, wrapped
         if _is_fake(kwargs.get("device")) and name != "_parse_to" and not isinstance(src, OnDevice):
+            if name in ("tensor", "as_tensor") and _ACTIVE is not None:  # host data copied to the device
+                _ACTIVE.uploads["blocking"] += 1
             out = func(*args, **{**kwargs, "device": torch.device("cpu")})
             return OnDevice(out) if isinstance(out, torch.Tensor) else out
         if name == "to" and isinstance(src, OnDevice):

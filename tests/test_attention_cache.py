@@ -14,7 +14,7 @@ from conftest import assert_close
 
 from prisme import faults
 from prisme.config import PrismeConfig
-from prisme.model.attention import apply_rope, rope_tables
+from prisme.model.attention import KVCache, apply_rope, rope_tables
 from prisme.model.backbone import Backbone
 
 FAMILIES = {"tiny": "llama", "seed001": "gpt2"}
@@ -101,6 +101,52 @@ def test_ragged_batch_rows_equal_their_single_row_runs(preset):
             alone = model(rows[b][:n_total].unsqueeze(0))[0]  # [n_total, d]
             got = torch.cat([H_prompt[b, :n_prompt], torch.cat(H_steps, dim=1)[b], H_chunk[b, :n_total - n_prompt - 4]])
             assert_close(model.head(got), model.head(alone), 1e-12, f"{preset} row {b}")
+
+
+def _ragged_decode_error(model: Backbone) -> float:
+    """Max |logit error| of a ragged prompt (rows of 9 and 4 tokens) then 4 decode steps vs each row alone."""
+    rows = [tokens_for(model, 1, 13, seed=s)[0] for s in (1, 2)]
+    with torch.inference_mode():
+        cache = model.new_cache(2, 16)
+        prompt = torch.zeros(2, 9, dtype=torch.long)
+        prompt[0], prompt[1, :4] = rows[0][:9], rows[1][:4]
+        model(prompt, cache, n_new=[9, 4])
+        steps = torch.cat([model(torch.stack([rows[0][9 + s], rows[1][4 + s]]).unsqueeze(1), cache)
+                           for s in range(4)], dim=1)  # [2, 4, d]
+        alone = [model(rows[b][:n + 4].unsqueeze(0))[0, n:] for b, n in enumerate((9, 4))]  # [4, d] each
+        return max(float((model.head(steps[b]) - model.head(alone[b])).abs().max()) for b in range(2))
+
+
+def test_the_lengths_kept_on_the_device_follow_the_host_lengths(monkeypatch):
+    """`KVCache.lengths_tensor` equals `lengths` after unequal and equal advances, truncate and reset; equal
+    advances update it on the device (the same tensor is never re-uploaded). Negative control: a cache whose device
+    copy goes stale (it no longer follows an advance) puts decode steps at the wrong positions, which the ragged
+    decoding check catches."""
+    cache = model_for("tiny").new_cache(3, 16)
+    for op in (lambda: cache.advance([2, 5, 0]), lambda: cache.advance([1, 1, 1]), lambda: cache.advance([1, 1, 1]),
+               lambda: cache.truncate(2), lambda: cache.advance([3, 3, 3]), cache.reset):
+        before = cache.lengths_tensor("cpu")
+        op()
+        after = cache.lengths_tensor("cpu")
+        assert after.tolist() == cache.lengths and before is not after
+    uploads = []
+    real = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: uploads.append(a) or real(*a, **k))
+    for _ in range(3):
+        cache.advance([1, 1, 1])
+        assert cache.lengths_tensor("cpu").tolist() == cache.lengths
+    assert uploads == []  # followed on the device
+    monkeypatch.setattr(torch, "tensor", real)
+
+    model = model_for("tiny")
+    assert _ragged_decode_error(model) < 1e-12
+    original = KVCache._set_lengths
+
+    def stale(self, lengths, device_update):  # the bug: the device copy is kept as it was
+        original(self, lengths, (lambda t: t) if device_update is not None else None)
+
+    monkeypatch.setattr(KVCache, "_set_lengths", stale)
+    assert _ragged_decode_error(model) > 1e-2
 
 
 def test_ragged_padding_is_never_written_to_the_cache():

@@ -327,6 +327,25 @@ def test_cli_vs_hf_prints_table_and_json_last(capsys, tmp_path):
     assert cli_main(["bench", "vs-hf", "--shapes", "seed001", "--batches", "0"]) == 2
 
 
+@needs_hf
+def test_vs_hf_runs_on_a_device_that_is_not_the_cpu():
+    """`run_vs_hf(device=...)` on the fake device (tests/fake_device.py): both models, the tokens, the positions and
+    the planted bugs live there (a device mix raises); every path's logits check passes, the negative controls are
+    caught, the environment names the device and no CPU-bandwidth floor is computed. `--device cuda` without CUDA
+    is a ValueError naming the option."""
+    from fake_device import FakeDevice
+
+    with FakeDevice() as fd:
+        doc = bench_hf.run_vs_hf(shapes=("seed001",), prompts=(8,), new_tokens=2, warmups=0, repeats=1,
+                                 compile_mode=None, device=fd.device)
+    assert doc["checks"]["passed"] is True and doc["environment"]["device"] == "fakegpu:0"
+    assert len(doc["correctness"]) >= 5 and len(doc["negative_controls"]) >= 3
+    assert all(r["floor"] is None for r in doc["decode"])
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="--device cuda"):
+            harness.bench_device("cuda")
+
+
 def test_cli_vs_hf_skips_with_a_clear_message_without_transformers(monkeypatch, capsys):
     """Without the hf extra, vs-hf prints why it is skipped (with the install hint) and exits 0."""
     monkeypatch.setattr(bench_hf, "hf_available", lambda: False)

@@ -33,7 +33,7 @@ MQAR = dict(vocab_size=64, seq_len=T, n_pairs=2, query_min_pos=4)
 # after the fixes (before -> after in docs/benchmarks.md): backbone 2, workspace 26, controller 39, router 28; decoding
 # at budget 2, batch 2: 7 (the sparse editor's data-dependent shapes: `nonzero`, group counts). About 20% margin.
 TRAIN_STEP_SYNCS = {"backbone": 3, "workspace": 32, "controller": 47, "router": 34}
-DECODE_STEP_SYNCS = 9  # per generated token at budget 2, batch 2 (measured 13; the sparse editor's nonzero etc.)
+DECODE_STEP_SYNCS = 9  # per generated token at budget 2, batch 2 (measured 7; the sparse editor's nonzero etc.)
 
 
 def stage_cfg(out: Path, stage: str, init: Path | None = None, **kw) -> StageConfig:
@@ -129,11 +129,31 @@ def test_ragged_generation_on_a_device_equals_the_cpu_within_its_sync_budget(sam
         out = generate(dev_model, prompts, 6, max_budget=2, **sampling)
         assert out.tokens == ref.tokens and out.n_edits == ref.n_edits and out.ops == ref.ops
         fd.reset()
-        counts = []
+        counts, uploads = [], []
         for _ in generate_stream(dev_model, prompts, 6, max_budget=2, **sampling):
             counts.append(fd.sync_count())
+            uploads.append(sum(fd.uploads.values()))
     per_token = max(b - a for a, b in zip(counts, counts[1:]))
     assert per_token <= DECODE_STEP_SYNCS, f"{per_token} host syncs per generated token:\n{fd.report()}"
+    # the row lengths stay on the device and the picked tokens are fed back from it: nothing is uploaded per token
+    # (before: 6, the lengths and positions of every step and the fed tokens rebuilt from host lists)
+    assert [b - a for a, b in zip(uploads, uploads[1:])] == [0] * 5
+
+
+def test_batch_one_decoding_reads_the_device_once_per_token():
+    """The backbone alone, one row (every row at the same offset): the one read `generate` needs per token (the
+    picked token and its trace, in one copy), no other sync and no upload. Before: 2 (the chunk's offset was read
+    back from the device positions)."""
+    torch.manual_seed(0)
+    model = PrismeModel(MODEL).eval()
+    with FakeDevice() as fd:
+        dev_model = model.to(fd.device)
+        counts, uploads = [], []
+        for _ in generate_stream(dev_model, [[1, 2, 3]], 6, max_budget=0):
+            counts.append(fd.sync_count())
+            uploads.append(sum(fd.uploads.values()))
+    assert [b - a for a, b in zip(counts, counts[1:])] == [1] * 5, fd.report()
+    assert [b - a for a, b in zip(uploads, uploads[1:])] == [0] * 5
 
 
 def test_evaluation_on_a_device_equals_the_cpu():

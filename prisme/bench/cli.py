@@ -60,6 +60,7 @@ def add_bench_parser(sub) -> None:
     hf = bench_parser(bsub, "vs-hf", help="the backbone vs the same weights in HF transformers (needs the hf extra): "
                          "logits, cached decode and prefill, eager and compiled")
     hf.add_argument("--shapes", default="seed001,prisme_103m", help="comma-separated: seed001, prisme_103m")
+    hf.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]: where both models run and are timed")
     hf.add_argument("--quick", action="store_true",
                     help="a smoke run: prompts 16,256, prisme_103m batch 1 only with 4 new tokens, 5 repeats")
     hf.add_argument("--prompts", default=None, help="seed001 prompt lengths (default 16,64,128,256)")

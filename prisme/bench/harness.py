@@ -114,6 +114,14 @@ def build_model(cfg: PrismeConfig, seed: int, dtype: torch.dtype = torch.float32
     return model.to(dtype).eval()
 
 
+def bench_device(name: str | torch.device | None) -> torch.device:
+    """`--device` of a bench: "cpu" (default) or "cuda[:N]"; ValueError naming the option when CUDA is absent."""
+    device = torch.device(name or "cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available on this machine")
+    return device
+
+
 def make_tokens(vocab_size: int, batch: int, length: int, seed: int) -> torch.Tensor:
     """Predetermined token ids `[batch, length]` from a private generator."""
     g = torch.Generator().manual_seed(seed)

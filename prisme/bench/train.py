@@ -347,9 +347,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"need --warmups >= 0 and --repeats >= 1, got {args.warmups} and {args.repeats}")
     stages = tuple(s.strip() for s in getattr(args, "stages", "").split(",") if s.strip())
     stage_presets = tuple(s.strip() for s in getattr(args, "stage_presets", "demo").split(",") if s.strip())
-    device = torch.device(getattr(args, "device", "cpu") or "cpu")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: CUDA is not available on this machine")
+    device = harness.bench_device(getattr(args, "device", "cpu"))
     doc = run_train(presets, args.warmups, args.repeats, args.threads, args.seed, args.quick, stages=stages,
                     stage_presets=stage_presets, compile=getattr(args, "compile", False), device=device)
     return harness.emit(doc, format_train_table(doc), args.json)

@@ -61,6 +61,7 @@ from prisme.bench.vs_hf_report import (
     decode_floor,
     evaluate_targets,
     format_vs_hf_table,
+    protocol,
 )
 from prisme.config import PrismeConfig
 from prisme.interop import INSTALL_HINT, hf_available, hf_cache_kwarg, to_hf
@@ -78,6 +79,7 @@ class Pair:
     backbone: Backbone
     hf: nn.Module
     threads: int
+    device: torch.device = torch.device("cpu")  # where both models, the tokens and the timers run
 
     def __post_init__(self) -> None:
         self.cache_kw = hf_cache_kwarg(self.hf)  # looked up once: inspect.signature is slow next to a decode step
@@ -128,7 +130,7 @@ def decode_paths(pair: Pair, prompt: torch.Tensor, new: torch.Tensor, decoder: C
     positions (negative control)."""
     bb, (B, P), N = pair.backbone, prompt.shape, new.shape[1]
     toks = [new[:, i:i + 1] for i in range(N)]  # [B, 1] each
-    pos = [torch.full((B, 1), P + i + pos_shift) for i in range(N)]  # [B, 1] each
+    pos = [torch.full((B, 1), P + i + pos_shift, device=prompt.device) for i in range(N)]  # [B, 1] each
 
     def hf_start(kind: str) -> Callable[[], Any]:
         def start() -> Any:
@@ -225,7 +227,7 @@ class ShapeBench:
     @torch.inference_mode()
     def check_interop(self, batch: int = 2, seq_len: int = 64) -> None:
         bb, hf = self.pair.backbone, self.pair.hf
-        x = harness.make_tokens(bb.cfg.vocab_size, batch, seq_len, self.seed)
+        x = harness.make_tokens(bb.cfg.vocab_size, batch, seq_len, self.seed).to(self.pair.device)
         ref = bb.head(bb(x))  # [B, T, V]
         self.check("interop", "hf", batch, seq_len, _max_err(hf(x).logits, ref))
         w = hf.get_output_embeddings().weight  # [V, d]: plant a converter bug, then undo it exactly
@@ -248,7 +250,7 @@ class ShapeBench:
         self.check("decode", "hf_dynamic_positions_shifted", B, P, _max_err(shifted.logits(N), ref), negative=True)
         eager = compile_decode(bb, B, P + N + 1, mode=None, prefill_mode=None)  # the compiled function, run eagerly
         eager.prefill(prompt)
-        out = torch.stack([decode_step(bb, new[:, i:i + 1], torch.tensor([P + i + 1]), eager.cache)
+        out = torch.stack([decode_step(bb, new[:, i:i + 1], torch.tensor([P + i + 1], device=new.device), eager.cache)
                            for i in range(N)], dim=1)
         self.check("decode", "fixed_step_positions_shifted", B, P, _max_err(out, ref), negative=True)
 
@@ -285,7 +287,7 @@ class ShapeBench:
         (B, P), cfg = prompt.shape, self.pair.cfg
         paths = prefill_paths(self.pair, prompt, decoder)
         self.check_prefill(paths, prompt)
-        peak_paths = bench_train.matmul_paths(matmul_sizes) if matmul_sizes else []
+        peak_paths = bench_train.matmul_paths(matmul_sizes, device=prompt.device) if matmul_sizes else []
         samples = time_paths([*paths, *peak_paths], warmups, repeats, prompt.device)
         stats = {k: percentiles(v) for k, v in samples.items() if not k.startswith("matmul_")}
         flops = bench_train.forward_flops(cfg, B, P, head_positions=1).total
@@ -296,11 +298,13 @@ class ShapeBench:
                           {k: v / peak for k, v in gflops.items()} if peak else None)
 
 
-def build_pair(preset: str, seed: int, threads: int, in_out: bool = True) -> Pair:
-    """A seeded backbone and its HF copy; `in_out`: our weights then stored [in, out] (`compile.in_out_layout_`)."""
+def build_pair(preset: str, seed: int, threads: int, in_out: bool = True, device: str | torch.device = "cpu") -> Pair:
+    """A seeded backbone and its HF copy on `device`; `in_out`: our weights then stored [in, out]
+    (`compile.in_out_layout_`)."""
     bb = harness.build_model(PrismeConfig.from_name(preset), seed)
-    hf = to_hf(bb)  # contiguous copies, HF's own layouts
-    return Pair(in_out_layout_(bb) if in_out else bb, hf, threads)
+    hf = to_hf(bb).to(device)  # contiguous copies, HF's own layouts
+    bb = bb.to(device)
+    return Pair(in_out_layout_(bb) if in_out else bb, hf, threads, torch.device(device))
 
 
 def run_small(pair: Pair, prompts: Sequence[int], new_tokens: int, warmups: int, repeats: int,
@@ -309,7 +313,7 @@ def run_small(pair: Pair, prompts: Sequence[int], new_tokens: int, warmups: int,
     sb = ShapeBench(pair, compile_mode, seed)
     V, cap = pair.cfg.vocab_size, max(prompts) + new_tokens
     sb.check_interop()
-    seqs = {P: harness.make_tokens(V, 1, P + new_tokens, seed + P) for P in prompts}
+    seqs = {P: harness.make_tokens(V, 1, P + new_tokens, seed + P).to(pair.device) for P in prompts}
     dec = sb.decoder(1, cap, seqs[prompts[0]][:, :prompts[0]], step=True, prefill=True)
     for i, P in enumerate(prompts):
         prompt, new = seqs[P][:, :P], seqs[P][:, P:]
@@ -326,12 +330,12 @@ def run_big(pair: Pair, batches: Sequence[int], prompt_len: int, new_tokens: int
     V = pair.cfg.vocab_size
     sb.check_interop()
     for i, B in enumerate(batches):
-        seq = harness.make_tokens(V, B, prompt_len + new_tokens, seed + B)
+        seq = harness.make_tokens(V, B, prompt_len + new_tokens, seed + B).to(pair.device)
         prompt, new = seq[:, :prompt_len], seq[:, prompt_len:]
         dec = sb.decoder(B, prompt_len + new_tokens, prompt, step=True, prefill=False)
         sb.res.decode.append(sb.decode_row(prompt, new, dec, warmups, repeats, stream_bytes, negatives=i == 0))
         del dec
-    prompt = harness.make_tokens(V, 1, prefill_tokens, seed)
+    prompt = harness.make_tokens(V, 1, prefill_tokens, seed).to(pair.device)
     dec = sb.decoder(1, prefill_tokens, prompt, step=False, prefill=True)
     sb.res.prefill.append(sb.prefill_row(prompt, dec, warmups, repeats, matmul_sizes))
     return sb.res
@@ -341,8 +345,10 @@ def run_vs_hf(shapes: Sequence[str] = (SMALL, BIG), prompts: Sequence[int] = (16
               big_prompt: int = 64, big_new_tokens: int = 8, batches: Sequence[int] = (1, 8),
               prefill_tokens: int = 512, warmups: int = 2, repeats: int = 15, threads_small: int = 1,
               threads_big: int = 2, compile_mode: str | None = DEFAULT_MODE, seed: int = 42,
-              quick: bool = False, in_out: bool = True) -> dict[str, Any]:
-    """The whole `prisme bench vs-hf` protocol; returns the JSON document. Needs `transformers`."""
+              quick: bool = False, in_out: bool = True, device: str | torch.device = "cpu") -> dict[str, Any]:
+    """The whole `prisme bench vs-hf` protocol on `device`; returns the JSON document. Needs `transformers`.
+    Off the CPU the decode floor is not computed (its bandwidth row reads host memory) and the matmul peak runs on
+    the device."""
     if not hf_available():
         raise ImportError(f"prisme bench vs-hf needs the optional `transformers` package: {INSTALL_HINT}")
     unknown = sorted(set(shapes) - {SMALL, BIG})
@@ -359,7 +365,8 @@ def run_vs_hf(shapes: Sequence[str] = (SMALL, BIG), prompts: Sequence[int] = (16
                          f"got {prefill_tokens}")
     big_repeats = max(3, repeats // 3)
     matmul_sizes = bench_train.MATMUL_SIZES[:2] if quick else bench_train.MATMUL_SIZES
-    stream_bytes = bench_train.BANDWIDTH_BYTES
+    device = torch.device(device)
+    stream_bytes = bench_train.BANDWIDTH_BYTES if device.type == "cpu" else None
     load_start = os.getloadavg()[0]
     results: dict[str, ShapeResult] = {}
     models: dict[str, Any] = {}
@@ -367,7 +374,7 @@ def run_vs_hf(shapes: Sequence[str] = (SMALL, BIG), prompts: Sequence[int] = (16
     for shape in shapes:
         threads = threads_small if shape == SMALL else threads_big
         with harness.torch_threads(threads):
-            pair = build_pair(shape, seed, torch.get_num_threads(), in_out)
+            pair = build_pair(shape, seed, torch.get_num_threads(), in_out, device)
             models[shape] = {**harness.model_facts(pair.backbone), "hf_class": type(pair.hf).__name__,
                              "threads": pair.threads}
             if shape == SMALL:
@@ -378,7 +385,8 @@ def run_vs_hf(shapes: Sequence[str] = (SMALL, BIG), prompts: Sequence[int] = (16
             del pair
     import transformers
 
-    env = {**environment(dtype=torch.float32, seed=seed), "threads": {s: models[s]["threads"] for s in shapes},
+    env = {**environment(dtype=torch.float32, seed=seed), "device": str(device),
+           "threads": {s: models[s]["threads"] for s in shapes},
            "transformers": transformers.__version__, "load_average_1m": {"start": load_start,
                                                                           "end": os.getloadavg()[0]},
            "wall_s": time.perf_counter() - t_start}
@@ -395,25 +403,7 @@ def run_vs_hf(shapes: Sequence[str] = (SMALL, BIG), prompts: Sequence[int] = (16
                  "forced tokens; CPU microbenchmark, one run, on a machine that may be shared",
         "environment": env,
         "models": models,
-        "protocol": {
-            "warmups": {s: warmups if s == SMALL else min(warmups, 1) for s in shapes},
-            "repeats": {s: repeats if s == SMALL else big_repeats for s in shapes},
-            "quick": quick, "timer": "perf_counter_ns", "path_order": "rotated each repeat",
-            "gc": "collected before timing, disabled while timing", "gradients": "torch.inference_mode",
-            "decode": "N forced tokens after a prompt prefilled untimed; logits every step; one sample = N steps",
-            "prefill": "prompt into a fresh cache, logits of the last position only (HF: logits_to_keep=1)",
-            "hf": "sdpa attention; position_ids passed on each decode step",
-            "prisme_weight_layout": "[in, out] in memory (compile.in_out_layout_), same values" if in_out else
-                                    "nn.Linear's [out, in]",
-            "compiled": f"step: torch.compile({compile_mode!r}) with Inductor freezing, fixed shapes, attends over "
-                        "the cache's capacity under a mask (seed001: C++ wrapper, math attention); prefill: default "
-                        "mode, dynamic length",
-            "correctness": f"every timed path's logits vs our full forward, max |error| <= {TOL:g} (float32)",
-            "negative_controls": f"planted bugs must give max |error| >= {NEGATIVE_MIN:g}",
-            "floor": "(weights read once + K/V attended, mean over the steps) / stream_read p50 bandwidth of the "
-                     "same rotation",
-            "flops": "bench_train.forward_flops: matmuls 2/MAC, causal attention half, head on the last position",
-        },
+        "protocol": protocol(shapes, warmups, repeats, big_repeats, quick, in_out, compile_mode),
         "correctness": [asdict(c) for c in checks],
         "negative_controls": [asdict(c) for c in negatives],
         "checks": verdict,
@@ -443,5 +433,5 @@ def main(args: argparse.Namespace) -> int:
         batches=parse_ints(pick(args.batches, "1", "1,8"), "--batches"), prefill_tokens=args.prefill_tokens,
         warmups=args.warmups, repeats=pick(args.repeats, 5, 15), threads_small=args.threads_small,
         threads_big=args.threads_big, compile_mode=None if args.no_compile else DEFAULT_MODE, seed=args.seed,
-        quick=quick, in_out=not args.stock_layout)
+        quick=quick, in_out=not args.stock_layout, device=harness.bench_device(getattr(args, "device", "cpu")))
     return harness.emit(doc, format_vs_hf_table(doc), args.json)

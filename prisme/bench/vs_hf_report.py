@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -231,3 +232,27 @@ def format_vs_hf_table(doc: dict[str, Any]) -> str:
         lines.append(f"  [{'met' if t['met'] else 'NOT met':>7}] {t['name']}: {m} (target {t['target']:g}; "
                      f"{t['note']})")
     return "\n".join(lines)
+
+
+def protocol(shapes: Sequence[str], warmups: int, repeats: int, big_repeats: int, quick: bool, in_out: bool,
+             compile_mode: str | None) -> dict[str, Any]:
+    """The JSON document's `protocol`: how every figure of `prisme bench vs-hf` was taken."""
+    return {
+        "warmups": {s: warmups if s == SMALL else min(warmups, 1) for s in shapes},
+        "repeats": {s: repeats if s == SMALL else big_repeats for s in shapes},
+        "quick": quick, "timer": "perf_counter_ns (CUDA events on a CUDA device)", "path_order": "rotated each repeat",
+        "gc": "collected before timing, disabled while timing", "gradients": "torch.inference_mode",
+        "decode": "N forced tokens after a prompt prefilled untimed; logits every step; one sample = N steps",
+        "prefill": "prompt into a fresh cache, logits of the last position only (HF: logits_to_keep=1)",
+        "hf": "sdpa attention; position_ids passed on each decode step",
+        "prisme_weight_layout": "[in, out] in memory (compile.in_out_layout_), same values" if in_out else
+                                "nn.Linear's [out, in]",
+        "compiled": f"step: torch.compile({compile_mode!r}) with Inductor freezing, fixed shapes, attends over "
+                    "the cache's capacity under a mask (seed001: C++ wrapper, math attention); prefill: default "
+                    "mode, dynamic length",
+        "correctness": f"every timed path's logits vs our full forward, max |error| <= {TOL:g} (float32)",
+        "negative_controls": f"planted bugs must give max |error| >= {NEGATIVE_MIN:g}",
+        "floor": "(weights read once + K/V attended, mean over the steps) / stream_read p50 bandwidth of the "
+                 "same rotation (CPU only: off the CPU no floor is computed)",
+        "flops": "bench_train.forward_flops: matmuls 2/MAC, causal attention half, head on the last position",
+    }

@@ -287,17 +287,16 @@ def _events(run: _Run) -> Iterator[GenerationEvent]:
     if run.temperature > 0:  # one generator per row: a row's samples do not depend on the others or on their stops
         base = random.SystemRandom().randrange(2**62) if run.seed is None else run.seed
         gens = [torch.Generator(device=dev).manual_seed(_row_seed(base, b)) for b in range(B)]
-    state = model.new_decode_state(B, max_len=max(run.lengths) + run.max_new_tokens - 1,
-                                   bank=run.max_budget > 0)
+    state = model.new_decode_state(B, max_len=max(run.lengths) + run.max_new_tokens - 1, bank=run.max_budget > 0)
     policy = dict(max_budget=run.max_budget, lambda_cost=run.lambda_cost, kappa_risk=run.kappa_risk)
     out = state.prefill(run.tokens, run.lengths, run.prefill_chunk_size, logits="last", **policy)
     ops_of = _OpsOf(model, run.max_budget)
     done = [False] * B
-    last = [0] * B
+    done_t = torch.zeros(B, dtype=torch.bool, device=dev)  # `done` on the device, uploaded only when it changes
+    picked = done_t.long()  # replaced at step 0
     for step in range(run.max_new_tokens):
-        if step > 0:
-            feed = torch.tensor([[t] for t in last], dtype=torch.long, device=dev)  # [B, 1]
-            out = state.decode_step(feed, [0 if d else 1 for d in done], **policy)
+        if step > 0:  # the tokens just picked, still on the device (a finished row's is not read: it appends none)
+            out = state.decode_step(picked.view(B, 1), [0 if d else 1 for d in done], **policy)
         active = [b for b in range(B) if not done[b]]
         if gens is None:
             picked = out.logits[:, -1].argmax(-1)  # [B]
@@ -312,10 +311,10 @@ def _events(run: _Run) -> Iterator[GenerationEvent]:
         pos_l, n_l, s_l = [r[1] for r in host], [r[2] for r in host], [r[3] for r in host]
         acts_l = [r[4:] for r in host]
         ev = GenerationEvent(step=step, tokens=[None] * B, positions=[None] * B,
-                             actions=acts.masked_fill(torch.tensor(done, device=dev)[:, None], cfg.stop_action),
+                             actions=acts.masked_fill(done_t[:, None], cfg.stop_action),
                              n_edits=[None] * B, controller_steps=[None] * B, ops=[None] * B, finished=[True] * B)
+        before = list(done)
         for b, tok in zip(active, new):
-            last[b] = tok
             done[b] = tok in run.stop_tokens or step == run.max_new_tokens - 1
             ev.tokens[b], ev.positions[b], ev.n_edits[b], ev.controller_steps[b] = tok, pos_l[b], n_l[b], s_l[b]
             ev.ops[b] = ops_of(pos_l[b] + 1, acts_l[b], s_l[b])
@@ -323,6 +322,8 @@ def _events(run: _Run) -> Iterator[GenerationEvent]:
         yield ev
         if all(done):
             return
+        if done != before:
+            done_t = torch.tensor(done, device=dev)
 
 
 def _collect(run: _Run) -> GenerationOutput:

@@ -18,6 +18,7 @@ hold the current objects. Blocks, attention and MLP are still called as modules,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -69,12 +70,22 @@ def causal_mask(input_pos: torch.Tensor, kv_len: int) -> torch.Tensor:
     return mask if input_pos.dim() == 1 else mask.unsqueeze(1)
 
 
-def chunk_positions(lengths: list[int], n_tokens: int, device: torch.device) -> torch.Tensor:
-    """Absolute positions of a new chunk: shared `[C]` if every row has the same length, else `[B, C]`."""
+def chunk_positions(lengths: list[int], n_tokens: int, device: torch.device,
+                    lengths_t: torch.Tensor | None = None) -> torch.Tensor:
+    """Absolute positions of a new chunk: shared `[C]` if every row has the same length, else `[B, C]`.
+
+    lengths_t: the same lengths already on `device` (`KVCache.lengths_tensor`): per-row positions without an upload."""
     if len(set(lengths)) == 1:
         return torch.arange(lengths[0], lengths[0] + n_tokens, device=device)  # [C]
     offsets = torch.arange(n_tokens, device=device)  # [C]
-    return torch.tensor(lengths, device=device).unsqueeze(1) + offsets  # [B, C]
+    if lengths_t is None:
+        lengths_t = torch.tensor(lengths, device=device)
+    return lengths_t.unsqueeze(1) + offsets  # [B, C]
+
+
+def chunk_start(lengths: list[int]) -> int:
+    """The shared offset of a chunk whose rows all hold the same number of positions (a host int: no device read)."""
+    return lengths[0]
 
 
 def _heads_first(x: torch.Tensor, B: int, C: int, heads: int, hd: int) -> torch.Tensor:
@@ -148,10 +159,29 @@ class KVCache:
         self.batch_size = batch_size
         self.max_len = max_len
         self.lengths = [0] * batch_size
+        self._lengths_t: torch.Tensor | None = None  # the lengths on the device, valid while _lengths_of == lengths
+        self._lengths_of: list[int] | None = None
+
+    def lengths_tensor(self, device: torch.device | str) -> torch.Tensor:
+        """Each row's length `[B]` (long) on `device`. Uploaded once, then kept on the device as the rows advance
+        by equal counts (decoding), so a decode step uploads nothing; a new tensor each time the lengths change."""
+        t = self._lengths_t
+        if t is None or self._lengths_of != self.lengths or t.device != torch.device(device):
+            t = self._lengths_t = torch.tensor(self.lengths, dtype=torch.long, device=device)
+            self._lengths_of = list(self.lengths)
+        return t
+
+    def _set_lengths(self, lengths: list[int], device_update: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+        """New host lengths; the device copy follows by `device_update` (a device op, no upload) or is dropped."""
+        if self._lengths_t is not None and self._lengths_of == self.lengths and device_update is not None:
+            self._lengths_t, self._lengths_of = device_update(self._lengths_t), list(lengths)
+        else:
+            self._lengths_t = self._lengths_of = None
+        self.lengths = lengths
 
     def reset(self) -> None:
         """Forget every row's content (lengths to 0; buffers zeroed so stale keys can never leak)."""
-        self.lengths = [0] * self.batch_size
+        self._set_lengths([0] * self.batch_size, torch.zeros_like)
         for layer in self.layers:
             layer.reset()
 
@@ -162,14 +192,15 @@ class KVCache:
         lengths = [length + int(n) for length, n in zip(self.lengths, n_new)]
         if min(n_new, default=0) < 0 or max(lengths, default=0) > self.max_len:
             raise ValueError(f"cannot advance lengths {self.lengths} by {list(n_new)} within capacity {self.max_len}")
-        self.lengths = lengths
+        same = len(set(n_new)) == 1
+        self._set_lengths(lengths, (lambda t: t + int(n_new[0])) if same else None)
 
     def truncate(self, length: int) -> None:
         """Every row keeps its first `length` positions (at most its own length). The buffers past it are left as
         they are: a later step overwrites position `length` first, and no read reaches past a row's length."""
         if not 0 <= length <= min(self.lengths, default=0):
             raise ValueError(f"can only truncate to a length in [0, {min(self.lengths, default=0)}], got {length}")
-        self.lengths = [length] * self.batch_size
+        self._set_lengths([length] * self.batch_size, lambda t: torch.full_like(t, length))
 
     @property
     def nbytes(self) -> int:

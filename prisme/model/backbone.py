@@ -172,13 +172,15 @@ class Backbone(nn.Module):
                 raise ValueError(f"sequence of {C} tokens is longer than T_max={T_max}")
             return self._blocks(tokens, 0, layers=layers)
         valid, n_new = self._check_chunk(cache, B, C, n_new)
-        # chunk_positions and causal_mask are looked up on the module on purpose: `faults` patches them there.
-        input_pos = attn.chunk_positions(cache.lengths, C, tokens.device)  # [C] or [B, C]
+        # chunk_positions, chunk_start and causal_mask are looked up on the module on purpose: `faults` patches them.
+        ragged = len(set(cache.lengths)) > 1
+        input_pos = attn.chunk_positions(cache.lengths, C, tokens.device,
+                                         cache.lengths_tensor(tokens.device) if ragged else None)  # [C] or [B, C]
         if valid is not None and input_pos.dim() == 1:
             input_pos = input_pos.expand(B, C)
         kv_len = min(max(cache.lengths) + C, cache.max_len)
         if input_pos.dim() == 1:  # every row at the same offset: slice reads and writes
-            start = input_pos.tolist()[0]  # a host copy: cheaper than int(input_pos[0])
+            start = attn.chunk_start(cache.lengths)  # from the host's lengths: no device read
             causal = start == 0 and kv_len == C > 1  # a prompt into an empty cache: no mask tensor needed
             mask = None if C == 1 or causal else attn.causal_mask(input_pos, kv_len)
             H, kept = self._blocks(tokens, start, cache, CacheStep(input_pos, start, None, kv_len, mask, causal),

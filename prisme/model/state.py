@@ -239,9 +239,12 @@ class DecodeState:
     def _step(self, tokens: torch.Tensor, n_new: list[int], ws: _Workspace) -> StepOutput:
         B, C = tokens.shape
         start = self.lengths
-        st = self._advance(tokens, n_new)  # H [B, C, d] and the source streams
         offsets = torch.arange(C, device=tokens.device)  # [C]
-        pos = torch.tensor(start, device=tokens.device).unsqueeze(1) + offsets  # [B, C]
+        if len(set(start)) == 1:  # every row at the same offset: the positions from the host's ints
+            pos = (offsets + start[0]).expand(B, C)  # [B, C]
+        else:  # from the lengths kept on the device: no upload
+            pos = self.cache.lengths_tensor(tokens.device).unsqueeze(1) + offsets  # [B, C]
+        st = self._advance(tokens, n_new)  # H [B, C, d] and the source streams
         if all(n == C for n in n_new):
             return self._workspace(st, pos, None, None, ws)
         valid = offsets < torch.tensor(n_new, device=tokens.device)[:, None]  # [B, C]
@@ -253,29 +256,34 @@ class DecodeState:
         (H `[B, C, d]` and the workspace's source streams)."""
         B, C = tokens.shape
         start = self.lengths
+        full = all(n == C for n in n_new)
+        start_t = None if len(set(start)) == 1 and full else self.cache.lengths_tensor(tokens.device)
         st = self.model.streams(tokens, self.cache, n_new)  # H [B, C, d]
         H = st.H
         if self.K is not None:
             hs = self.model.bank_inputs(st)  # [B, C, d] per bank term: only the new positions are projected
             K, V = self.model.bank_from_inputs(hs, self.prev if self.prev else None)  # [B, C, w] each
             entries = [(self.K, K), (self.V, V)] + ([(self.ids, tokens)] if self.ids is not None else [])
-            if self.prev:  # the shift's memory: each row's last real position (padding is never read)
+            if self.prev and full:  # the shift's memory: each row's last position
+                for p, h in zip(self.prev, hs):
+                    p.copy_(h[:, -1].to(p.dtype))
+            elif self.prev:  # ... each row's last real position (padding is never read)
                 n_t = torch.tensor(n_new, device=H.device)
                 moved = (n_t > 0).unsqueeze(1)  # [B, 1]
                 last = (n_t - 1).clamp(min=0).view(B, 1, 1).expand(B, 1, H.shape[-1])  # [B, 1, d]
                 for p, h in zip(self.prev, hs):
                     p.copy_(torch.where(moved, h.gather(1, last).squeeze(1).to(p.dtype), p))
-            if len(set(start)) == 1 and all(n == C for n in n_new):
+            if start_t is None:  # every row at the same offset, all full
                 for buf, new in entries:
                     buf.narrow(1, start[0], C).copy_(new)
             else:
-                if all(n == C for n in n_new):  # rows at different offsets, all full (decoding): no host read
+                if full:  # rows at different offsets, all full (decoding): no host read
                     rows = torch.arange(B, device=H.device).repeat_interleave(C)
                     cols = torch.arange(C, device=H.device).repeat(B)
                 else:
                     valid = torch.arange(C, device=H.device) < torch.tensor(n_new, device=H.device)[:, None]
                     rows, cols = valid.nonzero(as_tuple=True)  # [N]: real tokens only, padding is never written
-                at = cols + torch.tensor(start, device=H.device)[rows]  # their absolute positions
+                at = cols + start_t[rows]  # their absolute positions
                 for buf, new in entries:
                     buf[rows, at] = new[rows, cols].to(buf.dtype)
         return st
@@ -311,7 +319,7 @@ class DecodeState:
         sub = (lambda x: x) if keep is None else (lambda x: x[keep])
         st_q = st if keep is None else Streams(H[keep], {k: v[keep] for k, v in st.src.items()})
         H_q, pos_q, valid_q = st_q.H, sub(pos), sub(valid_t)
-        bank_len = sub(torch.tensor(lengths, device=dev))  # [b]
+        bank_len = sub(self.cache.lengths_tensor(dev))  # [b]
         K, V = sub(self.K.narrow(1, 0, Tb)), sub(self.V.narrow(1, 0, Tb))  # [b, Tb, w]
         z, S0 = model.query_state(st_q)  # [b, Q, w], [b, Q, M, w]
         mask = model.bank_mask(H_q.shape[0], Q, Tb, pos_q, bank_len, dev)  # [b, Q, Tb]
