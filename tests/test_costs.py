@@ -736,3 +736,26 @@ def test_negative_control_a_cost_model_without_the_shift_term_fails_the_tie(monk
     monkeypatch.setattr(costs.analytic, "bank_shift_ops", lambda cfg: 0)
     broken = costs.trace_cost(cfg, actions[0], [T_CTX], None, optimised=True)
     assert "bank_shift" in measured_vs_analytic(oc.by_component, broken.by_component, cfg)
+
+
+def test_distinct_rows_equals_unique_over_rows():
+    """`traces.distinct_rows` (the packed 1-D unique that prices each distinct trace once) gives `torch.unique(dim=0)`'s
+    rows and counts: negative entries (DENSE's -1 kind), one column, a single row, and ranges too wide to pack (the
+    fallback). Negative control: packing without each column's minimum (a plain radix of max + 1) merges rows."""
+    from prisme.costs.traces import distinct_rows
+
+    g = torch.Generator().manual_seed(0)
+    cases = [torch.cat([torch.randint(1, 129, (4000, 1), generator=g), torch.randint(0, 3, (4000, 1), generator=g),
+                        torch.randint(-1, 3, (4000, 3), generator=g)], 1),
+             torch.randint(-5, 5, (300, 1), generator=g), torch.tensor([[7, -1, 2]]),
+             torch.tensor([[2**40, 0, 2**40], [0, 2**40, 1], [2**40, 0, 2**40]])]
+    for rows in cases:
+        want = torch.unique(rows, dim=0, return_counts=True)
+        got = distinct_rows(rows)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    rows = cases[0]
+    radix = (rows.amax(0) + 1).tolist()  # the bug: -1 and 2 of one column share a digit with the next column's
+    packed = torch.zeros(rows.shape[0], dtype=torch.long)
+    for c, r in enumerate(radix):
+        packed = packed * r + rows[:, c]
+    assert torch.unique(packed).numel() != torch.unique(rows, dim=0).shape[0]

@@ -575,3 +575,20 @@ def test_cli_eval_controller_budget_and_kappa_reach_the_controller_rows(tmp_path
     assert cli.main([*base, "--kappa-risk", "1e9", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["rows"][0]["mean_edits"] < edits  # risky actions are no longer taken
     assert cli.main([*base, "--kappa-risk", "-1"]) == 2
+
+
+def test_a_shared_encoding_gives_the_same_outputs_bitwise():
+    """`forward(x, actions, ctx=encode(x))` and `forward_policy(..., ctx=encode(x))` (what `evaluate_policies` does once
+    per batch for every workspace row) equal the calls that encode themselves, bitwise. Negative control: another
+    batch's encoding changes the logits."""
+    torch.manual_seed(0)
+    model = PrismeModel(PrismeConfig.from_name("tiny").replace(router=True)).eval()
+    x, other = torch.randint(0, 64, (2, 2, 12)).unbind(0)
+    acts = forced_actions(model.cfg, "fixed", 2, 1, x.shape, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ctx = model.encode(x)
+        assert torch.equal(model(x, acts, ctx=ctx).logits, model(x, acts).logits)
+        a, b = model.forward_policy(x, 2, lambda_cost=0.01, ctx=ctx), model.forward_policy(x, 2, lambda_cost=0.01)
+        assert torch.equal(a.logits, b.logits) and torch.equal(a.actions, b.actions)
+        assert not torch.equal(model(x, acts, ctx=model.encode(other)).logits, model(x, acts).logits)
+

@@ -3,6 +3,7 @@ position at its own context, priced by the analytic terms of `prisme.costs.analy
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,7 +73,7 @@ def trace_cost(cfg: PrismeConfig, actions: Any, contexts: Any, controller_steps:
     base = 0.0
     # positions with the same (context, action kinds, controller steps) cost the same: price each distinct one once
     cols = [ctx_t.unsqueeze(1), steps_t.unsqueeze(1)] + ([kinds_t] if kinds_t is not None else [])
-    keys, counts = torch.unique(torch.cat(cols, 1), dim=0, return_counts=True)
+    keys, counts = distinct_rows(torch.cat(cols, 1))
     for key, count in zip(keys.tolist(), counts.tolist()):
         T, n_steps, kinds = int(key[0]), int(key[1]), [k for k in key[2:] if k != 0]
         ks = [cfg.n_slots if k == -1 else k for k in kinds]
@@ -84,6 +85,27 @@ def trace_cost(cfg: PrismeConfig, actions: Any, contexts: Any, controller_steps:
             comp[c] += row[c] * count
         base += row["backbone"] * count
     return TraceCost(total_ops=sum(comp.values()), n_positions=N, backbone_ops=base, by_component=comp)
+
+
+def distinct_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct rows of an integer matrix `[N, C]` (sorted) and how often each occurs: `torch.unique(dim=0)`'s
+    answer, computed by packing each row into one int64 (mixed radix over the columns' ranges) and a 1-D unique,
+    which is many times faster; `unique(dim=0)` itself when the ranges do not fit in 62 bits."""
+    if rows.numel() == 0:
+        return torch.unique(rows, dim=0, return_counts=True)
+    lo, hi = rows.amin(0), rows.amax(0)
+    radix = (hi - lo + 1).tolist()
+    if math.prod(radix) >= 2**62:
+        return torch.unique(rows, dim=0, return_counts=True)
+    packed = torch.zeros(rows.shape[0], dtype=torch.long)
+    for c, r in enumerate(radix):  # the first column most significant: the same order as unique(dim=0)
+        packed = packed * r + (rows[:, c] - lo[c])
+    keys, counts = torch.unique(packed, return_counts=True)
+    out = torch.empty(keys.shape[0], rows.shape[1], dtype=rows.dtype)
+    for c in range(rows.shape[1] - 1, -1, -1):
+        out[:, c] = keys % radix[c] + lo[c]
+        keys = keys // radix[c]
+    return out, counts
 
 
 def _kinds(cfg: PrismeConfig, acts: torch.Tensor) -> torch.Tensor:

@@ -258,6 +258,9 @@ def evaluate_policies(model: PrismeModel, dataset: TokenDataset | MQARDataset, p
                       oracle_targets=oracle_seen)
 
 
+ENCODED_FAMILIES = ("fixed", "random", "dense", "equal_edits", "controller")  # rows that share the batch's encoding
+
+
 def _run_batches(model, plan, accs, batches, device, matched_backbone, oracle_positions, seed, progress,
                  refs=None, kappa_risk=None) -> None:
     cfg = model.cfg
@@ -282,6 +285,11 @@ def _run_batches(model, plan, accs, batches, device, matched_backbone, oracle_po
             m_logits = matched_backbone(x.to(next(matched_backbone.parameters()).device)).logits.to(device)
             t_matched = clock() - t0
             matched_ce = token_ce(m_logits, y)
+        ctx, t_enc = None, 0.0  # the workspace rows share one encoding of the batch; each row is charged its time
+        if any(p.family in ENCODED_FAMILIES for p in plan):
+            t0 = clock()
+            ctx = model.encode(x)
+            t_enc = clock() - t0
         g_random = torch.Generator().manual_seed(seed + bi)
         rand_state = g_random.get_state()
         oracle_pos = None
@@ -311,13 +319,13 @@ def _run_batches(model, plan, accs, batches, device, matched_backbone, oracle_po
                     acts = thinned_actions(cfg, edits_seen[p.of], p.n, (B, T), g_thin, device)
                 else:
                     acts = forced_actions(cfg, p.family, p.n, p.k, (B, T), g_random, device)  # [B, T, n]
-                out = model(x, acts)
-                acc.time_s += clock() - t0
+                out = model(x, acts, ctx=ctx)
+                acc.time_s += clock() - t0 + t_enc
                 acc.add_loss(out.logits, y, base_ce, matched_ce)
                 acc.add_trace(out.actions, contexts, None)
             elif p.family == "controller":
-                out = model.forward_policy(x, max_budget=p.n, lambda_cost=p.lam, kappa_risk=kappa_risk)
-                acc.time_s += clock() - t0
+                out = model.forward_policy(x, max_budget=p.n, lambda_cost=p.lam, kappa_risk=kappa_risk, ctx=ctx)
+                acc.time_s += clock() - t0 + t_enc
                 acc.add_loss(out.logits, y, base_ce, matched_ce)
                 acc.add_trace(out.actions, contexts, out.controller_steps)
                 acc.routed = cfg.router  # the router decided step 0 of this policy's traces

@@ -128,8 +128,8 @@ class PrismeModel(nn.Module):
 
     @classmethod
     def group_of(cls, name: str) -> str:
-        """The group of a parameter by its top-level module: the backbone, the controller (with its own input
-        projection), the router; every other part (bank, slots, editor, readout) is the workspace's."""
+        """A parameter's group by its top-level module; every part not the backbone's, controller's (P_ctrl too) or
+        router's (bank, slots, editor, readout) is the workspace's."""
         return cls._GROUP_OF.get(name.split(".")[0], "workspace")
 
     def parameter_group(self, group: str) -> list[nn.Parameter]:
@@ -151,8 +151,7 @@ class PrismeModel(nn.Module):
         return self.parameter_group("router")
 
     # ------------------------------------------------------------------ encoding
-    def streams(self, tokens: torch.Tensor, cache: object | None = None,
-                n_new: list[int] | None = None) -> Streams:
+    def streams(self, tokens: torch.Tensor, cache: object | None = None, n_new: list[int] | None = None) -> Streams:
         """A backbone pass (`Backbone.forward` arguments) that also keeps the source streams the workspace reads."""
         H, kept = self.backbone.streams(tokens, cache, n_new, getattr(self, "source_layers", ()))
         if not self.cfg.use_workspace:
@@ -379,7 +378,8 @@ class PrismeModel(nn.Module):
 
     # ------------------------------------------------------------------ forward passes
     def forward(self, tokens: torch.Tensor, actions: torch.Tensor | None = None,
-                budget: int | torch.Tensor | None = None, return_state: bool = False) -> PrismeOutput:
+                budget: int | torch.Tensor | None = None, return_state: bool = False,
+                ctx: EncodedContext | None = None) -> PrismeOutput:
         """Forced-action forward (training, fixed policies, tests).
 
         Args:
@@ -388,6 +388,7 @@ class PrismeModel(nn.Module):
                 None or R == 0 -> exact bypass (the backbone alone).
             budget: each position's budget (int or `[B, T]`, in [1, r_max], default R); the editor's
                 `remaining = budget - step - 1`. Non-STOP actions at steps >= budget are an error.
+            ctx: `encode(tokens)` when several calls share one batch (evaluation).
         """
         cfg = self.cfg
         if actions is not None and not isinstance(actions, torch.Tensor):
@@ -399,18 +400,16 @@ class PrismeModel(nn.Module):
             H = self.backbone(tokens)
             return PrismeOutput(logits=self.backbone.head(H), H=H)
         budget = check_forced(cfg, tokens, actions, budget)
-        ctx = self.encode(tokens)
+        ctx = self.encode(tokens) if ctx is None else ctx
         return self._output(ctx, self.rollout_forced(ctx, actions, budget), return_state)
 
     @torch.no_grad()
     def forward_policy(self, tokens: torch.Tensor, max_budget: int, cost: torch.Tensor | None = None,
                        lambda_cost: float | None = None, kappa_risk: float | None = None,
-                       return_state: bool = False) -> PrismeOutput:
-        """Teacher-forced parallel rollout of the deployed controller at every position (evaluation only).
-
-        cost: `[A]` price per action (default: the cost model's proxy at `cfg.cost_context`).
-        Returns logits and the action trace `[B, T, max_budget]`.
-        """
+                       return_state: bool = False, ctx: EncodedContext | None = None) -> PrismeOutput:
+        """Teacher-forced parallel rollout of the deployed controller at every position (evaluation only); returns
+        logits and the action trace `[B, T, max_budget]`. cost: `[A]` price per action (default: the cost model's
+        proxy at `cfg.cost_context`); ctx: as in `forward`."""
         cfg = self.cfg
         check_max_budget(max_budget, cfg.r_max, cfg.use_workspace)
         if max_budget == 0:
@@ -419,7 +418,7 @@ class PrismeModel(nn.Module):
             return PrismeOutput(logits=self.backbone.head(H), H=H, n_edits=zeros, controller_steps=zeros,
                                 actions=zeros.unsqueeze(-1)[..., :0])
         cost = check_cost(cost, self.action_cost)
-        ctx = self.encode(tokens)
+        ctx = self.encode(tokens) if ctx is None else ctx
         return self._output(ctx, self.rollout_policy(ctx, max_budget, cost, lambda_cost, kappa_risk), return_state)
 
     def _output(self, ctx: EncodedContext, roll: Rollout, return_state: bool) -> PrismeOutput:
