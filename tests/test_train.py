@@ -425,18 +425,23 @@ def test_demo_rejects_bad_settings_before_training(tmp_path):
 
 
 def test_demo_pipeline_writes_every_output(tmp_path):
-    """The demo's glue on a byte-level tiny model (the text study in one process: stage 1, the deeper and matched
-    backbones, each bank source's stages 2-3 and evaluation on validation and the held-out text, then a sample) writes
-    the reports, plots and summary, and its verdict lines follow from the intervals."""
+    """The demo's glue on a byte-level tiny model (both studies' tasks in one process: the quick recall study without
+    its converged case; stage 1, the deeper and matched backbones, each bank source's stages 2-3 and evaluation on
+    validation and the held-out text; then a sample) writes the reports, plots and summary, and its verdict lines
+    follow from the intervals."""
     from prisme.studies.demo import run_demo
 
     cfg = PrismeConfig.from_name("tiny", vocab_size=256)
     held = tmp_path / "held_out.txt"
     held.write_text("Abasement, n. A decent and customary mental attitude in the presence of wealth. " * 6)
     summary = run_demo(tmp_path / "demo", scale=0.01, eval_batches=1, progress=False, model_cfg=cfg, jobs=1,
-                       sources=["residual", "embedding"], held_out=str(held))
+                       sources=["residual", "embedding"], held_out=str(held), recall_seeds=[0])
     run = tmp_path / "demo"
-    assert {p.name for p in run.iterdir()} >= {"text", "sample.txt", "summary.json"}
+    assert {p.name for p in run.iterdir()} >= {"recall", "text", "sample.txt", "summary.json"}
+    recall = json.loads((run / "recall" / "recall.json").read_text())
+    assert recall["converged"] is None and [e["seed"] for e in recall["seeds"]] == [0]
+    assert set(recall["controls"]) == {"one_layer", "two_layer"} and summary["recall"]["summary"] == recall["summary"]
+    assert not (run / "recall" / "converged_seed0").exists()
     text = run / "text"
     assert {"1_backbone", "3_backbone_matched", "deeper_backbone", "residual", "embedding", "text.json"} <= \
         {p.name for p in text.iterdir()}

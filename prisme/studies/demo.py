@@ -1,7 +1,9 @@
-"""`prisme demo` (`make demo`): the recall study, then the text study on the embedded Austen corpus, in minutes on a
-laptop CPU.
+"""`prisme demo` (`make demo`): the recall study and the text study on the embedded Austen corpus, in minutes on a
+laptop CPU. Both studies' runs share one worker pool (`studies.runner`): the text study's long chains start first and
+the recall runs fill the workers they leave idle.
 
-1. recall        `prisme study recall` on a few seeds (MQAR: where the workspace solves what its backbone cannot)
+1. recall        `prisme study recall` on a few seeds without its converged case (MQAR: where the workspace solves
+                 what its backbone cannot)
 2. text          `prisme study text` (`prisme.studies.text`): the three stages on byte-level Austen at the `demo` preset
                  (stage 1 once, stage 2 and 3 per bank source), the matched and a one-layer-deeper backbone, every
                  policy on the validation split and the whole held-out text with paired 95% intervals
@@ -60,7 +62,8 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
              sources: list[str] | None = None, held_out: str | None = None, compile: str = "off") -> dict[str, Any]:
     """Run the demo end to end; returns the summary (also written to <run>/summary.json).
 
-    1. the recall study on `recall_seeds` (None or [] skips it; with `scale` < 1 it runs in its quick mode);
+    1. the recall study on `recall_seeds` (None or [] skips it; with `scale` < 1 it runs in its quick mode), without
+       its converged case;
     2. the text study (`prisme.studies.text`): Austen with the demo preset (`model_cfg` replaces it: tests run a
        byte-level `tiny`), every policy against the backbone, the matched and a deeper backbone, on `eval_batches`
        validation batches and the whole held-out text (`held_out`, default the embedded devils_dictionary), for the
@@ -68,8 +71,10 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
        both);
     3. a short greedy sample from the seed's-bank controller.
     """
+    from prisme.studies.runner import Task, prefixed, run_tasks, worker_count
     from prisme.studies.text import TextStudyConfig, format_report
-    from prisme.studies.text import run_study as run_text
+    from prisme.studies.text import finish_study as finish_text
+    from prisme.studies.text import prepare_study as prepare_text
 
     if scale <= 0:
         raise ValueError(f"scale must be > 0, got {scale}")
@@ -90,26 +95,51 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
     run.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     walls: dict[str, float] = {}
-    recall = None
+    # both studies' tasks in one pool (the text study's long chains first, the recall runs filling the gaps)
+    text_model, stages, text_tasks = prepare_text(tcfg, cfg)
+    tasks = [prefixed(t, "text/") for t in text_tasks]
+    recall_tasks: list = []
     if recall_seeds:
-        from prisme.studies.recall import format_table, run_study
+        from prisme.studies.recall import finish_study as finish_recall
+        from prisme.studies.recall import format_table
+        from prisme.studies.recall import prepare_study as prepare_recall
         from prisme.studies.recall_setup import study_config
 
         rcfg = study_config({"seeds": list(recall_seeds), "out_dir": str(run / "recall"), "quick": scale < 1,
                              "jobs": jobs, "eval_sequences": 1024, "compile": compile,  # the demo's share of the time
-                             "calibration_sequences": 1024})  # the study's own calibration set: the same lambda
+                             "calibration_sequences": 1024,  # the study's own calibration set: the same lambda
+                             "converged": False})  # the converged case: `prisme study recall`
+        rcfg, recipe, recall_tasks = prepare_recall(rcfg)
+        chains = 2 + len(tcfg.sources)  # the text study's backbone, deeper backbone and sources go first
+        tasks = tasks[:chains] + [prefixed(t, "recall/") for t in recall_tasks] + tasks[chains:]
         print(f"demo: the recall study (seeds {','.join(map(str, rcfg.seeds))}) in {run / 'recall'}", flush=True)
-        doc = run_study(rcfg, progress=progress)
+    print(f"demo: the text study ({cfg.name} preset, {sum(model_params(cfg).values()):,} parameters; bank sources "
+          f"{', '.join(tcfg.sources)}) in {run / 'text'}", flush=True)
+    from prisme.studies.recall import progress_printer as recall_progress
+    from prisme.studies.text import progress_printer as text_progress
+
+    shows = {"recall/": recall_progress(progress, len(recall_tasks), "recall "), "text/": text_progress(progress)}
+    finished: dict[str, float] = {}
+
+    def on_done(task: Task, res: Any, elapsed: float) -> None:
+        prefix = task.name.split("/")[0] + "/"
+        finished[prefix] = elapsed
+        if shows[prefix] is not None:
+            shows[prefix](task, res, elapsed)
+
+    results = run_tasks(tasks, jobs, on_done=on_done)
+    n_workers = worker_count(jobs, len(tasks))
+    recall = None
+    if recall_seeds:
+        doc = finish_recall(rcfg, recipe, {t.name: results["recall/" + t.name] for t in recall_tasks}, recall_tasks,
+                            finished["recall/"], n_workers)
         print(format_table(doc) + "\n", flush=True)
         recall = {"summary": doc["summary"], "controls": {k: v["accuracy"] for k, v in doc["controls"].items()},
                   "json": str(run / "recall" / "recall.json"), "wall_s": round(doc["wall_s"]["total"], 1)}
-        walls["recall"] = time.perf_counter() - t0
-
-    t = time.perf_counter()
-    print(f"demo: the text study ({cfg.name} preset, {sum(model_params(cfg).values()):,} parameters; bank sources "
-          f"{', '.join(tcfg.sources)}) in {run / 'text'}", flush=True)
-    text_doc = run_text(tcfg, cfg)
-    walls["text"] = time.perf_counter() - t
+        walls["recall"] = finished["recall/"]
+    text_doc = finish_text(tcfg, text_model, stages, {t.name: results["text/" + t.name] for t in text_tasks},
+                           finished["text/"], n_workers)
+    walls["text"] = finished["text/"]
     print(format_report(text_doc), flush=True)
 
     t = time.perf_counter()

@@ -25,11 +25,8 @@ Seeds run as separate processes (`jobs`), one torch thread each by default.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import dataclasses
 import json
-import multiprocessing
-import os
 import sys
 import time
 from pathlib import Path
@@ -59,6 +56,7 @@ from prisme.studies.recall_setup import (
     parse_seeds,
     study_config,
 )
+from prisme.studies.runner import Task, run_tasks, worker_count
 from prisme.training.trainer import train_stage
 
 
@@ -71,7 +69,7 @@ def plan_tasks(cfg: RecallStudyConfig, recipe: Recipe) -> list[dict[str, Any]]:
         s1, s2, s3, conv_steps = _quick(s1, 12), _quick(s2, 12), _quick(s3, 6), 16
     matched = s1.steps + s2.steps  # the negative control trains as long as stages 1 + 2 together
     tasks = []
-    for seed in cfg.seeds:
+    for seed in cfg.seeds if cfg.converged else []:
         tasks.append(dict(kind="converged", seed=seed, folder=str(out / f"converged_seed{seed}"),
                           stages=[s1.replace(steps=conv_steps), s2, s3]))
     for seed in cfg.seeds:
@@ -142,15 +140,16 @@ def stage_folders(task: dict[str, Any]) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------------------ report
-def run_study(cfg: RecallStudyConfig, progress: bool = True) -> dict[str, Any]:
-    """Run every task (in `cfg.jobs` worker processes), then assemble the report document."""
+def prepare_study(cfg: RecallStudyConfig) -> tuple[RecallStudyConfig, Recipe, list[Task]]:
+    """Validate, plan and check every run folder before anything trains; returns (the effective settings, the recipe,
+    the tasks for `runner.run_tasks`, each named by its folder)."""
     cfg.validate()
     if cfg.quick:
         cfg = dataclasses.replace(cfg, seeds=cfg.seeds[:1], eval_sequences=min(cfg.eval_sequences, 128),
                                   calibration_sequences=min(cfg.calibration_sequences, 128))
     recipe, _ = load_recipe(cfg)
-    out = Path(cfg.out_dir)
-    for t in plan_tasks(cfg, recipe):  # nothing trains if any run folder is already taken
+    planned = plan_tasks(cfg, recipe)
+    for t in planned:  # nothing trains if any run folder is already taken
         for s in stage_folders(t):
             taken = (Path(t["folder"]) / s / "latest").exists()
             if taken and not cfg.evaluate_only:
@@ -158,30 +157,22 @@ def run_study(cfg: RecallStudyConfig, progress: bool = True) -> dict[str, Any]:
             if cfg.evaluate_only and not taken:
                 raise ValueError(f"--evaluate-only: {Path(t['folder']) / s} holds no checkpoint; run the study "
                                  f"with the same settings (and --out) first")
-    tasks = [t | {"device": spread(i)} for i, t in enumerate(plan_tasks(cfg, recipe))]  # workers over the GPUs
-    t0 = time.perf_counter()
-    jobs = cfg.jobs or (os.cpu_count() or 1)
-    jobs = max(1, min(jobs, len(tasks)))
-    done: list[dict[str, Any]] = []
-    if jobs == 1:
-        for t in tasks:
-            done.append(run_task(t))
-            _progress(progress, done[-1], len(done), len(tasks), t0)
-    else:
-        ctx = multiprocessing.get_context("spawn")
-        with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-            futures = [pool.submit(run_task, t) for t in tasks]
-            for f in cf.as_completed(futures):
-                done.append(f.result())
-                _progress(progress, done[-1], len(done), len(tasks), t0)
+    tasks = [Task(t["folder"], run_task, (t | {"device": spread(i)},)) for i, t in enumerate(planned)]  # over GPUs
+    return cfg, recipe, tasks
+
+
+def finish_study(cfg: RecallStudyConfig, recipe: Recipe, results: dict[str, Any], tasks: list[Task],
+                 total_s: float, jobs: int) -> dict[str, Any]:
+    """The document from the finished tasks (`results` by task name), written with its plots to the study folder."""
+    done = [results[t.name] for t in tasks]
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     if cfg.frontier:
-        doc = assemble_frontier_study(cfg, recipe, done, time.perf_counter() - t0, jobs)
-        out.mkdir(parents=True, exist_ok=True)
+        doc = assemble_frontier_study(cfg, recipe, done, total_s, jobs)
         write_text_atomic(out / "recall.json", json.dumps(doc, indent=2, allow_nan=False) + "\n")
         plot_frontier(doc, out / "recall_frontier.png")
         return doc
-    doc = assemble(cfg, recipe, done, time.perf_counter() - t0, jobs)
-    out.mkdir(parents=True, exist_ok=True)
+    doc = assemble(cfg, recipe, done, total_s, jobs)
     write_text_atomic(out / "recall.json", json.dumps(doc, indent=2, allow_nan=False) + "\n")
     plot_accuracy_vs_ops(doc, out / "recall_accuracy_vs_ops.png")
     first = next((s for s in doc["seeds"]), None)
@@ -191,14 +182,33 @@ def run_study(cfg: RecallStudyConfig, progress: bool = True) -> dict[str, Any]:
     return doc
 
 
-def _progress(on: bool, res: dict[str, Any], i: int, n: int, t0: float) -> None:
+def run_study(cfg: RecallStudyConfig, progress: bool = True) -> dict[str, Any]:
+    """Run every task (in `cfg.jobs` worker processes), then assemble the report document."""
+    cfg, recipe, tasks = prepare_study(cfg)
+    t0 = time.perf_counter()
+    results = run_tasks(tasks, cfg.jobs, on_done=progress_printer(progress, len(tasks)))
+    return finish_study(cfg, recipe, results, tasks, time.perf_counter() - t0, worker_count(cfg.jobs, len(tasks)))
+
+
+def progress_printer(on: bool, n: int, label: str = "") -> Any:
+    """An `on_done` for `run_tasks` that prints one line per finished recall task (None when `on` is False)."""
     if not on:
-        return
+        return None
+    count = [0]
+
+    def show(task: Task, res: dict[str, Any], elapsed: float) -> None:
+        count[0] += 1
+        _progress(res, count[0], n, elapsed, label)
+
+    return show
+
+
+def _progress(res: dict[str, Any], i: int, n: int, elapsed: float, label: str = "") -> None:
     t, e = res["task"], res["entry"]
     what = t["kind"] if t["kind"] not in ("control", "dense", "family") else f"{t['kind']} {t['name']}"
     acc = e.get("accuracy", e.get("budget1_accuracy")) if t["kind"] == "family" else \
         e.get("budget1_accuracy", e.get("accuracy"))
-    print(f"[{i}/{n} {time.perf_counter() - t0:6.0f} s] {what} seed {t['seed']}: accuracy {acc:.4f}",
+    print(f"[{label}{i}/{n} {elapsed:6.0f} s] {what} seed {t['seed']}: accuracy {acc:.4f}",
           file=sys.stderr, flush=True)
 
 
@@ -209,6 +219,8 @@ def assemble(cfg: RecallStudyConfig, recipe: Recipe, done: list[dict[str, Any]],
     seeds, converged = [], []
     for s in cfg.seeds:
         for kind, dest in (("seed", seeds), ("converged", converged)):
+            if (kind, None, s) not in by:  # the converged case is off (`converged`)
+                continue
             e = dict(by[(kind, None, s)])
             e["controller_checkpoint"] = e.pop("checkpoint")
             dest.append(e)
@@ -233,11 +245,13 @@ def assemble(cfg: RecallStudyConfig, recipe: Recipe, done: list[dict[str, Any]],
         "study": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("config_dir",)},
         "controls": controls,
         "seeds": seeds,
-        "converged": {"bank_source": mc.bank_source, "query_source": mc.query_source, "bank_shift": mc.bank_shift,
-                      "backbone_steps": converged[0]["backbone_steps"], "success_rate": conv_ok / n,
-                      "controller_success_rate": conv_ctrl_ok / n, "seeds": converged},
+        "converged": None if not converged else {
+            "bank_source": mc.bank_source, "query_source": mc.query_source, "bank_shift": mc.bank_shift,
+            "backbone_steps": converged[0]["backbone_steps"], "success_rate": conv_ok / n,
+            "controller_success_rate": conv_ctrl_ok / n, "seeds": converged},
         "summary": {"workspace_success": f"{ws_ok}/{n}", "controller_success": f"{ctrl_ok}/{n}",
-                    "converged_success": f"{conv_ok}/{n}", "converged_controller_success": f"{conv_ctrl_ok}/{n}",
+                    **({"converged_success": f"{conv_ok}/{n}", "converged_controller_success": f"{conv_ctrl_ok}/{n}"}
+                       if converged else {}),
                     "negative_control_ok": controls["one_layer"]["accuracy"] <= 0.30,
                     "positive_control_ok": controls["two_layer"]["accuracy"] >= TARGET_ACCURACY},
         "wall_s": {"total": total_s, **phases, "jobs": jobs,

@@ -34,7 +34,7 @@ def format_table(doc: dict[str, Any]) -> str:
     head = (f"{'run':<14}{'budget1':>9}{'xattn':>7}{'gate q/o':>12}{'|d|/|H|':>9}{'lambda':>8}{'ctrl acc':>9}"
             f"{'edits':>7}{'on q':>6}{'ops':>7}{'fix95 ops':>10}  ok")
     lines += [head, "-" * len(head)]
-    for label, entries in (("seed", doc["seeds"]), ("converged", doc["converged"]["seeds"])):
+    for label, entries in (("seed", doc["seeds"]), ("converged", (doc["converged"] or {}).get("seeds", []))):
         for e in entries:
             k = e["controller"]
             cheapest = min((r["ops_ratio"] for r in e["fixed"] if r["family"] != "backbone"
@@ -46,9 +46,11 @@ def format_table(doc: dict[str, Any]) -> str:
                          f"{k['edits_per_token']:>7.3f}{k['query_edit_share']:>6.2f}{k['ops_ratio']:>7.3f}"
                          f"{cheapest:>10.3f}  {ok}")
     s = doc["summary"]
+    conv = (f"converged backbone ({doc['converged']['backbone_steps']} stage-1 steps): {s['converged_success']} "
+            f"(controller {s['converged_controller_success']})" if doc["converged"] else
+            "the converged case was not run (`prisme study recall` runs it)")
     lines += ["", f"workspace at budget 1 >= 95%: {s['workspace_success']} seeds; controller bars: "
-              f"{s['controller_success']}; converged backbone ({doc['converged']['backbone_steps']} stage-1 steps): "
-              f"{s['converged_success']} (controller {s['converged_controller_success']})",
+              f"{s['controller_success']}; {conv}",
               f"negative control <= 30%: {'yes' if s['negative_control_ok'] else 'NO'}; positive control >= 95%: "
               f"{'yes' if s['positive_control_ok'] else 'NO'}; wall {doc['wall_s']['total']:.0f} s "
               f"({doc['wall_s']['jobs']} workers)",

@@ -31,6 +31,7 @@ class RecallStudyConfig:
 
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 4])
     converged_backbone_steps: int = 600  # stage 1 of the converged case: the backbone trained to its plateau
+    converged: bool = True  # run the converged case (`prisme demo` leaves it out for time)
     eval_sequences: int = 2048  # held-out sequences per model, drawn from the run's own seed
     calibration_sequences: int = 1024  # a separate set: the controller's lambda is chosen there
     lambdas: list[float] = field(default_factory=lambda: [0.0, 0.03, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4])

@@ -19,12 +19,9 @@ backbone under its own workspace config (`rebase.rebase_backbone`, exact).
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import dataclasses
 import json
 import math
-import multiprocessing
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -41,6 +38,7 @@ from prisme.data.tokenizers import ByteTokenizer
 from prisme.devices import spread
 from prisme.io import write_text_atomic
 from prisme.rebase import rebase_backbone
+from prisme.studies.runner import Task, run_tasks, worker_count
 from prisme.training.config import StageConfig
 from prisme.training.trainer import train_stage
 
@@ -209,9 +207,10 @@ def _evaluate(cfg: TextStudyConfig, stages: dict[str, StageConfig], source: str,
 
 
 # ------------------------------------------------------------------------------------------------------------ run
-def run_study(cfg: TextStudyConfig, model_cfg: PrismeConfig | None = None) -> dict[str, Any]:
-    """Train and evaluate everything (a small dependency graph over `jobs` worker processes); returns the document
-    (also `<out>/text.json`)."""
+def prepare_study(cfg: TextStudyConfig, model_cfg: PrismeConfig | None = None
+                  ) -> tuple[PrismeConfig, dict[str, StageConfig], list[Task]]:
+    """Validate and check everything before anything trains; returns (the model config, the stage configs, the
+    tasks for `runner.run_tasks`: a small dependency graph, the long chains first)."""
     cfg.validate()
     model_cfg = model_cfg if model_cfg is not None else PrismeConfig.from_name("demo")
     out = Path(cfg.out_dir)
@@ -219,56 +218,40 @@ def run_study(cfg: TextStudyConfig, model_cfg: PrismeConfig | None = None) -> di
         raise ValueError(f"study folder {out} already exists and is not empty; pass another --out")
     load_text(cfg.held_out)  # a missing or empty held-out text fails now, not after training
     stages = stage_configs(cfg, model_cfg)
-    t0 = time.perf_counter()
-    jobs = max(1, cfg.jobs or (os.cpu_count() or 1))
-    graph = {"backbone": [], "deeper": [], "matched": ["backbone"]}  # task -> tasks it needs
-    for s in cfg.sources:
-        graph[f"source:{s}"] = ["backbone"]
-        graph[f"eval_val:{s}"] = [f"source:{s}", "matched", "deeper"]
-        graph[f"eval_held_out:{s}"] = [f"source:{s}", "matched", "deeper"]
-    order = ["backbone", "deeper"] + [f"source:{s}" for s in cfg.sources] + ["matched"] + \
-            [f"eval_held_out:{s}" for s in cfg.sources] + [f"eval_val:{s}" for s in cfg.sources]
-    done: dict[str, dict[str, Any]] = {}
-
-    def submit(pool, name):
+    graph = {"backbone": [], "deeper": []}  # task -> tasks it needs, in the order they should start
+    graph.update({f"source:{s}": ["backbone"] for s in cfg.sources})
+    graph["matched"] = ["backbone"]
+    for split in ("held_out", "val"):
+        graph.update({f"eval_{split}:{s}": [f"source:{s}", "matched", "deeper"] for s in cfg.sources})
+    tasks = []
+    for i, (name, needs) in enumerate(graph.items()):
         kind, _, src = name.partition(":")
-        return (pool.submit if pool else _Now)(_task, kind, cfg, model_cfg, stages, src or None,
-                                               spread(order.index(name)))
+        tasks.append(Task(name, _task, (kind, cfg, model_cfg, stages, src or None, spread(i)), tuple(needs)))
+    return model_cfg, stages, tasks
 
-    pool = None if jobs == 1 else cf.ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context(
-        "spawn"))
-    try:
-        running: dict[Any, str] = {}
-        while len(done) < len(graph):
-            for name in order:
-                if name not in done and name not in running.values() and all(d in done for d in graph[name]):
-                    running[submit(pool, name)] = name
-                    if pool is None:
-                        break
-            finished, _ = cf.wait(list(running), return_when=cf.FIRST_COMPLETED)
-            for f in finished:
-                name = running.pop(f)
-                done[name] = f.result()
-                if cfg.progress:
-                    print(f"[text study {time.perf_counter() - t0:6.0f} s] {name} done "
-                          f"({done[name]['wall_s']:.0f} s)", file=sys.stderr, flush=True)
-    finally:
-        if pool is not None:
-            pool.shutdown(cancel_futures=True)
-    doc = assemble(cfg, model_cfg, stages, done, time.perf_counter() - t0, jobs)
-    write_text_atomic(out / "text.json", json.dumps(doc, indent=2, allow_nan=False) + "\n")
+
+def finish_study(cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[str, StageConfig],
+                 done: dict[str, dict[str, Any]], total_s: float, jobs: int) -> dict[str, Any]:
+    """The document from the finished tasks, written to `<out>/text.json`."""
+    doc = assemble(cfg, model_cfg, stages, done, total_s, jobs)
+    write_text_atomic(Path(cfg.out_dir) / "text.json", json.dumps(doc, indent=2, allow_nan=False) + "\n")
     return doc
 
 
-class _Now(cf.Future):
-    """A future that runs its function at once (jobs = 1: no worker processes)."""
+def progress_printer(on: bool, label: str = "text study") -> Any:
+    """An `on_done` for `run_tasks` that prints one line per finished text task (None when `on` is False)."""
+    if not on:
+        return None
+    return lambda task, res, elapsed: print(f"[{label} {elapsed:6.0f} s] {task.name} done ({res['wall_s']:.0f} s)",
+                                            file=sys.stderr, flush=True)
 
-    def __init__(self, fn, *args):
-        super().__init__()
-        try:
-            self.set_result(fn(*args))
-        except BaseException as e:  # noqa: BLE001 - re-raised by result()
-            self.set_exception(e)
+
+def run_study(cfg: TextStudyConfig, model_cfg: PrismeConfig | None = None) -> dict[str, Any]:
+    """Train and evaluate everything (`jobs` worker processes); returns the document (also `<out>/text.json`)."""
+    model_cfg, stages, tasks = prepare_study(cfg, model_cfg)
+    t0 = time.perf_counter()
+    done = run_tasks(tasks, cfg.jobs, on_done=progress_printer(cfg.progress))
+    return finish_study(cfg, model_cfg, stages, done, time.perf_counter() - t0, worker_count(cfg.jobs, len(tasks)))
 
 
 def verdicts(doc: dict[str, Any]) -> list[str]:

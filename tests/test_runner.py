@@ -1,0 +1,65 @@
+"""The studies' worker pool (`prisme.studies.runner`): dependencies, priority, errors, and one pool for two studies."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+from prisme.studies.runner import Task, check_tasks, prefixed, run_tasks, worker_count
+
+
+def stamp(name: str, seconds: float) -> tuple[str, float, float]:
+    """(name, start, end) after sleeping: when a task ran, as seen from another process."""
+    start = time.time()
+    time.sleep(seconds)
+    return name, start, time.time()
+
+
+def test_tasks_run_after_their_needs_and_the_first_listed_ready_task_first():
+    order: list[str] = []
+    tasks = [Task("eval", stamp, ("eval", 0), needs=("train", "baseline")), Task("train", stamp, ("train", 0)),
+             Task("baseline", stamp, ("baseline", 0)), Task("late", stamp, ("late", 0), needs=("train",))]
+    results = run_tasks(tasks, jobs=1, on_done=lambda t, r, s: order.append(t.name))
+    assert order == ["train", "baseline", "eval", "late"]  # eval is listed before late: it goes first once ready
+    assert set(results) == {"eval", "train", "baseline", "late"} and results["eval"][0] == "eval"
+
+
+def test_two_workers_never_start_a_task_before_its_needs_finish():
+    """Two processes: the slow need and the independent task run together; the dependent starts after its need ends,
+    and the results equal the one-process run's."""
+    tasks = [Task("slow", stamp, ("slow", 1.0)), Task("other", stamp, ("other", 0.2)),
+             Task("after", stamp, ("after", 0), needs=("slow",))]
+    got = run_tasks(tasks, jobs=2)
+    assert got["after"][1] >= got["slow"][2]
+    assert got["other"][1] < got["slow"][2]  # the two independent tasks overlapped
+    assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in run_tasks(tasks, jobs=1).items()}
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_a_failing_task_stops_the_run_and_its_error_is_raised(jobs):
+    ran: list[str] = []
+    tasks = [Task("bad", math.sqrt, (-1.0,)), Task("needs_bad", stamp, ("x", 0), needs=("bad",))]
+    with pytest.raises(ValueError, match="math domain error"):
+        run_tasks(tasks, jobs=jobs, on_done=lambda t, r, s: ran.append(t.name))
+    assert ran == []
+
+
+def test_bad_task_lists_are_refused_before_anything_runs():
+    f = Task("a", stamp, ("a", 0))
+    with pytest.raises(ValueError, match=r"repeated: \['a'\]"):
+        check_tasks([f, f])
+    with pytest.raises(ValueError, match=r"need \['missing'\]"):
+        check_tasks([Task("a", stamp, ("a", 0), needs=("missing",))])
+    with pytest.raises(ValueError, match="cycle"):
+        run_tasks([Task("a", stamp, ("a", 0), needs=("b",)), Task("b", stamp, ("b", 0), needs=("a",))], jobs=1)
+
+
+def test_prefixed_tasks_of_two_studies_share_one_pool():
+    one = [Task("train", stamp, ("1", 0)), Task("eval", stamp, ("1e", 0), needs=("train",))]
+    two = [Task("train", stamp, ("2", 0))]
+    tasks = [prefixed(t, "a/") for t in one] + [prefixed(t, "b/") for t in two]
+    assert [t.name for t in tasks] == ["a/train", "a/eval", "b/train"] and tasks[1].needs == ("a/train",)
+    assert set(run_tasks(tasks, jobs=1)) == {"a/train", "a/eval", "b/train"}
+    assert worker_count(0, 1) == 1 and worker_count(3, 10) == 3
