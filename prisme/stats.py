@@ -100,3 +100,28 @@ def paired_bootstrap(a: Sequence[float] | torch.Tensor, b: Sequence[float] | tor
     if not (math.isfinite(lo) and math.isfinite(hi)):
         raise ValueError("paired_bootstrap: non-finite losses")
     return PairedDelta(mean, lo, hi, S, int(n.sum()))
+
+
+def lower_envelope(points: Sequence[tuple[float, float]]) -> list[int]:
+    """Indices of the (ops, loss) points on the lower-left envelope, sorted by ops: each has a lower loss than every
+    point at fewer or equal ops (a point dominated by a cheaper, better one is not on a frontier)."""
+    order = sorted(range(len(points)), key=lambda i: (points[i][0], points[i][1]))
+    keep: list[int] = []
+    for i in order:
+        if not keep or points[i][1] < points[keep[-1]][1]:
+            keep.append(i)
+    return keep
+
+
+def log_interpolation_weights(xs: Sequence[float], x: float) -> dict[int, float]:
+    """Weights on the points `xs` (positive, increasing) that interpolate at `x` linearly in log x between its two
+    neighbours; beyond either end, the nearest point alone. The weights are >= 0 and sum to 1."""
+    if not xs or any(v <= 0 for v in xs) or any(b <= a for a, b in zip(xs, xs[1:])) or not x > 0:
+        raise ValueError(f"need increasing positive points and x > 0, got {list(xs)} and {x}")
+    if x <= xs[0]:
+        return {0: 1.0}
+    if x >= xs[-1]:
+        return {len(xs) - 1: 1.0}
+    i = next(k for k in range(len(xs) - 1) if xs[k] <= x <= xs[k + 1])
+    a = (math.log(x) - math.log(xs[i])) / (math.log(xs[i + 1]) - math.log(xs[i]))
+    return {i: 1.0 - a, i + 1: a}

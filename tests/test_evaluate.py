@@ -592,3 +592,54 @@ def test_a_shared_encoding_gives_the_same_outputs_bitwise():
         assert torch.equal(a.logits, b.logits) and torch.equal(a.actions, b.actions)
         assert not torch.equal(model(x, acts, ctx=model.encode(other)).logits, model(x, acts).logits)
 
+
+
+def test_lower_envelope_and_log_interpolation_weights():
+    from prisme.stats import log_interpolation_weights, lower_envelope
+
+    pts = [(1.0, 1.5), (1.0, 1.4), (2.0, 1.45), (4.0, 1.2), (8.0, 1.3)]  # (1, 1.5), (2, 1.45), (8, 1.3) dominated
+    assert lower_envelope(pts) == [1, 3]
+    assert log_interpolation_weights([1.0, 4.0], 2.0) == pytest.approx({0: 0.5, 1: 0.5})  # halfway in log ops
+    assert log_interpolation_weights([1.0, 4.0], 0.5) == {0: 1.0}
+    assert log_interpolation_weights([1.0, 4.0], 9.0) == {1: 1.0}
+    with pytest.raises(ValueError):
+        log_interpolation_weights([4.0, 1.0], 2.0)
+
+
+def test_frontier_gap_is_the_loss_minus_the_frontier_interpolated_in_log_ops():
+    """With the backbone (1x) and a deeper backbone (a reference at more ops) as the frontier, every workspace row's
+    frontier gap is its loss minus the frontier's loss interpolated linearly in log ops at the row's ops, with an
+    interval holding the mean; the frontier rows get none, nor does the oracle (its own sampled positions).
+    Negative control: interpolating linearly in ops (not log ops) gives another number."""
+    import math
+
+    model = make_model(vocab_size=256)
+    deeper = make_model(seed=5, vocab_size=256, use_workspace=False, n_layer=12)  # its loss must be below the
+    with torch.no_grad():  # backbone's to be on the frontier: the backbone, ten layers that add nothing, softer logits
+        own = dict(model.backbone.named_parameters())
+        for name, p in deeper.backbone.named_parameters():
+            p.copy_(own[name] if name in own else torch.zeros_like(p) if name.endswith(("wo.weight", "w2.weight"))
+                    else p)
+        deeper.backbone.norm.weight.mul_(0.5)
+    report = evaluate_policies(model, text_dataset(), ["backbone", "fixed", "controller", "oracle"], batch_size=B,
+                               seq_len=T, max_batches=NB, oracle_positions=4, seed=SEED, bootstrap_samples=200,
+                               references={"deeper": deeper}, budgets=[1, 2], frontier=["backbone", "deeper"])
+    base, deep = report.row("backbone"), report.row("deeper")
+    assert report.frontier == ["backbone", "deeper"] and deep.relative_ops > 2
+    gapped = [r for r in report.rows if r.frontier_gap]
+    assert {r.family for r in gapped} >= {"fixed", "controller"} and "oracle" not in {r.family for r in gapped}
+    for r in gapped:
+        x = min(max(r.relative_ops, 1.0), deep.relative_ops)
+        a = math.log(x) / math.log(deep.relative_ops)
+        want = r.loss - ((1 - a) * base.loss + a * deep.loss)
+        g = r.frontier_gap
+        assert abs(g["mean"] - want) < 1e-9 and g["lo"] <= g["mean"] <= g["hi"], r.policy
+        assert r.verdict_vs_frontier == ("beats" if g["hi"] < 0 else "loses" if g["lo"] > 0 else "ties")
+        if 1.0 < r.relative_ops < deep.relative_ops:
+            a_lin = (r.relative_ops - 1) / (deep.relative_ops - 1)
+            assert abs(r.loss - ((1 - a_lin) * base.loss + a_lin * deep.loss) - g["mean"]) > 1e-6
+    assert any(1.0 < r.relative_ops < deep.relative_ops for r in gapped)  # the negative control ran
+    assert "dense frontier" in report.table()
+    with pytest.raises(ValueError, match="frontier rows"):
+        evaluate_policies(model, text_dataset(), ["backbone"], batch_size=B, seq_len=T, max_batches=1,
+                          frontier=["nope"])

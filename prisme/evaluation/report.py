@@ -47,6 +47,11 @@ class EvalRow:
     tokens_per_s: float = 0.0  # positions per second of this policy's forwards during the evaluation
     equal_edits_of: str | None = None  # equal_edits rows: the controller row they match
     untrained: list[str] | None = None  # parts this policy runs that no stage trained (then not deployable)
+    # this row's loss minus the dense frontier's interpolated at its ops (linear in log ops between the two
+    # neighbouring frontier points, the nearest beyond the ends), per sequence on the same targets; its "at" names the
+    # frontier rows and their weights
+    frontier_gap: dict[str, Any] | None = None
+    verdict_vs_frontier: str | None = None
 
 
 @dataclass
@@ -71,6 +76,7 @@ class EvalReport:
     bootstrap_samples: int = N_BOOT
     bootstrap_seed: int = 0
     oracle_targets: int | None = None  # labelled positions the oracle rows saw (it is subsampled)
+    frontier: list[str] | None = None  # the rows that make the dense frontier (its lower envelope), by ops
 
     @property
     def alt_accounting(self) -> str:
@@ -105,11 +111,16 @@ class EvalReport:
             if r.delta_vs_equal_edits:
                 lines.append(f"{'':<4}controller - equal_edits: {ci(r.delta_vs_equal_edits)} "
                              f"{r.verdict_vs_equal_edits}")
+            if r.frontier_gap:
+                lines.append(f"{'':<4}minus the dense frontier at {r.relative_ops:.2f}x: {ci(r.frontier_gap)} "
+                             f"{r.verdict_vs_frontier}")
         foot = (f"{self.dataset}; {self.split} split, {self.n_batches} batches x {self.batch_size} x {self.seq_len} = "
                 f"{self.n_sequences} sequences, {self.n_tokens} scored targets; differences are this row's loss minus "
                 f"the reference's on the same targets (nats/token), 95% bootstrap over sequences "
                 f"({self.bootstrap_samples} resamples, seed {self.bootstrap_seed}); ops in the {self.accounting} "
                 f"accounting")
+        if self.frontier:
+            foot += f"; dense frontier: {', '.join(self.frontier)} (interpolated in log ops)"
         if any(r.family == "oracle" for r in self.rows):
             per = "all" if self.oracle_positions is None else self.oracle_positions
             foot += (f"; oracle rows: {per} sampled positions per sequence ({self.oracle_targets} in all), compared "

@@ -56,7 +56,14 @@ from prisme.evaluation.report import EvalReport, EvalRow
 from prisme.io import environment
 from prisme.model.oracle import token_ce
 from prisme.model.prisme import PrismeModel
-from prisme.stats import N_BOOT, PairedDelta, check_bootstrap_args, paired_bootstrap
+from prisme.stats import (
+    N_BOOT,
+    PairedDelta,
+    check_bootstrap_args,
+    log_interpolation_weights,
+    lower_envelope,
+    paired_bootstrap,
+)
 
 
 # ---------------------------------------------------------------------------------------------------------- the run
@@ -180,7 +187,8 @@ def evaluate_policies(model: PrismeModel, dataset: TokenDataset | MQARDataset, p
                       split: str = "val", references: dict[str, PrismeModel] | None = None,
                       budgets: Sequence[int] | None = None, ks: Sequence[int] = (1, 2),
                       oracle_lambdas: Sequence[float] | None = None,
-                      controller_budget: int | None = None, kappa_risk: float | None = None) -> EvalReport:
+                      controller_budget: int | None = None, kappa_risk: float | None = None,
+                      frontier: Sequence[str] | None = None) -> EvalReport:
     """Evaluate every policy on the validation split of `dataset` (`split`; a held-out text holds all its tokens there).
 
     Args:
@@ -201,6 +209,8 @@ def evaluate_policies(model: PrismeModel, dataset: TokenDataset | MQARDataset, p
         kappa_risk: the controller rows' risk aversion (default: the config's `kappa_risk`).
         references: other models whose backbone alone is scored on the same targets, one row each (family
             "reference", named by its key; e.g. a deeper backbone trained on the same tokens), after the matched row.
+        frontier: the rows ("backbone", "backbone+matched", reference names) that make the dense frontier: every
+            other row scored on the same targets gets its `frontier_gap` (its lower envelope, interpolated in log ops).
     Returns:
         `EvalReport` with one `EvalRow` per policy, families in the order of `policies` (default: as in
         `POLICY_FAMILIES`).
@@ -238,6 +248,10 @@ def evaluate_policies(model: PrismeModel, dataset: TokenDataset | MQARDataset, p
             at = next((i + 1 for i, q in enumerate(plan) if q.family in ("backbone", "matched")), 0)
             at = max([at] + [i + 1 for i, q in enumerate(plan) if q.family == "matched"])
             plan[at:at] = [_Policy(name, "reference") for name in refs]
+            unknown = sorted(set(frontier or ()) - {q.name for q in plan if q.family in ("backbone", "matched",
+                                                                                          "reference")})
+            if unknown:
+                raise ValueError(f"frontier rows {unknown} are not backbone-only rows of this evaluation")
             accs = {p.name: _Acc() for p in plan}
             _run_batches(model, plan, accs, batches, device, matched_backbone, oracle_positions, seed, progress,
                          refs, kappa_risk)
@@ -247,6 +261,7 @@ def evaluate_policies(model: PrismeModel, dataset: TokenDataset | MQARDataset, p
             matched_backbone.train(m_training)
     rows = _finish_rows(model, plan, accs, matched_backbone, isinstance(dataset, MQARDataset), bootstrap_samples,
                         bootstrap_seed, refs)
+    envelope = frontier_gaps(rows, accs, list(frontier or ()), bootstrap_samples, bootstrap_seed)
     n_tok = sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)
     oracle_seen = next((r.n_targets for r in rows if r.family == "oracle"), None)
     return EvalReport(rows=rows, config=cfg.to_dict(), dataset=repr(dataset), n_tokens=n_tok,
@@ -255,7 +270,30 @@ def evaluate_policies(model: PrismeModel, dataset: TokenDataset | MQARDataset, p
                       lambdas=[float(x) for x in (lambdas or [])], oracle_positions=oracle_positions, seed=seed,
                       environment=environment(model), n_sequences=sum(x.shape[0] for x, _ in batches),
                       split=split, bootstrap_samples=bootstrap_samples, bootstrap_seed=bootstrap_seed,
-                      oracle_targets=oracle_seen)
+                      oracle_targets=oracle_seen, frontier=envelope or None)
+
+
+def frontier_gaps(rows: list[EvalRow], accs: dict[str, _Acc], frontier: list[str], n_boot: int,
+                  boot_seed: int) -> list[str]:
+    """Set `frontier_gap` on every row that is not a frontier row and was scored on the frontier's targets (not the
+    oracle's sampled positions): its per-sequence loss minus the frontier's, interpolated in log ops between the two
+    frontier rows around its ops. The frontier is the lower envelope of the named rows; returns its row names."""
+    by = {r.policy: r for r in rows}
+    named = [n for n in frontier if n in by]
+    if not named:
+        return []
+    env = [named[i] for i in lower_envelope([(by[n].relative_ops, by[n].loss) for n in named])]
+    seqs = {n: torch.cat(accs[n].seq_loss) for n in env}
+    for r in rows:
+        if r.policy in frontier or r.n_targets != by[env[0]].n_targets:
+            continue
+        w = log_interpolation_weights([by[n].relative_ops for n in env], r.relative_ops)
+        ref = sum(wt * seqs[env[i]] for i, wt in w.items())
+        d = paired_bootstrap(torch.cat(accs[r.policy].seq_loss), ref, torch.cat(accs[r.policy].seq_n), n_boot,
+                             boot_seed)
+        r.frontier_gap = d.to_dict() | {"at": {env[i]: wt for i, wt in w.items()}}
+        r.verdict_vs_frontier = d.verdict
+    return env
 
 
 ENCODED_FAMILIES = ("fixed", "random", "dense", "equal_edits", "controller")  # rows that share the batch's encoding
