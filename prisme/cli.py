@@ -331,10 +331,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-progress", action="store_true", help="no per-run progress lines on stderr")
     _add_compile(r)
     r.set_defaults(func=_cmd_study)
-    t = ssub.add_parser("text", help="Austen + a held-out text: every policy vs the backbone, the matched and a "
-                                     "deeper one, with paired intervals, for each bank source")
+    t = ssub.add_parser("text", help="Austen + a held-out text over training seeds: every policy vs the backbone, "
+                                     "the matched one and the dense frontier, with paired intervals, per bank source")
     t.add_argument("--sources", default=None, help="comma-separated bank sources (default: residual,embedding)")
-    t.add_argument("--seed", type=int, default=1337, help="seed for init, data order and random actions")
+    t.add_argument("--seeds", default=None, help="training seeds, comma-separated (default 1337,1338,1339): every "
+                   "run per seed, every claim over them")
+    t.add_argument("--seed", type=int, default=None, help="one training seed (the same as --seeds N)")
     t.add_argument("--scale", type=float, default=1.0, help="multiply every stage's steps (0.05 = smoke run)")
     t.add_argument("--val-batches", default="8", help="validation batches of 64 x 128, or 'all' (default 8)")
     t.add_argument("--held-out", default="devils_dictionary",

@@ -10,7 +10,7 @@ from prisme.checkpoint import load_model
 from prisme.config import PrismeConfig
 from prisme.model.prisme import PrismeModel
 from prisme.rebase import rebase, rebase_backbone
-from prisme.studies.text import verdicts
+from prisme.studies.text_report import seed_summary, verdicts
 from prisme.training.config import StageConfig
 from prisme.training.trainer import train_stage
 
@@ -63,24 +63,83 @@ def test_rebase_keeping_the_workspace_changes_only_the_controller(tmp_path):
         rebase(path, new, tmp_path / "bad2", seed=1)
 
 
-def _row(policy, family, d_b, d_m, d_eq=None, ops=1.0):
+def _row(policy, family, d_b, d_m, d_eq=None, ops=1.0, gap=None):
     ci = lambda m, lo, hi: {"mean": m, "lo": lo, "hi": hi, "n_sequences": 10, "n_tokens": 100}  # noqa: E731
     v = lambda d: None if d is None else ("beats" if d[2] < 0 else "loses" if d[1] > 0 else "ties")  # noqa: E731
-    return {"policy": policy, "family": family, "deployable": family != "oracle", "relative_ops": ops,
+    return {"policy": policy, "family": family, "deployable": family != "oracle", "relative_ops": ops, "loss": 1.0,
             "lambda_cost": 0.1, "delta_vs_backbone": ci(*d_b), "delta_vs_matched": ci(*d_m),
             "verdict_vs_backbone": v(d_b), "verdict_vs_matched": v(d_m),
-            "delta_vs_equal_edits": None if d_eq is None else ci(*d_eq), "verdict_vs_equal_edits": v(d_eq)}
+            "delta_vs_equal_edits": None if d_eq is None else ci(*d_eq), "verdict_vs_equal_edits": v(d_eq),
+            "frontier_gap": None if gap is None else ci(*gap)}
 
 
-def test_verdict_lines_follow_the_intervals():
-    """The verdicts name 'ties with' when the interval holds 0, whatever the point estimate says, and count the
-    prices where the controller beats its equal-edits baseline by the interval."""
-    rows = [_row("deeper_backbone", "reference", (-0.2, -0.25, -0.15), (-0.19, -0.22, -0.16), ops=1.87),
-            _row("fixed_1xk1", "fixed", (-0.004, -0.006, -0.002), (-0.003, -0.008, 0.001), ops=2.3),
-            _row("controller(lambda=0.1)", "controller", (0.01, 0.005, 0.02), (0.012, 0.006, 0.02),
-                 d_eq=(-0.001, -0.003, -0.0002), ops=1.5)]
-    doc = {"sources": {"residual": {"val": {"rows": rows}, "held_out": {"rows": rows}}}}
+def test_verdicts_count_the_seeds_whose_interval_lies_below_zero():
+    """Over two seeds: a row is said to beat the dense frontier only when its interval is below 0 on every seed;
+    an interval that holds 0 does not count, whatever its point estimate; the counts are per seed."""
+    def seed(gap_fixed, gap_ctrl, eq):
+        rows = [_row("L2_d128", "reference", (-0.2, -0.25, -0.15), (-0.19, -0.22, -0.16), ops=1.87),
+                _row("fixed_1xk1", "fixed", (-0.004, -0.006, -0.002), (-0.003, -0.008, 0.001), ops=2.3,
+                     gap=gap_fixed),
+                _row("controller(lambda=0.1)", "controller", (0.01, 0.005, 0.02), (0.012, 0.006, 0.02), d_eq=eq,
+                     ops=1.5, gap=gap_ctrl)]
+        return {"sources": {"residual": {"val": {"rows": rows}, "held_out": {"rows": rows}}}}
+
+    doc = {"seeds": {"1": seed((-0.01, -0.02, -0.005), (0.1, 0.05, 0.2), (-0.001, -0.003, -0.0002)),
+                     "2": seed((-0.01, -0.02, 0.001), (0.1, 0.05, 0.2), (-0.001, -0.003, -0.0002))}}
+    summary = seed_summary(doc)
+    fixed = next(e for e in summary if e["policy"] == "fixed_1xk1" and e["split"] == "val")
+    assert fixed["frontier_gap_below"] == 1 and fixed["delta_vs_matched_below"] == 0 and len(fixed["seeds"]) == 2
+    doc["summary"] = summary
     lines = verdicts(doc)
-    assert any("deeper" in x and "beats the matched backbone" in x for x in lines)
-    assert any("fixed_1xk1 ties with the matched backbone" in x for x in lines)
-    assert any("beats uniform allocation at 1 of 1 prices" in x for x in lines)
+    assert any("L2_d128" in x and "beats the matched backbone on 2/2 seeds" in x for x in lines)
+    assert any("fixed_1xk1" in x and "below it on 1/2 seeds" in x and "does not beat the dense frontier" in x
+               for x in lines)
+    assert any("controller(lambda=0.1) minus its equal-edits baseline: below on 2/2 seeds" in x for x in lines)
+    doc["seeds"]["2"] = seed((-0.01, -0.02, -0.001), (0.1, 0.05, 0.2), (-0.001, -0.003, -0.0002))
+    doc["summary"] = seed_summary(doc)
+    assert any("below it on 2/2 seeds" in x and "-> beats the dense frontier on every seed" in x
+               for x in verdicts(doc))
+
+
+def test_bad_text_study_settings_are_value_errors_naming_the_option():
+    from prisme.config import PrismeConfig
+    from prisme.studies.text_setup import TextStudyConfig, parse_seeds
+
+    demo = PrismeConfig.from_name("demo")
+    for kw, word in ((dict(seeds=[]), "seeds"), (dict(seeds=[1, 1]), "distinct"), (dict(seeds=[-1]), "seeds"),
+                     (dict(frontier=[[0, None]]), "frontier"), (dict(frontier=[[1, 100]]), "frontier entry")):
+        with pytest.raises(ValueError, match=word):
+            TextStudyConfig(**kw).validate(demo)
+    assert parse_seeds("3,1") == [3, 1]
+    for bad in ("", "1,1", "a", "-2"):
+        with pytest.raises(ValueError, match="--seeds"):
+            parse_seeds(bad)
+
+
+def test_text_study_over_two_seeds_reports_each_seed_and_the_frontier_gaps(tmp_path):
+    """`run_study` with two training seeds and a two-model frontier (byte-level tiny, a few steps): every run lands
+    in its seed's folder; every deployable workspace row has a frontier gap on each seed, and the summary and the
+    verdicts count the seeds."""
+    from prisme.config import PrismeConfig
+    from prisme.studies.text import TextStudyConfig, format_report, run_study
+
+    held = tmp_path / "held_out.txt"
+    held.write_text("Abasement, n. A decent and customary mental attitude in the presence of wealth. " * 6)
+    cfg = TextStudyConfig(sources=["residual"], seeds=[3, 4], frontier=[[2, None], [1, 16]], scale=0.01,
+                          val_batches=1, held_out=str(held), jobs=1, progress=False, bootstrap_samples=100,
+                          out_dir=str(tmp_path / "text"))
+    model = PrismeConfig.from_name("tiny", vocab_size=256)
+    doc = run_study(cfg, model)
+    assert list(doc["seeds"]) == ["3", "4"] and doc["frontier"] == [f"L2_d{model.d_model}", "L1_d16"]
+    for s in ("3", "4"):
+        assert (tmp_path / "text" / f"seed{s}" / "frontier" / "L1_d16" / "latest").exists()
+        for split in ("val", "held_out"):
+            rows = doc["seeds"][s]["sources"]["residual"][split]["rows"]
+            assert all(r["frontier_gap"] for r in rows if r["deployable"] and r["family"] in ("fixed", "controller"))
+    fixed = [e for e in doc["summary"] if e["policy"] == "fixed_1xk1"]
+    assert {e["split"] for e in fixed} == {"val", "held_out"} and all(len(e["frontier_gap"]) == 2 for e in fixed)
+    assert all(0 <= e["frontier_gap_below"] <= 2 for e in fixed)
+    assert any("/2 seeds" in line and "dense frontier" in line for line in doc["verdicts"])
+    assert "over the training seeds 3, 4" in format_report(doc)
+    with pytest.raises(ValueError, match="not empty"):
+        run_study(cfg, model)

@@ -442,22 +442,27 @@ def test_demo_pipeline_writes_every_output(tmp_path):
     assert recall["converged"] is None and [e["seed"] for e in recall["seeds"]] == [0]
     assert set(recall["controls"]) == {"one_layer", "two_layer"} and summary["recall"]["summary"] == recall["summary"]
     assert not (run / "recall" / "converged_seed0").exists()
-    text = run / "text"
-    assert {"1_backbone", "3_backbone_matched", "deeper_backbone", "residual", "embedding", "text.json"} <= \
-        {p.name for p in text.iterdir()}
-    doc = json.loads((text / "text.json").read_text())
+    text = run / "text" / "seed1337"
+    deeper = f"L2_d{cfg.d_model}"  # the demo's one frontier model: one layer deeper
+    assert {"1_backbone", "3_backbone_matched", "frontier", "residual", "embedding"} <= {p.name for p in text.iterdir()}
+    doc = json.loads((run / "text" / "text.json").read_text())
+    assert list(doc["seeds"]) == ["1337"] and doc["frontier"] == [deeper]
+    one = doc["seeds"]["1337"]
     for src in ("residual", "embedding"):
         for split in ("val", "held_out"):
-            rows = doc["sources"][src][split]["rows"]
+            rows = one["sources"][src][split]["rows"]
             policies = {r["policy"] for r in rows}
-            assert {"backbone", "backbone+matched", "deeper_backbone"} <= policies
+            assert {"backbone", "backbone+matched", deeper} <= policies
             assert any(p.startswith("equal_edits") for p in policies)
             assert all(r["delta_vs_matched"] is not None for r in rows)
+            assert all(r["frontier_gap"] for r in rows if r["family"] in ("fixed", "controller"))
         assert (text / src / "pareto_held_out.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    held = doc["sources"]["residual"]["held_out"]
+    held = one["sources"]["residual"]["held_out"]
     assert held["n_sequences"] == held["n_tokens"] // doc["stages"]["workspace"]["seq_len"]  # all of the text
-    steps = doc["training"]
-    assert steps["deeper"]["tokens"] == steps["backbone"]["tokens"] + steps["source:residual"]["workspace"]["tokens"]
+    steps = one["training"]
+    assert steps[f"frontier:{deeper}"]["tokens"] >= steps["backbone"]["tokens"] + sum(  # PRISME's stages together
+        steps["source:residual"][k]["tokens"] for k in ("workspace", "controller"))
+    assert any(e["policy"] == "fixed_1xk1" and len(e["frontier_gap"]) == 1 for e in doc["summary"])
     assert summary["text"]["verdicts"] and summary["wall_s"]["total"] > 0
     with pytest.raises(ValueError, match="not empty"):
         run_demo(run, scale=0.01, model_cfg=cfg)

@@ -35,6 +35,7 @@ PROMPT = "It is a truth universally acknowledged, that"
 
 
 DEMO_SOURCES = ("residual",)  # the demo's text study: the seed's bank (`prisme study text` adds "embedding")
+DEMO_FRONTIER = (2, None)  # ... and one frontier model, one layer deeper (`prisme study text`: 1-3 layers, 2 widths)
 def _sample(model: torch.nn.Module, prompt: str, n_tokens: int, max_budget: int,
             kappa_risk: float | None = None) -> tuple[str, dict[str, Any]]:
     """Greedy continuation with the controller (prisme.decoding.generate, else a plain forward loop)."""
@@ -88,10 +89,11 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
     cfg = model_cfg if model_cfg is not None else PrismeConfig.from_name("demo")
     if cfg.vocab_size < 256 or not cfg.use_workspace:
         raise ValueError(f"the demo needs a byte-level model (vocab_size >= 256) with a workspace, got {cfg.name!r}")
-    tcfg = TextStudyConfig(sources=list(sources or DEMO_SOURCES), seed=seed, scale=scale, val_batches=eval_batches,
+    tcfg = TextStudyConfig(sources=list(sources or DEMO_SOURCES), seeds=[seed], frontier=[list(DEMO_FRONTIER)],
+                           scale=scale, val_batches=eval_batches,
                            out_dir=str(run / "text"), jobs=jobs, threads=max(1, threads or 1), progress=progress,
                            backbone_keeps_learning=backbone_keeps_learning, compile=compile,
-                           **({} if held_out is None else {"held_out": held_out})).validate()
+                           **({} if held_out is None else {"held_out": held_out})).validate(cfg)
     run.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     walls: dict[str, float] = {}
@@ -110,7 +112,7 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
                              "calibration_sequences": 1024,  # the study's own calibration set: the same lambda
                              "converged": False})  # the converged case: `prisme study recall`
         rcfg, recipe, recall_tasks = prepare_recall(rcfg)
-        chains = 2 + len(tcfg.sources)  # the text study's backbone, deeper backbone and sources go first
+        chains = 1 + len(tcfg.sources) + len(tcfg.frontier)  # the text study's backbone, sources and frontier first
         tasks = tasks[:chains] + [prefixed(t, "recall/") for t in recall_tasks] + tasks[chains:]
         print(f"demo: the recall study (seeds {','.join(map(str, rcfg.seeds))}) in {run / 'recall'}", flush=True)
     print(f"demo: the text study ({cfg.name} preset, {sum(model_params(cfg).values()):,} parameters; bank sources "
@@ -143,7 +145,7 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
     print(format_report(text_doc), flush=True)
 
     t = time.perf_counter()
-    model, _ = load_model(run / "text" / tcfg.sources[0] / "4_controller")
+    model, _ = load_model(run / "text" / f"seed{seed}" / tcfg.sources[0] / "4_controller")
     T = text_doc["stages"]["workspace"]["seq_len"]
     n_new = T - len(ByteTokenizer().encode(PROMPT))  # stay within the trained positions
     budget = tcfg.controller_budget  # the deployed controller's budget, as the study evaluates it
