@@ -338,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "run per seed, every claim over them")
     t.add_argument("--seed", type=int, default=None, help="one training seed (the same as --seeds N)")
     t.add_argument("--scale", type=float, default=1.0, help="multiply every stage's steps (0.05 = smoke run)")
+    t.add_argument("--ngram", type=int, default=4, help="n of the AR-hit / seen-miss / other slices (default 4)")
+    t.add_argument("--window", type=int, default=None,
+                   help="evaluation window length (default 128, the workspace stage's; at most the preset's 256)")
     t.add_argument("--val-batches", default="8", help="validation batches of 64 x 128, or 'all' (default 8)")
     t.add_argument("--held-out", default="devils_dictionary",
                    help="held-out text, scored whole (default: the embedded devils_dictionary)")

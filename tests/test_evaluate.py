@@ -643,3 +643,58 @@ def test_frontier_gap_is_the_loss_minus_the_frontier_interpolated_in_log_ops():
     with pytest.raises(ValueError, match="frontier rows"):
         evaluate_policies(model, text_dataset(), ["backbone"], batch_size=B, seq_len=T, max_batches=1,
                           frontier=["nope"])
+
+
+def _slices_by_hand(x: list[int], y: list[int], n: int) -> list[int]:
+    out = []
+    for t in range(len(x)):
+        if y[t] == IGNORE_INDEX:
+            out.append(-1)
+            continue
+        gram = x[t - n + 1:t + 1] if t >= n - 1 else None
+        seen = [j for j in range(n - 1, t) if gram is not None and x[j - n + 1:j + 1] == gram]
+        out.append(0 if any(x[j + 1] == y[t] for j in seen) else 1 if seen else 2)
+    return out
+
+
+@pytest.mark.parametrize("vocab", [3, 2**20])  # the second compares the n tokens themselves (no exact packing)
+def test_ar_slice_labels_equal_a_plain_search(vocab):
+    """AR hit (the n-gram ending at t occurred earlier and was followed there by t's target), seen miss, other, and
+    -1 without a target, against a by-hand search. Negative control: letting j reach t (a position's own n-gram
+    counted as earlier) changes the labels."""
+    from prisme.evaluation.slices import ar_slice_labels
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 3, (4, 40), generator=g) * (vocab // 3)
+    y = torch.cat([x[:, 1:], torch.randint(0, 3, (4, 1), generator=g) * (vocab // 3)], 1)
+    y[0, 5] = IGNORE_INDEX
+    for n in (1, 2, 3):
+        got = ar_slice_labels(x, y, n)
+        for b in range(4):
+            assert got[b].tolist() == _slices_by_hand(x[b].tolist(), y[b].tolist(), n)
+        assert set(got.flatten().tolist()) >= {0, 1, -1}
+    sloppy = [0 if any(x[0, j + 1] == y[0, t] for j in range(1, t + 1) if j + 1 < 40 and x[0, j] == x[0, t])
+              else 2 for t in range(39)]
+    assert sloppy != [v if v != 1 else 2 for v in ar_slice_labels(x, y, 1)[0, :39].tolist()]
+    with pytest.raises(ValueError, match="n-gram length"):
+        ar_slice_labels(x, y, 0)
+
+
+def test_every_row_reports_its_slices_and_they_add_up(run):
+    """With `slices=2`: per slice the loss, its gain over the backbone and that gain's share, and edits per
+    position; the slices' target shares sum to 1, their losses weighted by those shares give the row's loss, their
+    gain shares sum to 1 (rows that differ from the backbone), and a fixed 1 x k1 row edits once at every position."""
+    model, ds, _ = run
+    report = evaluate_policies(model, ds, ["backbone", "fixed", "controller"], batch_size=B, seq_len=T,
+                               max_batches=NB, seed=SEED, budgets=[1], ks=[1], slices=2, bootstrap_samples=50)
+    for r in report.rows:
+        sl = r.slices
+        assert set(sl) == {"ar_hit", "seen_miss", "other"}
+        assert abs(sum(v["share_of_targets"] for v in sl.values()) - 1) < 1e-12
+        assert abs(sum(v["share_of_targets"] * v["loss"] for v in sl.values() if v["loss"] is not None)
+                   - r.loss) < 1e-9
+        if r.family != "backbone" and abs(r.loss - r.baseline_loss) > 1e-9:
+            assert abs(sum(v["share_of_gain"] for v in sl.values() if v["share_of_gain"] is not None) - 1) < 1e-9
+    fixed = report.row("fixed_1xk1")
+    assert all(v["edits_per_position"] == 1.0 for v in fixed.slices.values() if v["loss"] is not None)
+    assert report.row("backbone").slices["ar_hit"]["edits_per_position"] is None

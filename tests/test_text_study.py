@@ -107,7 +107,8 @@ def test_bad_text_study_settings_are_value_errors_naming_the_option():
 
     demo = PrismeConfig.from_name("demo")
     for kw, word in ((dict(seeds=[]), "seeds"), (dict(seeds=[1, 1]), "distinct"), (dict(seeds=[-1]), "seeds"),
-                     (dict(frontier=[[0, None]]), "frontier"), (dict(frontier=[[1, 100]]), "frontier entry")):
+                     (dict(frontier=[[0, None]]), "frontier"), (dict(frontier=[[1, 100]]), "frontier entry"),
+                     (dict(slice_ngram=0), "slice_ngram"), (dict(window=512), "longer than the preset")):
         with pytest.raises(ValueError, match=word):
             TextStudyConfig(**kw).validate(demo)
     assert parse_seeds("3,1") == [3, 1]
@@ -139,6 +140,7 @@ def test_text_study_over_two_seeds_reports_each_seed_and_the_frontier_gaps(tmp_p
     fixed = [e for e in doc["summary"] if e["policy"] == "fixed_1xk1"]
     assert {e["split"] for e in fixed} == {"val", "held_out"} and all(len(e["frontier_gap"]) == 2 for e in fixed)
     assert all(0 <= e["frontier_gap_below"] <= 2 for e in fixed)
+    assert all(set(sl) == {"ar_hit", "seen_miss", "other"} for e in fixed for sl in e["slices"])
     assert any("/2 seeds" in line and "dense frontier" in line for line in doc["verdicts"])
     assert "over the training seeds 3, 4" in format_report(doc)
     with pytest.raises(ValueError, match="not empty"):

@@ -52,6 +52,7 @@ class EvalRow:
     # frontier rows and their weights
     frontier_gap: dict[str, Any] | None = None
     verdict_vs_frontier: str | None = None
+    slices: dict[str, Any] | None = None  # per AR slice (`evaluation.slices`): loss, gain, share of gain, edits
 
 
 @dataclass

@@ -53,6 +53,7 @@ from prisme.evaluation.policies import (
     thinned_actions,
 )
 from prisme.evaluation.report import EvalReport, EvalRow
+from prisme.evaluation.slices import SliceSums, ar_slice_labels
 from prisme.io import environment
 from prisme.model.oracle import token_ce
 from prisme.model.prisme import PrismeModel
@@ -85,6 +86,8 @@ class _Acc:
     time_s: float = 0.0  # wall time of this policy's forwards
     n_timed: int = 0  # positions those forwards covered
     routed: bool = False  # the traces are a routed policy's (the router decided step 0 at every position)
+    slices: SliceSums | None = None  # per AR slice (`slices=n`), with the batch's labels in slice_labels
+    slice_labels: torch.Tensor | None = None
 
     def add_loss(self, logits: torch.Tensor, y: torch.Tensor, base_ce: torch.Tensor | None = None,
                  matched_ce: torch.Tensor | None = None) -> None:
@@ -94,6 +97,8 @@ class _Acc:
         self.loss_sum += float(ce.sum())
         self.n_targets += int(mask.sum())
         self.n_correct += int((logits.argmax(-1)[mask] == y[mask]).sum())
+        if self.slices is not None and self.slice_labels is not None and self.slice_labels.shape == y.shape:
+            self.slices.add(self.slice_labels, ce, None if base_ce is None else base_ce.double().masked_fill(~mask, 0))
         self.seq_loss.append(ce.sum(-1).cpu())
         self.seq_n.append(mask.sum(-1).cpu().double())
         if base_ce is not None:
@@ -112,6 +117,9 @@ class _Acc:
         self.contexts.append(contexts.reshape(N).cpu())
         if actions is not None:
             self.actions.append(actions.reshape(N, -1).cpu())
+            if self.slices is not None and self.slice_labels is not None and actions.dim() == 3 \
+                    and actions.shape[:2] == self.slice_labels.shape:
+                self.slices.add_edits(self.slice_labels, actions)
         if steps is not None:
             self.steps.append(steps.reshape(N).cpu())
 
@@ -188,7 +196,7 @@ def evaluate_policies(model: PrismeModel, dataset: TokenDataset | MQARDataset, p
                       budgets: Sequence[int] | None = None, ks: Sequence[int] = (1, 2),
                       oracle_lambdas: Sequence[float] | None = None,
                       controller_budget: int | None = None, kappa_risk: float | None = None,
-                      frontier: Sequence[str] | None = None) -> EvalReport:
+                      frontier: Sequence[str] | None = None, slices: int | None = None) -> EvalReport:
     """Evaluate every policy on the validation split of `dataset` (`split`; a held-out text holds all its tokens there).
 
     Args:
@@ -211,6 +219,7 @@ def evaluate_policies(model: PrismeModel, dataset: TokenDataset | MQARDataset, p
             "reference", named by its key; e.g. a deeper backbone trained on the same tokens), after the matched row.
         frontier: the rows ("backbone", "backbone+matched", reference names) that make the dense frontier: every
             other row scored on the same targets gets its `frontier_gap` (its lower envelope, interpolated in log ops).
+        slices: n-gram length of the AR-hit / seen-miss / other slices (`evaluation.slices`); None: no slices.
     Returns:
         `EvalReport` with one `EvalRow` per policy, families in the order of `policies` (default: as in
         `POLICY_FAMILIES`).
@@ -252,9 +261,9 @@ def evaluate_policies(model: PrismeModel, dataset: TokenDataset | MQARDataset, p
                                                                                           "reference")})
             if unknown:
                 raise ValueError(f"frontier rows {unknown} are not backbone-only rows of this evaluation")
-            accs = {p.name: _Acc() for p in plan}
+            accs = {p.name: _Acc(slices=None if slices is None else SliceSums(cfg.stop_action)) for p in plan}
             _run_batches(model, plan, accs, batches, device, matched_backbone, oracle_positions, seed, progress,
-                         refs, kappa_risk)
+                         refs, kappa_risk, slices)
     finally:
         model.train(was_training)
         if matched_backbone is not None:
@@ -300,7 +309,7 @@ ENCODED_FAMILIES = ("fixed", "random", "dense", "equal_edits", "controller")  # 
 
 
 def _run_batches(model, plan, accs, batches, device, matched_backbone, oracle_positions, seed, progress,
-                 refs=None, kappa_risk=None) -> None:
+                 refs=None, kappa_risk=None, slice_n=None) -> None:
     cfg = model.cfg
     it = batches
     if progress:
@@ -312,6 +321,10 @@ def _run_batches(model, plan, accs, batches, device, matched_backbone, oracle_po
     for bi, (x, y) in enumerate(it):
         x, y = upload(x, device), upload(y, device)
         B, T = x.shape
+        if slice_n is not None:
+            labels = ar_slice_labels(x, y, slice_n)
+            for acc in accs.values():
+                acc.slice_labels = labels
         contexts = torch.arange(1, T + 1).expand(B, T)  # [B, T] each position's own context t + 1
         t0 = clock()
         base_logits = model(x).logits  # [B, T, V] the backbone alone: every row's baseline
@@ -418,7 +431,8 @@ def _finish_rows(model, plan, accs, matched_backbone, mqar: bool, n_boot: int = 
             mean_edits=float(n_edits.mean()), edited_fraction=float((n_edits > 0).double().mean()),
             controller_steps=steps, ops_per_token_alt=alt.ops_per_token, relative_ops_alt=rel_alt,
             lambda_cost=p.lam, budget=p.n if p.n else None, n_positions=own.n_positions, n_targets=acc.n_targets,
-            tokens_per_s=acc.n_timed / acc.time_s if acc.time_s > 0 else 0.0, equal_edits_of=p.of))
+            tokens_per_s=acc.n_timed / acc.time_s if acc.time_s > 0 else 0.0, equal_edits_of=p.of,
+            slices=acc.slices.report() if acc.slices is not None and p.family != "oracle" else None))
         row = rows[-1]
         if acc.seq_base:
             d = acc.paired(acc.seq_base, n_boot, boot_seed)

@@ -114,7 +114,7 @@ def _evaluate(cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[str, S
     matched, _ = load_model(stages["matched"].out_dir)
     names = [frontier_name(model_cfg, *f) for f in cfg.frontier]
     refs = {n: load_model(stages[f"frontier:{n}"].out_dir)[0] for n in names}
-    T = stages["workspace"].seq_len
+    T = cfg.window or stages["workspace"].seq_len
     if split == "val":
         ds, batches, policies, budgets, ks, oracle_pos, lam = (data, cfg.val_batches, VAL_POLICIES, cfg.fixed_budgets,
                                                                (1, 2), cfg.oracle_positions, list(cfg.lambdas))
@@ -128,7 +128,7 @@ def _evaluate(cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[str, S
                             matched_backbone=matched, references=refs, lambdas=lam, oracle_positions=oracle_pos,
                             seed=seed, oracle_lambdas=[0.0], bootstrap_samples=cfg.bootstrap_samples, budgets=budgets,
                             ks=ks, controller_budget=cfg.controller_budget, kappa_risk=cfg.kappa_risk,
-                            frontier=["backbone", "backbone+matched", *names])
+                            frontier=["backbone", "backbone+matched", *names], slices=cfg.slice_ngram)
     if split == "held_out":
         rep.split = f"held-out text {Path(cfg.held_out).name} (all of it)"
     rep.plot(run / source / f"pareto_{split}.png")
@@ -233,7 +233,8 @@ def main(args: Any) -> int:
                           out_dir=args.out or "runs/text",
                           jobs=args.jobs or 0, threads=args.threads or 1, progress=not args.no_progress,
                           val_batches=None if args.val_batches == "all" else int(args.val_batches),
-                          held_out=args.held_out, compile=getattr(args, "compile", None) or "off")
+                          held_out=args.held_out, compile=getattr(args, "compile", None) or "off",
+                          slice_ngram=getattr(args, "ngram", 4), window=getattr(args, "window", None))
     from prisme.io import check_output_file
     from prisme.studies.recall_report import emit_study
 

@@ -30,6 +30,8 @@ def seed_summary(doc: dict[str, Any]) -> list[dict[str, Any]]:
                 e: dict[str, Any] = {"source": src, "split": split, "policy": row["policy"], "family": row["family"],
                                      "deployable": row["deployable"], "seeds": [int(s) for s in seeds],
                                      "relative_ops": [p["relative_ops"] for p in per], "loss": [p["loss"] for p in per]}
+                if all(p.get("slices") for p in per):
+                    e["slices"] = [p["slices"] for p in per]
                 for key in DIFFS:
                     ds = [p.get(key) for p in per]
                     if all(ds):

@@ -45,6 +45,8 @@ class TextStudyConfig:
     fixed_budgets: list[int] = field(default_factory=lambda: [1])  # n of the fixed/random/dense rows (validation)
     held_out_budgets: list[int] = field(default_factory=lambda: [1])  # ... on the held-out text (single slots only)
     bootstrap_samples: int = 1000
+    slice_ngram: int = 4  # n of the AR-hit / seen-miss / other slices (`evaluation.slices`)
+    window: int | None = None  # evaluation windows (default: the workspace stage's 128; at most the preset's T_max)
     out_dir: str = "runs/text"
     jobs: int = 0  # worker processes (0 = one per CPU core)
     threads: int = 1  # torch threads per worker
@@ -75,7 +77,8 @@ class TextStudyConfig:
         for f in ("val_batches", "held_out_batches"):
             v = getattr(self, f)
             need(v is None or is_count(v), f"{f} must be an int >= 1 or None (all), got {v!r}")
-        for f in ("eval_batch_size", "oracle_positions", "bootstrap_samples", "threads"):
+        need(self.window is None or is_count(self.window), f"window must be an int >= 1 or None, got {self.window!r}")
+        for f in ("eval_batch_size", "oracle_positions", "bootstrap_samples", "threads", "slice_ngram"):
             v = getattr(self, f)
             need(is_count(v), f"{f} must be an int >= 1, got {v!r}")
         need(isinstance(self.jobs, int) and self.jobs >= 0, f"jobs must be an int >= 0, got {self.jobs!r}")
@@ -89,6 +92,8 @@ class TextStudyConfig:
              f"kappa_risk must be a finite number >= 0, got {self.kappa_risk!r}")
         check_choice("compile", self.compile, COMPILE_SETTINGS, "text study: ")
         if model_cfg is not None:
+            need(self.window is None or self.window <= model_cfg.max_seq_len,
+                 f"window={self.window} is longer than the preset's context T_max={model_cfg.max_seq_len}")
             for n_layer, d in self.frontier:
                 frontier_config(model_cfg, n_layer, d)
         return self
