@@ -338,6 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "run per seed, every claim over them")
     t.add_argument("--seed", type=int, default=None, help="one training seed (the same as --seeds N)")
     t.add_argument("--scale", type=float, default=1.0, help="multiply every stage's steps (0.05 = smoke run)")
+    t.add_argument("--frontier", default=None, help="the dense frontier: backbones alone as LAYERS or LAYERSxWIDTH, "
+                   "comma-separated (default 1,2,3,1x96)")
     t.add_argument("--ngram", type=int, default=4, help="n of the AR-hit / seen-miss / other slices (default 4)")
     t.add_argument("--window", type=int, default=None,
                    help="evaluation window length (default 128, the workspace stage's; at most the preset's 256)")

@@ -112,6 +112,12 @@ def test_bad_text_study_settings_are_value_errors_naming_the_option():
         with pytest.raises(ValueError, match=word):
             TextStudyConfig(**kw).validate(demo)
     assert parse_seeds("3,1") == [3, 1]
+    from prisme.studies.text_setup import parse_frontier
+
+    assert parse_frontier("1,2,1x96") == [[1, None], [2, None], [1, 96]]
+    for bad in ("", "a", "2x"):
+        with pytest.raises(ValueError, match="--frontier"):
+            parse_frontier(bad)
     for bad in ("", "1,1", "a", "-2"):
         with pytest.raises(ValueError, match="--seeds"):
             parse_seeds(bad)

@@ -48,6 +48,7 @@ from prisme.studies.text_setup import (
     TextStudyConfig,
     frontier_config,
     frontier_name,
+    parse_frontier,
     parse_seeds,
     source_config,
     stage_configs,
@@ -234,7 +235,8 @@ def main(args: Any) -> int:
                           jobs=args.jobs or 0, threads=args.threads or 1, progress=not args.no_progress,
                           val_batches=None if args.val_batches == "all" else int(args.val_batches),
                           held_out=args.held_out, compile=getattr(args, "compile", None) or "off",
-                          slice_ngram=getattr(args, "ngram", 4), window=getattr(args, "window", None))
+                          slice_ngram=getattr(args, "ngram", 4), window=getattr(args, "window", None),
+                          **({"frontier": parse_frontier(args.frontier)} if getattr(args, "frontier", None) else {}))
     from prisme.io import check_output_file
     from prisme.studies.recall_report import emit_study
 

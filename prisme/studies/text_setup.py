@@ -110,6 +110,20 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
+def parse_frontier(text: str) -> list[list[int | None]]:
+    """`--frontier 1,2,3,1x96` -> [[1, None], [2, None], [3, None], [1, 96]] (layers, or layers x width)."""
+    out: list[list[int | None]] = []
+    for item in (v.strip() for v in text.split(",") if v.strip()):
+        layers, x, width = item.partition("x")
+        try:
+            out.append([int(layers), int(width) if x else None])
+        except ValueError:
+            raise ValueError(f"--frontier entries are LAYERS or LAYERSxWIDTH (e.g. 1,2,3,1x96), got {item!r}") from None
+    if not out:
+        raise ValueError("--frontier is empty")
+    return out
+
+
 def frontier_name(model_cfg: PrismeConfig, n_layer: int, d_model: int | None) -> str:
     return f"L{n_layer}_d{d_model or model_cfg.d_model}"
 
