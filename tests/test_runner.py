@@ -63,3 +63,54 @@ def test_prefixed_tasks_of_two_studies_share_one_pool():
     assert [t.name for t in tasks] == ["a/train", "a/eval", "b/train"] and tasks[1].needs == ("a/train",)
     assert set(run_tasks(tasks, jobs=1)) == {"a/train", "a/eval", "b/train"}
     assert worker_count(0, 1) == 1 and worker_count(3, 10) == 3
+
+
+def record_pid_and_sleep(path: str) -> None:
+    import os
+    import pathlib
+
+    pathlib.Path(path).write_text(str(os.getpid()))
+    time.sleep(120)
+
+
+@pytest.mark.parametrize("guard", [True, False], ids=["die_with_parent", "negative_control"])
+def test_killing_the_study_process_stops_its_workers(tmp_path, guard):
+    """A study killed with SIGKILL (no cleanup of its own) leaves no worker running: each worker asked the kernel
+    for SIGTERM when its parent dies (`die_with_parent`). Negative control: without it the workers go on, orphaned."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests, pid = str(Path(__file__).parent), str(tmp_path / "pid")
+    off = "" if guard else "runner.die_with_parent = abs; "  # a picklable initializer that does nothing
+    code = (f"import sys; sys.path.insert(0, {tests!r}); from test_runner import record_pid_and_sleep; "
+            f"import prisme.studies.runner as runner; {off}"
+            f"runner.run_tasks([runner.Task(str(i), record_pid_and_sleep, ({pid!r} + str(i),)) for i in range(2)], "
+            f"jobs=2)")
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    pids = []
+
+    def running() -> list[int]:
+        return [p for p in pids if Path(f"/proc/{p}").exists()
+                and Path(f"/proc/{p}/stat").read_text().split()[2] != "Z"]
+
+    try:
+        deadline = time.time() + 60
+        while len(pids) < 2 and time.time() < deadline:
+            pids = [int(p.read_text()) for p in tmp_path.glob("pid*") if p.read_text()]
+            time.sleep(0.2)
+        assert len(pids) == 2
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        deadline = time.time() + (15 if guard else 3)
+        while running() and time.time() < deadline:
+            time.sleep(0.2)
+        assert running() == ([] if guard else pids)
+    finally:
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

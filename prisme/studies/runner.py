@@ -14,6 +14,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import multiprocessing
 import os
+import signal
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -54,6 +56,22 @@ def check_tasks(tasks: Sequence[Task]) -> None:
         left = [t for t in left if t.name not in done]
 
 
+def die_with_parent(parent: int) -> None:
+    """Worker initializer: on Linux the worker gets SIGTERM when the process that started it dies, however it dies
+    (`prctl(PR_SET_PDEATHSIG)`), so a killed study leaves no orphan runs behind (a training run saves a checkpoint on
+    SIGTERM and exits)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def worker_count(jobs: int, n_tasks: int) -> int:
     """Worker processes for `n_tasks`: `jobs`, or one per CPU core when 0, and never more than the tasks."""
     return max(1, min(jobs or (os.cpu_count() or 1), n_tasks))
@@ -63,7 +81,8 @@ def run_tasks(tasks: Sequence[Task], jobs: int = 0,
               on_done: Callable[[Task, Any, float], None] | None = None) -> dict[str, Any]:
     """Run every task (`jobs` worker processes, 0 = one per core); returns {name: result}. `on_done(task, result,
     seconds since the start)` runs in this process as each task finishes. A task that raises stops the run: the tasks
-    not started are cancelled, and its exception is raised once the running ones have finished."""
+    not started are cancelled, and its exception is raised once the running ones have finished. An interrupt (Ctrl-C,
+    or this process exiting) sends SIGTERM to the running tasks' workers: a training run saves and exits."""
     check_tasks(tasks)
     t0 = time.perf_counter()
     done: dict[str, Any] = {}
@@ -82,7 +101,8 @@ def run_tasks(tasks: Sequence[Task], jobs: int = 0,
                 on_done(task, done[task.name], time.perf_counter() - t0)
         return done
     by_name = {t.name: t for t in tasks}
-    with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
+                                initializer=die_with_parent, initargs=(os.getpid(),)) as pool:
         try:
             while len(done) < len(tasks):
                 for task in ready()[:jobs - len(running)]:
@@ -93,7 +113,12 @@ def run_tasks(tasks: Sequence[Task], jobs: int = 0,
                     done[name] = f.result()
                     if on_done is not None:
                         on_done(by_name[name], done[name], time.perf_counter() - t0)
-        except BaseException:
+        except Exception:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+        except BaseException:  # KeyboardInterrupt, SystemExit: stop the workers too
+            for proc in list(getattr(pool, "_processes", {}).values()):
+                proc.terminate()
             pool.shutdown(wait=True, cancel_futures=True)
             raise
     return done
