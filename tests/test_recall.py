@@ -241,6 +241,7 @@ def test_controller_rows_equal_forward_policy():
     assert rows[0]["edits_per_token"] > rows[1]["edits_per_token"]
 
 
+@pytest.mark.slow  # 20 s: `make test-slow` (and CI) run it
 def test_frontier_quick_run_writes_both_families_the_verdict_and_the_router_cost(tmp_path):
     """`prisme study recall --frontier --quick`: the controls, the dense grid (every depth x width) and a PRISME size
     with its router, in the table and in the JSON layout other tools read (`frontier.dense` / `frontier.prisme`
