@@ -48,6 +48,7 @@ def pair64() -> tuple[PrismeModel, PrismeModel]:
     return eager, comp
 
 
+@pytest.mark.slow  # compiles the editor (about a minute for the file): `make test-slow`, CI
 def test_compiled_editor_forced_actions_equal_eager_float64(pair64):
     eager, comp = pair64
     tokens = torch.randint(0, eager.cfg.vocab_size, (3, 12), generator=torch.Generator().manual_seed(1))
@@ -66,6 +67,7 @@ def test_compiled_editor_forced_actions_equal_eager_float64(pair64):
                      TOL[torch.float64], "second shape")
 
 
+@pytest.mark.slow  # compiles the editor (about a minute for the file): `make test-slow`, CI
 def test_compiled_editor_contracts_idle_positions_and_untouched_slots_bitwise(pair64):
     """Positions that STOP keep the backbone's logits bitwise, and slots outside an action keep their values bitwise,
     on the compiled path too (its graphs run on the gathered, padded positions; nothing else is written)."""
@@ -91,6 +93,7 @@ def test_compiled_editor_contracts_idle_positions_and_untouched_slots_bitwise(pa
     assert torch.equal(out.S_final[idle], S0[idle])
 
 
+@pytest.mark.slow  # compiles the editor (about a minute for the file): `make test-slow`, CI
 def test_compiled_editor_controller_rollout_equals_eager(pair64):
     eager, comp = pair64
     tokens = torch.randint(0, eager.cfg.vocab_size, (2, 11), generator=torch.Generator().manual_seed(6))
@@ -102,6 +105,7 @@ def test_compiled_editor_controller_rollout_equals_eager(pair64):
     assert_close(out.logits, ref.logits, TOL[torch.float64], "controller logits")
 
 
+@pytest.mark.slow  # compiles the editor (about a minute for the file): `make test-slow`, CI
 def test_compiled_editor_ragged_batched_decoding_equals_eager(pair64):
     """Rows of different lengths, a 2-token chunk (the dynamic graphs) then one token per step (the fixed-shape decode
     graphs, the bank at its capacity, every row padded in), the controller deciding: the same traces and logits."""
@@ -141,6 +145,7 @@ def test_small_groups_run_the_eager_pass_below_min_positions():
     assert calls["eager_small"] > 0 and calls["compiled"] == 0 and not model.editor.compiled.graphs
 
 
+@pytest.mark.slow  # compiles the editor (about a minute for the file): `make test-slow`, CI
 def test_compiled_editor_training_gradients_equal_eager():
     """A workspace-stage loss and its gradients through the compiled editor (autograd graphs) equal eager (single-slot
     actions: one graph to compile)."""
@@ -163,6 +168,7 @@ def test_compiled_editor_training_gradients_equal_eager():
     assert comp.editor.compiled.calls["compiled"] > 0
 
 
+@pytest.mark.slow  # compiles the editor (about a minute for the file): `make test-slow`, CI
 def test_negative_control_a_compiled_graph_that_ignores_the_bank_mask_is_caught(pair64):
     """The equivalence check of the first test, on an editor compiled under `faults.compiled_editor_unmasked`
     (every position reads the whole bank, the future included): the logits move far past the tolerance (single-slot
