@@ -131,6 +131,8 @@ def _inference_mode_as_no_grad():
         yield
     finally:
         torch._C._InferenceMode = original
+
+
 _CPU_GENERATOR = torch.Generator
 
 

@@ -36,6 +36,8 @@ PROMPT = "It is a truth universally acknowledged, that"
 
 DEMO_SOURCES = ("residual",)  # the demo's text study: the seed's bank (`prisme study text` adds "embedding")
 DEMO_FRONTIER = (2, None)  # ... and one frontier model, one layer deeper (`prisme study text`: 1-3 layers, 2 widths)
+
+
 def _sample(model: torch.nn.Module, prompt: str, n_tokens: int, max_budget: int,
             kappa_risk: float | None = None) -> tuple[str, dict[str, Any]]:
     """Greedy continuation with the controller (prisme.decoding.generate, else a plain forward loop)."""
