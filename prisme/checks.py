@@ -45,6 +45,17 @@ def check_number(name: str, v: Any, lo: float | None = None, hi: float | None = 
 COMPILE_SETTINGS = ("off", "auto", "strict")  # `compile` fields and `--compile`: eager, compile where it works, or must
 
 
+def check_seeds(seeds: Any, where: str = "") -> list[int]:
+    """A study's training seeds: a non-empty list of distinct ints >= 0; ValueError naming `seeds`."""
+    if not isinstance(seeds, list) or len(seeds) == 0:
+        raise ValueError(f"{where}seeds must be a non-empty list, got {seeds!r}")
+    if not all(is_int(s) and s >= 0 for s in seeds):
+        raise ValueError(f"{where}seeds must be integers >= 0, got {seeds!r}")
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"{where}seeds must be distinct, got {seeds!r}")
+    return seeds
+
+
 def check_choice(name: str, v: Any, choices: tuple[Any, ...], where: str = "") -> Any:
     if v not in choices:
         raise ValueError(f"{where}{name} must be one of {choices}, got {v!r}")

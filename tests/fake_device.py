@@ -26,6 +26,7 @@ import contextlib
 import traceback
 from collections import Counter
 from dataclasses import dataclass, field
+from unittest import mock
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -82,7 +83,7 @@ class FakeDevice:
         self._stack.enter_context(_generators())
         self._stack.enter_context(_FactoryMode())
         self._stack.enter_context(_MethodMode())
-        self._stack.enter_context(_inference_mode_as_no_grad())
+        self._stack.enter_context(mock.patch.object(torch._C, "_InferenceMode", _NoGradInference))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -121,16 +122,6 @@ class _NoGradInference:
 
     def __exit__(self, *exc):
         return self.ctx.__exit__(*exc)
-
-
-@contextlib.contextmanager
-def _inference_mode_as_no_grad():
-    original = torch._C._InferenceMode
-    torch._C._InferenceMode = _NoGradInference
-    try:
-        yield
-    finally:
-        torch._C._InferenceMode = original
 
 
 _CPU_GENERATOR = torch.Generator

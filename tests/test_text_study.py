@@ -103,7 +103,8 @@ def test_verdicts_count_the_seeds_whose_interval_lies_below_zero():
 
 def test_bad_text_study_settings_are_value_errors_naming_the_option():
     from prisme.config import PrismeConfig
-    from prisme.studies.text_setup import TextStudyConfig, parse_seeds
+    from prisme.studies.recall_setup import parse_seeds
+    from prisme.studies.text_setup import TextStudyConfig
 
     demo = PrismeConfig.from_name("demo")
     for kw, word in ((dict(seeds=[]), "seeds"), (dict(seeds=[1, 1]), "distinct"), (dict(seeds=[-1]), "seeds"),

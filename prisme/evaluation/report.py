@@ -10,7 +10,7 @@ from typing import Any
 
 from prisme.evaluation.policies import ROW_FAMILIES
 from prisme.io import json_safe
-from prisme.stats import N_BOOT
+from prisme.stats import N_BOOT, lower_envelope
 
 
 # ---------------------------------------------------------------------------------------------------------- results
@@ -185,10 +185,7 @@ class EvalReport:
 def pareto_front(rows: Sequence[EvalRow]) -> list[EvalRow]:
     """Deployable rows not dominated in (relative ops, loss), sorted by ops: each is strictly better in loss than
     every cheaper-or-equal one."""
-    front: list[EvalRow] = []
-    for r in sorted((r for r in rows if r.deployable), key=lambda r: (r.relative_ops, r.loss)):
-        if not front or r.loss < front[-1].loss:
-            front.append(r)
-    return front
+    dep = [r for r in rows if r.deployable]
+    return [dep[i] for i in lower_envelope([(r.relative_ops, r.loss) for r in dep])]
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prisme.checks import COMPILE_SETTINGS, check_choice
+from prisme.checks import COMPILE_SETTINGS, check_choice, check_seeds
 from prisme.config import PrismeConfig
 from prisme.data.mqar import MQARConfig
 from prisme.io import CONFIG_DIR, loads_config
@@ -60,11 +60,7 @@ class RecallStudyConfig:
             if not ok:
                 raise ValueError(f"recall study: {msg}")
 
-        need(isinstance(self.seeds, list) and len(self.seeds) > 0, f"seeds must be a non-empty list, got "
-             f"{self.seeds!r}")
-        need(all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in self.seeds),
-             f"seeds must be integers >= 0, got {self.seeds!r}")
-        need(len(set(self.seeds)) == len(self.seeds), f"seeds must be distinct, got {self.seeds!r}")
+        check_seeds(self.seeds, "recall study: ")
         for f in ("converged_backbone_steps", "eval_sequences", "calibration_sequences", "threads"):
             v = getattr(self, f)
             need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{f} must be an int >= 1, got {v!r}")

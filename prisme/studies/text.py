@@ -39,6 +39,7 @@ from prisme.data.tokenizers import ByteTokenizer
 from prisme.devices import spread
 from prisme.io import write_text_atomic
 from prisme.rebase import rebase_backbone
+from prisme.studies.recall_setup import parse_seeds
 from prisme.studies.runner import Task, run_tasks, worker_count
 from prisme.studies.text_report import format_report, seed_summary, verdicts
 from prisme.studies.text_setup import (
@@ -49,7 +50,6 @@ from prisme.studies.text_setup import (
     frontier_config,
     frontier_name,
     parse_frontier,
-    parse_seeds,
     source_config,
     stage_configs,
 )
@@ -228,7 +228,7 @@ def assemble(cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[int, di
 def main(args: Any) -> int:
     """`prisme study text`."""
     sources = [s.strip() for s in args.sources.split(",") if s.strip()] if args.sources else list(SOURCES)
-    seeds = parse_seeds(args.seeds) if getattr(args, "seeds", None) else (
+    seeds = parse_seeds(args.seeds) if getattr(args, "seeds", None) is not None else (
         [args.seed] if getattr(args, "seed", None) is not None else None)
     cfg = TextStudyConfig(sources=sources, **({"seeds": seeds} if seeds else {}), scale=args.scale,
                           out_dir=args.out or "runs/text",

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prisme.checks import COMPILE_SETTINGS, check_choice
+from prisme.checks import COMPILE_SETTINGS, check_choice, check_seeds
 from prisme.config import PrismeConfig
 from prisme.data.text import HELD_OUT_TEXT
 from prisme.training.config import StageConfig
@@ -65,10 +65,7 @@ class TextStudyConfig:
 
         need(len(self.sources) > 0 and all(s in SOURCES for s in self.sources),
              f"sources must be a non-empty list from {sorted(SOURCES)}, got {self.sources!r}")
-        need(isinstance(self.seeds, list) and len(self.seeds) > 0 and all(
-            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in self.seeds),
-             f"seeds must be a non-empty list of ints >= 0, got {self.seeds!r}")
-        need(len(set(self.seeds)) == len(self.seeds), f"seeds must be distinct, got {self.seeds!r}")
+        check_seeds(self.seeds, "text study: ")
         need(isinstance(self.frontier, list) and all(
             isinstance(f, (list, tuple)) and len(f) == 2 and is_count(f[0]) and (f[1] is None or is_count(f[1]))
             for f in self.frontier), f"frontier must be a list of [n_layer >= 1, d_model >= 1 or null], got "
@@ -97,17 +94,6 @@ class TextStudyConfig:
             for n_layer, d in self.frontier:
                 frontier_config(model_cfg, n_layer, d)
         return self
-
-
-def parse_seeds(text: str) -> list[int]:
-    """`--seeds 1337,1338` -> [1337, 1338]; ValueError naming the option."""
-    try:
-        seeds = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise ValueError(f"--seeds must be comma-separated ints, got {text!r}") from None
-    if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
-        raise ValueError(f"--seeds must be distinct ints >= 0, got {text!r}")
-    return seeds
 
 
 def parse_frontier(text: str) -> list[list[int | None]]:
