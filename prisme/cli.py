@@ -180,6 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: the config's)")
     s.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples of the paired intervals")
     s.add_argument("--bootstrap-seed", type=int, default=0, help="seed of the bootstrap resamples")
+    s.add_argument("--reference", action="append", default=None, metavar="NAME=CKPT",
+                   help="another model whose backbone alone is scored on the same targets, as row NAME (e.g. a "
+                   "backbone-only model of the dense frontier); repeatable")
+    s.add_argument("--frontier", default=None, help="comma-separated rows that make the dense frontier (backbone, "
+                   "backbone+matched, reference names; 'references' = every --reference): every other row gets "
+                   "its frontier gap, its loss minus the frontier interpolated in log ops at its ops")
+    s.add_argument("--slices", type=int, default=None, metavar="N",
+                   help="split every row into AR-hit / seen-miss / other positions by N-grams (e.g. 4)")
     _add_compile(s)
     s.set_defaults(func=_cmd_eval)
 

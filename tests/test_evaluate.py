@@ -498,6 +498,42 @@ def test_equal_edits_baseline_spreads_the_controllers_mean_edits_uniformly():
         assert abs(d["mean"] - (ctrl.loss - eq.loss)) < 1e-9 and d["lo"] <= d["mean"] <= d["hi"]
 
 
+def test_cli_eval_scores_references_and_the_frontier_gap_against_them(tmp_path, capsys, monkeypatch):
+    """`prisme eval --reference NAME=CKPT --frontier references --slices 4`: each reference is a row whose loss is its
+    backbone alone on the same targets; with one frontier point every row's gap is its loss minus that point's (the
+    nearest point beyond the ends), its own backbone included; bad names fail before any evaluation runs."""
+    import prisme.evaluation.run as ev
+
+    sc = StageConfig(stage="controller", dataset="austen", seq_len=32).to_dict()
+    ckpt = save_checkpoint(tmp_path / "c" / "ckpt_000000", make_model(vocab_size=256).float(), stage="controller",
+                           step=0, stage_config=sc)
+    ref_model = make_model(seed=3, vocab_size=256, use_workspace=False).float()
+    ref = save_checkpoint(tmp_path / "r" / "ckpt_000000", ref_model, stage="backbone", step=0, stage_config=sc)
+    out = tmp_path / "f.json"
+    assert cli.main(["eval", "--checkpoint", str(ckpt), "--reference", f"L1={ref}", "--frontier", "references",
+                     "--slices", "4", "--batches", "2", "--batch-size", "4", "--policies", "backbone,fixed",
+                     "--bootstrap", "50", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    rows = {r["policy"]: r for r in doc["rows"]}
+    assert doc["references"] == {"L1": str(ref)} and rows["L1"]["family"] == "reference"
+    assert rows["L1"]["frontier_gap"] is None  # a frontier point has no gap to itself
+    for name in ("backbone", "fixed_1xk1", "fixed_2xk2"):
+        assert abs(rows[name]["frontier_gap"]["mean"] - (rows[name]["loss"] - rows["L1"]["loss"])) < 1e-9
+        assert set(rows[name]["slices"]) == {"ar_hit", "seen_miss", "other"}
+    assert "minus the dense frontier" in capsys.readouterr().out
+    monkeypatch.setattr(ev, "evaluate_policies", lambda *a, **k: pytest.fail("evaluation ran"))
+    for bad, msg in ((["--reference", "L1"], "NAME=CHECKPOINT"), (["--reference", f"backbone={ref}"], "built-in"),
+                     (["--reference", f"L1={ref}", "--frontier", "L2"], "known"), (["--frontier", "references"],
+                                                                                    "does not have"),
+                     (["--slices", "0"], "slices")):
+        assert cli.main(["eval", "--checkpoint", str(ckpt), "--policies", "backbone", *bad]) == 2
+        assert msg in capsys.readouterr().err, bad
+    other = save_checkpoint(tmp_path / "o" / "ckpt_000000", make_model(vocab_size=64).float(), stage="backbone",
+                            step=0, stage_config=sc)
+    assert cli.main(["eval", "--checkpoint", str(ckpt), "--reference", f"X={other}", "--policies", "backbone"]) == 2
+    assert "vocabulary" in capsys.readouterr().err
+
+
 def test_cli_batches_all_scores_the_whole_split_and_bad_batches_fail_before_any_model_runs(tmp_path, capsys,
                                                                                         monkeypatch):
     """--batches all covers every window of the validation split; 0, 'x' or more batches than the split holds are a

@@ -112,6 +112,24 @@ def test_backbone_keeps_learning_option_moves_the_backbone(pipeline, data, tmp_p
     assert not moved & group_names(model, "controller")
 
 
+def test_joint_training_from_scratch_starts_fresh_and_trains_backbone_and_workspace(data, tmp_path):
+    """A workspace stage with train_backbone_in_workspace_stage and a model but no init_from starts from a fresh
+    model seeded like a fresh stage 1 (joint training from scratch): both groups move, the controller does not, and
+    the checkpoint records both as trained. Without the joint option the stage still needs stage 1's checkpoint."""
+    cfg = PrismeConfig.from_name("tiny")
+    torch.manual_seed(3)
+    init = snapshot(PrismeModel(cfg))
+    r = train_stage(cfg, stage_cfg(tmp_path, "workspace", steps=3, train_backbone_in_workspace_stage=True),
+                    dataset=data)
+    model, meta = ckpt.load_model(tmp_path / "workspace")
+    after = snapshot(model)
+    moved = {k for k in after if not torch.equal(init[k], after[k])}
+    assert r.step == 3 and moved == group_names(model, "backbone") | group_names(model, "workspace")
+    assert ckpt.trained_groups(meta) == {"backbone", "workspace"}
+    with pytest.raises(ValueError, match="starts from the 'backbone' stage's checkpoint"):
+        train_stage(cfg, stage_cfg(tmp_path / "b", "workspace", steps=3), dataset=data)
+
+
 def test_each_stage_reaches_a_finite_lower_loss(pipeline):
     """Each stage ends with a finite loss; stage 1 beats uniform, stage 2 beats its frozen backbone on val."""
     r = pipeline["results"]

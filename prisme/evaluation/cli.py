@@ -75,6 +75,49 @@ def _parse_floats(s: str | None) -> list[float] | None:
         raise ValueError(f"--lambdas must be comma-separated numbers, got {s!r}") from None
 
 
+def parse_references(items: list[str] | None) -> dict[str, str]:
+    """`--reference NAME=CKPT` (repeatable) -> {name: checkpoint}; names unique and not a built-in row's."""
+    out: dict[str, str] = {}
+    for item in items or []:
+        name, sep, path = item.partition("=")
+        name, path = name.strip(), path.strip()
+        if not sep or not name or not path:
+            raise ValueError(f"--reference must be NAME=CHECKPOINT, got {item!r}")
+        if name in out or name in ("backbone", "backbone+matched"):
+            raise ValueError(f"--reference name {name!r} is used twice (or is a built-in row's name)")
+        out[name] = path
+    return out
+
+
+def parse_frontier_rows(text: str | None, references: dict[str, str], has_matched: bool) -> list[str] | None:
+    """`--frontier`: comma-separated row names ('references' = every --reference), each one a row this run has."""
+    if text is None:
+        return None
+    rows: list[str] = []
+    for name in (s.strip() for s in text.split(",") if s.strip()):
+        rows += list(references) if name == "references" else [name]
+    known = ["backbone", *(["backbone+matched"] if has_matched else []), *references]
+    bad = [r for r in rows if r not in known]
+    if not rows or bad:
+        raise ValueError(f"--frontier names rows {bad or text!r} that this evaluation does not have; known: {known} "
+                         f"(a backbone-only model becomes a row with --reference NAME=CHECKPOINT)")
+    return list(dict.fromkeys(rows))
+
+
+def load_references(references: dict[str, str], model: Any, device: torch.device) -> dict[str, Any]:
+    """Load each `--reference` and check that it reads the same tokens as the evaluated model."""
+    from prisme.checkpoint import load_model
+
+    out = {}
+    for name, path in references.items():
+        ref, _ = load_model(path, map_location=device)
+        if ref.cfg.vocab_size != model.cfg.vocab_size:
+            raise ValueError(f"--reference {name}={path} has a vocabulary of {ref.cfg.vocab_size} ids, the evaluated "
+                             f"model {model.cfg.vocab_size}: they cannot be scored on the same targets")
+        out[name] = ref
+    return out
+
+
 def main(args: argparse.Namespace) -> int:
     """`prisme eval`: load a checkpoint, evaluate every policy, print the table, write JSON / PNG if asked."""
     from prisme.checkpoint import load_model
@@ -89,6 +132,11 @@ def main(args: argparse.Namespace) -> int:
     check_output_file(args.json, "--json")  # output paths first: never fail after the whole evaluation
     check_output_file(args.plot, "--plot")
     max_batches = parse_batches(args.batches)
+    references = parse_references(getattr(args, "reference", None))
+    frontier = parse_frontier_rows(getattr(args, "frontier", None), references, bool(args.matched_backbone))
+    slices = getattr(args, "slices", None)
+    if slices is not None and slices < 1:
+        raise ValueError(f"--slices must be an n-gram length >= 1, got {slices}")
     check_bootstrap_args(args.bootstrap, args.bootstrap_seed)
     if args.device is not None and args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device!r} requested but CUDA is not available")
@@ -112,6 +160,7 @@ def main(args: argparse.Namespace) -> int:
             shown = ", ".join(f"{k} {a!r} vs {b!r}" for k, (a, b) in sorted(diff.items()))
             raise ValueError(f"--matched-backbone {args.matched_backbone} is another backbone ({shown}); the matched "
                              f"baseline is the evaluated model's backbone trained on more tokens (same architecture)")
+    refs = load_references(references, model, device)
     dataset, train_seq_len = dataset_for_checkpoint(meta, model.cfg.vocab_size, args.corpus, args.seq_len)
     seq_len = args.seq_len if args.seq_len is not None else train_seq_len
     if seq_len is None:
@@ -128,7 +177,8 @@ def main(args: argparse.Namespace) -> int:
                                seed=args.seed, progress=sys.stderr.isatty(), bootstrap_samples=args.bootstrap,
                                bootstrap_seed=args.bootstrap_seed,
                                controller_budget=getattr(args, "controller_budget", None),
-                               kappa_risk=getattr(args, "kappa_risk", None))
+                               kappa_risk=getattr(args, "kappa_risk", None), references=refs or None,
+                               frontier=frontier, slices=slices)
     from prisme.checkpoint import trained_groups
     from prisme.config import untrained_for_policy
 
@@ -147,6 +197,7 @@ def main(args: argparse.Namespace) -> int:
         doc = report.to_json()
         doc["checkpoint"] = str(args.checkpoint)
         doc["matched_backbone"] = args.matched_backbone
+        doc["references"] = references
         write_text_atomic(Path(args.json), json.dumps(doc, indent=2, allow_nan=False) + "\n")
         print(f"wrote {args.json}")
     if args.plot:

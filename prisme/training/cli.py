@@ -68,8 +68,9 @@ def main(args: Any) -> int:
     if getattr(args, "rebase", False):
         scfg = rebased_start(scfg, model_cfg)
         model_cfg = None
-    if scfg.stage == "backbone" and model_cfg is None and scfg.init_from is None and not scfg.resume:
-        raise ValueError("a fresh backbone stage needs a model: --preset NAME or a 'model' entry in --config")
+    fresh = scfg.stage == "backbone" or (scfg.stage == "workspace" and scfg.train_backbone_in_workspace_stage)
+    if fresh and model_cfg is None and scfg.init_from is None and not scfg.resume:
+        raise ValueError(f"a fresh {scfg.stage} stage needs a model: --preset NAME or a 'model' entry in --config")
     try:
         result = train_stage(model_cfg, scfg)
     except NonFiniteLossError as e:

@@ -119,13 +119,14 @@ def _load_start(model_cfg: PrismeConfig | None, scfg: StageConfig) -> tuple[nn.M
         return model, meta
     check_fresh_run(out, scfg.overwrite)
     if scfg.init_from is None:
-        if scfg.stage in PREVIOUS:
+        joint = scfg.stage == "workspace" and scfg.train_backbone_in_workspace_stage  # from scratch, both together
+        if scfg.stage in PREVIOUS and not (joint and model_cfg is not None):
             prev = PREVIOUS[scfg.stage]
             raise ValueError(f"stage {scfg.stage!r} starts from the {prev!r} stage's checkpoint, and init_from is not "
                              f"set: run `prisme train --stage {prev}` first and pass its out_dir (or a ckpt_* folder) "
                              f"as init_from / --init-from")
         if model_cfg is None:
-            raise ValueError("a fresh backbone stage needs a model config (a preset or a PrismeConfig)")
+            raise ValueError(f"a fresh {scfg.stage} stage needs a model config (a preset or a PrismeConfig)")
         torch.manual_seed(scfg.seed)
         return PrismeModel(model_cfg), None
     try:
