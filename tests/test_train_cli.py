@@ -41,6 +41,33 @@ def test_a_bad_set_names_the_field_before_anything_is_written(tmp_path, capsys):
         assert not out.exists()
 
 
+def test_rebase_holds_the_run_folder_lock_from_its_first_write(tmp_path, capsys, monkeypatch):
+    """`--rebase` writes the rebased start into the run folder: another run must already be locked out then (it was
+    taken only when training began), and the lock is released at the end. Negative control: an unlocked folder."""
+    import prisme.rebase
+    from prisme.training.resume import RunLock
+
+    mqar = 'mqar={"vocab_size": 64, "seq_len": 16, "n_pairs": 2, "query_min_pos": 4}'
+    assert run_cli(*BASE, "--preset", "tiny", "--set", mqar, "--out", str(tmp_path / "b"))[0] == 0
+    real, seen = prisme.rebase.rebase, []
+
+    def rebase_and_probe(src, cfg, folder, **kw):
+        for out in (tmp_path / "w", tmp_path / "free"):  # the second is the control: nobody holds it
+            try:
+                RunLock(out).release()
+                seen.append((out.name, "free"))
+            except ValueError as e:
+                seen.append((out.name, "in use" if "in use by" in str(e) else str(e)))
+        return real(src, cfg, folder, **kw)
+
+    monkeypatch.setattr(prisme.rebase, "rebase", rebase_and_probe)
+    rc, _ = run_cli("train", "--stage", "workspace", "--init-from", str(tmp_path / "b"), "--dataset", "mqar",
+                    "--steps", "1", "--batch-size", "4", "--no-progress", "--set", mqar, "--preset", "tiny",
+                    "--set", "model.bank_source=embedding", "--out", str(tmp_path / "w"), "--rebase")
+    assert rc == 0 and seen == [("w", "in use"), ("free", "free")]
+    RunLock(tmp_path / "w").release()  # released after training
+
+
 def test_a_preset_beside_a_configs_model_is_refused(tmp_path, capsys):
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"model": {"preset": "tiny", "vocab_size": 300}, "stage": "backbone", "steps": 1}))

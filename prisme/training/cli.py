@@ -65,17 +65,26 @@ def main(args: Any) -> int:
                              f"use one (a preset's fields can be changed with --set model.FIELD=VALUE)")
         model_cfg = PrismeConfig.from_name(args.preset)
     scfg, model_cfg = apply_sets(getattr(args, "set", None) or [], scfg, model_cfg)
-    if getattr(args, "rebase", False):
-        scfg = rebased_start(scfg, model_cfg)
-        model_cfg = None
-    fresh = scfg.stage == "backbone" or (scfg.stage == "workspace" and scfg.train_backbone_in_workspace_stage)
-    if fresh and model_cfg is None and scfg.init_from is None and not scfg.resume:
-        raise ValueError(f"a fresh {scfg.stage} stage needs a model: --preset NAME or a 'model' entry in --config")
+    lock = None
     try:
-        result = train_stage(model_cfg, scfg)
+        if getattr(args, "rebase", False):  # the run folder's lock is held from the rebased start's write on
+            from pathlib import Path
+
+            from prisme.training.resume import RunLock
+
+            lock = RunLock(Path(scfg.out_dir))
+            scfg = rebased_start(scfg, model_cfg)
+            model_cfg = None
+        fresh = scfg.stage == "backbone" or (scfg.stage == "workspace" and scfg.train_backbone_in_workspace_stage)
+        if fresh and model_cfg is None and scfg.init_from is None and not scfg.resume:
+            raise ValueError(f"a fresh {scfg.stage} stage needs a model: --preset NAME or a 'model' entry in --config")
+        result = train_stage(model_cfg, scfg, run_lock=lock)
     except NonFiniteLossError as e:
         print(f"prisme train: error: {e}", file=sys.stderr)
         return 1
+    finally:
+        if lock is not None:
+            lock.release()
     if int(os.environ.get("RANK", "0")) == 0:
         shown = ", ".join(f"{k} {v:.4g}" for k, v in result.val.items())
         print(f"{result.stage}: {result.step} steps, {result.tokens:,} tokens in {result.wall_s:.1f} s; "

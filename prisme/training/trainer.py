@@ -146,7 +146,8 @@ def _load_start(model_cfg: PrismeConfig | None, scfg: StageConfig) -> tuple[nn.M
 
 def train_stage(model_cfg: PrismeConfig | None, stage_cfg: StageConfig, *,
                 dataset: TokenDataset | MQARDataset | None = None,
-                callbacks: Sequence[Callable[[int, dict[str, float]], None]] = ()) -> TrainResult:
+                callbacks: Sequence[Callable[[int, dict[str, float]], None]] = (),
+                run_lock: RunLock | None = None) -> TrainResult:
     """Train one stage; see the module docstring.
 
     Args:
@@ -155,6 +156,8 @@ def train_stage(model_cfg: PrismeConfig | None, stage_cfg: StageConfig, *,
         stage_cfg: the stage's hyper-parameters and paths.
         dataset: use this dataset instead of building one from `stage_cfg.dataset` (tests, notebooks).
         callbacks: called as `cb(step, train_metrics)` after every optimizer step (rank 0 and others alike).
+        run_lock: the caller's lock of `stage_cfg.out_dir`, held since before it wrote there (`prisme train --rebase`);
+            the stage uses it instead of taking its own, and leaves it to the caller to release.
     Returns:
         TrainResult. Ctrl-C saves a checkpoint and returns with `interrupted=True`; a non-finite loss or gradient
         norm raises NonFiniteLossError and leaves the last good checkpoint as the newest one.
@@ -164,7 +167,10 @@ def train_stage(model_cfg: PrismeConfig | None, stage_cfg: StageConfig, *,
     di = setup_distributed(scfg.device if scfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     lock = None
     try:
-        lock = RunLock(Path(scfg.out_dir)) if di.main else None  # one process per run folder, from here to the end
+        if run_lock is not None and run_lock.out.resolve() != Path(scfg.out_dir).resolve():
+            raise ValueError(f"run_lock holds {run_lock.out}, not the stage's out_dir {scfg.out_dir}")
+        if run_lock is None and di.main:
+            lock = RunLock(Path(scfg.out_dir))  # one process per run folder, from here to the end
         return _Trainer(model_cfg, scfg, dataset, di, t_start).run(callbacks)
     finally:
         if lock is not None:
