@@ -186,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--frontier", default=None, help="comma-separated rows that make the dense frontier (backbone, "
                    "backbone+matched, reference names; 'references' = every --reference): every other row gets "
                    "its frontier gap, its loss minus the frontier interpolated in log ops at its ops")
+    s.add_argument("--routing-bound", action="store_true", help="also the oracle-routed bound against the frontier "
+                   "of the --reference models: the oracle's budget-1 edit at the positions where it helps most, at "
+                   "the router's price, over routed shares of the positions (can any router reach the frontier?)")
     s.add_argument("--slices", type=int, default=None, metavar="N",
                    help="split every row into AR-hit / seen-miss / other positions by N-grams (e.g. 4)")
     _add_compile(s)

@@ -512,8 +512,11 @@ def test_cli_eval_scores_references_and_the_frontier_gap_against_them(tmp_path, 
     out = tmp_path / "f.json"
     assert cli.main(["eval", "--checkpoint", str(ckpt), "--reference", f"L1={ref}", "--frontier", "references",
                      "--slices", "4", "--batches", "2", "--batch-size", "4", "--policies", "backbone,fixed",
-                     "--bootstrap", "50", "--json", str(out)]) == 0
+                     "--bootstrap", "50", "--json", str(out), "--routing-bound"]) == 0
     doc = json.loads(out.read_text())
+    bound = doc["routing_bound"]
+    assert bound["points"][0]["fraction"] == 0.0 and bound["points"][0]["gain"] == 0.0
+    assert abs(bound["backbone_loss"] - {r["policy"]: r for r in doc["rows"]}["backbone"]["loss"]) < 1e-6
     rows = {r["policy"]: r for r in doc["rows"]}
     assert doc["references"] == {"L1": str(ref)} and rows["L1"]["family"] == "reference"
     assert rows["L1"]["frontier_gap"] is None  # a frontier point has no gap to itself
@@ -525,7 +528,7 @@ def test_cli_eval_scores_references_and_the_frontier_gap_against_them(tmp_path, 
     for bad, msg in ((["--reference", "L1"], "NAME=CHECKPOINT"), (["--reference", f"backbone={ref}"], "built-in"),
                      (["--reference", f"L1={ref}", "--frontier", "L2"], "known"), (["--frontier", "references"],
                                                                                     "does not have"),
-                     (["--slices", "0"], "slices")):
+                     (["--slices", "0"], "slices"), (["--routing-bound"], "--reference")):
         assert cli.main(["eval", "--checkpoint", str(ckpt), "--policies", "backbone", *bad]) == 2
         assert msg in capsys.readouterr().err, bad
     other = save_checkpoint(tmp_path / "o" / "ckpt_000000", make_model(vocab_size=64).float(), stage="backbone",

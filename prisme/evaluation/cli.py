@@ -134,6 +134,8 @@ def main(args: argparse.Namespace) -> int:
     max_batches = parse_batches(args.batches)
     references = parse_references(getattr(args, "reference", None))
     frontier = parse_frontier_rows(getattr(args, "frontier", None), references, bool(args.matched_backbone))
+    if getattr(args, "routing_bound", False) and not references:
+        raise ValueError("--routing-bound needs the dense frontier's models: pass --reference NAME=CHECKPOINT")
     slices = getattr(args, "slices", None)
     if slices is not None and slices < 1:
         raise ValueError(f"--slices must be an n-gram length >= 1, got {slices}")
@@ -193,8 +195,18 @@ def main(args: argparse.Namespace) -> int:
             row.deployable = False
             row.untrained = missing
     print(report.table())
+    bound = None
+    if getattr(args, "routing_bound", False):
+        from prisme.evaluation.routing_bound import oracle_routed_bound
+
+        bound = oracle_routed_bound(model, dataset, refs, batch_size=args.batch_size, seq_len=seq_len,
+                                    max_batches=max_batches, bootstrap_samples=args.bootstrap,
+                                    bootstrap_seed=args.bootstrap_seed)
+        print(bound.table())
     if args.json:
         doc = report.to_json()
+        if bound is not None:
+            doc["routing_bound"] = bound.to_json()
         doc["checkpoint"] = str(args.checkpoint)
         doc["matched_backbone"] = args.matched_backbone
         doc["references"] = references

@@ -1,5 +1,6 @@
-"""What a run folder needs around the stage loop: one process at a time (`RunLock`), the RNG streams' state, dropping
-metrics rows past the checkpoint, and a SIGINT or SIGTERM that finishes the step and saves."""
+"""What a run folder needs around the stage loop: the model a stage starts from (`load_start`: fresh, resumed or
+`init_from`), one process at a time (`RunLock`), the RNG streams' state, dropping metrics rows past the checkpoint,
+and a SIGINT or SIGTERM that finishes the step and saves."""
 
 from __future__ import annotations
 
@@ -11,12 +12,18 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from prisme import checkpoint as ckpt
 from prisme.io import write_text_atomic
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from prisme.config import PrismeConfig
+    from prisme.training.config import StageConfig
 
 
 def rng_state(gens: dict[str, torch.Generator]) -> dict[str, str]:
@@ -68,6 +75,45 @@ def graceful_sigint() -> Iterator[dict[str, Any]]:
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+def load_start(model_cfg: PrismeConfig | None, scfg: StageConfig) -> tuple[nn.Module, ckpt.CheckpointMeta | None]:
+    """The model this stage starts from, and the checkpoint it came from (validated; nothing written yet)."""
+    from prisme.model.prisme import PrismeModel
+    from prisme.training.config import ACCEPTS_INIT, PREVIOUS
+
+    out = Path(scfg.out_dir)
+    if scfg.resume:
+        ckpt.clean_stale_temps(out)  # what a killed save left behind
+        found = ckpt.latest_checkpoint(out)
+        if found is None:
+            raise ValueError(f"resume=True but {out} holds no checkpoint ({out / ckpt.LATEST} is missing); "
+                             f"start the stage without --resume")
+        model, meta = ckpt.load_checkpoint(found, expected_config=model_cfg, load_optimizer=True)
+        check_resumable(meta, scfg, out)
+        return model, meta
+    check_fresh_run(out, scfg.overwrite)
+    if scfg.init_from is None:
+        joint = scfg.stage == "workspace" and scfg.train_backbone_in_workspace_stage and model_cfg is not None
+        if scfg.stage in PREVIOUS and not joint:  # (joint: backbone and workspace trained together from scratch)
+            prev = PREVIOUS[scfg.stage]
+            raise ValueError(f"stage {scfg.stage!r} starts from the {prev!r} stage's checkpoint, and init_from is not "
+                             f"set: run `prisme train --stage {prev}` first and pass its out_dir (or a ckpt_* folder) "
+                             f"as init_from / --init-from")
+        if model_cfg is None:
+            raise ValueError(f"a fresh {scfg.stage} stage needs a model config (a preset or a PrismeConfig)")
+        torch.manual_seed(scfg.seed)
+        return PrismeModel(model_cfg), None
+    try:
+        model, meta = ckpt.load_checkpoint(scfg.init_from, expected_config=model_cfg, load_optimizer=False)
+    except ValueError as e:
+        prev = PREVIOUS.get(scfg.stage, "backbone")
+        raise ValueError(f"stage {scfg.stage!r} cannot start from init_from={scfg.init_from!r}: {e}. Run "
+                         f"`prisme train --stage {prev}` first, or point init_from at its out_dir") from None
+    if meta.stage not in ACCEPTS_INIT[scfg.stage]:
+        raise ValueError(f"stage {scfg.stage!r} needs a checkpoint of stage {PREVIOUS.get(scfg.stage)!r} (or its own), "
+                         f"but {meta.path} is a {meta.stage!r} checkpoint")
+    return model, meta
 
 
 class RunLock:

@@ -44,9 +44,7 @@ from prisme.data.text import TokenDataset
 from prisme.devices import upload
 from prisme.io import write_text_atomic
 from prisme.training.config import (
-    ACCEPTS_INIT,
     DTYPES,
-    PREVIOUS,
     STAGE_SPECS,
     StageConfig,
     build_dataset,
@@ -73,11 +71,10 @@ from prisme.training.optim import group_lrs, lr_at, make_optimizer, stage_parame
 from prisme.training.resume import (
     RunLock,
     accumulate,
-    check_fresh_run,
-    check_resumable,
     clear_run,
     drop_rows_after,
     graceful_sigint,
+    load_start,
     restore_rng_state,
     rng_state,
 )
@@ -103,44 +100,6 @@ class NonFiniteLossError(RuntimeError):
     """Training hit a NaN/inf loss or gradient norm; nothing was written after the last good checkpoint."""
 
 
-def _load_start(model_cfg: PrismeConfig | None, scfg: StageConfig) -> tuple[nn.Module, ckpt.CheckpointMeta | None]:
-    """The model this stage starts from, and the checkpoint it came from (validated; nothing written yet)."""
-    from prisme.model.prisme import PrismeModel
-
-    out = Path(scfg.out_dir)
-    if scfg.resume:
-        ckpt.clean_stale_temps(out)  # what a killed save left behind
-        found = ckpt.latest_checkpoint(out)
-        if found is None:
-            raise ValueError(f"resume=True but {out} holds no checkpoint ({out / ckpt.LATEST} is missing); "
-                             f"start the stage without --resume")
-        model, meta = ckpt.load_checkpoint(found, expected_config=model_cfg, load_optimizer=True)
-        check_resumable(meta, scfg, out)
-        return model, meta
-    check_fresh_run(out, scfg.overwrite)
-    if scfg.init_from is None:
-        joint = scfg.stage == "workspace" and scfg.train_backbone_in_workspace_stage  # from scratch, both together
-        if scfg.stage in PREVIOUS and not (joint and model_cfg is not None):
-            prev = PREVIOUS[scfg.stage]
-            raise ValueError(f"stage {scfg.stage!r} starts from the {prev!r} stage's checkpoint, and init_from is not "
-                             f"set: run `prisme train --stage {prev}` first and pass its out_dir (or a ckpt_* folder) "
-                             f"as init_from / --init-from")
-        if model_cfg is None:
-            raise ValueError(f"a fresh {scfg.stage} stage needs a model config (a preset or a PrismeConfig)")
-        torch.manual_seed(scfg.seed)
-        return PrismeModel(model_cfg), None
-    try:
-        model, meta = ckpt.load_checkpoint(scfg.init_from, expected_config=model_cfg, load_optimizer=False)
-    except ValueError as e:
-        prev = PREVIOUS.get(scfg.stage, "backbone")
-        raise ValueError(f"stage {scfg.stage!r} cannot start from init_from={scfg.init_from!r}: {e}. Run "
-                         f"`prisme train --stage {prev}` first, or point init_from at its out_dir") from None
-    if meta.stage not in ACCEPTS_INIT[scfg.stage]:
-        raise ValueError(f"stage {scfg.stage!r} needs a checkpoint of stage {PREVIOUS.get(scfg.stage)!r} (or its own), "
-                         f"but {meta.path} is a {meta.stage!r} checkpoint")
-    return model, meta
-
-
 # ---------------------------------------------------------------------------------------------------------- training
 
 
@@ -156,8 +115,8 @@ def train_stage(model_cfg: PrismeConfig | None, stage_cfg: StageConfig, *,
         stage_cfg: the stage's hyper-parameters and paths.
         dataset: use this dataset instead of building one from `stage_cfg.dataset` (tests, notebooks).
         callbacks: called as `cb(step, train_metrics)` after every optimizer step (rank 0 and others alike).
-        run_lock: the caller's lock of `stage_cfg.out_dir`, held since before it wrote there (`prisme train --rebase`);
-            the stage uses it instead of taking its own, and leaves it to the caller to release.
+        run_lock: the caller's lock of `stage_cfg.out_dir` (taken before it wrote there: `prisme train --rebase`),
+            used instead of the stage's own and left to the caller to release.
     Returns:
         TrainResult. Ctrl-C saves a checkpoint and returns with `interrupted=True`; a non-finite loss or gradient
         norm raises NonFiniteLossError and leaves the last good checkpoint as the newest one.
@@ -165,12 +124,11 @@ def train_stage(model_cfg: PrismeConfig | None, stage_cfg: StageConfig, *,
     scfg = stage_cfg.validate()
     t_start = time.perf_counter()
     di = setup_distributed(scfg.device if scfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    lock = None
+    lock = None  # one process per run folder, from here to the end
     try:
         if run_lock is not None and run_lock.out.resolve() != Path(scfg.out_dir).resolve():
             raise ValueError(f"run_lock holds {run_lock.out}, not the stage's out_dir {scfg.out_dir}")
-        if run_lock is None and di.main:
-            lock = RunLock(Path(scfg.out_dir))  # one process per run folder, from here to the end
+        lock = RunLock(Path(scfg.out_dir)) if run_lock is None and di.main else None
         return _Trainer(model_cfg, scfg, dataset, di, t_start).run(callbacks)
     finally:
         if lock is not None:
@@ -193,7 +151,7 @@ class _Trainer:
         check_layout(scfg, di)
         self.scfg, self.di, self.t_start = scfg, di, t_start
         self.device = device = resolve_device(scfg.device, di, scfg.tf32)
-        model, meta = _load_start(model_cfg, scfg)
+        model, meta = load_start(model_cfg, scfg)
         cfg = model.cfg
         if scfg.stage != "backbone" and not cfg.use_workspace:
             raise ValueError(f"stage {scfg.stage!r} needs a model with a workspace; {cfg.name!r} has "
@@ -263,7 +221,7 @@ class _Trainer:
         # ---- wrapper for several processes, optimizer
         self.wrapped = wrap_for_ranks(objective, scfg, di, device)
         self.opt = make_optimizer(self.wrapped, scfg)
-        if resuming:  # `_load_start` refused any setting that would not continue the run
+        if resuming:  # `load_start` refused any setting that would not continue the run
             restore_optimizer(self.wrapped, self.opt, meta.optimizer_state, scfg, di, meta.path / ckpt.OPTIMIZER)
         self.autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if scfg.dtype == "bfloat16" \
             else contextlib.nullcontext
