@@ -15,6 +15,7 @@ a paired bootstrap interval over sequences. If every fraction's interval lies ab
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -75,7 +76,7 @@ class RoutingBound:
 @torch.no_grad()
 def oracle_routed_bound(model: PrismeModel, dataset, references: dict[str, PrismeModel], *, split: str = "val",
                         batch_size: int = 16, seq_len: int | None = None, max_batches: int | None = 8,
-                        fractions=FRACTIONS, bootstrap_samples: int = N_BOOT, bootstrap_seed: int = 0
+                        fractions: Sequence[float] = FRACTIONS, bootstrap_samples: int = N_BOOT, bootstrap_seed: int = 0
                         ) -> RoutingBound:
     """The bound on `dataset`'s `split` windows (see the module docstring).
 
