@@ -125,3 +125,15 @@ def log_interpolation_weights(xs: Sequence[float], x: float) -> dict[int, float]
     i = next(k for k in range(len(xs) - 1) if xs[k] <= x <= xs[k + 1])
     a = (math.log(x) - math.log(xs[i])) / (math.log(xs[i + 1]) - math.log(xs[i]))
     return {i: 1.0 - a, i + 1: a}
+
+
+def gap_to_frontier(seq_loss: torch.Tensor, seq_n: torch.Tensor, frontier: dict[str, tuple[float, torch.Tensor]],
+                    ops: float, n_boot: int = N_BOOT, seed: int = 0) -> dict[str, Any]:
+    """A row's per-sequence loss `[S]` minus the frontier's at `ops`: `frontier` maps each envelope point (increasing
+    ops) to (its ops, its per-sequence loss `[S]` on the same tokens), interpolated linearly in log ops
+    (`log_interpolation_weights`). Returns the paired interval's dict with its `verdict` and the weights (`at`)."""
+    names = list(frontier)
+    w = log_interpolation_weights([frontier[n][0] for n in names], ops)
+    ref = sum(wt * frontier[names[i]][1] for i, wt in w.items())
+    d = paired_bootstrap(seq_loss, ref, seq_n, n_boot, seed)
+    return d.to_dict() | {"verdict": d.verdict, "at": {names[i]: wt for i, wt in w.items()}}

@@ -8,7 +8,7 @@ router can know them). Routing the k positions of largest d_t over the whole eva
 trace (the edit at those k positions, nothing elsewhere), and its loss is the backbone's minus those drops.
 
 For each routed fraction k / N the bound reports its ops, its loss and its gap to the dense frontier interpolated at
-those ops (linear in log ops between the two neighbouring frontier models, `stats.log_interpolation_weights`), with
+those ops (linear in log ops between the two neighbouring frontier models, `stats.gap_to_frontier`), with
 a paired bootstrap interval over sequences. If every fraction's interval lies above 0, no router on this workspace
 (at this price of an edit) can reach the frontier; the smallest gap says by how much it misses.
 """
@@ -25,7 +25,7 @@ from prisme.data.text import IGNORE_INDEX
 from prisme.evaluation.oracle import greedy_oracle
 from prisme.model.oracle import token_ce
 from prisme.model.prisme import PrismeModel
-from prisme.stats import N_BOOT, log_interpolation_weights, lower_envelope, paired_bootstrap
+from prisme.stats import N_BOOT, gap_to_frontier, lower_envelope
 
 FRACTIONS = (0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0)  # routed shares of all scored positions
 
@@ -134,6 +134,7 @@ def oracle_routed_bound(model: PrismeModel, dataset, references: dict[str, Prism
                for n, m in references.items()}
     names = list(references)
     env = [names[i] for i in lower_envelope([(ref_ops[n], float(refs[n].mean())) for n in names])]
+    envelope = {n: (ref_ops[n], per_seq(refs[n])) for n in env}
     order = torch.argsort(d, descending=True, stable=True)
     stop = torch.full_like(a, cfg.stop_action)
     points = []
@@ -144,13 +145,9 @@ def oracle_routed_bound(model: PrismeModel, dataset, references: dict[str, Prism
         trace = torch.where(routed, a, stop).unsqueeze(-1)  # [N, 1]
         rel = trace_cost(price_cfg, trace, ctx, optimised=cfg.optimised, router=True).total_ops / bb_ops
         loss_pos = b - d * routed
-        w = log_interpolation_weights([ref_ops[n] for n in env], rel)
-        front = sum(wt * per_seq(refs[env[i]]) for i, wt in w.items())
-        gap = paired_bootstrap(per_seq(loss_pos), front, n_tok, bootstrap_samples, bootstrap_seed)
+        gap = gap_to_frontier(per_seq(loss_pos), n_tok, envelope, rel, bootstrap_samples, bootstrap_seed)
         points.append(BoundPoint(fraction=float(f), k=k, relative_ops=rel, loss=float(loss_pos.mean()),
-                                 gain=float((d * routed).sum() / N),
-                                 frontier_gap=gap.to_dict() | {"verdict": gap.verdict,
-                                                               "at": {env[i]: wt for i, wt in w.items()}}))
+                                 gain=float((d * routed).sum() / N), frontier_gap=gap))
     return RoutingBound(points=points, frontier={n: ref_ops[n] for n in env},
                         frontier_loss={n: float(refs[n].mean()) for n in env}, backbone_loss=float(b.mean()),
                         n_positions=N, positive_drop_share=float((d > 0).double().mean()))

@@ -61,7 +61,7 @@ from prisme.stats import (
     N_BOOT,
     PairedDelta,
     check_bootstrap_args,
-    log_interpolation_weights,
+    gap_to_frontier,
     lower_envelope,
     paired_bootstrap,
 )
@@ -292,16 +292,14 @@ def frontier_gaps(rows: list[EvalRow], accs: dict[str, _Acc], frontier: list[str
     if not named:
         return []
     env = [named[i] for i in lower_envelope([(by[n].relative_ops, by[n].loss) for n in named])]
-    seqs = {n: torch.cat(accs[n].seq_loss) for n in env}
+    points = {n: (by[n].relative_ops, torch.cat(accs[n].seq_loss)) for n in env}
     for r in rows:
         if r.policy in frontier or r.n_targets != by[env[0]].n_targets:
             continue
-        w = log_interpolation_weights([by[n].relative_ops for n in env], r.relative_ops)
-        ref = sum(wt * seqs[env[i]] for i, wt in w.items())
-        d = paired_bootstrap(torch.cat(accs[r.policy].seq_loss), ref, torch.cat(accs[r.policy].seq_n), n_boot,
-                             boot_seed)
-        r.frontier_gap = d.to_dict() | {"at": {env[i]: wt for i, wt in w.items()}}
-        r.verdict_vs_frontier = d.verdict
+        gap = gap_to_frontier(torch.cat(accs[r.policy].seq_loss), torch.cat(accs[r.policy].seq_n), points,
+                              r.relative_ops, n_boot, boot_seed)
+        r.verdict_vs_frontier = gap.pop("verdict")
+        r.frontier_gap = gap
     return env
 
 
