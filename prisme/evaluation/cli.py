@@ -75,6 +75,9 @@ def _parse_floats(s: str | None) -> list[float] | None:
         raise ValueError(f"--lambdas must be comma-separated numbers, got {s!r}") from None
 
 
+BUILT_IN_ROWS = ("backbone", "backbone+matched")  # names a --reference may not take
+
+
 def parse_references(items: list[str] | None) -> dict[str, str]:
     """`--reference NAME=CKPT` (repeatable) -> {name: checkpoint}; names unique and not a built-in row's."""
     out: dict[str, str] = {}
@@ -83,7 +86,7 @@ def parse_references(items: list[str] | None) -> dict[str, str]:
         name, path = name.strip(), path.strip()
         if not sep or not name or not path:
             raise ValueError(f"--reference must be NAME=CHECKPOINT, got {item!r}")
-        if name in out or name in ("backbone", "backbone+matched"):
+        if name in out or name in BUILT_IN_ROWS:
             raise ValueError(f"--reference name {name!r} is used twice (or is a built-in row's name)")
         out[name] = path
     return out
@@ -96,7 +99,7 @@ def parse_frontier_rows(text: str | None, references: dict[str, str], has_matche
     rows: list[str] = []
     for name in (s.strip() for s in text.split(",") if s.strip()):
         rows += list(references) if name == "references" else [name]
-    known = ["backbone", *(["backbone+matched"] if has_matched else []), *references]
+    known = [*BUILT_IN_ROWS[:1 + int(has_matched)], *references]
     bad = [r for r in rows if r not in known]
     if not rows or bad:
         raise ValueError(f"--frontier names rows {bad or text!r} that this evaluation does not have; known: {known} "

@@ -75,8 +75,7 @@ def main(args: Any) -> int:
             lock = RunLock(Path(scfg.out_dir))
             scfg = rebased_start(scfg, model_cfg)
             model_cfg = None
-        fresh = scfg.stage == "backbone" or (scfg.stage == "workspace" and scfg.train_backbone_in_workspace_stage)
-        if fresh and model_cfg is None and scfg.init_from is None and not scfg.resume:
+        if scfg.may_start_fresh and model_cfg is None and scfg.init_from is None and not scfg.resume:
             raise ValueError(f"a fresh {scfg.stage} stage needs a model: --preset NAME or a 'model' entry in --config")
         result = train_stage(model_cfg, scfg, run_lock=lock)
     except NonFiniteLossError as e:

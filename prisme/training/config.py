@@ -114,6 +114,12 @@ class StageConfig:
     #   (one warning and eager elsewhere), "strict" = an error where it cannot compile, "off" = eager
     tf32: bool = False  # allow TF32 matmuls on CUDA (`prisme.devices.set_tf32`); off = PyTorch's float32 default
 
+    @property
+    def may_start_fresh(self) -> bool:
+        """Whether the stage can start from a fresh model (no init_from): stage 1, or the workspace stage when the
+        backbone learns in it too (joint training from scratch)."""
+        return self.stage == "backbone" or (self.stage == "workspace" and self.train_backbone_in_workspace_stage)
+
     def validate(self) -> StageConfig:
         """Raise ValueError naming the field for every bad value; returns self."""
 

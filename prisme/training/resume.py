@@ -18,6 +18,7 @@ import torch
 
 from prisme import checkpoint as ckpt
 from prisme.io import write_text_atomic
+from prisme.training.config import ACCEPTS_INIT, PREVIOUS, RESUME_FREE
 
 if TYPE_CHECKING:
     from torch import nn
@@ -80,7 +81,6 @@ def graceful_sigint() -> Iterator[dict[str, Any]]:
 def load_start(model_cfg: PrismeConfig | None, scfg: StageConfig) -> tuple[nn.Module, ckpt.CheckpointMeta | None]:
     """The model this stage starts from, and the checkpoint it came from (validated; nothing written yet)."""
     from prisme.model.prisme import PrismeModel
-    from prisme.training.config import ACCEPTS_INIT, PREVIOUS
 
     out = Path(scfg.out_dir)
     if scfg.resume:
@@ -94,8 +94,7 @@ def load_start(model_cfg: PrismeConfig | None, scfg: StageConfig) -> tuple[nn.Mo
         return model, meta
     check_fresh_run(out, scfg.overwrite)
     if scfg.init_from is None:
-        joint = scfg.stage == "workspace" and scfg.train_backbone_in_workspace_stage and model_cfg is not None
-        if scfg.stage in PREVIOUS and not joint:  # (joint: backbone and workspace trained together from scratch)
+        if not scfg.may_start_fresh or (scfg.stage in PREVIOUS and model_cfg is None):
             prev = PREVIOUS[scfg.stage]
             raise ValueError(f"stage {scfg.stage!r} starts from the {prev!r} stage's checkpoint, and init_from is not "
                              f"set: run `prisme train --stage {prev}` first and pass its out_dir (or a ckpt_* folder) "
@@ -240,7 +239,6 @@ def check_resumable(meta: ckpt.CheckpointMeta, scfg: Any, out: Path) -> None:
 def check_resume_settings(saved: dict[str, Any], asked: dict[str, Any], out: Path) -> None:
     """ValueError naming every setting (outside `RESUME_FREE`) in which a resume would not continue the saved run,
     with the run's value and the asked one."""
-    from prisme.training.config import RESUME_FREE
 
     changed = {k: (saved[k], v) for k, v in asked.items() if k not in RESUME_FREE and k in saved and saved[k] != v}
     if changed:
