@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from tiny_models import evaluate
 
 from prisme import devices
 from prisme.bench.workspace_paths import SplitTimer
@@ -92,7 +93,7 @@ def test_evaluation_timings_wait_for_the_models_device(monkeypatch):
     torch.manual_seed(0)
     model = PrismeModel(PrismeConfig.from_name("tiny")).eval()
     data = MQARDataset(MQARConfig(vocab_size=64, seq_len=16, n_pairs=2, query_min_pos=4))
-    eval_run.evaluate_policies(model, data, ["backbone", "fixed"], batch_size=4, max_batches=1, budgets=[1],
+    evaluate(model, data, ["backbone", "fixed"], batch_size=4, max_batches=1, budgets=[1],
                                bootstrap_samples=20)
     assert seen and set(seen) == {torch.device("cpu")}  # every clock read synchronised the model's device first
 

@@ -15,7 +15,7 @@ from dataclasses import asdict, replace
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import tiny_model
+from tiny_models import evaluate, tiny_model
 
 from prisme import cli
 from prisme.checkpoint import save_checkpoint
@@ -27,7 +27,6 @@ from prisme.data.tokenizers import ByteTokenizer
 from prisme.evaluation.oracle import greedy_oracle
 from prisme.evaluation.policies import forced_actions, sample_positions
 from prisme.evaluation.report import EvalRow, pareto_front
-from prisme.evaluation.run import evaluate_policies
 from prisme.model.prisme import PrismeModel
 from prisme.training.config import StageConfig
 
@@ -60,7 +59,7 @@ def run():
     """One full evaluation (every policy family) of a tiny byte-level model on a short generated text."""
     model = make_model(vocab_size=256)
     ds = text_dataset()
-    report = evaluate_policies(model, ds, batch_size=B, seq_len=T, max_batches=NB, oracle_positions=4, seed=SEED)
+    report = evaluate(model, ds, batch_size=B, seq_len=T, max_batches=NB, oracle_positions=4, seed=SEED)
     return model, ds, report
 
 
@@ -187,7 +186,7 @@ def test_controller_rows_give_fewer_edits_and_ops_as_lambda_grows(monkeypatch):
         model.controller.b_v[:M] = c1
         model.controller.b_v[M:] = c1 + 0.5 * (c2 - c1)
     ds, lambdas = text_dataset(), [0.0, 0.25, 0.75, 2.0]
-    report = evaluate_policies(model, ds, ["controller"], batch_size=B, seq_len=T, max_batches=1, lambdas=lambdas)
+    report = evaluate(model, ds, ["controller"], batch_size=B, seq_len=T, max_batches=1, lambdas=lambdas)
     rows = [r for r in report.rows if r.family == "controller"]
     assert [r.mean_edits for r in rows] == [cfg.r_max, cfg.r_max, cfg.r_max, 0]
     assert rows[0].ops_per_token == rows[1].ops_per_token > rows[2].ops_per_token > rows[3].ops_per_token
@@ -196,7 +195,7 @@ def test_controller_rows_give_fewer_edits_and_ops_as_lambda_grows(monkeypatch):
 
     select = model.controller.select  # negative control: a controller blind to lambda fails the check
     monkeypatch.setattr(model.controller, "select", lambda preds, cost, lam=None, kap=None: select(preds, cost, 0.0))
-    broken = evaluate_policies(model, ds, ["controller"], batch_size=B, seq_len=T, max_batches=1, lambdas=lambdas)
+    broken = evaluate(model, ds, ["controller"], batch_size=B, seq_len=T, max_batches=1, lambdas=lambdas)
     assert not spans_and_is_monotone([r for r in broken.rows if r.family == "controller"])
 
 
@@ -321,7 +320,7 @@ def test_mqar_accuracy_counts_labelled_positions_only():
     y = torch.full_like(x, IGNORE_INDEX)
     y[:, 4:12:2] = pred[:, 4:12:2]  # right
     y[:, 5:13:2] = (pred[:, 5:13:2] + 1) % 64  # wrong
-    report = evaluate_policies(model, FixedMQAR([(x, y)]), ["backbone"], batch_size=2, seq_len=16)
+    report = evaluate(model, FixedMQAR([(x, y)]), ["backbone"], batch_size=2, seq_len=16)
     row = report.row("backbone")
     assert row.accuracy == 0.5 and row.n_targets == 16 and report.n_tokens == 16
     assert mqar_accuracy(logits, y) == 0.5
@@ -334,7 +333,7 @@ def test_mqar_rows_match_mqar_accuracy_and_masked_loss():
     """On real MQAR batches every row reports accuracy; the backbone row equals mqar_accuracy and the masked CE."""
     model = make_model()  # tiny: vocab 64, the default MQAR vocabulary
     ds = MQARDataset(MQARConfig())
-    report = evaluate_policies(model, ds, ["backbone", "fixed", "oracle"], batch_size=4, max_batches=2,
+    report = evaluate(model, ds, ["backbone", "fixed", "oracle"], batch_size=4, max_batches=2,
                                lambdas=[0.0], oracle_positions=2)
     tot, n, accs = 0.0, 0, []
     with torch.no_grad():
@@ -357,7 +356,7 @@ def test_matched_backbone_row_is_that_backbone_alone():
     model = make_model(vocab_size=256)
     matched = make_model(seed=1, vocab_size=256, use_workspace=False)
     ds = text_dataset()
-    report = evaluate_policies(model, ds, ["backbone", "matched"], batch_size=B, seq_len=T, max_batches=NB,
+    report = evaluate(model, ds, ["backbone", "matched"], batch_size=B, seq_len=T, max_batches=NB,
                                matched_backbone=matched)
     tot, n = 0.0, 0
     with torch.no_grad():
@@ -408,16 +407,16 @@ def test_bad_inputs_raise_value_error_and_leave_the_model_alone():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ds = text_dataset()
     cases = [
-        (lambda: evaluate_policies(model, TokenDataset([1, 2, 3], val_fraction=0.0, vocab_size=256)), "too small"),
-        (lambda: evaluate_policies(model, MQARDataset(n_eval_batches=0), max_batches=None, seq_len=32), "no valid"),
-        (lambda: evaluate_policies(model, FixedMQAR([(torch.zeros(1, 8, dtype=torch.long),
+        (lambda: evaluate(model, TokenDataset([1, 2, 3], val_fraction=0.0, vocab_size=256)), "too small"),
+        (lambda: evaluate(model, MQARDataset(n_eval_batches=0), max_batches=None, seq_len=32), "no valid"),
+        (lambda: evaluate(model, FixedMQAR([(torch.zeros(1, 8, dtype=torch.long),
                                                       torch.full((1, 8), IGNORE_INDEX))]), seq_len=8), "labelled"),
-        (lambda: evaluate_policies(model, ds, ["greedy"], seq_len=T), "unknown policy"),
-        (lambda: evaluate_policies(model, ds, seq_len=T, max_batches=0), "max_batches"),
-        (lambda: evaluate_policies(model, ds, ["matched"], seq_len=T), "matched_backbone"),
-        (lambda: evaluate_policies(model, ds, seq_len=T, lambdas=[-1.0]), "lambdas"),
-        (lambda: evaluate_policies(model, ds, seq_len=10_000), "seq_len"),
-        (lambda: evaluate_policies(make_model(use_workspace=False, vocab_size=256), ds, ["fixed"], seq_len=T),
+        (lambda: evaluate(model, ds, ["greedy"], seq_len=T), "unknown policy"),
+        (lambda: evaluate(model, ds, seq_len=T, max_batches=0), "max_batches"),
+        (lambda: evaluate(model, ds, ["matched"], seq_len=T), "matched_backbone"),
+        (lambda: evaluate(model, ds, seq_len=T, lambdas=[-1.0]), "lambdas"),
+        (lambda: evaluate(model, ds, seq_len=10_000), "seq_len"),
+        (lambda: evaluate(make_model(use_workspace=False, vocab_size=256), ds, ["fixed"], seq_len=T),
          "no workspace"),
     ]
     for fn, msg in cases:
@@ -455,7 +454,7 @@ def test_every_row_carries_its_paired_difference_to_the_backbone_and_the_matched
     interval; the matched row's own difference to itself is exactly zero."""
     model = make_model(vocab_size=256)
     matched = make_model(seed=5, vocab_size=256, use_workspace=False)
-    report = evaluate_policies(model, text_dataset(), batch_size=B, seq_len=T, max_batches=NB, oracle_positions=4,
+    report = evaluate(model, text_dataset(), batch_size=B, seq_len=T, max_batches=NB, oracle_positions=4,
                                matched_backbone=matched, seed=SEED, bootstrap_samples=200)
     base, mrow = report.row("backbone"), report.row("backbone+matched")
     for r in report.rows:
@@ -487,7 +486,7 @@ def test_equal_edits_baseline_spreads_the_controllers_mean_edits_uniformly():
     assert torch.equal(thinned_actions(cfg, 2.0, 4, (3, 5), torch.Generator()), forced_actions(
         cfg, "fixed", 4, 1, (3, 5)).masked_fill(torch.arange(4) >= 2, cfg.stop_action))  # integer: exact
     model = make_model(vocab_size=256)
-    report = evaluate_policies(model, text_dataset(), ["controller"], batch_size=B, seq_len=T, max_batches=NB,
+    report = evaluate(model, text_dataset(), ["controller"], batch_size=B, seq_len=T, max_batches=NB,
                                lambdas=[0.0, 0.3], seed=SEED, bootstrap_samples=100)
     rows = report.rows
     assert [r.family for r in rows] == ["controller", "equal_edits"] * 2
@@ -589,12 +588,12 @@ def test_controller_budget_caps_the_controller_and_equal_edits_rows():
     """controller_budget (the budget stages 2 and 3 trained) bounds the controller's, the equal-edits and the
     oracle rows' steps; a budget outside [1, r_max] is a ValueError."""
     model = make_model(vocab_size=256)
-    report = evaluate_policies(model, text_dataset(), ["controller", "oracle"], batch_size=B, seq_len=T,
+    report = evaluate(model, text_dataset(), ["controller", "oracle"], batch_size=B, seq_len=T,
                                max_batches=1, lambdas=[0.0], seed=SEED, bootstrap_samples=50, controller_budget=2,
                                oracle_positions=2)
     assert all(r.budget == 2 and r.mean_edits <= 2 for r in report.rows)
     with pytest.raises(ValueError, match="controller_budget"):
-        evaluate_policies(model, text_dataset(), ["controller"], batch_size=B, seq_len=T, max_batches=1,
+        evaluate(model, text_dataset(), ["controller"], batch_size=B, seq_len=T, max_batches=1,
                           lambdas=[0.0], controller_budget=model.cfg.r_max + 1)
 
 
@@ -660,7 +659,7 @@ def test_frontier_gap_is_the_loss_minus_the_frontier_interpolated_in_log_ops():
             p.copy_(own[name] if name in own else torch.zeros_like(p) if name.endswith(("wo.weight", "w2.weight"))
                     else p)
         deeper.backbone.norm.weight.mul_(0.5)
-    report = evaluate_policies(model, text_dataset(), ["backbone", "fixed", "controller", "oracle"], batch_size=B,
+    report = evaluate(model, text_dataset(), ["backbone", "fixed", "controller", "oracle"], batch_size=B,
                                seq_len=T, max_batches=NB, oracle_positions=4, seed=SEED, bootstrap_samples=200,
                                references={"deeper": deeper}, budgets=[1, 2], frontier=["backbone", "deeper"])
     base, deep = report.row("backbone"), report.row("deeper")
@@ -680,7 +679,7 @@ def test_frontier_gap_is_the_loss_minus_the_frontier_interpolated_in_log_ops():
     assert any(1.0 < r.relative_ops < deep.relative_ops for r in gapped)  # the negative control ran
     assert "dense frontier" in report.table()
     with pytest.raises(ValueError, match="frontier rows"):
-        evaluate_policies(model, text_dataset(), ["backbone"], batch_size=B, seq_len=T, max_batches=1,
+        evaluate(model, text_dataset(), ["backbone"], batch_size=B, seq_len=T, max_batches=1,
                           frontier=["nope"])
 
 
@@ -724,7 +723,7 @@ def test_every_row_reports_its_slices_and_they_add_up(run):
     position; the slices' target shares sum to 1, their losses weighted by those shares give the row's loss, their
     gain shares sum to 1 (rows that differ from the backbone), and a fixed 1 x k1 row edits once at every position."""
     model, ds, _ = run
-    report = evaluate_policies(model, ds, ["backbone", "fixed", "controller"], batch_size=B, seq_len=T,
+    report = evaluate(model, ds, ["backbone", "fixed", "controller"], batch_size=B, seq_len=T,
                                max_batches=NB, seed=SEED, budgets=[1], ks=[1], slices=2, bootstrap_samples=50)
     for r in report.rows:
         sl = r.slices

@@ -16,13 +16,13 @@ import pytest
 import torch
 from conftest import assert_close
 from fake_device import FakeDevice, OnDevice
+from tiny_models import evaluate
 
 import prisme.training.trainer as trainer_mod
 from prisme import checkpoint as ckpt
 from prisme.config import PrismeConfig
 from prisme.data.mqar import MQARConfig, MQARDataset
 from prisme.decoding.generate import generate, generate_stream
-from prisme.evaluation.run import evaluate_policies
 from prisme.model.prisme import PrismeModel
 from prisme.training.config import StageConfig
 from prisme.training.trainer import train_stage
@@ -162,9 +162,9 @@ def test_evaluation_on_a_device_equals_the_cpu():
     data = MQARDataset(MQARConfig(**MQAR))
     kw = dict(policies=["backbone", "fixed", "controller", "oracle"], batch_size=4, max_batches=1, lambdas=[0.0, 0.1],
               bootstrap_samples=50, budgets=[1, 2], oracle_positions=4)
-    ref = evaluate_policies(model, data, **kw)
+    ref = evaluate(model, data, **kw)
     with FakeDevice() as fd:
-        rep = evaluate_policies(model.to(fd.device), data, **kw)
+        rep = evaluate(model.to(fd.device), data, **kw)
     assert [r.policy for r in rep.rows] == [r.policy for r in ref.rows]
     for a, b in zip(rep.rows, ref.rows):
         assert abs(a.loss - b.loss) <= 1e-5 and a.relative_ops == pytest.approx(b.relative_ops, abs=1e-9), a.policy

@@ -11,7 +11,7 @@ from contextlib import redirect_stdout
 
 import pytest
 import torch
-from tiny_models import tiny_model
+from tiny_models import evaluate, tiny_model
 
 from prisme import cli, costs
 from prisme.checkpoint import load_checkpoint, load_model
@@ -250,9 +250,8 @@ def test_router_stage_trains_the_router_alone_and_generate_and_eval_run_it(tmp_p
                        "--max-new-tokens", "2", "--budget", "1", "--lambda-cost", "0"])
     assert rc == 0 and buf.getvalue()
     from prisme.data.mqar import MQARDataset
-    from prisme.evaluation.run import evaluate_policies
 
-    res = evaluate_policies(after, MQARDataset(MQARConfig(**MQAR)), policies=["backbone", "controller"],
+    res = evaluate(after, MQARDataset(MQARConfig(**MQAR)), policies=["backbone", "controller"],
                             batch_size=4, seq_len=16, max_batches=1, lambdas=[0.0], controller_budget=1)
     row = next(r for r in res.rows if r.family == "controller")
     x = MQARDataset(MQARConfig(**MQAR)).batch("val", 1, 16, torch.Generator().manual_seed(0))[0]

@@ -32,3 +32,20 @@ def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float64, controller: bo
                 if model.cfg.router_ngram:
                     head.weight[:, -1] = 1.0
     return model
+
+
+POLICY_SETTINGS = ("budgets", "ks", "lambdas", "oracle_lambdas", "oracle_positions", "controller_budget", "kappa_risk",
+                   "matched", "references")
+
+
+def evaluate(model, data, policies=None, **settings):
+    """`evaluate_policies` on the named families (`standard_policies`) with keyword settings: those of
+    `standard_policies` (`POLICY_SETTINGS`; `matched_backbone` for `matched`) go to the policies, the rest to
+    `EvalOptions`."""
+    from prisme.evaluation.policies import standard_policies
+    from prisme.evaluation.run import EvalOptions, evaluate_policies
+
+    if "matched_backbone" in settings:
+        settings["matched"] = settings.pop("matched_backbone")
+    chosen = {k: settings.pop(k) for k in list(settings) if k in POLICY_SETTINGS}
+    return evaluate_policies(model, data, standard_policies(model, policies, **chosen), EvalOptions(**settings))

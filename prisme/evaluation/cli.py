@@ -13,7 +13,8 @@ import torch
 
 from prisme.data.mqar import MQARDataset
 from prisme.data.text import TokenDataset
-from prisme.evaluation.run import evaluate_policies
+from prisme.evaluation.policies import standard_policies
+from prisme.evaluation.run import EvalOptions, evaluate_policies
 from prisme.io import write_text_atomic
 
 
@@ -176,24 +177,21 @@ def main(args: argparse.Namespace) -> int:
                          f"{args.batch_size} x {seq_len} (pass --batches all for the whole split)")
     policies = [s.strip() for s in args.policies.split(",") if s.strip()] if args.policies else None
     oracle_positions = None if args.oracle_positions == -1 else args.oracle_positions
-    report = evaluate_policies(model, dataset, policies, batch_size=args.batch_size, seq_len=seq_len,
-                               max_batches=max_batches, matched_backbone=matched,
-                               lambdas=_parse_floats(args.lambdas), oracle_positions=oracle_positions,
-                               seed=args.seed, progress=sys.stderr.isatty(), bootstrap_samples=args.bootstrap,
-                               bootstrap_seed=args.bootstrap_seed,
-                               controller_budget=getattr(args, "controller_budget", None),
-                               kappa_risk=getattr(args, "kappa_risk", None), references=refs or None,
-                               frontier=frontier, slices=slices)
+    planned = standard_policies(model, policies, lambdas=_parse_floats(args.lambdas),
+                                oracle_positions=oracle_positions,
+                                controller_budget=getattr(args, "controller_budget", None),
+                                kappa_risk=getattr(args, "kappa_risk", None), matched=matched, references=refs or None)
+    options = EvalOptions(batch_size=args.batch_size, seq_len=seq_len, max_batches=max_batches, seed=args.seed,
+                          progress=sys.stderr.isatty(), bootstrap_samples=args.bootstrap,
+                          bootstrap_seed=args.bootstrap_seed, frontier=frontier, slices=slices)
+    report = evaluate_policies(model, dataset, planned, options)
     from prisme.checkpoint import trained_groups
-    from prisme.config import untrained_for_policy
 
     groups = trained_groups(meta)
+    rows_of = {r.name: r for p in planned for r in p.planned}
     for row in report.rows:  # a policy that runs a part no stage trained is not what would be deployed
-        budget = (row.budget or 0) if row.family not in ("backbone", "matched", "reference") else 0
-        if row.family == "controller":
-            missing = untrained_for_policy(model.cfg, groups, budget)
-        else:  # forced rows (and the equal-edits baselines) run the workspace only
-            missing = ["workspace"] if budget and "workspace" not in groups else []
+        planned_row = rows_of[row.policy]
+        missing = planned_row.policy.untrained(planned_row, model.cfg, groups)
         if missing:
             row.deployable = False
             row.untrained = missing

@@ -1,150 +1,427 @@
-"""The policies an evaluation compares (SPEC §5): backbone, matched backbone, fixed, random and dense action plans,
-the controller at each price with its equal-edits baseline, and the oracle; their forced action tensors."""
+"""The policies an evaluation compares (SPEC §5), one small class per family: each plans its rows, runs a row on the
+batch's shared encoding (`prisme.evaluation.batch.Batch`) and returns what it predicted and the trace it paid for.
+
+Families (a row's `family`): the backbone alone (`Backbone`), other backbones scored on the same targets
+(`Reference`: the matched backbone, "backbone+matched", and the frontier's models), fixed / random / dense action
+plans (`Fixed`, `Random`, `Dense`), the controller at each price (`Controller`) with its equal-edits baseline
+(`EqualEdits`), and the greedy oracle (`Oracle`, not deployable: it reads the targets). `standard_policies` builds
+them from family names (the CLI's and the studies' vocabulary); `ROW_KINDS` is what a report needs to know of a
+family (marker, whether it runs the workspace, which of its differences is to itself).
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from prisme.checks import is_int
-from prisme.config import PrismeConfig
-from prisme.data.text import IGNORE_INDEX
+from prisme.config import PrismeConfig, untrained_for_policy
+from prisme.evaluation.actions import default_lambdas, sample_positions, thinned_actions
+from prisme.evaluation.oracle import greedy_oracle
 from prisme.model.prisme import PrismeModel
 
-POLICY_FAMILIES = ("backbone", "matched", "fixed", "random", "dense", "controller", "oracle")
-ROW_FAMILIES = (*POLICY_FAMILIES, "equal_edits", "reference")  # equal_edits rows come with the controller's;
-#   reference rows are other backbones scored on the same targets (`references`, e.g. one layer deeper)
-WORKSPACE_FAMILIES = ("fixed", "random", "dense", "controller", "oracle")
+if TYPE_CHECKING:
+    from prisme.evaluation.batch import Batch
+
 BUDGETS = (1, 2, 4, 8)
-LAMBDA_QUANTILES = (0.25, 0.5, 0.75, 0.95)
+__all__ = ["ROW_KINDS", "Row", "Outcome", "Policy", "Backbone", "Reference", "Fixed", "Random", "Dense", "Controller",
+           "EqualEdits", "Oracle", "standard_policies", "forced_actions", "thinned_actions", "sample_positions",
+           "default_lambdas"]
 
 
-# ---------------------------------------------------------------------------------------------------------- policies
+# ---------------------------------------------------------------------------------------------------------- rows
 @dataclass(frozen=True)
-class _Policy:
-    name: str
+class RowKind:
+    """What a report needs to know of a family's rows."""
+
     family: str
+    marker: str  # matplotlib marker and colour of its points
+    color: str
+    workspace: bool = False  # its rows run the workspace
+    backbone_only: bool = False  # a backbone alone (may make the dense frontier)
+    own_reference: str | None = None  # the paired difference that is this row against itself (not a verdict)
+    sampled: bool = False  # scored on sampled positions only (compared there)
+    baseline: bool = False  # a baseline of another row (the controller's equal-edits row)
+
+
+ROW_KINDS = {k.family: k for k in (
+    RowKind("backbone", "s", "C0", backbone_only=True, own_reference="delta_vs_backbone"),
+    RowKind("matched", "D", "C1", backbone_only=True, own_reference="delta_vs_matched"),
+    RowKind("fixed", "o", "C2", workspace=True),
+    RowKind("random", "x", "C3", workspace=True),
+    RowKind("dense", "^", "C4", workspace=True),
+    RowKind("controller", "*", "C5", workspace=True),
+    RowKind("oracle", "P", "C6", workspace=True, sampled=True),
+    RowKind("equal_edits", "v", "C7", workspace=True, baseline=True),
+    RowKind("reference", "h", "C8", backbone_only=True),
+)}
+ROW_FAMILIES = tuple(ROW_KINDS)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One planned row of an evaluation: a policy at one setting."""
+
+    name: str
+    policy: Policy
     n: int = 0  # actions (forced) or max budget (controller / oracle)
     k: int = 0  # 1 (slots), 2 (pairs), M (dense)
     lam: float | None = None
     of: str | None = None  # equal_edits: the controller row whose mean edits it matches
+
+    @property
+    def family(self) -> str:
+        return self.policy.family
+
+    @property
+    def kind(self) -> RowKind:
+        return ROW_KINDS[self.policy.family]
+
+
+@dataclass
+class Outcome:
+    """What one row predicted on one batch and the trace it pays for.
+
+    logits: `[B, T, V]` at every position, or `[B', P, V]` at `at` = (rows `[B', 1]` or `[B']`, positions `[B', P]`).
+    actions `[N, R]` / contexts `[N]` / steps `[N]`: the priced trace (contexts default: every position, t + 1).
+    base_ce: the backbone's CE at `at` when the row computed it itself (the oracle).
+    """
+
+    logits: torch.Tensor
+    at: tuple[torch.Tensor, torch.Tensor] | None = None
+    actions: torch.Tensor | None = None
+    contexts: torch.Tensor | None = None
+    steps: torch.Tensor | None = None
+    base_ce: torch.Tensor | None = None
+    routed: bool = False  # the router decided step 0 of this trace
+    mean_edits: float | None = None  # edits per position (the controller's; its equal-edits baseline reads it)
 
 
 def _fmt_lambda(lam: float) -> str:
     return "0" if lam == 0 else f"{lam:.3g}"
 
 
+# ---------------------------------------------------------------------------------------------------------- policies
+class Policy:
+    """A family of rows. Subclasses set `family` and implement `plan` and `run`."""
+
+    family = ""
+    needs_workspace = False
+    shares_encoding = False  # runs on the batch's shared encoding (and is charged its time)
+    planned: tuple[Row, ...] = ()  # the rows of its last `plan`
+
+    def plan(self, model: PrismeModel, first_tokens: torch.Tensor) -> list[Row]:
+        """The rows of this family (first_tokens `[B, T]`: the first batch, for data-driven defaults)."""
+        raise NotImplementedError
+
+    def run(self, row: Row, batch: Batch) -> Outcome:
+        raise NotImplementedError
+
+    def check(self, model: PrismeModel, seq_len: int) -> None:
+        """ValueError if this policy cannot run on `model` at `seq_len`."""
+        if self.needs_workspace and not model.cfg.use_workspace:
+            raise ValueError(f"this model has no workspace (use_workspace=False): policy {self.family!r} needs one")
+
+    def priced_by(self, model: PrismeModel) -> PrismeConfig:
+        """The config whose cost model prices this policy's trace."""
+        return model.cfg
+
+    def untrained(self, row: Row, cfg: PrismeConfig, groups: set[str]) -> list[str]:
+        """The parts this row runs that no stage trained (`groups`: the checkpoint's trained groups)."""
+        return ["workspace"] if self.needs_workspace and row.n and "workspace" not in groups else []
+
+    def models(self) -> list[PrismeModel]:
+        """Other models this policy runs (put in eval mode for the evaluation)."""
+        return []
+
+
+class Backbone(Policy):
+    """The backbone alone: the exact bypass, from the batch's shared encoding."""
+
+    family = "backbone"
+    shares_encoding = True
+
+    def plan(self, model, first_tokens):
+        return [Row("backbone", self)]
+
+    def run(self, row, batch):
+        return Outcome(batch.base_logits)
+
+
+class Reference(Policy):
+    """Another model's backbone alone, scored on the same targets (`name`: its row). With `matched=True` it is the
+    "backbone + matched tokens" baseline: the evaluated backbone trained on as many extra tokens as the workspace
+    stage used, and every row gets its paired difference to it (`delta_vs_matched`)."""
+
+    def __init__(self, name: str, model: PrismeModel, matched: bool = False):
+        if not isinstance(model, PrismeModel):
+            raise ValueError(f"reference {name!r} must be a PrismeModel, got {type(model).__name__}")
+        self.name, self.model, self.matched = name, model, matched
+        self.family = "matched" if matched else "reference"
+
+    def plan(self, model, first_tokens):
+        return [Row(self.name, self)]
+
+    def check(self, model, seq_len):
+        if self.model.cfg.vocab_size != model.cfg.vocab_size:
+            what = "matched_backbone" if self.matched else f"reference {self.name!r}"
+            raise ValueError(f"{what} vocab_size={self.model.cfg.vocab_size} differs from the model's "
+                             f"{model.cfg.vocab_size}")
+        if seq_len > self.model.cfg.max_seq_len:
+            raise ValueError(f"seq_len={seq_len} exceeds {self.name} max_seq_len={self.model.cfg.max_seq_len}")
+
+    def logits(self, batch: Batch) -> torch.Tensor:
+        """Its logits `[B, T, V]` on the batch (computed once per batch)."""
+        return batch.memo(("reference", self.name), lambda: self.model(
+            batch.x.to(next(self.model.parameters()).device)).logits.to(batch.x.device))
+
+    def run(self, row, batch):
+        return Outcome(self.logits(batch))
+
+    def priced_by(self, model):
+        return self.model.cfg
+
+    def models(self):
+        return [self.model]
+
+
+class Forced(Policy):
+    """Forced action plans: n actions of k slots at every scored position (the scorer says which), no controller."""
+
+    needs_workspace = True
+    shares_encoding = True
+
+    def __init__(self, budgets: Sequence[int] | None = None, ks: Sequence[int] = (1, 2)):
+        self.budgets, self.ks = budgets, tuple(ks)
+
+    def plan(self, model, first_tokens):
+        ns = [n for n in (BUDGETS if self.budgets is None else self.budgets) if n <= model.cfg.r_max]
+        return [Row(f"{self.family}_{n}xk{k}", self, n, k) for k in self.ks for n in ns]
+
+    def actions(self, cfg: PrismeConfig, n: int, k: int, shape: tuple[int, int],
+                generator: torch.Generator | None) -> torch.Tensor:
+        """`[B, T, n]` action ids (CPU)."""
+        raise NotImplementedError
+
+    def run(self, row, batch):
+        return batch.run_forced(row, lambda shape, g: self.actions(batch.model.cfg, row.n, row.k, shape, g))
+
+
+class Fixed(Forced):
+    """Step r edits slot r mod M (k = 1) or pair M + (r mod M/2) (k = 2) at every position."""
+
+    family = "fixed"
+
+    def actions(self, cfg, n, k, shape, generator):
+        M = cfg.n_slots
+        steps = torch.arange(n)
+        row = steps % M if k == 1 else M + steps % (M // 2)  # [n]
+        return row.view(1, 1, n).expand(*shape, n)
+
+
+class Random(Forced):
+    """Uniform single slots (k = 1) or pairs (k = 2), drawn from the batch's common random numbers."""
+
+    family = "random"
+
+    def actions(self, cfg, n, k, shape, generator):
+        lo, hi = (0, cfg.n_slots) if k == 1 else (cfg.n_slots, cfg.n_actions)
+        return torch.randint(lo, hi, (*shape, n), generator=generator)
+
+
+class Dense(Forced):
+    """n DENSE actions (every slot attends to the bank at each step)."""
+
+    family = "dense"
+
+    def __init__(self, budgets: Sequence[int] | None = None, ks: Sequence[int] = ()):
+        super().__init__(budgets, ks=())  # every slot: no k to choose
+
+    def plan(self, model, first_tokens):
+        ns = [n for n in (BUDGETS if self.budgets is None else self.budgets) if n <= model.cfg.r_max]
+        return [Row(f"dense_{n}", self, n, model.cfg.n_slots) for n in ns]
+
+    def actions(self, cfg, n, k, shape, generator):
+        return torch.full((*shape, n), cfg.dense_action)
+
+
+FORCED = {cls.family: cls for cls in (Fixed, Random, Dense)}
+
+
 def forced_actions(cfg: PrismeConfig, family: str, n: int, k: int, shape: tuple[int, int],
                    generator: torch.Generator | None = None, device: torch.device | None = None) -> torch.Tensor:
-    """Forced actions `[B, T, n]` of a fixed / random / dense policy.
+    """Forced actions `[B, T, n]` of a fixed / random / dense policy (`Fixed`, `Random`, `Dense`)."""
+    if family not in FORCED:
+        raise ValueError(f"forced_actions: unknown family {family!r}; expected one of {list(FORCED)}")
+    acts = FORCED[family]().actions(cfg, n, k, shape, generator)
+    return acts.to(device=device, dtype=torch.long).contiguous()
 
-    fixed: step r edits slot r mod M (k = 1) or pair M + (r mod M/2) (k = 2) at every position; random: uniform
-    slots or pairs from `generator`; dense: DENSE (A+1) at every step.
+
+def _controller_budget(model: PrismeModel, budget: int | None) -> int:
+    R = model.cfg.r_max if budget is None else budget
+    if not is_int(R) or not 1 <= R <= model.cfg.r_max:
+        raise ValueError(f"controller_budget must be an int in [1, r_max={model.cfg.r_max}], got {R!r}")
+    return R
+
+
+class Controller(Policy):
+    """The deployed policy (`forward_policy`; with `cfg.router`, the router decides step 0) at each price, each row
+    followed by its equal-edits baseline (`equal_edits=True`): the same mean edits spread uniformly."""
+
+    family = "controller"
+    needs_workspace = True
+    shares_encoding = True
+
+    def __init__(self, lambdas: Sequence[float] | None = None, budget: int | None = None,
+                 kappa_risk: float | None = None, equal_edits: bool = True):
+        self.lambdas, self.budget, self.kappa_risk = lambdas, budget, kappa_risk
+        self.baseline = EqualEdits() if equal_edits else None
+
+    def plan(self, model, first_tokens):
+        R = _controller_budget(model, self.budget)
+        lams = self.lambdas if self.lambdas is not None else default_lambdas(model, first_tokens, budget=self.budget)
+        out = []
+        for lam in (float(x) for x in lams):
+            name = f"controller(lambda={_fmt_lambda(lam)})"
+            out.append(Row(name, self, R, 0, lam))
+            if self.baseline is not None:
+                out.append(Row(f"equal_edits(lambda={_fmt_lambda(lam)})", self.baseline, R, 1, lam, of=name))
+        return out
+
+    def run(self, row, batch):
+        out = batch.model.forward_policy(batch.x, max_budget=row.n, lambda_cost=row.lam, kappa_risk=self.kappa_risk,
+                                         ctx=batch.ctx)
+        return Outcome(out.logits, actions=out.actions, steps=out.controller_steps, routed=batch.model.cfg.router,
+                       mean_edits=float(out.n_edits.double().mean()))
+
+    def untrained(self, row, cfg, groups):
+        return untrained_for_policy(cfg, groups, row.n)
+
+
+class EqualEdits(Policy):
+    """The controller row's mean edits per position, as fixed round-robin single-slot edits thinned at random
+    (seeded per batch) to that mean: the same edit count spread uniformly instead of allocated."""
+
+    family = "equal_edits"
+    needs_workspace = True
+    shares_encoding = True
+
+    def run(self, row, batch):
+        g = torch.Generator().manual_seed(batch.seed + 7919 * (batch.index + 1))
+        acts = thinned_actions(batch.model.cfg, batch.mean_edits[row.of], row.n, tuple(batch.x.shape), g,
+                               batch.x.device)
+        out = batch.model(batch.x, acts, ctx=batch.ctx)
+        return Outcome(out.logits, actions=out.actions)
+
+
+class Oracle(Policy):
+    """The greedy oracle at each price, at `positions` labelled positions per sequence (None: all of them); its
+    trace is charged as if a controller had chosen it (min(n + 1, budget) steps). With `every_position` it knows
+    where the scored targets are and stops at once everywhere else: its trace covers every position (one
+    controller step where it does nothing), as a deployed policy's would."""
+
+    family = "oracle"
+    needs_workspace = True
+
+    def __init__(self, lambdas: Sequence[float] | None = None, positions: int | None = 16, budget: int | None = None,
+                 every_position: bool = False):
+        if positions is not None and (not is_int(positions) or positions < 1):
+            raise ValueError(f"oracle_positions must be an int >= 1 or None (all labelled positions), got "
+                             f"{positions!r}")
+        self.lambdas, self.positions, self.budget, self.every_position = lambdas, positions, budget, every_position
+
+    def plan(self, model, first_tokens):
+        R = _controller_budget(model, self.budget)
+        lams = self.lambdas if self.lambdas is not None else default_lambdas(model, first_tokens, budget=self.budget)
+        return [Row(f"oracle(lambda={_fmt_lambda(lam)})", self, R, 0, float(lam)) for lam in lams]
+
+    def run(self, row, batch):
+        rows, pos = batch.oracle_positions(self.positions)  # the same positions for every oracle row of a batch
+        if rows.numel() == 0:
+            return None
+        x, y = batch.x, batch.y
+        res = greedy_oracle(batch.model, x[rows], y[rows], pos, row.n, row.lam)
+        steps = torch.clamp(res.n_edits + 1, max=row.n)  # as if a controller had chosen the trace
+        if not self.every_position:
+            return Outcome(res.logits, at=(rows, pos), actions=res.actions, contexts=pos + 1, steps=steps,
+                           base_ce=res.base_loss)
+        B, T = x.shape
+        cfg = batch.model.cfg
+        full = torch.full((B, T, row.n), cfg.stop_action, device=x.device)
+        full[rows.unsqueeze(1), pos] = res.actions
+        n_full = torch.zeros(B, T, dtype=torch.long, device=x.device)
+        n_full[rows.unsqueeze(1), pos] = res.n_edits
+        return Outcome(res.logits, at=(rows, pos), actions=full, steps=torch.clamp(n_full + 1, max=row.n),
+                       base_ce=res.base_loss)
+
+
+# ---------------------------------------------------------------------------------------------------------- by name
+POLICY_FAMILIES = ("backbone", "matched", "fixed", "random", "dense", "controller", "oracle")  # the CLI's names
+BY_NAME = {"backbone": Backbone, "fixed": Fixed, "random": Random, "dense": Dense, "controller": Controller,
+           "oracle": Oracle}
+
+
+def standard_policies(model: PrismeModel, families: Sequence[str] | None = None, *,
+                      budgets: Sequence[int] | None = None, ks: Sequence[int] = (1, 2),
+                      lambdas: Sequence[float] | None = None, oracle_lambdas: Sequence[float] | None = None,
+                      oracle_positions: int | None = 16, controller_budget: int | None = None,
+                      kappa_risk: float | None = None, matched: PrismeModel | None = None,
+                      references: dict[str, PrismeModel] | None = None) -> list[Policy]:
+    """The policies of the named `families` (`POLICY_FAMILIES`; default: all that apply), each with these settings.
+
+    budgets: n of the fixed / random n x k rows and the dense rows (default 1, 2, 4, 8 up to r_max); ks: slots per
+    action of the fixed / random rows; lambdas: the controller's prices (default `default_lambdas` on the first
+    batch), oracle_lambdas the oracle's (default: lambdas); oracle_positions: labelled positions per sequence the oracle
+    samples (None: all); controller_budget: max_budget of the controller, equal-edits and oracle rows (default r_max);
+    kappa_risk: the controller's risk aversion (default: the config's); matched: the "backbone+matched" row's model
+    (family "matched"); references: other backbones scored alone, one row each named by its key, after the backbone
+    and matched rows.
     """
-    B, T = shape
-    M, A = cfg.n_slots, cfg.n_actions
-    steps = torch.arange(n)
-    if family == "fixed":
-        row = steps % M if k == 1 else M + steps % (M // 2)  # [n]
-        acts = row.view(1, 1, n).expand(B, T, n)
-    elif family == "random":
-        lo, hi = (0, M) if k == 1 else (M, A)
-        acts = torch.randint(lo, hi, (B, T, n), generator=generator)
-    elif family == "dense":
-        acts = torch.full((B, T, n), cfg.dense_action)
+    if not isinstance(model, PrismeModel):
+        raise ValueError(f"model must be a PrismeModel, got {type(model).__name__}")
+    if families is None:
+        names = ["backbone"] + (["matched"] if matched is not None else [])
+        if model.cfg.use_workspace:
+            names += [f for f in POLICY_FAMILIES if BY_NAME.get(f, Policy).needs_workspace]
     else:
-        raise ValueError(f"forced_actions: unknown family {family!r}; expected fixed, random or dense")
-    return acts.to(device=device, dtype=torch.long).contiguous()
-
-
-def _plan(model: PrismeModel, families: Sequence[str], lambdas: Sequence[float],
-          budgets: Sequence[int] | None = None, oracle_lambdas: Sequence[float] | None = None,
-          ks: Sequence[int] = (1, 2), controller_budget: int | None = None) -> list[_Policy]:
-    cfg = model.cfg
-    R = cfg.r_max if controller_budget is None else controller_budget
-    if not is_int(R) or not 1 <= R <= cfg.r_max:
-        raise ValueError(f"controller_budget must be an int in [1, r_max={cfg.r_max}], got {R!r}")
-    ns = [n for n in (BUDGETS if budgets is None else budgets) if n <= cfg.r_max]
-    out: list[_Policy] = []
-    for fam in families:
-        if fam == "backbone":
-            out.append(_Policy("backbone", fam))
-        elif fam == "matched":
-            out.append(_Policy("backbone+matched", fam))
-        elif fam in ("fixed", "random"):
-            out += [_Policy(f"{fam}_{n}xk{k}", fam, n, k) for k in ks for n in ns]
-        elif fam == "dense":
-            out += [_Policy(f"dense_{n}", fam, n, cfg.n_slots) for n in ns]
-        elif fam in ("controller", "oracle"):
-            for lam in (oracle_lambdas if fam == "oracle" and oracle_lambdas is not None else lambdas):
-                name = f"{fam}(lambda={_fmt_lambda(lam)})"
-                out.append(_Policy(name, fam, R, 0, float(lam)))
-                if fam == "controller":  # right after it: uniform allocation of the same mean number of edits
-                    out.append(_Policy(f"equal_edits(lambda={_fmt_lambda(lam)})", "equal_edits", R, 1,
-                                       float(lam), of=name))
+        names = list(dict.fromkeys([families] if isinstance(families, str) else families))
+        unknown = [p for p in names if p not in POLICY_FAMILIES]
+        if unknown:
+            raise ValueError(f"unknown policy name(s) {unknown}; choose from {list(POLICY_FAMILIES)}")
+        if not names:
+            raise ValueError(f"policies is empty; name at least one of {list(POLICY_FAMILIES)} (or None for all)")
+        ws = [f for f in names if BY_NAME.get(f, Policy).needs_workspace]
+        if ws and not model.cfg.use_workspace:
+            raise ValueError(f"this model has no workspace (use_workspace=False): policies {ws} need one")
+        if "matched" in names and matched is None:
+            raise ValueError("policy 'matched' needs matched_backbone (a model whose backbone is evaluated alone)")
+    if matched is not None and not isinstance(matched, PrismeModel):
+        raise ValueError(f"matched_backbone must be a PrismeModel, got {type(matched).__name__}")
+    if kappa_risk is not None and (isinstance(kappa_risk, bool) or not isinstance(kappa_risk, (int, float))
+                                   or not math.isfinite(kappa_risk) or kappa_risk < 0):
+        raise ValueError(f"kappa_risk must be a finite number >= 0, got {kappa_risk!r}")
+    for what, lams in (("lambdas", lambdas), ("oracle_lambdas", oracle_lambdas)):
+        if lams is not None and (not list(lams) or any(isinstance(x, bool) or not isinstance(x, (int, float))
+                                                       or not math.isfinite(x) or x < 0 for x in lams)):
+            raise ValueError(f"{what} must be a non-empty list of finite floats >= 0, got {lams!r}")
+    _controller_budget(model, controller_budget)
+    oracle_prices = oracle_lambdas if oracle_lambdas is not None else lambdas  # None: the controller's default grid
+    oracle_prices = None if oracle_prices is None else list(oracle_prices)
+    made = {
+        "backbone": lambda: Backbone(),
+        "matched": lambda: Reference("backbone+matched", matched, matched=True),
+        "fixed": lambda: Fixed(budgets, ks),
+        "random": lambda: Random(budgets, ks),
+        "dense": lambda: Dense(budgets),
+        "controller": lambda: Controller(None if lambdas is None else list(lambdas), controller_budget, kappa_risk),
+        "oracle": lambda: Oracle(oracle_prices, oracle_positions, controller_budget),
+    }
+    out = [made[f]() for f in names]
+    at = max([0] + [i + 1 for i, p in enumerate(out) if isinstance(p, (Backbone, Reference))][:1]
+             + [i + 1 for i, p in enumerate(out) if isinstance(p, Reference)])
+    out[at:at] = [Reference(name, ref) for name, ref in (references or {}).items()]
     return out
-
-
-def thinned_actions(cfg: PrismeConfig, mean_edits: float, max_n: int, shape: tuple[int, int],
-                    generator: torch.Generator, device: torch.device | None = None) -> torch.Tensor:
-    """The equal-edits baseline `[B, T, max_n]`: fixed round-robin single-slot edits, thinned per position at random
-    (seeded) to `mean_edits` per position on average: each position gets floor(m) or floor(m) + 1 edits (the latter
-    with probability m - floor(m)), so the same edit count is spread uniformly instead of allocated."""
-    B, T = shape
-    m = min(max(float(mean_edits), 0.0), float(max_n))
-    base = int(math.floor(m))
-    n = base + (torch.rand(B, T, generator=generator) < (m - base)).long()  # [B, T] edits per position
-    steps = torch.arange(max_n)
-    acts = (steps % cfg.n_slots).view(1, 1, max_n).expand(B, T, max_n)
-    acts = torch.where(steps.view(1, 1, max_n) < n.unsqueeze(-1), acts, torch.full_like(acts, cfg.stop_action))
-    return acts.to(device=device, dtype=torch.long).contiguous()
-
-
-def sample_positions(targets: torch.Tensor, n: int | None, generator: torch.Generator) -> tuple[torch.Tensor,
-                                                                                               torch.Tensor]:
-    """P labelled positions per row, uniformly without replacement, sorted: (rows `[B']`, positions `[B', P]`).
-
-    P = min(n, fewest labelled targets in a row); rows with no labelled target are dropped. n=None: all of them.
-    """
-    mask = targets != IGNORE_INDEX  # [B, T]
-    counts = mask.sum(-1)  # [B]
-    rows = torch.nonzero(counts > 0).flatten()
-    if rows.numel() == 0:
-        return rows, targets.new_zeros(0, 0)
-    P = int(counts[rows].min()) if n is None else min(n, int(counts[rows].min()))
-    weights = mask[rows].double().cpu()
-    pos = torch.multinomial(weights, P, replacement=False, generator=generator)  # [B', P]
-    return rows, pos.sort(dim=-1).values.to(targets.device)
-
-
-@torch.no_grad()
-def default_lambdas(model: PrismeModel, tokens: torch.Tensor, quantiles: Sequence[float] = LAMBDA_QUANTILES,
-                    cost: torch.Tensor | None = None, budget: int | None = None) -> list[float]:
-    """A lambda grid from 0 (edit whenever some value is positive) to where few positions still edit.
-
-    At step 0 a position edits iff some action has value_a - lambda * cost_a > 0, i.e. lambda < lambda* =
-    max_a value_a / cost_a (the price is the `action_cost` proxy). The grid is 0 plus quantiles of lambda* over the
-    positions of `tokens` `[B, T]` that would edit at lambda = 0, rounded to 3 significant digits. `budget`: the
-    controller's max_budget (default r_max), which its features see.
-    """
-    cfg = model.cfg
-    budget = cfg.r_max if budget is None else budget
-    cost = model.action_cost if cost is None else cost
-    ctx = model.encode(tokens)
-    B, T = tokens.shape
-    dev = tokens.device
-    zc, match = model.controller_inputs(ctx)
-    preds = model.controller(zc, ctx.S0, ctx.S0, torch.zeros(B, T, cfg.n_slots, dtype=torch.long, device=dev),
-                             torch.zeros(B, T, cfg.n_actions, dtype=torch.bool, device=dev),
-                             torch.zeros(B, T, dtype=torch.long, device=dev),
-                             torch.full((B, T), budget, dtype=torch.long, device=dev), match)
-    lam_star = (preds.value / cost).amax(-1).flatten().double()  # [B*T]
-    lam_star = lam_star[lam_star > 0]
-    grid = [0.0]
-    if lam_star.numel():
-        qs = torch.quantile(lam_star.cpu(), torch.tensor(list(quantiles), dtype=torch.float64))
-        grid += [float(f"{float(q):.3g}") for q in qs]
-    return sorted(set(grid))

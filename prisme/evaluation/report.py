@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prisme.evaluation.policies import ROW_FAMILIES
+from prisme.evaluation.policies import ROW_KINDS
 from prisme.io import json_safe
 from prisme.stats import N_BOOT, lower_envelope
 
@@ -52,6 +52,7 @@ class EvalRow:
     # frontier rows and their weights
     frontier_gap: dict[str, Any] | None = None
     verdict_vs_frontier: str | None = None
+    scored_edit_share: float | None = None  # the share of its edits at scored targets (MQAR: the queries)
     slices: dict[str, Any] | None = None  # per AR slice (`evaluation.slices`): loss, gain, share of gain, edits
 
 
@@ -103,9 +104,10 @@ class EvalReport:
             acc = "-" if r.accuracy is None else f"{r.accuracy:.3f}"
             dep = "yes" if r.deployable else (f"no (untrained {'+'.join(r.untrained)})" if r.untrained
                                               else "no (upper bound)")
-            vb = ci(r.delta_vs_backbone) + ("" if not r.verdict_vs_backbone or r.family == "backbone"
+            own = ROW_KINDS[r.family].own_reference if r.family in ROW_KINDS else None  # itself: no verdict
+            vb = ci(r.delta_vs_backbone) + ("" if not r.verdict_vs_backbone or own == "delta_vs_backbone"
                                             else f" {r.verdict_vs_backbone}")
-            vm = ci(r.delta_vs_matched) + ("" if not r.verdict_vs_matched or r.family == "matched"
+            vm = ci(r.delta_vs_matched) + ("" if not r.verdict_vs_matched or own == "delta_vs_matched"
                                            else f" {r.verdict_vs_matched}")
             lines.append(f"{r.policy:<30}{r.loss:>8.4f}  {vb:<28}" + (f"{vm:<28}" if has_m else "")
                          + f"{r.relative_ops:>8.3f}{r.mean_edits:>7.2f}{acc:>7}{r.tokens_per_s:>9.0f}  {dep}")
@@ -122,7 +124,7 @@ class EvalReport:
                 f"accounting")
         if self.frontier:
             foot += f"; dense frontier: {', '.join(self.frontier)} (interpolated in log ops)"
-        if any(r.family == "oracle" for r in self.rows):
+        if any(ROW_KINDS[r.family].sampled for r in self.rows if r.family in ROW_KINDS):
             per = "all" if self.oracle_positions is None else self.oracle_positions
             foot += (f"; oracle rows: {per} sampled positions per sequence ({self.oracle_targets} in all), compared "
                      f"on those positions")
@@ -145,11 +147,8 @@ class EvalReport:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        style = {"backbone": ("s", "C0"), "matched": ("D", "C1"), "fixed": ("o", "C2"), "random": ("x", "C3"),
-                 "dense": ("^", "C4"), "controller": ("*", "C5"), "oracle": ("P", "C6"), "equal_edits": ("v", "C7"),
-                 "reference": ("h", "C8")}
         fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
-        for fam in ROW_FAMILIES:
+        for fam, kind in ROW_KINDS.items():
             rows = [r for r in self.rows if r.family == fam and r.delta_vs_backbone]
             if not rows:
                 continue
@@ -157,11 +156,11 @@ class EvalReport:
             ys = [r.delta_vs_backbone["mean"] for r in rows]
             err = [[y - r.delta_vs_backbone["lo"] for y, r in zip(ys, rows)],
                    [r.delta_vs_backbone["hi"] - y for y, r in zip(ys, rows)]]
-            marker, color = style[fam]
-            hollow = fam == "oracle"
+            marker, color = kind.marker, kind.color
+            hollow = kind.sampled
             ax.errorbar(xs, ys, yerr=err, fmt=marker, color=color, ms=6, capsize=2, lw=1,
                         mfc="none" if hollow else color,
-                        label="oracle (not deployable; on its sampled positions)" if hollow else fam)
+                        label=f"{fam} (not deployable; on its sampled positions)" if hollow else fam)
         front = [r for r in pareto_front(self.rows) if r.delta_vs_backbone]
         if front:  # a staircase from the cheapest row, held to the right edge
             x_max = max(r.relative_ops for r in self.rows)

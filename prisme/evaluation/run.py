@@ -1,37 +1,28 @@
-"""Evaluation: validation loss against measured ops per token, for every policy of SPEC §5.
+"""Evaluation: validation loss (or query accuracy) against measured ops per token, for every policy of SPEC §5.
 
-Notation: B batch, T positions, V vocab, M slots, A controller actions (STOP = A, DENSE = A+1), R steps, P oracle
-positions per sequence, n actions per position, k slots per action.
+`evaluate_policies(model, data, policies, options)` runs each policy's rows (`prisme.evaluation.policies`: one class
+per family) on every batch's shared encoding (`prisme.evaluation.batch.Batch`) and scores them with the options'
+scorer: next-token loss on every labelled target (`NextTokenLoss`, text) or the query positions (`QueryAccuracy`,
+MQAR: forced edits run there only).
 
-Policies (one `EvalRow` each; `family` in parentheses):
-  * backbone only (`backbone`): `model(tokens)`, the exact bypass;
-  * backbone + matched tokens (`matched`): another model's backbone alone (one trained on as many extra tokens as
-    the workspace stage used), so that "the workspace helps" is not just "more training";
-  * fixed n x k1 / n x k2 (`fixed`), n in {1, 2, 4, 8} and n <= r_max: step r edits slot r mod M, or pair
-    M + (r mod M/2); forced through `model(tokens, actions)`, no controller;
-  * random n x k (`random`): uniform single slots or pairs; batch i draws from a generator seeded with seed + i
-    (common random numbers across random rows);
-  * dense (`dense`): n DENSE actions;
-  * controller at several lambda (`controller`): `model.forward_policy(tokens, r_max, lambda_cost=lambda)`;
-  * greedy oracle (`oracle`, not deployable): at each step execute every candidate action, keep the largest true
-    loss drop, STOP when none beats lambda * cost. It reads the targets, so it is an upper-bound probe on a subsample
-    of labelled positions, never a policy one could deploy.
-
-Measurement (SPEC §6): loss is the mean next-token cross-entropy over labelled targets (-100 ignored), accuracy the
-argmax hit rate on them (MQAR only). Ops come from the actual traces through `costs.trace_cost`: each position pays
-at its own context t + 1; forced policies pay no controller; the controller pays the steps it took; the oracle is
-charged min(n + 1, budget) controller steps, as if a controller had chosen its trace. Ops cover every position of
-the evaluated sequences (each one is a generated token, labelled or not); the oracle's cover its sampled positions.
-`relative_ops` divides by the backbone alone on the same positions. Both accountings are reported: `ops_per_token`
-is the model's own (`cfg.optimised`), `ops_per_token_alt` the other one (seed <-> optimised).
+Measurement (SPEC §6): loss is the mean next-token cross-entropy over scored targets (-100 ignored), accuracy the
+argmax hit rate on them. Ops come from the actual traces through `costs.trace_cost`: each position pays at its own
+context t + 1; forced policies pay no controller; the controller pays the steps it took; the oracle is charged
+min(n + 1, budget) controller steps, as if a controller had chosen its trace. Ops cover every position of the
+evaluated sequences (each one is a generated token, labelled or not); the oracle's cover its sampled positions
+(every position with `every_position`). `relative_ops` divides by the backbone alone on the same positions. Both
+accountings are reported: `ops_per_token` is the model's own (`cfg.optimised`), `ops_per_token_alt` the other one.
+Every row gets its paired difference to the backbone; with a matched `Reference`, to it too; every row scored on
+the frontier's targets gets its gap to the dense frontier (`EvalOptions.frontier`).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -39,18 +30,18 @@ from prisme.checks import is_int
 from prisme.config import PrismeConfig
 from prisme.costs.traces import TraceCost, trace_cost
 from prisme.data.mqar import MQARDataset
-from prisme.data.text import IGNORE_INDEX, TokenDataset
+from prisme.data.text import IGNORE_INDEX
 from prisme.devices import synchronize, upload
-from prisme.evaluation.oracle import greedy_oracle
+from prisme.evaluation.batch import Batch, NextTokenLoss, QueryAccuracy
 from prisme.evaluation.policies import (
-    POLICY_FAMILIES,
-    WORKSPACE_FAMILIES,
-    _plan,
-    _Policy,
-    default_lambdas,
-    forced_actions,
-    sample_positions,
-    thinned_actions,
+    ROW_KINDS,
+    Controller,
+    Oracle,
+    Outcome,
+    Policy,
+    Reference,
+    Row,
+    standard_policies,
 )
 from prisme.evaluation.report import EvalReport, EvalRow
 from prisme.evaluation.slices import SliceSums, ar_slice_labels
@@ -65,6 +56,28 @@ from prisme.stats import (
     lower_envelope,
     paired_bootstrap,
 )
+
+__all__ = ["EvalOptions", "evaluate_policies", "frontier_gaps", "NextTokenLoss", "QueryAccuracy"]
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    """How an evaluation runs (the policies say what it runs)."""
+
+    batch_size: int = 16  # evaluation windows (a dataset's `iter_eval`; ignored for a list of batches)
+    seq_len: int | None = None  # default: the MQAR length or the model's T_max
+    max_batches: int | None = 8  # None: the whole split
+    split: str = "val"  # a held-out text holds all its tokens there
+    seed: int = 0  # random rows' common random numbers, the equal-edits thinning, the oracle's positions
+    progress: bool = False  # a tqdm bar over batches
+    bootstrap_samples: int = N_BOOT  # the paired intervals' resamples and seed (`prisme.stats`)
+    bootstrap_seed: int = 0
+    frontier: Sequence[str] | None = None  # backbone-only rows that make the dense frontier (their lower envelope)
+    slices: int | None = None  # n-gram length of the AR-hit / seen-miss / other slices (`evaluation.slices`)
+    scorer: NextTokenLoss = field(default_factory=NextTokenLoss)  # `NextTokenLoss()` or `QueryAccuracy()`
+
+    def replace(self, **changes: Any) -> EvalOptions:
+        return replace(self, **changes)
 
 
 # ---------------------------------------------------------------------------------------------------------- the run
@@ -88,6 +101,8 @@ class _Acc:
     routed: bool = False  # the traces are a routed policy's (the router decided step 0 at every position)
     slices: SliceSums | None = None  # per AR slice (`slices=n`), with the batch's labels in slice_labels
     slice_labels: torch.Tensor | None = None
+    edits_all: int = 0  # edits over every position of full-position traces
+    edits_scored: int = 0  # of them, at scored targets
 
     def add_loss(self, logits: torch.Tensor, y: torch.Tensor, base_ce: torch.Tensor | None = None,
                  matched_ce: torch.Tensor | None = None) -> None:
@@ -130,156 +145,116 @@ class _Acc:
         return trace_cost(cfg, acts, ctx, steps, optimised=optimised, router=self.routed)
 
 
-def _check_inputs(model, dataset, policies, batch_size, seq_len, max_batches, matched_backbone, lambdas,
-                  oracle_positions) -> tuple[list[str], int]:
+def _check_options(model: PrismeModel, data: Any, options: EvalOptions) -> int:
+    """Validate the options against the model and the data; returns seq_len."""
     if not isinstance(model, PrismeModel):
         raise ValueError(f"model must be a PrismeModel, got {type(model).__name__}")
+    if not isinstance(options, EvalOptions):
+        raise ValueError(f"options must be an EvalOptions, got {type(options).__name__}")
     cfg = model.cfg
-    if dataset is None or not hasattr(dataset, "iter_eval"):
-        raise ValueError(f"dataset must provide iter_eval(split, batch_size, seq_len, max_batches), got {dataset!r}")
-    for name, v in (("batch_size", batch_size), ("max_batches", max_batches)):
-        if v is None and name == "max_batches":
-            continue
-        if not is_int(v) or v < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if data is None or not (hasattr(data, "iter_eval") or isinstance(data, (list, tuple))):
+        raise ValueError(f"data must provide iter_eval(split, batch_size, seq_len, max_batches) or be a list of "
+                         f"(x, y) batches, got {data!r}")
+    if not is_int(options.batch_size) or options.batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {options.batch_size!r}")
+    if options.max_batches is not None and (not is_int(options.max_batches) or options.max_batches < 1):
+        raise ValueError(f"max_batches must be an int >= 1, got {options.max_batches!r}")
+    seq_len = options.seq_len
     if seq_len is None:
-        seq_len = dataset.cfg.seq_len if isinstance(dataset, MQARDataset) else cfg.max_seq_len
+        seq_len = data.cfg.seq_len if isinstance(data, MQARDataset) else cfg.max_seq_len
     if not is_int(seq_len) or not 1 <= seq_len <= cfg.max_seq_len:
         raise ValueError(f"seq_len must be an int in [1, max_seq_len={cfg.max_seq_len}], got {seq_len!r}")
-    vocab = getattr(dataset, "vocab_size", None)
+    vocab = getattr(data, "vocab_size", None)
     if vocab is not None and vocab > cfg.vocab_size:
         raise ValueError(f"dataset vocab_size={vocab} exceeds the model's vocab_size={cfg.vocab_size}")
-    if policies is None:
-        families = ["backbone"] + (["matched"] if matched_backbone is not None else [])
-        if cfg.use_workspace:
-            families += [f for f in POLICY_FAMILIES if f in WORKSPACE_FAMILIES]
-    else:
-        if isinstance(policies, str):
-            policies = [policies]
-        families = list(dict.fromkeys(policies))
-        unknown = [p for p in families if p not in POLICY_FAMILIES]
-        if unknown:
-            raise ValueError(f"unknown policy name(s) {unknown}; choose from {list(POLICY_FAMILIES)}")
-        if not families:
-            raise ValueError(f"policies is empty; name at least one of {list(POLICY_FAMILIES)} (or None for all)")
-        if not cfg.use_workspace and any(f in WORKSPACE_FAMILIES for f in families):
-            raise ValueError(f"this model has no workspace (use_workspace=False): policies "
-                             f"{[f for f in families if f in WORKSPACE_FAMILIES]} need one")
-        if "matched" in families and matched_backbone is None:
-            raise ValueError("policy 'matched' needs matched_backbone (a model whose backbone is evaluated alone)")
-    if matched_backbone is not None:
-        if not isinstance(matched_backbone, PrismeModel):
-            raise ValueError(f"matched_backbone must be a PrismeModel, got {type(matched_backbone).__name__}")
-        if matched_backbone.cfg.vocab_size != cfg.vocab_size:
-            raise ValueError(f"matched_backbone vocab_size={matched_backbone.cfg.vocab_size} differs from the "
-                             f"model's {cfg.vocab_size}")
-        if seq_len > matched_backbone.cfg.max_seq_len:
-            raise ValueError(f"seq_len={seq_len} exceeds matched_backbone max_seq_len="
-                             f"{matched_backbone.cfg.max_seq_len}")
-    if lambdas is not None:
-        lambdas = list(lambdas)
-        if not lambdas or any(not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0 for x in lambdas):
-            raise ValueError(f"lambdas must be a non-empty list of finite floats >= 0, got {lambdas!r}")
-    if oracle_positions is not None and (not is_int(oracle_positions)
-                                         or oracle_positions < 1):
-        raise ValueError(f"oracle_positions must be an int >= 1 or None (all labelled positions), got "
-                         f"{oracle_positions!r}")
-    return families, seq_len
+    check_bootstrap_args(options.bootstrap_samples, options.bootstrap_seed)
+    if options.slices is not None and (not is_int(options.slices) or options.slices < 1):
+        raise ValueError(f"slices must be an n-gram length >= 1, got {options.slices!r}")
+    if not isinstance(options.scorer, NextTokenLoss):
+        raise ValueError(f"scorer must be NextTokenLoss() or QueryAccuracy(), got {options.scorer!r}")
+    return seq_len
 
 
-def evaluate_policies(model: PrismeModel, dataset: TokenDataset | MQARDataset, policies: Sequence[str] | None = None,
-                      *, batch_size: int = 16, seq_len: int | None = None, max_batches: int | None = 8,
-                      matched_backbone: PrismeModel | None = None, lambdas: Sequence[float] | None = None,
-                      oracle_positions: int | None = 16, seed: int = 0, progress: bool = False,
-                      bootstrap_samples: int = N_BOOT, bootstrap_seed: int = 0,
-                      split: str = "val", references: dict[str, PrismeModel] | None = None,
-                      budgets: Sequence[int] | None = None, ks: Sequence[int] = (1, 2),
-                      oracle_lambdas: Sequence[float] | None = None,
-                      controller_budget: int | None = None, kappa_risk: float | None = None,
-                      frontier: Sequence[str] | None = None, slices: int | None = None) -> EvalReport:
-    """Evaluate every policy on the validation split of `dataset` (`split`; a held-out text holds all its tokens there).
+def evaluate_policies(model: PrismeModel, data: Any, policies: Sequence[Policy | str] | None = None,
+                      options: EvalOptions | None = None) -> EvalReport:
+    """Evaluate every row of `policies` on `data`.
 
     Args:
-        model: the model; evaluated in eval mode under no_grad, its mode restored afterwards.
-        dataset: a `TokenDataset` or `MQARDataset` (anything with `iter_eval(split, B, T, max_batches)`).
-        policies: families to run (`POLICY_FAMILIES`; default: all that apply). `matched` needs `matched_backbone`.
-        batch_size, seq_len, max_batches: evaluation windows (seq_len default: the MQAR length or T_max).
-        matched_backbone: a model whose backbone alone is the "backbone + matched tokens" baseline.
-        lambdas: controller and oracle prices of compute (default: `default_lambdas` on the first batch).
-        oracle_positions: labelled positions per sequence the oracle samples (None: all).
-        seed: random policies, the equal-edits thinning and oracle subsampling.
-        bootstrap_samples, bootstrap_seed: the paired intervals' resamples and seed (`prisme.stats`).
-        budgets: n of the fixed / random n x k rows and the dense rows (default 1, 2, 4, 8 up to r_max).
-        ks: slots per action of the fixed / random rows (1: single slots, 2: pairs).
-        oracle_lambdas: the oracle rows' prices (default: `lambdas`).
-        controller_budget: max_budget of the controller, equal-edits and oracle rows (default r_max; pass the budget
-            the workspace and controller were trained for).
-        kappa_risk: the controller rows' risk aversion (default: the config's `kappa_risk`).
-        references: other models whose backbone alone is scored on the same targets, one row each (family
-            "reference", named by its key; e.g. a deeper backbone trained on the same tokens), after the matched row.
-        frontier: the rows ("backbone", "backbone+matched", reference names) that make the dense frontier: every
-            other row scored on the same targets gets its `frontier_gap` (its lower envelope, interpolated in log ops).
-        slices: n-gram length of the AR-hit / seen-miss / other slices (`evaluation.slices`); None: no slices.
+        model: the model; evaluated in eval mode under no_grad, its mode restored afterwards (and the references').
+        data: a `TokenDataset` or `MQARDataset` (anything with `iter_eval(split, B, T, max_batches)`), or a list of
+            (x, y) batches `[B, T]` each.
+        policies: `Policy` objects (`prisme.evaluation.policies`), or family names with their defaults
+            (`standard_policies`); None: every family that applies to the model.
+        options: `EvalOptions` (batch size, windows, seeds, bootstrap, frontier rows, slices, scorer).
     Returns:
-        `EvalReport` with one `EvalRow` per policy, families in the order of `policies` (default: as in
-        `POLICY_FAMILIES`).
+        `EvalReport` with one `EvalRow` per planned row, in the order of `policies`.
     """
-    check_bootstrap_args(bootstrap_samples, bootstrap_seed)
-    if kappa_risk is not None and (isinstance(kappa_risk, bool) or not isinstance(kappa_risk, (int, float))
-                                   or not math.isfinite(kappa_risk) or kappa_risk < 0):
-        raise ValueError(f"kappa_risk must be a finite number >= 0, got {kappa_risk!r}")
-    families, seq_len = _check_inputs(model, dataset, policies, batch_size, seq_len, max_batches, matched_backbone,
-                                      lambdas, oracle_positions)
-    batches = list(dataset.iter_eval(split, batch_size, seq_len, max_batches))
-    if not batches or all(x.numel() == 0 for x, _ in batches):
-        raise ValueError(f"dataset {dataset!r} yielded no validation batches")
-    if not any(bool((y != IGNORE_INDEX).any()) for _, y in batches):
-        raise ValueError(f"dataset {dataset!r}: no labelled targets in the validation batches (all -100)")
+    options = EvalOptions() if options is None else options
+    seq_len = _check_options(model, data, options)
+    if policies is None or all(isinstance(p, str) for p in ([policies] if isinstance(policies, str) else policies)):
+        policies = standard_policies(model, [policies] if isinstance(policies, str) else policies)
+    policies = list(policies)
+    if not policies or not all(isinstance(p, Policy) for p in policies):
+        raise ValueError(f"policies must be a non-empty list of Policy objects or family names, got {policies!r}")
+    for p in policies:
+        p.check(model, seq_len)
+    batches = _batches(data, options, seq_len)
     cfg = model.cfg
     device = next(model.parameters()).device
-    was_training = model.training
-    m_training = matched_backbone.training if matched_backbone is not None else False
-    model.eval()
-    if matched_backbone is not None:
-        matched_backbone.eval()
+    others = [m for p in policies for m in p.models()]
+    modes = [(m, m.training) for m in [model, *others]]
+    for m, _ in modes:
+        m.eval()
     try:
         with torch.no_grad():
-            if lambdas is None and ("controller" in families or "oracle" in families):
-                lambdas = default_lambdas(model, batches[0][0].to(device), budget=controller_budget)
-            plan = _plan(model, families, [float(x) for x in (lambdas or [0.0])], budgets,
-                         None if oracle_lambdas is None else [float(x) for x in oracle_lambdas], ks,
-                         controller_budget)
-            refs = dict(references or {})
-            for name, ref in refs.items():
-                if not isinstance(ref, PrismeModel) or ref.cfg.vocab_size != cfg.vocab_size:
-                    raise ValueError(f"reference {name!r} must be a PrismeModel with vocab_size={cfg.vocab_size}")
-                ref.eval()
-            at = next((i + 1 for i, q in enumerate(plan) if q.family in ("backbone", "matched")), 0)
-            at = max([at] + [i + 1 for i, q in enumerate(plan) if q.family == "matched"])
-            plan[at:at] = [_Policy(name, "reference") for name in refs]
-            unknown = sorted(set(frontier or ()) - {q.name for q in plan if q.family in ("backbone", "matched",
-                                                                                          "reference")})
+            first = upload(batches[0][0], device)
+            for p in policies:
+                p.planned = tuple(p.plan(model, first))
+            plan = [row for p in policies for row in p.planned]
+            names = [r.name for r in plan]
+            if len(set(names)) != len(names):
+                raise ValueError(f"two rows share a name: {sorted({n for n in names if names.count(n) > 1})} (a "
+                                 f"reference may not take a policy row's name)")
+            dense_rows = {r.name for r in plan if r.kind.backbone_only}
+            unknown = sorted(set(options.frontier or ()) - dense_rows)
             if unknown:
                 raise ValueError(f"frontier rows {unknown} are not backbone-only rows of this evaluation")
-            accs = {p.name: _Acc(slices=None if slices is None else SliceSums(cfg.stop_action)) for p in plan}
-            _run_batches(model, plan, accs, batches, device, matched_backbone, oracle_positions, seed, progress,
-                         refs, kappa_risk, slices)
+            accs = {r.name: _Acc(slices=None if options.slices is None else SliceSums(cfg.stop_action)) for r in plan}
+            _run_batches(model, plan, accs, batches, device, options)
     finally:
-        model.train(was_training)
-        if matched_backbone is not None:
-            matched_backbone.train(m_training)
-    rows = _finish_rows(model, plan, accs, matched_backbone, isinstance(dataset, MQARDataset), bootstrap_samples,
-                        bootstrap_seed, refs)
-    envelope = frontier_gaps(rows, accs, list(frontier or ()), bootstrap_samples, bootstrap_seed)
+        for m, was in modes:
+            m.train(was)
+    with_accuracy = options.scorer.at_queries or isinstance(data, MQARDataset)
+    rows = _finish_rows(model, plan, accs, options, with_accuracy)
+    envelope = frontier_gaps(rows, accs, list(options.frontier or ()), options.bootstrap_samples,
+                             options.bootstrap_seed)
     n_tok = sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)
-    oracle_seen = next((r.n_targets for r in rows if r.family == "oracle"), None)
-    return EvalReport(rows=rows, config=cfg.to_dict(), dataset=repr(dataset), n_tokens=n_tok,
-                      n_positions=sum(x.numel() for x, _ in batches), batch_size=batch_size, seq_len=seq_len,
+    oracle = next((p for p in policies if isinstance(p, Oracle)), None)
+    priced = [p for p in policies if isinstance(p, (Controller, Oracle))]
+    prices = [r.lam for r in priced[0].planned if r.policy is priced[0]] if priced else []  # the first priced grid
+    return EvalReport(rows=rows, config=cfg.to_dict(), dataset=repr(data) if hasattr(data, "iter_eval") else
+                      f"{len(batches)} given batches", n_tokens=n_tok,
+                      n_positions=sum(x.numel() for x, _ in batches), batch_size=options.batch_size, seq_len=seq_len,
                       n_batches=len(batches), accounting="optimised" if cfg.optimised else "seed",
-                      lambdas=[float(x) for x in (lambdas or [])], oracle_positions=oracle_positions, seed=seed,
+                      lambdas=prices,
+                      oracle_positions=None if oracle is None else oracle.positions, seed=options.seed,
                       environment=environment(model), n_sequences=sum(x.shape[0] for x, _ in batches),
-                      split=split, bootstrap_samples=bootstrap_samples, bootstrap_seed=bootstrap_seed,
-                      oracle_targets=oracle_seen, frontier=envelope or None)
+                      split=options.split, bootstrap_samples=options.bootstrap_samples,
+                      bootstrap_seed=options.bootstrap_seed,
+                      oracle_targets=next((r.n_targets for r in rows if ROW_KINDS[r.family].sampled), None),
+                      frontier=envelope or None)
+
+
+def _batches(data: Any, options: EvalOptions, seq_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    if hasattr(data, "iter_eval"):
+        batches = list(data.iter_eval(options.split, options.batch_size, seq_len, options.max_batches))
+    else:
+        batches = list(data)
+    if not batches or all(x.numel() == 0 for x, _ in batches):
+        raise ValueError(f"dataset {data!r} yielded no validation batches")
+    if not any(bool((y != IGNORE_INDEX).any()) for _, y in batches):
+        raise ValueError(f"dataset {data!r}: no labelled targets in the validation batches (all -100)")
+    return batches
 
 
 def frontier_gaps(rows: list[EvalRow], accs: dict[str, _Acc], frontier: list[str], n_boot: int,
@@ -303,98 +278,73 @@ def frontier_gaps(rows: list[EvalRow], accs: dict[str, _Acc], frontier: list[str
     return env
 
 
-ENCODED_FAMILIES = ("fixed", "random", "dense", "equal_edits", "controller")  # rows that share the batch's encoding
-
-
-def _run_batches(model, plan, accs, batches, device, matched_backbone, oracle_positions, seed, progress,
-                 refs=None, kappa_risk=None, slice_n=None) -> None:
-    cfg = model.cfg
+def _run_batches(model: PrismeModel, plan: list[Row], accs: dict[str, _Acc],
+                 batches: Iterable[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
+                 options: EvalOptions) -> None:
     it = batches
-    if progress:
+    if options.progress:
         from tqdm.auto import tqdm
 
         it = tqdm(batches, desc="eval", unit="batch")
-    g_oracle = torch.Generator().manual_seed(seed)
+    shared: dict[str, Any] = {}  # what lives across batches: the oracle's generator, the random rows' streams
+    matched = next((r for r in plan if isinstance(r.policy, Reference) and r.policy.matched), None)
     clock = lambda: synchronize(device) or time.perf_counter()  # noqa: E731 - a row's time includes its device work
     for bi, (x, y) in enumerate(it):
         x, y = upload(x, device), upload(y, device)
         B, T = x.shape
-        if slice_n is not None:
-            labels = ar_slice_labels(x, y, slice_n)
+        batch = Batch(model, x, y, bi, options.seed, options.scorer, shared)
+        if options.slices is not None:
+            labels = ar_slice_labels(x, y, options.slices)
             for acc in accs.values():
                 acc.slice_labels = labels
         contexts = torch.arange(1, T + 1).expand(B, T)  # [B, T] each position's own context t + 1
         t0 = clock()  # with workspace rows the batch is encoded once (H and the bank), shared by all of them
-        ctx = model.encode(x) if any(p.family in ENCODED_FAMILIES for p in plan) else None
-        H = model.backbone(x) if ctx is None else ctx.H
-        base_logits = model.backbone.head(H)  # [B, T, V] the backbone alone: every row's baseline
-        t_base = t_enc = clock() - t0  # charged to every workspace row (and the backbone row, bank included)
-        base_ce = token_ce(base_logits, y)  # [B, T]
-        matched_ce, t_matched = None, 0.0
-        if matched_backbone is not None:  # its CE on the same targets: every row's second reference
+        if any(r.policy.shares_encoding and r.policy.needs_workspace for r in plan):
+            batch.ctx  # noqa: B018 - encode now, so that its time is charged to the rows that share it
+        base_ce = token_ce(batch.base_logits, y)  # [B, T]
+        t_enc = clock() - t0
+        matched_ce = None
+        if matched is not None:  # its CE on the same targets: every row's second reference
+            matched_ce = token_ce(matched.policy.logits(batch), y)
+        for row in plan:
+            acc = accs[row.name]
             t0 = clock()
-            m_logits = matched_backbone(x.to(next(matched_backbone.parameters()).device)).logits.to(device)
-            t_matched = clock() - t0
-            matched_ce = token_ce(m_logits, y)
-        g_random = torch.Generator().manual_seed(seed + bi)
-        rand_state = g_random.get_state()
-        oracle_pos = None
-        edits_seen: dict[str, float] = {}  # controller row -> its mean edits per position on this batch
-        for p in plan:
-            acc = accs[p.name]
-            t0 = clock()
-            if p.family == "backbone":
-                acc.add_loss(base_logits, y, base_ce, matched_ce)
-                acc.add_trace(None, contexts, None)
-                acc.time_s += t_base
-            elif p.family == "matched":
-                acc.add_loss(m_logits, y, base_ce, matched_ce)
-                acc.add_trace(None, contexts, None)
-                acc.time_s += t_matched
-            elif p.family == "reference":
-                ref = refs[p.name]
-                logits = ref(x.to(next(ref.parameters()).device)).logits.to(device)
-                acc.time_s += clock() - t0
-                acc.add_loss(logits, y, base_ce, matched_ce)
-                acc.add_trace(None, contexts, None)
-            elif p.family in ("fixed", "random", "dense", "equal_edits"):
-                if p.family == "random":
-                    g_random.set_state(rand_state)  # common random numbers: each random row starts from seed + bi
-                if p.family == "equal_edits":  # the controller's mean edits, spread uniformly over positions
-                    g_thin = torch.Generator().manual_seed(seed + 7919 * (bi + 1))
-                    acts = thinned_actions(cfg, edits_seen[p.of], p.n, (B, T), g_thin, device)
-                else:
-                    acts = forced_actions(cfg, p.family, p.n, p.k, (B, T), g_random, device)  # [B, T, n]
-                out = model(x, acts, ctx=ctx)
-                acc.time_s += clock() - t0 + t_enc
-                acc.add_loss(out.logits, y, base_ce, matched_ce)
-                acc.add_trace(out.actions, contexts, None)
-            elif p.family == "controller":
-                out = model.forward_policy(x, max_budget=p.n, lambda_cost=p.lam, kappa_risk=kappa_risk, ctx=ctx)
-                acc.time_s += clock() - t0 + t_enc
-                acc.add_loss(out.logits, y, base_ce, matched_ce)
-                acc.add_trace(out.actions, contexts, out.controller_steps)
-                acc.routed = cfg.router  # the router decided step 0 of this policy's traces
-                edits_seen[p.name] = float(out.n_edits.double().mean())
-            elif p.family == "oracle":
-                if oracle_pos is None:  # the same positions for every oracle row of this batch
-                    oracle_pos = sample_positions(y, oracle_positions, g_oracle)
-                rows, pos = oracle_pos  # [B'], [B', P]
-                if rows.numel() == 0:
-                    continue
-                res = greedy_oracle(model, x[rows], y[rows], pos, p.n, p.lam)
-                acc.time_s += clock() - t0
-                yq = y[rows].gather(1, pos)  # [B', P]
-                m_q = None if matched_ce is None else matched_ce[rows].gather(1, pos)
-                acc.add_loss(res.logits, yq, res.base_loss, m_q)
-                steps = torch.clamp(res.n_edits + 1, max=p.n)  # as if a controller had chosen the trace
-                acc.add_trace(res.actions, pos + 1, steps)
-            acc.n_timed += B * T if p.family != "oracle" else int(pos.numel())
+            out = row.policy.run(row, batch)
+            if out is None:
+                continue
+            acc.time_s += clock() - t0 + (t_enc if row.policy.shares_encoding else 0.0)
+            _add(acc, out, batch, base_ce, matched_ce, contexts)
+            if out.mean_edits is not None:
+                batch.mean_edits[row.name] = out.mean_edits
 
 
-def _finish_rows(model, plan, accs, matched_backbone, mqar: bool, n_boot: int = N_BOOT,
-                 boot_seed: int = 0, refs=None) -> list[EvalRow]:
+def _add(acc: _Acc, out: Outcome, batch: Batch, base_ce: torch.Tensor, matched_ce: torch.Tensor | None,
+         contexts: torch.Tensor) -> None:
+    """Add one row's outcome on one batch to its accumulator."""
+    y = batch.y
+    stop = batch.model.cfg.stop_action
+    if out.at is None:
+        acc.add_loss(out.logits, y, base_ce, matched_ce)
+        acc.n_timed += y.numel()
+    else:
+        rows, pos = out.at
+        r = rows if rows.dim() == 2 else rows.unsqueeze(1)
+        b_ce = base_ce[r, pos] if out.base_ce is None else out.base_ce
+        acc.add_loss(out.logits, y[r, pos], b_ce, None if matched_ce is None else matched_ce[r, pos])
+        acc.n_timed += pos.numel()
+    ctx = contexts if out.contexts is None else out.contexts
+    acc.add_trace(out.actions, ctx, out.steps)
+    acc.routed = acc.routed or out.routed
+    if out.actions is not None and out.contexts is None and out.actions.shape[:2] == y.shape:
+        n = (out.actions != stop).sum(-1)  # [B, T] edits per position
+        acc.edits_all += int(n.sum())
+        acc.edits_scored += int(n[y != IGNORE_INDEX].sum())
+
+
+def _finish_rows(model: PrismeModel, plan: list[Row], accs: dict[str, _Acc], options: EvalOptions,
+                 with_accuracy: bool) -> list[EvalRow]:
     cfg = model.cfg
+    n_boot, boot_seed = options.bootstrap_samples, options.bootstrap_seed
     rows = []
     for p in plan:
         acc = accs[p.name]
@@ -403,11 +353,10 @@ def _finish_rows(model, plan, accs, matched_backbone, mqar: bool, n_boot: int = 
         loss = acc.loss_sum / acc.n_targets
         if not math.isfinite(loss):
             raise ValueError(f"policy {p.name}: non-finite validation loss {loss}")
-        own_cfg = matched_backbone.cfg if p.family == "matched" else refs[p.name].cfg if p.family == "reference" \
-            else cfg
+        own_cfg = p.policy.priced_by(model)
         own = acc.cost(own_cfg, cfg.optimised)
         alt = acc.cost(own_cfg, not cfg.optimised)
-        if p.family in ("matched", "reference"):  # relative to this model's backbone on the same positions
+        if own_cfg is not cfg:  # another model: relative to this model's backbone on the same positions
             base_ops = acc.cost(cfg, cfg.optimised).backbone_ops
             rel, rel_alt = own.total_ops / base_ops, alt.total_ops / base_ops
         else:
@@ -421,13 +370,14 @@ def _finish_rows(model, plan, accs, matched_backbone, mqar: bool, n_boot: int = 
         baseline = acc.base_loss_sum / acc.n_targets
         rows.append(EvalRow(
             policy=p.name, loss=loss, ops_per_token=own.ops_per_token, relative_ops=rel,
-            accuracy=acc.n_correct / acc.n_targets if mqar else None, deployable=p.family != "oracle",
+            accuracy=acc.n_correct / acc.n_targets if with_accuracy else None, deployable=not p.kind.sampled,
             family=p.family, delta_loss=loss - baseline, baseline_loss=baseline,
             mean_edits=float(n_edits.mean()), edited_fraction=float((n_edits > 0).double().mean()),
             controller_steps=steps, ops_per_token_alt=alt.ops_per_token, relative_ops_alt=rel_alt,
             lambda_cost=p.lam, budget=p.n if p.n else None, n_positions=own.n_positions, n_targets=acc.n_targets,
             tokens_per_s=acc.n_timed / acc.time_s if acc.time_s > 0 else 0.0, equal_edits_of=p.of,
-            slices=acc.slices.report() if acc.slices is not None and p.family != "oracle" else None))
+            scored_edit_share=acc.edits_scored / acc.edits_all if acc.edits_all else None,
+            slices=acc.slices.report() if acc.slices is not None and not p.kind.sampled else None))
         row = rows[-1]
         if acc.seq_base:
             d = acc.paired(acc.seq_base, n_boot, boot_seed)
@@ -437,7 +387,7 @@ def _finish_rows(model, plan, accs, matched_backbone, mqar: bool, n_boot: int = 
             row.delta_vs_matched, row.verdict_vs_matched = d.to_dict(), d.verdict
     by = {r.policy: r for r in rows}
     for p in plan:  # controller minus its equal-edits baseline, on the same targets
-        if p.family == "equal_edits" and p.name in by and p.of in by:
+        if p.of is not None and p.name in by and p.of in by:
             d = accs[p.of].paired(accs[p.name].seq_loss, n_boot, boot_seed)
             by[p.of].delta_vs_equal_edits, by[p.of].verdict_vs_equal_edits = d.to_dict(), d.verdict
     return rows

@@ -8,10 +8,11 @@ from typing import Any
 
 import torch
 
-from prisme.costs.traces import trace_cost
 from prisme.data.mqar import MQARConfig, make_mqar_batch
 from prisme.data.text import IGNORE_INDEX
-from prisme.evaluation.policies import forced_actions
+from prisme.evaluation.policies import FORCED, ROW_KINDS, Backbone, Controller, Oracle, Policy
+from prisme.evaluation.report import EvalReport, EvalRow
+from prisme.evaluation.run import EvalOptions, QueryAccuracy, evaluate_policies
 from prisme.studies.recall_setup import (
     CALIBRATION_SEED,
     CHUNK,
@@ -33,107 +34,57 @@ def _batches(mcfg: MQARConfig, n: int, seed: int):
         done += b
 
 
-def _queries(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows `[b, 1]`, query positions `[b, Q]`) of an MQAR batch (every row has the same number of queries)."""
-    lab = y != IGNORE_INDEX
-    Q = int(lab.sum(1).max())
-    pos = torch.argsort((~lab).to(torch.int8), dim=1, stable=True)[:, :Q]
-    return torch.arange(y.shape[0]).unsqueeze(1), pos
+def score(model: torch.nn.Module, mcfg: MQARConfig, data_seed: int, n_seq: int, policies: list[Policy]
+          ) -> EvalReport:
+    """`policies` on `n_seq` sequences drawn from `data_seed`, scored at the query positions (forced edits run there
+    only; the controller decides at every position), the random rows drawing from RANDOM_POLICY_SEED + data_seed."""
+    opts = EvalOptions(seed=RANDOM_POLICY_SEED + data_seed, scorer=QueryAccuracy(), bootstrap_samples=1)
+    return evaluate_policies(model, list(_batches(mcfg, n_seq, data_seed)), policies, opts)
+
+
+def policy_row(row: EvalRow) -> dict[str, Any]:
+    """A row in the study's JSON vocabulary (`recall.json`): accuracy, `ops_ratio` (the row's relative ops), edits
+    per token over every position."""
+    out = {"policy": row.policy, "family": row.family, "accuracy": row.accuracy, "ops_ratio": row.relative_ops,
+           "ops_per_token": row.ops_per_token, "edits_per_token": row.mean_edits}
+    if not row.deployable:
+        del out["ops_per_token"]
+        out["deployable"] = False
+    return out
+
+
+def price_row(row: EvalRow) -> dict[str, Any]:
+    """A controller row at one price in the study's vocabulary, with the share of its edits on query positions."""
+    return {"lambda": row.lambda_cost, "accuracy": row.accuracy, "ops_ratio": row.relative_ops,
+            "ops_per_token": row.ops_per_token, "edits_per_token": row.mean_edits,
+            "query_edit_share": row.scored_edit_share or 0.0}
 
 
 @torch.no_grad()
 def evaluate_backbone(model: torch.nn.Module, mcfg: MQARConfig, data_seed: int, n_seq: int) -> float:
     """Query accuracy of the backbone alone on `n_seq` sequences drawn from `data_seed`."""
-    hit = n = 0
-    for x, y in _batches(mcfg, n_seq, data_seed):
-        lab = y != IGNORE_INDEX
-        pred = model(x).logits.argmax(-1)
-        hit += int((pred[lab] == y[lab]).sum())
-        n += int(lab.sum())
-    return hit / n
+    return score(model, mcfg, data_seed, n_seq, [Backbone()]).rows[0].accuracy
 
 
 def forced_row(model, mcfg, data_seed, n_seq, name, family, n, k) -> dict[str, Any]:
-    """A forced policy: accuracy at the query positions; ops and edits over every position of its trace."""
-    cfg = model.cfg
-    T = mcfg.seq_len
-    g = torch.Generator().manual_seed(RANDOM_POLICY_SEED + data_seed)
-    hit = tot = 0
-    for x, y in _batches(mcfg, n_seq, data_seed):
-        rows, pos = _queries(y)
-        st = model.streams(x)
-        ctx = model.context_from_H(st, st.index(rows, pos), query_pos=pos)
-        acts = forced_actions(cfg, family, n, k, pos.shape, g)  # [b, Q, n]
-        roll = model.rollout_forced(ctx, acts)
-        logits, _ = model.logits_from_state(roll.S, ctx, roll.n_edits > 0)
-        yq = y[rows, pos]
-        hit += int((logits.argmax(-1) == yq).sum())
-        tot += yq.numel()
-    trace = forced_actions(cfg, family, n, k, (1, T), torch.Generator().manual_seed(0))  # every position alike
-    ops = trace_cost(cfg, trace, torch.arange(1, T + 1), optimised=cfg.optimised)
-    return {"policy": name, "family": family, "accuracy": hit / tot, "ops_ratio": ops.relative,
-            "ops_per_token": ops.ops_per_token, "edits_per_token": float(n)}
+    """One forced policy (`family` of `FORCED`, n actions of k slots): accuracy at the query positions; ops and edits
+    over every position of its trace."""
+    return policy_row(score(model, mcfg, data_seed, n_seq, [FORCED[family]([n], (k,))]).rows[0]) | {"policy": name}
 
 
 def policy_rows(model, mcfg, data_seed, n_seq, lambdas, budget: int | None = None) -> list[dict[str, Any]]:
     """The deployed policy (the controller; with `cfg.router`, the router first) at each price in `lambdas`, with
     `budget` steps (default r_max): every position decides; accuracy at the queries, ops and edits over all
-    positions. Each batch is encoded once and rolled out at every price (what `forward_policy` does per call)."""
-    cfg = model.cfg
-    budget = cfg.r_max if budget is None else budget
-    T = mcfg.seq_len
-    acc = [{"hit": 0, "tot": 0, "edits": 0.0, "edits_q": 0.0, "acts": [], "steps": []} for _ in lambdas]
-    for x, y in _batches(mcfg, n_seq, data_seed):
-        ctx = model.encode(x)
-        lab = y != IGNORE_INDEX
-        for a, lam in zip(acc, lambdas):
-            roll = model.rollout_policy(ctx, budget, model.action_cost, lambda_cost=lam)
-            logits, _ = model.logits_from_state(roll.S, ctx, roll.n_edits > 0)
-            a["hit"] += int((logits.argmax(-1)[lab] == y[lab]).sum())
-            a["tot"] += int(lab.sum())
-            a["edits"] += float(roll.n_edits.sum())
-            a["edits_q"] += float(roll.n_edits[lab].sum())
-            a["acts"].append(roll.actions.reshape(-1, roll.actions.shape[-1]))
-            a["steps"].append(roll.controller_steps.reshape(-1))
-    contexts = torch.arange(1, T + 1).repeat(n_seq)
-    rows = []
-    for a, lam in zip(acc, lambdas):
-        ops = trace_cost(cfg, torch.cat(a["acts"]), contexts, torch.cat(a["steps"]), optimised=cfg.optimised,
-                         router=cfg.router)
-        rows.append({"lambda": float(lam), "accuracy": a["hit"] / a["tot"], "ops_ratio": ops.relative,
-                     "ops_per_token": ops.ops_per_token,
-                     "edits_per_token": a["edits"] / (n_seq * T),
-                     "query_edit_share": a["edits_q"] / a["edits"] if a["edits"] else 0.0})
-    return rows
+    positions. Each batch is encoded once and rolled out at every price."""
+    policy = Controller([float(v) for v in lambdas], budget, equal_edits=False)
+    return [price_row(r) for r in score(model, mcfg, data_seed, n_seq, [policy]).rows]
 
 
 def _oracle_row(model, mcfg, seed, n_seq) -> dict[str, Any]:
     """The greedy oracle at lambda 0 at the query positions (it reads the targets, so it knows where they are and
     stops at once everywhere else); its trace is charged as if a controller had chosen it."""
-    from prisme.evaluation.oracle import greedy_oracle
-
-    cfg = model.cfg
-    T = mcfg.seq_len
-    hit = tot = 0
-    edits = 0.0
-    acts, steps, ctxs = [], [], []
-    for x, y in _batches(mcfg, n_seq, EVAL_SEED + seed):
-        rows, pos = _queries(y)
-        res = greedy_oracle(model, x, y, pos, cfg.r_max, 0.0)
-        yq = y[rows, pos]
-        hit += int((res.logits.argmax(-1) == yq).sum())
-        tot += yq.numel()
-        edits += float(res.n_edits.sum())
-        full = torch.full((x.shape[0], T, cfg.r_max), cfg.stop_action)
-        full[rows, pos] = res.actions
-        n_full = torch.zeros(x.shape[0], T, dtype=torch.long)
-        n_full[rows, pos] = res.n_edits
-        acts.append(full.reshape(-1, cfg.r_max))
-        steps.append(torch.clamp(n_full + 1, max=cfg.r_max).reshape(-1))
-        ctxs.append(torch.arange(1, T + 1).repeat(x.shape[0]))
-    ops = trace_cost(cfg, torch.cat(acts), torch.cat(ctxs), torch.cat(steps), optimised=cfg.optimised)
-    return {"policy": "oracle(lambda=0)", "family": "oracle", "accuracy": hit / tot, "ops_ratio": ops.relative,
-            "edits_per_token": edits / (n_seq * T), "deployable": False}
+    oracle = Oracle([0.0], positions=None, every_position=True)
+    return policy_row(score(model, mcfg, EVAL_SEED + seed, n_seq, [oracle]).rows[0])
 
 
 @torch.no_grad()
@@ -164,11 +115,11 @@ def evaluate_run(model: torch.nn.Module, mcfg: MQARConfig, seed: int, cfg: Recal
     mc = model.cfg
     n_eval, data = cfg.eval_sequences, EVAL_SEED + seed
     ns = [n for n in (1, 2, 4) if n <= mc.r_max]
-    fixed = [{"policy": "backbone", "family": "backbone", "accuracy": evaluate_backbone(model, mcfg, data, n_eval),
-              "ops_ratio": 1.0, "edits_per_token": 0.0}]
-    fixed += [forced_row(model, mcfg, data, n_eval, f"fixed_{n}xk{k}", "fixed", n, k) for k in (1, 2) for n in ns]
-    fixed += [forced_row(model, mcfg, data, n_eval, f"random_{n}xk1", "random", n, 1) for n in ns[:2]]
-    fixed += [forced_row(model, mcfg, data, n_eval, "dense_1", "dense", 1, mc.n_slots)]
+    rep = score(model, mcfg, data, n_eval, [Backbone(), FORCED["fixed"](ns, (1, 2)), FORCED["random"](ns[:2], (1,)),
+                                            FORCED["dense"]([1])])
+    fixed = [policy_row(r) for r in rep.rows]
+    fixed[0] = {"policy": "backbone", "family": "backbone", "accuracy": rep.rows[0].accuracy, "ops_ratio": 1.0,
+                "edits_per_token": 0.0}
     controllers, controller = calibrated_policy(model, mcfg, seed, cfg, cfg.lambdas)
     oracle = _oracle_row(model, mcfg, seed, min(n_eval, 512))
     entry = {"seed": seed, "budget1_accuracy": next(r for r in fixed if r["policy"] == "fixed_1xk1")["accuracy"],
@@ -200,7 +151,7 @@ def calibrated_policy(model, mcfg: MQARConfig, seed: int, cfg: RecallStudyConfig
 def seed_success(entry: dict[str, Any]) -> dict[str, bool]:
     """The issue's bars for one run: the workspace at budget 1, and the controller against every fixed row."""
     c = entry["controller"]
-    ws_rows = [r for r in entry["fixed"] if r["family"] != "backbone"]
+    ws_rows = [r for r in entry["fixed"] if ROW_KINDS[r["family"]].workspace]
     passing = [r for r in ws_rows if r["accuracy"] >= TARGET_ACCURACY]
     cheapest = min((r["ops_ratio"] for r in passing), default=math.inf)
     dominated = any(r["ops_ratio"] < c["ops_ratio"] and r["accuracy"] > c["accuracy"] for r in entry["fixed"])

@@ -25,7 +25,8 @@ from prisme.config import PrismeConfig
 from prisme.costs.analytic import router_ops, router_share_of_layer
 from prisme.costs.traces import trace_cost
 from prisme.data.mqar import MQARConfig, make_mqar_batch
-from prisme.studies.recall_eval import calibrated_policy, evaluate_backbone, forced_row
+from prisme.evaluation.policies import Backbone
+from prisme.studies.recall_eval import calibrated_policy, forced_row, score
 from prisme.studies.recall_setup import EVAL_SEED, TARGET_ACCURACY, RecallStudyConfig, Recipe, _quick
 
 
@@ -95,9 +96,8 @@ def reference_ops(recipe: Recipe, T: int) -> float:
 @torch.no_grad()
 def evaluate_dense(model: torch.nn.Module, mcfg: MQARConfig, seed: int, cfg: RecallStudyConfig) -> dict[str, Any]:
     """A backbone alone: query accuracy on the held-out sequences and its ops per token."""
-    T = mcfg.seq_len
-    ops = trace_cost(model.cfg, None, torch.arange(1, T + 1)).ops_per_token
-    return {"accuracy": evaluate_backbone(model, mcfg, EVAL_SEED + seed, cfg.eval_sequences), "ops_per_token": ops}
+    row = score(model, mcfg, EVAL_SEED + seed, cfg.eval_sequences, [Backbone()]).rows[0]
+    return {"accuracy": row.accuracy, "ops_per_token": row.ops_per_token}
 
 
 @torch.no_grad()

@@ -11,6 +11,7 @@ import torch
 from prisme.checkpoint import load_model
 from prisme.data.mqar import MQARConfig, make_mqar_batch
 from prisme.data.text import IGNORE_INDEX
+from prisme.evaluation.policies import ROW_KINDS
 from prisme.io import write_text_atomic
 from prisme.studies.recall_setup import EVAL_SEED, TARGET_ACCURACY
 
@@ -37,7 +38,7 @@ def format_table(doc: dict[str, Any]) -> str:
     for label, entries in (("seed", doc["seeds"]), ("converged", (doc["converged"] or {}).get("seeds", []))):
         for e in entries:
             k = e["controller"]
-            cheapest = min((r["ops_ratio"] for r in e["fixed"] if r["family"] != "backbone"
+            cheapest = min((r["ops_ratio"] for r in e["fixed"] if ROW_KINDS[r["family"]].workspace
                             and r["accuracy"] >= TARGET_ACCURACY), default=float("nan"))
             ok = ("W" if e["success"]["workspace"] else "-") + ("C" if e["success"]["controller"] else "-")
             lines.append(f"{label + ' ' + str(e['seed']):<14}{e['budget1_accuracy']:>9.4f}"
@@ -84,11 +85,10 @@ def plot_accuracy_vs_ops(doc: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 5), dpi=120)
-    style = {"backbone": ("s", "C0"), "fixed": ("o", "C2"), "random": ("x", "C3"), "dense": ("^", "C4")}
     seen = set()
     for e in doc["seeds"]:
         for r in e["fixed"]:
-            m, col = style[r["family"]]
+            m, col = ROW_KINDS[r["family"]].marker, ROW_KINDS[r["family"]].color
             ax.scatter(r["ops_ratio"], r["accuracy"], marker=m, color=col, s=30, alpha=0.7,
                        label=r["family"] if r["family"] not in seen else None)
             seen.add(r["family"])

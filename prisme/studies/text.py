@@ -106,7 +106,8 @@ def _evaluate(cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[str, S
               data: TokenDataset, split: str) -> dict:
     """Every policy of one source on the validation split ("val") or the whole held-out text ("held_out"), with
     paired intervals to the backbone, the matched backbone and the dense frontier."""
-    from prisme.evaluation.run import evaluate_policies
+    from prisme.evaluation.policies import standard_policies
+    from prisme.evaluation.run import EvalOptions, evaluate_policies
     from prisme.model.compiled import maybe_compile
 
     run = Path(cfg.out_dir) / f"seed{seed}"
@@ -125,11 +126,14 @@ def _evaluate(cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[str, S
                                                            cfg.held_out_budgets, (1,), cfg.held_out_oracle_positions,
                                                            list(cfg.held_out_lambdas))
     t0 = time.perf_counter()
-    rep = evaluate_policies(model, ds, policies, batch_size=cfg.eval_batch_size, seq_len=T, max_batches=batches,
-                            matched_backbone=matched, references=refs, lambdas=lam, oracle_positions=oracle_pos,
-                            seed=seed, oracle_lambdas=[0.0], bootstrap_samples=cfg.bootstrap_samples, budgets=budgets,
-                            ks=ks, controller_budget=cfg.controller_budget, kappa_risk=cfg.kappa_risk,
-                            frontier=["backbone", "backbone+matched", *names], slices=cfg.slice_ngram)
+    rows = standard_policies(model, policies, budgets=budgets, ks=ks, lambdas=lam, oracle_lambdas=[0.0],
+                             oracle_positions=oracle_pos, controller_budget=cfg.controller_budget,
+                             kappa_risk=cfg.kappa_risk, matched=matched, references=refs)
+    frontier = ["backbone", "backbone+matched", *names]  # every backbone alone: the dense frontier
+    rep = evaluate_policies(model, ds, rows, EvalOptions(batch_size=cfg.eval_batch_size, seq_len=T,
+                                                         max_batches=batches, seed=seed,
+                                                         bootstrap_samples=cfg.bootstrap_samples, frontier=frontier,
+                                                         slices=cfg.slice_ngram))
     if split == "held_out":
         rep.split = f"held-out text {Path(cfg.held_out).name} (all of it)"
     rep.plot(run / source / f"pareto_{split}.png")

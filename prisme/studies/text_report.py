@@ -5,8 +5,21 @@ from __future__ import annotations
 
 from typing import Any
 
+from prisme.evaluation.policies import ROW_KINDS
+
 DIFFS = ("delta_vs_backbone", "delta_vs_matched", "frontier_gap", "delta_vs_equal_edits")
-WORKSPACE_FAMILIES = ("fixed", "random", "dense", "controller")
+
+
+def _workspace_row(e: dict[str, Any]) -> bool:
+    """A deployable row that runs the workspace itself (not a baseline of another row)."""
+    kind = ROW_KINDS[e["family"]]
+    return e["deployable"] and kind.workspace and not kind.baseline
+
+
+def _frontier_model(e: dict[str, Any]) -> bool:
+    """Another backbone alone scored on the same targets (neither this model's backbone nor the matched one)."""
+    kind = ROW_KINDS[e["family"]]
+    return kind.backbone_only and kind.own_reference is None
 
 
 def _ci(d: dict[str, Any] | None) -> str:
@@ -56,15 +69,13 @@ def verdicts(doc: dict[str, Any]) -> list[str]:
     first_src = next(iter(doc["seeds"][next(iter(doc["seeds"]))]["sources"]))
     for split in ("val", "held_out"):
         for e in summary:
-            if e["source"] == first_src and e["split"] == split and e["family"] == "reference" \
-                    and "delta_vs_matched" in e:
+            if e["source"] == first_src and e["split"] == split and _frontier_model(e) and "delta_vs_matched" in e:
                 ops = sum(e["relative_ops"]) / n
                 lines.append(f"{split}: {e['policy']} ({ops:.2f}x ops) beats the matched backbone on "
                              f"{_count(e, 'delta_vs_matched')} seeds ({'; '.join(map(_ci, e['delta_vs_matched']))})")
     for src in doc["seeds"][next(iter(doc["seeds"]))]["sources"]:
         for split in ("val", "held_out"):
-            ws = [e for e in summary if e["source"] == src and e["split"] == split and e["deployable"]
-                  and e["family"] in WORKSPACE_FAMILIES]
+            ws = [e for e in summary if e["source"] == src and e["split"] == split and _workspace_row(e)]
             gapped = [e for e in ws if "frontier_gap" in e]
             if gapped:
                 best = min(gapped, key=lambda e: (-e["frontier_gap_below"], max(d["hi"] for d in e["frontier_gap"])))
