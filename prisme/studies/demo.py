@@ -123,10 +123,12 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
     from prisme.studies.text import progress_printer as text_progress
 
     shows = {"recall/": recall_progress(progress, len(recall_tasks), "recall "), "text/": text_progress(progress)}
+    study_of = {prefix + t.name: prefix for prefix, ts in (("recall/", recall_tasks), ("text/", text_tasks))
+                for t in ts}  # pool task name -> its study's prefix
     finished: dict[str, float] = {}
 
     def on_done(task: Task, res: Any, elapsed: float) -> None:
-        prefix = task.name.split("/")[0] + "/"
+        prefix = study_of[task.name]
         finished[prefix] = elapsed
         if shows[prefix] is not None:
             shows[prefix](task, res, elapsed)
@@ -142,7 +144,7 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
                   "json": str(run / "recall" / "recall.json"), "wall_s": round(doc["wall_s"]["total"], 1)}
         walls["recall"] = finished["recall/"]
     text_doc = finish_text(tcfg, text_model, stages, {t.name: results["text/" + t.name] for t in text_tasks},
-                           finished["text/"], n_workers)
+                           text_tasks, finished["text/"], n_workers)
     walls["text"] = finished["text/"]
     print(format_report(text_doc), flush=True)
 

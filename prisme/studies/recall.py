@@ -29,8 +29,9 @@ import dataclasses
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -38,18 +39,13 @@ from prisme.checkpoint import load_model
 from prisme.devices import spread
 from prisme.io import write_text_atomic
 from prisme.studies.recall_eval import evaluate_backbone, evaluate_run
-from prisme.studies.recall_frontier import (
-    assemble_frontier,
-    decode_speed,
-    evaluate_dense,
-    evaluate_family,
-    plan_frontier,
-)
+from prisme.studies.recall_frontier import assemble_frontier, decode_speed, plan_frontier
 from prisme.studies.recall_report import emit_study, format_table, plot_accuracy_vs_ops, plot_edits, plot_frontier
 from prisme.studies.recall_setup import (
     EVAL_SEED,
     TARGET_ACCURACY,
     RecallStudyConfig,
+    RecallTask,
     Recipe,
     _quick,
     load_recipe,
@@ -60,7 +56,59 @@ from prisme.studies.runner import Task, run_tasks, worker_count
 from prisme.training.trainer import train_stage
 
 
-def plan_tasks(cfg: RecallStudyConfig, recipe: Recipe) -> list[dict[str, Any]]:
+# ------------------------------------------------------------------------------------------------------------ tasks
+@dataclass(frozen=True, kw_only=True)
+class SeedTask(RecallTask):
+    """Stage 1 (the backbone) -> stage 2 (the workspace) -> stage 3 (the controller) on one seed; every policy of the
+    trained model scored (`evaluate_run`)."""
+
+    kind: ClassVar[str] = "seed"
+    section: ClassVar[str] = "seeds"
+
+    def evaluate(self, model: torch.nn.Module, checkpoint: str) -> dict[str, Any]:
+        entry = evaluate_run(model, self.mqar, self.seed, self.study)
+        entry["checkpoint"] = checkpoint
+        entry["backbone_steps"] = self.stages[0].steps
+        return entry
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConvergedTask(SeedTask):
+    """The converged case on one seed: the same, with stage 1 trained to its chance plateau first."""
+
+    kind: ClassVar[str] = "converged"
+    section: ClassVar[str] = "converged"
+    priority: ClassVar[int] = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class ControlTask(RecallTask):
+    """A control: the backbone alone with `layers` layers, trained as long as stages 1 + 2 together; `role` is
+    "one_layer" (the negative control) or "two_layer" (the positive one)."""
+
+    kind: ClassVar[str] = "control"
+    section: ClassVar[str] = "controls"
+    compiles: ClassVar[bool] = False
+    role: str
+    layers: int
+
+    @property
+    def name(self) -> str:
+        return self.role
+
+    @property
+    def priority(self) -> int:
+        return 2 if self.study.control_layers[1] > 1 else 0  # a deeper positive control is a long run
+
+    def evaluate(self, model: torch.nn.Module, checkpoint: str) -> dict[str, Any]:
+        return {"accuracy": evaluate_backbone(model, self.mqar, EVAL_SEED + self.seed, self.study.eval_sequences),
+                "layers": self.layers, "steps": self.stages[0].steps, "seed": self.seed, "checkpoint": checkpoint}
+
+    def phase(self, stage: str) -> str:
+        return "controls"
+
+
+def plan_tasks(cfg: RecallStudyConfig, recipe: Recipe) -> list[RecallTask]:
     """Every independent run of the study, longest first (so that parallel workers finish together)."""
     out = Path(cfg.out_dir)
     s1, s2, s3 = recipe.backbone, recipe.workspace, recipe.controller
@@ -68,75 +116,53 @@ def plan_tasks(cfg: RecallStudyConfig, recipe: Recipe) -> list[dict[str, Any]]:
     if cfg.quick:
         s1, s2, s3, conv_steps = _quick(s1, 12), _quick(s2, 12), _quick(s3, 6), 16
     matched = s1.steps + s2.steps  # the negative control trains as long as stages 1 + 2 together
-    tasks = []
+    common = dict(mqar=recipe.mqar, study=cfg)
+    tasks: list[RecallTask] = []
     for seed in cfg.seeds if cfg.converged else []:
-        tasks.append(dict(kind="converged", seed=seed, folder=str(out / f"converged_seed{seed}"),
-                          stages=[s1.replace(steps=conv_steps), s2, s3]))
+        tasks.append(ConvergedTask(seed=seed, folder=str(out / f"converged_seed{seed}"), model=recipe.model,
+                                   stages=(s1.replace(steps=conv_steps), s2, s3), **common))
     for seed in cfg.seeds:
-        tasks.append(dict(kind="seed", seed=seed, folder=str(out / f"seed{seed}"), stages=[s1, s2, s3]))
+        tasks.append(SeedTask(seed=seed, folder=str(out / f"seed{seed}"), model=recipe.model, stages=(s1, s2, s3),
+                              **common))
     seed0 = cfg.seeds[0]
     for name, layers in zip(("one_layer", "two_layer"), cfg.control_layers):
-        tasks.append(dict(kind="control", name=name, layers=layers, seed=seed0,
-                          folder=str(out / f"control_{name}_seed{seed0}"),
-                          stages=[s1.replace(steps=matched, warmup=min(s1.warmup, matched))]))
+        tasks.append(ControlTask(role=name, layers=layers, seed=seed0, folder=str(out / f"control_{name}_seed{seed0}"),
+                                 model=recipe.model.replace(n_layer=layers),
+                                 stages=(s1.replace(steps=matched, warmup=min(s1.warmup, matched)),), **common))
     if cfg.frontier:  # the frontier replaces the controller runs; the controls run as always
-        tasks = [t for t in tasks if t["kind"] == "control"] + plan_frontier(cfg, recipe, out)
-    for t in tasks:
-        if "model" not in t:
-            t["model"] = recipe.model if t["kind"] != "control" else recipe.model.replace(n_layer=t["layers"])
-        t["mqar"] = recipe.mqar
-        t["study"] = cfg
-    order = {"family": 3, "control": 2 if cfg.control_layers[1] > 1 else 0, "converged": 1, "seed": 0, "dense": 0}
-    return sorted(tasks, key=lambda t: -order[t["kind"]])
+        tasks = [t for t in tasks if isinstance(t, ControlTask)] + plan_frontier(cfg, recipe, out)
+    return sorted(tasks, key=lambda t: -t.priority)
 
 
-def run_task(task: dict[str, Any]) -> dict[str, Any]:
+def run_task(task: RecallTask) -> dict[str, Any]:
     """Train one task's stages and evaluate the result (runs in a worker process)."""
-    cfg: RecallStudyConfig = task["study"]
+    cfg = task.study
     torch.set_num_threads(cfg.threads)
-    folder = Path(task["folder"])
+    folder = Path(task.folder)
     wall: dict[str, float] = {}
     init = None
     results = {}
-    for name, s in zip(stage_folders(task), task["stages"]):
+    for name, s in zip(task.stage_folders(), task.stages):
         if cfg.evaluate_only:  # the earlier run's checkpoint of this stage
             init = str(folder / name)
             continue
         t0 = time.perf_counter()
-        s = s.replace(seed=task["seed"], out_dir=str(folder / name), init_from=init, progress=False,
-                      compile=cfg.compile, device=task.get("device", "auto") if s.device == "auto" else s.device)
-        res = train_stage(task["model"] if s.stage == "backbone" else None, s)
+        s = s.replace(seed=task.seed, out_dir=str(folder / name), init_from=init, progress=False,
+                      compile=cfg.compile, device=task.device if s.device == "auto" else s.device)
+        res = train_stage(task.model if s.stage == "backbone" else None, s)
         wall[s.stage] = time.perf_counter() - t0
         init = str(res.checkpoint)
         results[s.stage] = res
     t0 = time.perf_counter()
     model, _ = load_model(init)
-    if task["kind"] != "control":
+    if task.compiles:
         from prisme.model.compiled import maybe_compile
 
         maybe_compile(model, cfg.compile)
-    if task["kind"] == "control":
-        entry = {"accuracy": evaluate_backbone(model, task["mqar"], EVAL_SEED + task["seed"], cfg.eval_sequences),
-                 "layers": task["layers"],
-                 "steps": task["stages"][0].steps, "seed": task["seed"], "checkpoint": init}
-    elif task["kind"] in ("dense", "family"):
-        evaluate = evaluate_dense if task["kind"] == "dense" else evaluate_family
-        entry = evaluate(model, task["mqar"], task["seed"], cfg) | {
-            "seed": task["seed"], "checkpoint": init, "model": model.cfg.to_dict(),
-            "steps": {s.stage: s.steps for s in task["stages"]}}
-    else:
-        entry = evaluate_run(model, task["mqar"], task["seed"], cfg)
-        entry["checkpoint"] = init
-        entry["backbone_steps"] = task["stages"][0].steps
+    entry = task.evaluate(model, init)
     wall["evaluate"] = time.perf_counter() - t0
     entry["wall_s"] = wall
-    return {"task": {k: task[k] for k in ("kind", "seed", "folder") if k in task} | {"name": task.get("name")},
-            "entry": entry}
-
-
-def stage_folders(task: dict[str, Any]) -> list[str]:
-    """The run folder of each of a task's stages: 1_backbone, 2_workspace, 3_controller (or 3_router)."""
-    return [f"{i + 1}_{s.stage}" for i, s in enumerate(task["stages"])]
+    return {"task": task.describe(), "entry": entry}
 
 
 # ------------------------------------------------------------------------------------------------------------ report
@@ -150,21 +176,22 @@ def prepare_study(cfg: RecallStudyConfig) -> tuple[RecallStudyConfig, Recipe, li
     recipe, _ = load_recipe(cfg)
     planned = plan_tasks(cfg, recipe)
     for t in planned:  # nothing trains if any run folder is already taken
-        for s in stage_folders(t):
-            taken = (Path(t["folder"]) / s / "latest").exists()
+        for s in t.stage_folders():
+            taken = (Path(t.folder) / s / "latest").exists()
             if taken and not cfg.evaluate_only:
-                raise ValueError(f"{Path(t['folder']) / s} already holds a run; pass another --out or remove it")
+                raise ValueError(f"{Path(t.folder) / s} already holds a run; pass another --out or remove it")
             if cfg.evaluate_only and not taken:
-                raise ValueError(f"--evaluate-only: {Path(t['folder']) / s} holds no checkpoint; run the study "
+                raise ValueError(f"--evaluate-only: {Path(t.folder) / s} holds no checkpoint; run the study "
                                  f"with the same settings (and --out) first")
-    tasks = [Task(t["folder"], run_task, (t | {"device": spread(i)},)) for i, t in enumerate(planned)]  # over GPUs
+    tasks = [Task(t.folder, run_task, (dataclasses.replace(t, device=spread(i)),))  # over GPUs
+             for i, t in enumerate(planned)]
     return cfg, recipe, tasks
 
 
 def finish_study(cfg: RecallStudyConfig, recipe: Recipe, results: dict[str, Any], tasks: list[Task],
                  total_s: float, jobs: int) -> dict[str, Any]:
     """The document from the finished tasks (`results` by task name), written with its plots to the study folder."""
-    done = [results[t.name] for t in tasks]
+    done = [(study_task(t), results[t.name]["entry"]) for t in tasks]
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if cfg.frontier:
@@ -198,39 +225,49 @@ def progress_printer(on: bool, n: int, label: str = "") -> Any:
 
     def show(task: Task, res: dict[str, Any], elapsed: float) -> None:
         count[0] += 1
-        _progress(res, count[0], n, elapsed, label)
+        _progress(study_task(task), res["entry"], count[0], n, elapsed, label)
 
     return show
 
 
-def _progress(res: dict[str, Any], i: int, n: int, elapsed: float, label: str = "") -> None:
-    t, e = res["task"], res["entry"]
-    what = t["kind"] if t["kind"] not in ("control", "dense", "family") else f"{t['kind']} {t['name']}"
-    acc = e.get("accuracy", e.get("budget1_accuracy")) if t["kind"] == "family" else \
-        e.get("budget1_accuracy", e.get("accuracy"))
-    print(f"[{label}{i}/{n} {elapsed:6.0f} s] {what} seed {t['seed']}: accuracy {acc:.4f}",
+def study_task(task: Task) -> RecallTask:
+    """The recall task a pool task of `prepare_study` runs."""
+    return task.args[0]
+
+
+def _progress(t: RecallTask, e: dict[str, Any], i: int, n: int, elapsed: float, label: str = "") -> None:
+    what = t.kind if t.name is None else f"{t.kind} {t.name}"
+    print(f"[{label}{i}/{n} {elapsed:6.0f} s] {what} seed {t.seed}: accuracy {t.headline(e):.4f}",
           file=sys.stderr, flush=True)
 
 
-def assemble(cfg: RecallStudyConfig, recipe: Recipe, done: list[dict[str, Any]], total_s: float,
+def _sections(cfg: RecallStudyConfig, done: list[tuple[RecallTask, dict[str, Any]]]
+              ) -> dict[str, list[tuple[RecallTask, dict[str, Any]]]]:
+    """The finished (task, entry) pairs by the part of the document they go to (`RecallTask.section`), each part in
+    seed order."""
+    parts: dict[str, list[tuple[RecallTask, dict[str, Any]]]] = {}
+    for t, e in sorted(done, key=lambda r: cfg.seeds.index(r[0].seed)):
+        parts.setdefault(t.section, []).append((t, e))
+    return parts
+
+
+def _listed(e: dict[str, Any]) -> dict[str, Any]:
+    """A controller run's entry as the document lists it: its checkpoint last, as `controller_checkpoint`."""
+    return {k: v for k, v in e.items() if k != "checkpoint"} | {"controller_checkpoint": e["checkpoint"]}
+
+
+def assemble(cfg: RecallStudyConfig, recipe: Recipe, done: list[tuple[RecallTask, dict[str, Any]]], total_s: float,
              jobs: int) -> dict[str, Any]:
-    """The study's JSON document from the finished tasks."""
-    by = {(r["task"]["kind"], r["task"].get("name"), r["task"]["seed"]): r["entry"] for r in done}
-    seeds, converged = [], []
-    for s in cfg.seeds:
-        for kind, dest in (("seed", seeds), ("converged", converged)):
-            if (kind, None, s) not in by:  # the converged case is off (`converged`)
-                continue
-            e = dict(by[(kind, None, s)])
-            e["controller_checkpoint"] = e.pop("checkpoint")
-            dest.append(e)
-    controls = {name: by[("control", name, cfg.seeds[0])] for name in ("one_layer", "two_layer")}
+    """The study's JSON document from the finished (task, entry) pairs."""
+    parts = _sections(cfg, done)
+    seeds = [_listed(e) for _, e in parts.get("seeds", [])]
+    converged = [_listed(e) for _, e in parts.get("converged", [])]  # none when the converged case is off
+    controls = {t.name: e for t, e in parts["controls"]}
     phases: dict[str, float] = {"backbone": 0.0, "workspace": 0.0, "controller": 0.0, "evaluate": 0.0,
                                 "controls": 0.0}
-    for r in done:
-        for k, v in r["entry"]["wall_s"].items():
-            key = "controls" if r["task"]["kind"] == "control" else k
-            phases[key] += v
+    for t, e in done:
+        for k, v in e["wall_s"].items():
+            phases[t.phase(k)] += v
     n = len(seeds)
     ws_ok = sum(e["success"]["workspace"] for e in seeds)
     ctrl_ok = sum(e["success"]["controller"] for e in seeds)
@@ -260,16 +297,15 @@ def assemble(cfg: RecallStudyConfig, recipe: Recipe, done: list[dict[str, Any]],
     return doc
 
 
-def assemble_frontier_study(cfg: RecallStudyConfig, recipe: Recipe, done: list[dict[str, Any]], total_s: float,
-                            jobs: int) -> dict[str, Any]:
+def assemble_frontier_study(cfg: RecallStudyConfig, recipe: Recipe, done: list[tuple[RecallTask, dict[str, Any]]],
+                            total_s: float, jobs: int) -> dict[str, Any]:
     """The `--frontier` study's JSON document: the controls, the frontier, the winners' decode speed."""
-    by = {(r["task"]["kind"], r["task"].get("name"), r["task"]["seed"]): r["entry"] for r in done}
-    controls = {name: by[("control", name, cfg.seeds[0])] for name in ("one_layer", "two_layer")}
+    controls = {t.name: e for t, e in _sections(cfg, done)["controls"]}
     frontier = assemble_frontier(cfg, recipe, done)
     phases: dict[str, float] = {}
-    for r in done:
-        for k, v in r["entry"]["wall_s"].items():
-            key = f"{r['task']['kind']}_{k}"
+    for t, e in done:
+        for k, v in e["wall_s"].items():
+            key = f"{t.kind}_{k}"
             phases[key] = phases.get(key, 0.0) + v
     t0 = time.perf_counter()
     speed = decode_speed(frontier, recipe.mqar)

@@ -17,7 +17,8 @@ seeds (`seeds_needed`: all but one when fewer than five).
 from __future__ import annotations
 
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
@@ -27,7 +28,7 @@ from prisme.costs.traces import trace_cost
 from prisme.data.mqar import MQARConfig, make_mqar_batch
 from prisme.evaluation.policies import Backbone
 from prisme.studies.recall_eval import calibrated_policy, forced_row, score
-from prisme.studies.recall_setup import EVAL_SEED, TARGET_ACCURACY, RecallStudyConfig, Recipe, _quick
+from prisme.studies.recall_setup import EVAL_SEED, TARGET_ACCURACY, RecallStudyConfig, RecallTask, Recipe, _quick
 
 
 def seeds_needed(n_seeds: int) -> int:
@@ -67,23 +68,25 @@ def frontier_stages(cfg: RecallStudyConfig, recipe: Recipe) -> tuple[Any, Any, A
     return dense, s1, s2, s3
 
 
-def plan_frontier(cfg: RecallStudyConfig, recipe: Recipe, out) -> list[dict[str, Any]]:
+def plan_frontier(cfg: RecallStudyConfig, recipe: Recipe, out) -> list[FrontierMember]:
     """The frontier's runs: every dense configuration and every family size, on every seed."""
     dense, s1, s2, s3 = frontier_stages(cfg, recipe)
     depths, widths = cfg.frontier_depths, cfg.frontier_widths
     family = cfg.family[:1] if cfg.quick else cfg.family
-    tasks = []
+    tasks: list[FrontierMember] = []
     for L in depths:
         for d in widths:
             model = dense_config(recipe, L, d)
             for seed in cfg.seeds:
-                tasks.append(dict(kind="dense", name=f"L{L}_d{d}", seed=seed, model=model, stages=[dense],
-                                  folder=str(out / "frontier" / f"dense_L{L}_d{d}_seed{seed}")))
+                tasks.append(DenseTask(n_layer=L, d_model=d, seed=seed, model=model, stages=(dense,),
+                                       folder=str(out / "frontier" / f"dense_L{L}_d{d}_seed{seed}"),
+                                       mqar=recipe.mqar, study=cfg))
     for d, w in family:
         model = family_config(recipe, d, w)
         for seed in cfg.seeds:
-            tasks.append(dict(kind="family", name=f"d{d}_w{w}", seed=seed, model=model, stages=[s1, s2, s3],
-                              folder=str(out / "frontier" / f"prisme_d{d}_w{w}_seed{seed}")))
+            tasks.append(FamilyTask(d_model=d, w=w, seed=seed, model=model, stages=(s1, s2, s3),
+                                    folder=str(out / "frontier" / f"prisme_d{d}_w{w}_seed{seed}"),
+                                    mqar=recipe.mqar, study=cfg))
     return tasks
 
 
@@ -110,39 +113,103 @@ def evaluate_family(model: torch.nn.Module, mcfg: MQARConfig, seed: int, cfg: Re
             "ops_per_token": chosen["ops_per_token"]}
 
 
-def _entry(kind: str, cfg_model: dict[str, Any], runs: list[dict[str, Any]], ref: float, need: int) -> dict[str, Any]:
+def _entry(cfg_model: dict[str, Any], runs: list[dict[str, Any]], ref: float, need: int) -> dict[str, Any]:
     acc = [r["accuracy"] for r in runs]
     ops = sum(r["ops_per_token"] for r in runs) / len(runs)
-    e = {"n_layer": cfg_model["n_layer"], "d_model": cfg_model["d_model"],
-         "w": cfg_model["w"] if kind == "family" else None, "ops_per_token": ops, "ops_ratio": ops / ref,
-         "accuracy": acc, "seeds": [r["seed"] for r in runs], "seeds_at_95": sum(a >= TARGET_ACCURACY for a in acc),
-         "passes": sum(a >= TARGET_ACCURACY for a in acc) >= need}
-    if kind == "family":
-        e["budget1_accuracy"] = [r["budget1_accuracy"] for r in runs]
-        e["lambda"] = [r["router"]["lambda"] for r in runs]
-        e["edits_per_token"] = [r["router"]["edits_per_token"] for r in runs]
-        e["query_edit_share"] = [r["router"]["query_edit_share"] for r in runs]
-        e["ops_ratio_per_seed"] = [r["ops_per_token"] / ref for r in runs]
-    return e
+    return {"n_layer": cfg_model["n_layer"], "d_model": cfg_model["d_model"], "w": None, "ops_per_token": ops,
+            "ops_ratio": ops / ref, "accuracy": acc, "seeds": [r["seed"] for r in runs],
+            "seeds_at_95": sum(a >= TARGET_ACCURACY for a in acc),
+            "passes": sum(a >= TARGET_ACCURACY for a in acc) >= need}
 
 
-def assemble_frontier(cfg: RecallStudyConfig, recipe: Recipe, done: list[dict[str, Any]]) -> dict[str, Any]:
-    """`frontier`: both families' entries, the verdict and the deployed router's cost (the issue's JSON layout)."""
+# ------------------------------------------------------------------------------------------------------------ tasks
+@dataclass(frozen=True, kw_only=True)
+class FrontierMember(RecallTask):
+    """One member of one of the frontier's families on one seed; its runs over the seeds make one entry of the
+    document's `frontier.<section>`."""
+
+    def score(self, model: torch.nn.Module) -> dict[str, Any]:
+        """The member's accuracy and ops per token on the held-out sequences."""
+        raise NotImplementedError
+
+    def evaluate(self, model: torch.nn.Module, checkpoint: str) -> dict[str, Any]:
+        return self.score(model) | {"seed": self.seed, "checkpoint": checkpoint, "model": model.cfg.to_dict(),
+                                    "steps": {s.stage: s.steps for s in self.stages}}
+
+    def frontier_entry(self, cfg_model: dict[str, Any], runs: list[dict[str, Any]], ref: float,
+                       need: int) -> dict[str, Any]:
+        """The member's entry from its runs' entries (in seed order): accuracy per seed, mean ops against `ref`, and
+        whether it passes (>= 95% on `need` seeds)."""
+        return _entry(cfg_model, runs, ref, need)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DenseTask(FrontierMember):
+    """A backbone alone, `n_layer` layers of width `d_model` (`dense_config`)."""
+
+    kind: ClassVar[str] = "dense"
+    section: ClassVar[str] = "dense"
+    n_layer: int
+    d_model: int
+
+    @property
+    def name(self) -> str:
+        return f"L{self.n_layer}_d{self.d_model}"
+
+    def score(self, model: torch.nn.Module) -> dict[str, Any]:
+        return evaluate_dense(model, self.mqar, self.seed, self.study)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FamilyTask(FrontierMember):
+    """A PRISME family member: backbone width `d_model`, workspace width `w`, with its router (`family_config`)."""
+
+    kind: ClassVar[str] = "family"
+    section: ClassVar[str] = "prisme"
+    priority: ClassVar[int] = 3
+    d_model: int
+    w: int
+
+    @property
+    def name(self) -> str:
+        return f"d{self.d_model}_w{self.w}"
+
+    def score(self, model: torch.nn.Module) -> dict[str, Any]:
+        return evaluate_family(model, self.mqar, self.seed, self.study)
+
+    def frontier_entry(self, cfg_model: dict[str, Any], runs: list[dict[str, Any]], ref: float,
+                       need: int) -> dict[str, Any]:
+        return super().frontier_entry(cfg_model, runs, ref, need) | {
+            "w": cfg_model["w"], "budget1_accuracy": [r["budget1_accuracy"] for r in runs],
+            "lambda": [r["router"]["lambda"] for r in runs],
+            "edits_per_token": [r["router"]["edits_per_token"] for r in runs],
+            "query_edit_share": [r["router"]["query_edit_share"] for r in runs],
+            "ops_ratio_per_seed": [r["ops_per_token"] / ref for r in runs]}
+
+    def headline(self, entry: dict[str, Any]) -> float:
+        return entry.get("accuracy", entry.get("budget1_accuracy"))
+
+
+def assemble_frontier(cfg: RecallStudyConfig, recipe: Recipe,
+                      done: list[tuple[RecallTask, dict[str, Any]]]) -> dict[str, Any]:
+    """`frontier`: both families' entries, the verdict and the deployed router's cost (the issue's JSON layout), from
+    the finished (task, entry) pairs."""
     T = recipe.mqar.seq_len
     ref = reference_ops(recipe, T)
     need = seeds_needed(len(cfg.seeds))
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    models: dict[tuple[str, str], dict[str, Any]] = {}
-    for r in done:
-        t = r["task"]
-        if t["kind"] in ("dense", "family"):
-            groups.setdefault((t["kind"], t["name"]), []).append(r["entry"])
-            models[(t["kind"], t["name"])] = r["entry"]["model"]
-    dense, family = [], []
-    for (kind, name), runs in groups.items():
-        runs = sorted(runs, key=lambda e: cfg.seeds.index(e["seed"]))
-        (dense if kind == "dense" else family).append(_entry(kind, models[(kind, name)], runs, ref, need) |
-                                                      {"checkpoints": [e["checkpoint"] for e in runs]})
+    groups: dict[tuple[str, str], list[tuple[FrontierMember, dict[str, Any]]]] = {}
+    for t, e in done:
+        if isinstance(t, FrontierMember):
+            groups.setdefault((t.section, t.name), []).append((t, e))
+    parts: dict[str, list[dict[str, Any]]] = {"dense": [], "prisme": []}
+    first_models = []  # (entry, the model of its first run)
+    for (section, _), members in groups.items():
+        runs = sorted((e for _, e in members), key=lambda e: cfg.seeds.index(e["seed"]))
+        entry = members[0][0].frontier_entry(members[-1][1]["model"], runs, ref, need) | {
+            "checkpoints": [e["checkpoint"] for e in runs]}
+        parts[section].append(entry)
+        first_models.append((entry, members[0][1]["model"]))
+    dense, family = parts["dense"], parts["prisme"]
     dense.sort(key=lambda e: e["ops_ratio"])
     family.sort(key=lambda e: e["ops_ratio"])
     best_d = next((e for e in dense if e["passes"]), None)
@@ -151,7 +218,7 @@ def assemble_frontier(cfg: RecallStudyConfig, recipe: Recipe, done: list[dict[st
     deployed = best_p or (family[0] if family else None)
     router = None
     if deployed is not None:
-        rc = PrismeConfig.from_dict(groups[("family", f"d{deployed['d_model']}_w{deployed['w']}")][0]["model"])
+        rc = PrismeConfig.from_dict(next(m for e, m in first_models if e is deployed))
         router = {"n_layer": rc.n_layer, "d_model": rc.d_model, "w": rc.w,
                   "ops_per_position": router_ops(rc, rc.cost_context), "context": rc.cost_context,
                   "share_of_backbone_layer": router_share_of_layer(rc)}

@@ -1,5 +1,5 @@
 """The recall study's settings and recipe: `RecallStudyConfig`, the recipe files (prisme/configs/recall_*.json),
-the seeds."""
+the seeds, and what every task of the study shares (`RecallTask`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from prisme.checks import COMPILE_SETTINGS, check_choice, check_seeds
 from prisme.config import PrismeConfig
@@ -167,3 +167,49 @@ def study_config(overrides: dict[str, Any], config_dir: str | None = None) -> Re
 # ------------------------------------------------------------------------------------------------------------ tasks
 def _quick(s: StageConfig, steps: int) -> StageConfig:
     return s.replace(steps=steps, warmup=min(s.warmup, max(1, steps // 4)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecallTask:
+    """One independent run of the recall study: its stages trained one after the other in `folder`, then the last
+    checkpoint evaluated, in a worker process (every field pickles). Each kind of run is a subclass: it says how its
+    model is scored (`evaluate`), which part of the document its entry belongs to (`section`) and how early it
+    starts (`priority`)."""
+
+    kind: ClassVar[str]  # the run's kind in its result's description (`describe`)
+    section: ClassVar[str]  # the part of the study's document its entry goes to
+    priority: ClassVar[int] = 0  # the larger the earlier it starts: the longest first, so that workers finish together
+    compiles: ClassVar[bool] = True  # the evaluated model goes under `maybe_compile` (the study's `compile`)
+
+    seed: int
+    folder: str
+    stages: tuple[StageConfig, ...]
+    model: PrismeConfig  # the model stage 1 starts from
+    mqar: MQARConfig
+    study: RecallStudyConfig
+    device: str = "auto"  # where stages set to "auto" run (`devices.spread`)
+
+    @property
+    def name(self) -> str | None:
+        """The run's name among the runs of its kind on its seed (None: the seed alone names it)."""
+        return None
+
+    def stage_folders(self) -> list[str]:
+        """The run folder of each stage: 1_backbone, 2_workspace, 3_controller (or 3_router)."""
+        return [f"{i + 1}_{s.stage}" for i, s in enumerate(self.stages)]
+
+    def describe(self) -> dict[str, Any]:
+        """The run in its result (`{"kind", "seed", "folder", "name"}`), as JSON."""
+        return {"kind": self.kind, "seed": self.seed, "folder": self.folder, "name": self.name}
+
+    def evaluate(self, model: Any, checkpoint: str) -> dict[str, Any]:
+        """The run's entry: its trained `model` (from `checkpoint`) scored on the held-out sequences."""
+        raise NotImplementedError
+
+    def phase(self, stage: str) -> str:
+        """The phase of the study's wall time that this run's `stage` (or "evaluate") counts towards."""
+        return stage
+
+    def headline(self, entry: dict[str, Any]) -> float:
+        """The accuracy a progress line shows for this run's entry."""
+        return entry.get("budget1_accuracy", entry.get("accuracy"))

@@ -27,8 +27,9 @@ import dataclasses
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -56,43 +57,137 @@ from prisme.studies.text_setup import (
 from prisme.training.config import StageConfig
 from prisme.training.trainer import train_stage
 
-__all__ = ["TextStudyConfig", "format_report", "prepare_study", "finish_study", "run_study", "verdicts"]
+__all__ = ["TextStudyConfig", "format_report", "prepare_study", "finish_study", "run_study", "verdicts", "TextTask",
+           "BackboneTask", "MatchedTask", "FrontierTask", "SourceTask", "EvalTask"]
 
 
 # ------------------------------------------------------------------------------------------------------------ tasks
-def _task(kind: str, cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[str, StageConfig], seed: int,
-          what: str | None = None, device: str = "auto") -> dict[str, Any]:
-    """One unit of work of one training seed, in a worker process: a training run or an evaluation (on `device`,
-    see `devices.spread`). `what`: the bank source, or the frontier model's name."""
-    torch.set_num_threads(cfg.threads)
-    stages = {k: v.replace(device=device) if v.device == "auto" else v for k, v in stages.items()}
-    t0 = time.perf_counter()
-    run = Path(cfg.out_dir) / f"seed{seed}"
-    data = TokenDataset.from_text(load_text("austen"), ByteTokenizer(), val_fraction=0.1)
-    out: dict[str, Any] = {"kind": kind, "what": what, "seed": seed}
-    if kind == "backbone":
-        out["result"] = _summary(train_stage(model_cfg, stages["backbone"], dataset=data))
-    elif kind == "frontier":
-        n_layer, d = next(f for f in cfg.frontier if frontier_name(model_cfg, *f) == what)
-        out["result"] = _summary(train_stage(frontier_config(model_cfg, n_layer, d), stages[f"frontier:{what}"],
-                                             dataset=data))
-    elif kind == "matched":
-        out["result"] = _summary(train_stage(None, stages["matched"], dataset=data))
-    elif kind == "source":
-        folder = run / what
+@dataclass(frozen=True)
+class TextTask:
+    """One unit of work of one training seed (a training run or an evaluation), `s<seed>/<key>` in the pool; it runs
+    in a worker process, so every field pickles."""
+
+    kind: ClassVar[str]  # also the phase of the study's wall time it counts towards
+    trains: ClassVar[bool] = True  # a training run: its result is one of the seed's `training` entries
+    seed: int
+
+    @property
+    def what(self) -> str | None:
+        """The bank source, or the frontier model's name (None: the kind alone names the task)."""
+        return None
+
+    @property
+    def key(self) -> str:
+        """The task's name within its seed: `kind` or `kind:what` (its entry in the seed's `training`)."""
+        return self.kind if self.what is None else f"{self.kind}:{self.what}"
+
+    @property
+    def name(self) -> str:
+        return f"s{self.seed}/{self.key}"
+
+    def describe(self) -> dict[str, Any]:
+        """The task in its result: {"kind", "what", "seed"}."""
+        return {"kind": self.kind, "what": self.what, "seed": self.seed}
+
+    def run(self, cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[str, StageConfig],
+            data: TokenDataset) -> dict[str, Any]:
+        """Train or evaluate; returns the task's result."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class BackboneTask(TextTask):
+    """Stage 1: the backbone, once per seed (both bank sources start from it)."""
+
+    kind: ClassVar[str] = "backbone"
+
+    def run(self, cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[str, StageConfig],
+            data: TokenDataset) -> dict[str, Any]:
+        return _summary(train_stage(model_cfg, stages["backbone"], dataset=data))
+
+
+@dataclass(frozen=True)
+class MatchedTask(TextTask):
+    """The backbone trained on as many extra tokens as stage 2 used."""
+
+    kind: ClassVar[str] = "matched"
+
+    def run(self, cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[str, StageConfig],
+            data: TokenDataset) -> dict[str, Any]:
+        return _summary(train_stage(None, stages["matched"], dataset=data))
+
+
+@dataclass(frozen=True)
+class FrontierTask(TextTask):
+    """One dense frontier model (`frontier_config`), trained from scratch on PRISME's tokens."""
+
+    kind: ClassVar[str] = "frontier"
+    model: PrismeConfig
+
+    @property
+    def what(self) -> str:
+        return self.model.name
+
+    def run(self, cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[str, StageConfig],
+            data: TokenDataset) -> dict[str, Any]:
+        return _summary(train_stage(self.model, stages[self.key], dataset=data))
+
+
+@dataclass(frozen=True)
+class SourceTask(TextTask):
+    """Stages 2 and 3 for one bank source, from the seed's stage-1 backbone (rebased onto the source's config)."""
+
+    kind: ClassVar[str] = "source"
+    source: str
+
+    @property
+    def what(self) -> str:
+        return self.source
+
+    def run(self, cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[str, StageConfig],
+            data: TokenDataset) -> dict[str, Any]:
+        folder = Path(cfg.out_dir) / f"seed{self.seed}" / self.source
         init = stages["backbone"].out_dir
-        if SOURCES[what]:  # the same stage-1 backbone under this source's workspace config
-            init = str(rebase_backbone(init, source_config(model_cfg, what), folder / "1_backbone",
+        if SOURCES[self.source]:  # the same stage-1 backbone under this source's workspace config
+            init = str(rebase_backbone(init, source_config(model_cfg, self.source), folder / "1_backbone",
                                        stages["backbone"].seed).parent)
         s2 = stages["workspace"].replace(out_dir=str(folder / "2_workspace"), init_from=init)
         r2 = train_stage(None, s2, dataset=data)
         s3 = stages["controller"].replace(out_dir=str(folder / "4_controller"), init_from=s2.out_dir)
         r3 = train_stage(None, s3, dataset=data)
-        out["result"] = {"workspace": _summary(r2), "controller": _summary(r3)}
-    elif kind in ("eval_val", "eval_held_out"):
-        out["result"] = _evaluate(cfg, model_cfg, stages, seed, what, data, kind.removeprefix("eval_"))
-    else:  # pragma: no cover
-        raise ValueError(kind)
+        return {"workspace": _summary(r2), "controller": _summary(r3)}
+
+
+@dataclass(frozen=True)
+class EvalTask(TextTask):
+    """Every policy of one bank source on one split: "val" (the validation split) or "held_out" (the held-out text)."""
+
+    trains: ClassVar[bool] = False
+    source: str
+    split: str
+
+    @property
+    def kind(self) -> str:
+        return f"eval_{self.split}"
+
+    @property
+    def what(self) -> str:
+        return self.source
+
+    def run(self, cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[str, StageConfig],
+            data: TokenDataset) -> dict[str, Any]:
+        return _evaluate(cfg, model_cfg, stages, self.seed, self.source, data, self.split)
+
+
+def _task(task: TextTask, cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[str, StageConfig],
+          device: str = "auto") -> dict[str, Any]:
+    """Run one task of one training seed, in a worker process (on `device`, see `devices.spread`)."""
+    torch.set_num_threads(cfg.threads)
+    stages = {k: v.replace(device=device) if v.device == "auto" else v for k, v in stages.items()}
+    t0 = time.perf_counter()
+    data = TokenDataset.from_text(load_text("austen"), ByteTokenizer(), val_fraction=0.1)
+    out: dict[str, Any] = task.describe()
+    out["result"] = task.run(cfg, model_cfg, stages, data)
     out["wall_s"] = time.perf_counter() - t0
     return out
 
@@ -155,34 +250,38 @@ def prepare_study(cfg: TextStudyConfig, model_cfg: PrismeConfig | None = None
         raise ValueError(f"study folder {out} already exists and is not empty; pass another --out")
     load_text(cfg.held_out)  # a missing or empty held-out text fails now, not after training
     stages = {seed: stage_configs(cfg, model_cfg, seed) for seed in cfg.seeds}
-    names = [frontier_name(model_cfg, *f) for f in cfg.frontier]
-    graph: dict[str, list[str]] = {}  # task -> tasks it needs, in the order they should start
+    models: dict[str, PrismeConfig] = {}  # the frontier's models by name, in the order of `frontier`
+    for f in cfg.frontier:
+        models.setdefault(frontier_name(model_cfg, *f), frontier_config(model_cfg, *f))
+    sources = list(dict.fromkeys(cfg.sources))
+    planned: list[tuple[TextTask, list[TextTask]]] = []  # (task, the tasks it needs), in the order they should start
     for tier in ("chains", "rest"):
         for seed in cfg.seeds:
-            p = f"s{seed}/"
-            if tier == "chains":  # the long ones: stage 1 then each source's stages 2-3, and the frontier
-                graph[p + "backbone"] = []
-                graph.update({f"{p}source:{s}": [p + "backbone"] for s in cfg.sources})
-                graph.update({f"{p}frontier:{n}": [] for n in sorted(names, key=lambda n: -int(n[1:].split("_")[0]))})
+            backbone = BackboneTask(seed)
+            runs = [SourceTask(seed, s) for s in sources]
+            frontier = [FrontierTask(seed, m) for m in models.values()]
+            if tier == "chains":  # the long ones: stage 1, each source's stages 2-3, the frontier (deepest first)
+                planned += [(backbone, []), *((r, [backbone]) for r in runs),
+                            *((f, []) for f in sorted(frontier, key=lambda f: -f.model.n_layer))]
                 continue
-            graph[p + "matched"] = [p + "backbone"]
+            matched = MatchedTask(seed)
+            planned.append((matched, [backbone]))
             for split in ("held_out", "val"):
-                graph.update({f"{p}eval_{split}:{s}": [f"{p}source:{s}", p + "matched"] +
-                              [f"{p}frontier:{n}" for n in names] for s in cfg.sources})
-    tasks = []
-    for i, (name, needs) in enumerate(graph.items()):
-        seed_part, rest = name.split("/")
-        kind, _, what = rest.partition(":")
-        seed = int(seed_part[1:])
-        tasks.append(Task(name, _task, (kind, cfg, model_cfg, stages[seed], seed, what or None, spread(i)),
-                          tuple(needs)))
+                planned += [(EvalTask(seed, r.source, split), [r, matched, *frontier]) for r in runs]
+    tasks = [Task(t.name, _task, (t, cfg, model_cfg, stages[t.seed], spread(i)), tuple(n.name for n in needs))
+             for i, (t, needs) in enumerate(planned)]
     return model_cfg, stages, tasks
 
 
+def study_task(task: Task) -> TextTask:
+    """The text task a pool task of `prepare_study` runs."""
+    return task.args[0]
+
+
 def finish_study(cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[int, dict[str, StageConfig]],
-                 done: dict[str, dict[str, Any]], total_s: float, jobs: int) -> dict[str, Any]:
-    """The document from the finished tasks, written to `<out>/text.json`."""
-    doc = assemble(cfg, model_cfg, stages, done, total_s, jobs)
+                 done: dict[str, dict[str, Any]], tasks: list[Task], total_s: float, jobs: int) -> dict[str, Any]:
+    """The document from the finished tasks (`done` by task name), written to `<out>/text.json`."""
+    doc = assemble(cfg, model_cfg, stages, done, tasks, total_s, jobs)
     write_text_atomic(Path(cfg.out_dir) / "text.json", json.dumps(doc, indent=2, allow_nan=False) + "\n")
     return doc
 
@@ -200,22 +299,23 @@ def run_study(cfg: TextStudyConfig, model_cfg: PrismeConfig | None = None) -> di
     model_cfg, stages, tasks = prepare_study(cfg, model_cfg)
     t0 = time.perf_counter()
     done = run_tasks(tasks, cfg.jobs, on_done=progress_printer(cfg.progress))
-    return finish_study(cfg, model_cfg, stages, done, time.perf_counter() - t0, worker_count(cfg.jobs, len(tasks)))
+    return finish_study(cfg, model_cfg, stages, done, tasks, time.perf_counter() - t0,
+                        worker_count(cfg.jobs, len(tasks)))
 
 
 def assemble(cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[int, dict[str, StageConfig]],
-             done: dict[str, dict[str, Any]], total_s: float, jobs: int) -> dict[str, Any]:
+             done: dict[str, dict[str, Any]], tasks: list[Task], total_s: float, jobs: int) -> dict[str, Any]:
     """`seeds`: per training seed its runs and every source's evaluations; `summary`: each row over the seeds."""
+    of = {t.name: study_task(t) for t in tasks}
     seeds = {}
     for seed in cfg.seeds:
-        p = f"s{seed}/"
         seeds[str(seed)] = {
-            "training": {k[len(p):]: v["result"] for k, v in done.items() if k.startswith(p) and "eval_" not in k},
-            "sources": {s: {split: done[f"{p}eval_{split}:{s}"]["result"] for split in ("val", "held_out")}
+            "training": {of[k].key: v["result"] for k, v in done.items() if of[k].seed == seed and of[k].trains},
+            "sources": {s: {split: done[EvalTask(seed, s, split).name]["result"] for split in ("val", "held_out")}
                         for s in cfg.sources}}
     phases: dict[str, float] = {}
     for name, v in done.items():
-        phase = name.split("/")[1].split(":")[0]
+        phase = of[name].kind
         phases[phase] = phases.get(phase, 0.0) + v["wall_s"]
     first = stages[cfg.seeds[0]]
     doc = {"model": model_cfg.to_dict(), "study": dataclasses.asdict(cfg),
