@@ -48,18 +48,7 @@ class RowKind:
     baseline: bool = False  # a baseline of another row (the controller's equal-edits row)
 
 
-ROW_KINDS = {k.family: k for k in (
-    RowKind("backbone", "s", "C0", backbone_only=True, own_reference="delta_vs_backbone"),
-    RowKind("matched", "D", "C1", backbone_only=True, own_reference="delta_vs_matched"),
-    RowKind("fixed", "o", "C2", workspace=True),
-    RowKind("random", "x", "C3", workspace=True),
-    RowKind("dense", "^", "C4", workspace=True),
-    RowKind("controller", "*", "C5", workspace=True),
-    RowKind("oracle", "P", "C6", workspace=True, sampled=True),
-    RowKind("equal_edits", "v", "C7", workspace=True, baseline=True),
-    RowKind("reference", "h", "C8", backbone_only=True),
-)}
-ROW_FAMILIES = tuple(ROW_KINDS)
+ROW_KINDS: dict[str, RowKind] = {}  # every family's kind, registered by the Policy class that makes its rows
 
 
 @dataclass(frozen=True)
@@ -109,10 +98,20 @@ def _fmt_lambda(lam: float) -> str:
 class Policy:
     """A family of rows. Subclasses set `family` and implement `plan` and `run`."""
 
+    kinds: tuple[RowKind, ...] = ()  # the row kinds this class makes (registered in ROW_KINDS); family: the first
     family = ""
     needs_workspace = False
     shares_encoding = False  # runs on the batch's shared encoding (and is charged its time)
     planned: tuple[Row, ...] = ()  # the rows of its last `plan`
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "kinds" in cls.__dict__:
+            for kind in cls.kinds:
+                if ROW_KINDS.get(kind.family, kind) != kind:
+                    raise ValueError(f"policy family {kind.family!r} is declared twice")
+                ROW_KINDS[kind.family] = kind
+            cls.family = cls.kinds[0].family
 
     def plan(self, model: PrismeModel, first_tokens: torch.Tensor) -> list[Row]:
         """The rows of this family (first_tokens `[B, T]`: the first batch, for data-driven defaults)."""
@@ -142,7 +141,7 @@ class Policy:
 class Backbone(Policy):
     """The backbone alone: the exact bypass, from the batch's shared encoding."""
 
-    family = "backbone"
+    kinds = (RowKind("backbone", "s", "C0", backbone_only=True, own_reference="delta_vs_backbone"),)
     shares_encoding = True
 
     def plan(self, model, first_tokens):
@@ -157,11 +156,14 @@ class Reference(Policy):
     "backbone + matched tokens" baseline: the evaluated backbone trained on as many extra tokens as the workspace
     stage used, and every row gets its paired difference to it (`delta_vs_matched`)."""
 
+    kinds = (RowKind("matched", "D", "C1", backbone_only=True, own_reference="delta_vs_matched"),
+             RowKind("reference", "h", "C8", backbone_only=True))
+
     def __init__(self, name: str, model: PrismeModel, matched: bool = False):
         if not isinstance(model, PrismeModel):
             raise ValueError(f"reference {name!r} must be a PrismeModel, got {type(model).__name__}")
         self.name, self.model, self.matched = name, model, matched
-        self.family = "matched" if matched else "reference"
+        self.family = self.kinds[0 if matched else 1].family
 
     def plan(self, model, first_tokens):
         return [Row(self.name, self)]
@@ -214,7 +216,7 @@ class Forced(Policy):
 class Fixed(Forced):
     """Step r edits slot r mod M (k = 1) or pair M + (r mod M/2) (k = 2) at every position."""
 
-    family = "fixed"
+    kinds = (RowKind("fixed", "o", "C2", workspace=True),)
 
     def actions(self, cfg, n, k, shape, generator):
         M = cfg.n_slots
@@ -226,7 +228,7 @@ class Fixed(Forced):
 class Random(Forced):
     """Uniform single slots (k = 1) or pairs (k = 2), drawn from the batch's common random numbers."""
 
-    family = "random"
+    kinds = (RowKind("random", "x", "C3", workspace=True),)
 
     def actions(self, cfg, n, k, shape, generator):
         lo, hi = (0, cfg.n_slots) if k == 1 else (cfg.n_slots, cfg.n_actions)
@@ -236,7 +238,7 @@ class Random(Forced):
 class Dense(Forced):
     """n DENSE actions (every slot attends to the bank at each step)."""
 
-    family = "dense"
+    kinds = (RowKind("dense", "^", "C4", workspace=True),)
 
     def __init__(self, budgets: Sequence[int] | None = None, ks: Sequence[int] = ()):
         super().__init__(budgets, ks=())  # every slot: no k to choose
@@ -272,7 +274,7 @@ class Controller(Policy):
     """The deployed policy (`forward_policy`; with `cfg.router`, the router decides step 0) at each price, each row
     followed by its equal-edits baseline (`equal_edits=True`): the same mean edits spread uniformly."""
 
-    family = "controller"
+    kinds = (RowKind("controller", "*", "C5", workspace=True),)
     needs_workspace = True
     shares_encoding = True
 
@@ -306,7 +308,7 @@ class EqualEdits(Policy):
     """The controller row's mean edits per position, as fixed round-robin single-slot edits thinned at random
     (seeded per batch) to that mean: the same edit count spread uniformly instead of allocated."""
 
-    family = "equal_edits"
+    kinds = (RowKind("equal_edits", "v", "C7", workspace=True, baseline=True),)
     needs_workspace = True
     shares_encoding = True
 
@@ -324,7 +326,7 @@ class Oracle(Policy):
     where the scored targets are and stops at once everywhere else: its trace covers every position (one
     controller step where it does nothing), as a deployed policy's would."""
 
-    family = "oracle"
+    kinds = (RowKind("oracle", "P", "C6", workspace=True, sampled=True),)
     needs_workspace = True
 
     def __init__(self, lambdas: Sequence[float] | None = None, positions: int | None = 16, budget: int | None = None,
