@@ -49,7 +49,7 @@ class CheckpointMeta:
     path: Path  # the checkpoint folder
     config: PrismeConfig
     schema_version: int
-    stage: str  # "backbone" | "workspace" | "controller" | "export"
+    stage: str  # the stage that wrote it (`prisme.training.stages.STAGES`), or "export"
     step: int  # optimizer steps completed in this stage
     stage_config: dict[str, Any] = field(default_factory=dict)  # StageConfig.to_dict() of the run that wrote it
     rng: dict[str, Any] = field(default_factory=dict)  # name -> RNG state (see `encode_rng` / `decode_rng`)
@@ -237,6 +237,8 @@ def prune_checkpoints(run_dir: str | Path, keep_last: int) -> None:
 # ------------------------------------------------------------------------------------------------------------ loading
 
 
+# Checkpoint metadata this layer reads by stage name (it sits below training's `StageSpec`, and
+# tests/test_stage_specs.py holds these tables to the specs): each stage ranked before the one it starts from.
 STAGE_PREFERENCE = ("controller", "workspace", "backbone", "export")
 
 
@@ -295,7 +297,8 @@ def read_meta(path: str | Path) -> CheckpointMeta:
 
 
 # The parameter groups each stage's checkpoint has trained, for checkpoints written before `trained_groups` was
-# recorded in state.json's extra (every stage before the router started from its predecessor's checkpoint).
+# recorded in state.json's extra (every stage before the router started from its predecessor's checkpoint: its
+# `StageSpec` chain's groups, tests/test_stage_specs.py).
 _LEGACY_TRAINED = {"backbone": ("backbone",), "workspace": ("backbone", "workspace"),
                    "controller": ("backbone", "workspace", "controller"), "export": ("backbone",)}
 

@@ -12,6 +12,12 @@ from prisme.config import PrismeConfig
 
 BACKBONE_FIELDS = ("family", "vocab_size", "max_seq_len", "d_model", "n_layer", "n_head", "n_kv_head", "ffn_hidden",
                    "ffn_multiple_of", "rope_theta", "norm_eps", "tie_embeddings", "init_std")
+# What a rebase writes, by the parameter groups it keeps: the stage of its checkpoint (a checkpoint metadata value;
+# the training stage that starts from it keeps `prisme.training.stages.StageSpec.rebase_keeps`). A stage-1
+# checkpoint is rebased from a stage-1 checkpoint only (a later stage's backbone may have learnt); keeping the
+# workspace too needs a checkpoint past stage 1 (a stage-1 checkpoint's workspace is untrained).
+REBASES = {("backbone",): "backbone", ("backbone", "workspace"): "workspace"}
+STAGE1 = (REBASES[("backbone",)],)  # the checkpoint stages that are stage 1's result and nothing more
 
 
 def rebase(path: str | Path, cfg: PrismeConfig, out_dir: str | Path, seed: int,
@@ -27,11 +33,12 @@ def rebase(path: str | Path, cfg: PrismeConfig, out_dir: str | Path, seed: int,
     """
     from prisme.model.prisme import PrismeModel
 
-    if not keep or set(keep) - {"backbone", "workspace"} or "backbone" not in keep:
-        raise ValueError(f"keep must be ('backbone',) or ('backbone', 'workspace'), got {keep!r}")
+    kept = next((k for k in REBASES if set(k) == set(keep)), None) if keep else None
+    if kept is None:
+        raise ValueError(f"keep must be {' or '.join(map(repr, REBASES))}, got {keep!r}")
     src, meta = load_checkpoint(path, load_optimizer=False)
-    ws = "workspace" in keep
-    if (meta.stage == "backbone") == ws and not (ws and meta.stage == "controller"):
+    ws = "workspace" in kept
+    if (meta.stage in STAGE1) == ws:
         need = "a workspace or controller" if ws else "a backbone"
         raise ValueError(f"{meta.path} is a {meta.stage!r} checkpoint; keep={keep} needs {need} checkpoint")
     diff = {k: v for k, v in cfg.diff(meta.config).items() if k in BACKBONE_FIELDS}
@@ -49,7 +56,7 @@ def rebase(path: str | Path, cfg: PrismeConfig, out_dir: str | Path, seed: int,
                     raise ValueError(f"cannot keep the workspace of {meta.path}: parameter {n} does not fit "
                                      f"{cfg.name!r} (the workspace options differ; only controller options may)")
                 model.get_parameter(n).copy_(theirs[n])
-    return save_checkpoint(Path(out_dir) / checkpoint_name(meta.step), model, stage="workspace" if ws else "backbone",
+    return save_checkpoint(Path(out_dir) / checkpoint_name(meta.step), model, stage=REBASES[kept],
                            step=meta.step, stage_config=meta.stage_config, metrics=meta.metrics,
                            extra={"rebased_from": str(meta.path), "kept": list(keep)},
                            tokenizer=load_tokenizer(meta.path))

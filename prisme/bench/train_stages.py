@@ -22,7 +22,7 @@ TRAINED, THROUGH, NO_GRAD = 3, 2, 1  # forward-ops multipliers of `OPS_CONVENTIO
 
 ADAMW = dict(betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)  # as prisme.training's defaults
 GRAD_CLIP = 1.0
-STAGES = ("workspace", "controller")
+STAGES = tuple(STAGE_RECIPES)  # the stages it times
 STAGE_TARGET = 1.5  # stage tokens/s >= backbone-stage tokens/s / (1.5 x the analytic training-ops ratio)
 OPS_CONVENTION = (
     "analytic ops of one step from the cost model (prisme.costs, seed accounting: the editor trains on the reference "
@@ -143,7 +143,6 @@ def stage_paths(cfg: PrismeConfig, stage: str, seed: int = 42, batch: int | None
     tokens with fresh sampled actions each step, and the info to price it."""
     from prisme.model.prisme import PrismeModel
     from prisme.training.config import StageConfig
-    from prisme.training.objectives import OBJECTIVES
     from prisme.training.optim import stage_parameters
 
     if not cfg.use_workspace:
@@ -160,14 +159,14 @@ def stage_paths(cfg: PrismeConfig, stage: str, seed: int = 42, batch: int | None
         from prisme.model.compiled import compile_editor
 
         compile_editor(model, strict=True)
-    objective = OBJECTIVES[stage](model, scfg).to(device)
+    objective = scfg.spec.objective(model, scfg).to(device)
     params = stage_parameters(model, scfg) + [p for n, p in objective.named_parameters() if not n.startswith("model.")]
     opt = torch.optim.AdamW(params, lr=scfg.lr, betas=ADAMW["betas"], eps=ADAMW["eps"])
     seq = harness.make_tokens(cfg.vocab_size, B, T + 1, seed)
     x, y = seq[:, :-1], seq[:, 1:]  # the sampler draws on the host (as the trainer's); the step runs on `device`
     xd, yd = x.to(device), y.to(device)
     g = torch.Generator().manual_seed(seed + 1)
-    if stage == "controller":
+    if scfg.spec.calibrates_values:  # as the trainer does before its first step
         objective.calibrate(xd, yd, {k: v.to(device) for k, v in objective.sample(x, y, g).items()}, init_heads=True)
     info: dict[str, Any] = {"extras": [], "losses": [], "B": B, "T": T, "scfg": scfg, "objective": objective,
                             "y": y, "compiled": compile}
@@ -193,10 +192,10 @@ def stage_row(cfg: PrismeConfig, stage: str, samples: list[float], info: dict[st
     `backbone_samples` timed in the same rotation)."""
     B, T, y = info["B"], info["T"], info["y"]
     timed = info["extras"][warmups:]
-    if stage == "workspace":
-        ops = [workspace_stage_ops(cfg, ex, y, info["scfg"].deep_supervision) for ex in timed]
-    else:
+    if info["scfg"].spec.calibrates_values:  # an oracle stage: its rollouts, candidate edits and value heads
         ops = [controller_stage_ops(cfg, info["objective"], ex, y) for ex in timed]
+    else:  # the workspace stage: its forced traces
+        ops = [workspace_stage_ops(cfg, ex, y, info["scfg"].deep_supervision) for ex in timed]
     from prisme.costs.analytic import backbone_ops
 
     bb_stage = TRAINED * (_backbone_fwd_ops(cfg, B, T) + B * T * backbone_ops(cfg, 1)["lm_head"])

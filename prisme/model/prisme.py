@@ -15,7 +15,8 @@ Contracts (each is a test in tests/test_contracts.py):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from functools import partialmethod
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,6 +29,7 @@ from prisme.model.attention import RMSNorm
 from prisme.model.backbone import Backbone
 from prisme.model.controller import ValueController
 from prisme.model.editor import EditInfo, SlotKV, SparseEditor
+from prisme.model.groups import ParameterGroups
 from prisme.model.outputs import EncodedContext, PrismeOutput, Rollout, Streams
 from prisme.model.readout import DifferentialReadout
 from prisme.model.router import Router, ngram_seen
@@ -37,7 +39,7 @@ if TYPE_CHECKING:
     from prisme.model.state import DecodeState
 
 
-class PrismeModel(nn.Module):
+class PrismeModel(ParameterGroups, nn.Module):
     def __init__(self, cfg: PrismeConfig):
         super().__init__()
         cfg.validate()
@@ -122,33 +124,18 @@ class PrismeModel(nn.Module):
             self.action_slot_counts = self._slot_counts(self.cfg).to(counts.device)
         return out
 
-    # ------------------------------------------------------------------ parameter groups
+    # ------------------------------------------------------------------ parameter groups (`ParameterGroups`)
     GROUPS = ("backbone", "workspace", "controller", "router")
-    _GROUP_OF = {"backbone": "backbone", "controller": "controller", "P_ctrl": "controller", "router": "router"}
-
-    @classmethod
-    def group_of(cls, name: str) -> str:
-        """A parameter's group by its top-level module; every part not the backbone's, controller's (P_ctrl too) or
-        router's (bank, slots, editor, readout) is the workspace's."""
-        return cls._GROUP_OF.get(name.split(".")[0], "workspace")
-
-    def parameter_group(self, group: str) -> list[nn.Parameter]:
-        """The parameters of one group (`GROUPS`), in registration order."""
-        if group not in self.GROUPS:
-            raise ValueError(f"unknown parameter group {group!r}; groups: {self.GROUPS}")
-        return [p for n, p in self.named_parameters() if self.group_of(n) == group]
-
-    def backbone_parameters(self) -> list[nn.Parameter]:
-        return self.parameter_group("backbone")
-
-    def workspace_parameters(self) -> list[nn.Parameter]:
-        return self.parameter_group("workspace")
-
-    def controller_parameters(self) -> list[nn.Parameter]:
-        return self.parameter_group("controller")
-
-    def router_parameters(self) -> list[nn.Parameter]:
-        return self.parameter_group("router")
+    GROUP_OF = {"backbone": "backbone", "controller": "controller", "P_ctrl": "controller", "router": "router",
+                **dict.fromkeys(("bank_norm", "W_K", "W_V", "P", "src_norm", "W_K_more", "W_V_more", "P_more",
+                                 "W_K_shift", "W_K_shift_more", "slot_embed", "editor", "readout"), "workspace")}
+    """The group of every top-level module or parameter the model registers under any config: the controller's own
+    input projection P_ctrl trains with the controller; the source bank, slots, editor and readout are the
+    workspace's."""
+    backbone_parameters = partialmethod(ParameterGroups.parameter_group, "backbone")
+    workspace_parameters = partialmethod(ParameterGroups.parameter_group, "workspace")
+    controller_parameters = partialmethod(ParameterGroups.parameter_group, "controller")
+    router_parameters = partialmethod(ParameterGroups.parameter_group, "router")
 
     # ------------------------------------------------------------------ encoding
     def streams(self, tokens: torch.Tensor, cache: object | None = None, n_new: list[int] | None = None) -> Streams:
@@ -436,10 +423,6 @@ class PrismeModel(nn.Module):
         if not self.cfg.router:
             del out["router"]
         return out
-
-    def parameter_groups(self) -> Iterator[tuple[str, list[nn.Parameter]]]:
-        for g in self.GROUPS:
-            yield g, self.parameter_group(g)
 
     def new_decode_state(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None,
                          bank: bool | None = None) -> DecodeState:

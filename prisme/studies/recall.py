@@ -149,7 +149,7 @@ def run_task(task: RecallTask) -> dict[str, Any]:
         t0 = time.perf_counter()
         s = s.replace(seed=task.seed, out_dir=str(folder / name), init_from=init, progress=False,
                       compile=cfg.compile, device=task.device if s.device == "auto" else s.device)
-        res = train_stage(task.model if s.stage == "backbone" else None, s)
+        res = train_stage(task.model if s.spec.is_first else None, s)  # later stages: the model of init_from
         wall[s.stage] = time.perf_counter() - t0
         init = str(res.checkpoint)
         results[s.stage] = res

@@ -163,18 +163,19 @@ def apply_sets(items: list[str], scfg: StageConfig, model_cfg: PrismeConfig | No
 
 
 def rebased_start(scfg: StageConfig, model_cfg: PrismeConfig | None) -> StageConfig:
-    """`--rebase`: `init_from`'s trained backbone (and workspace, for a controller or router stage) under the asked
-    model config, the other parameters initialised as a fresh model of that config with the stage's seed
-    (`prisme.rebase.rebase`); written to OUT/0_rebased_init, which becomes the stage's init_from."""
+    """`--rebase`: `init_from`'s trained groups `StageSpec.rebase_keeps` (the backbone; and the workspace, for a
+    controller or router stage) under the asked model config, the other parameters initialised as a fresh model of
+    that config with the stage's seed (`prisme.rebase.rebase`); written to OUT/0_rebased_init, which becomes the
+    stage's init_from."""
     from pathlib import Path
 
     from prisme.rebase import rebase
     from prisme.training.resume import check_fresh_run
 
-    if scfg.init_from is None or model_cfg is None or scfg.stage == "backbone" or scfg.resume:
+    keep = scfg.spec.rebase_keeps  # the groups of init_from the stage keeps; none: the first stage does not rebase
+    if scfg.init_from is None or model_cfg is None or not keep or scfg.resume:
         raise ValueError("--rebase needs --init-from (a trained checkpoint), the new model (--preset, a config's "
                          "'model', --set model.FIELD=...) and a stage after the backbone, without --resume")
-    keep = ("backbone",) if scfg.stage == "workspace" else ("backbone", "workspace")
     check_fresh_run(Path(scfg.out_dir), scfg.overwrite)  # before the rebased start is written into the folder
     folder = Path(scfg.out_dir) / "0_rebased_init"
     path = rebase(scfg.init_from, model_cfg, folder, seed=scfg.seed, keep=keep)

@@ -17,32 +17,11 @@ from prisme.config import PrismeConfig, reject_unknown_fields
 from prisme.data.mqar import MQARConfig, MQARDataset
 from prisme.data.text import TokenDataset
 from prisme.io import CONFIG_DIR, loads_config
+from prisme.training.stages import STAGE_SPECS, STAGES, StageSpec
 
-
-@dataclass(frozen=True)
-class StageSpec:
-    """What a training stage is: where it starts, what it may start from, and the parameter group it trains (its
-    objective is `prisme.training.objectives.OBJECTIVES[name]`)."""
-
-    name: str
-    previous: str | None  # the stage whose checkpoint it normally starts from (None: it can start fresh)
-    accepts_init: tuple[str, ...]  # checkpoint stages it may start from (its own: a second run of the stage)
-    group: str  # the `PrismeModel` parameter group it trains (the workspace stage may add the backbone's)
-    needs: str | None = None  # a model option the stage needs ("router"), or None
-
-
-STAGE_SPECS = {s.name: s for s in (
-    StageSpec("backbone", None, ("backbone", "workspace", "controller", "router", "export"), "backbone"),
-    StageSpec("workspace", "backbone", ("backbone", "workspace"), "workspace"),
-    StageSpec("controller", "workspace", ("workspace", "controller", "router"), "controller"),
-    StageSpec("router", "workspace", ("workspace", "router", "controller"), "router", needs="router"),
-)}
-STAGES = tuple(STAGE_SPECS)
 RESUME_FREE = ("steps", "resume", "reschedule", "overwrite", "out_dir", "init_from", "progress", "log_every",
                "eval_every", "eval_batches", "ckpt_every", "keep_last", "log_tensorboard", "tensorboard_dir", "device",
                "cache_dir", "compile", "tf32")  # what a resumed run may change without changing the run it continues
-PREVIOUS = {s.name: s.previous for s in STAGE_SPECS.values() if s.previous is not None}
-ACCEPTS_INIT = {s.name: s.accepts_init for s in STAGE_SPECS.values()}
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.float32}
 
 
@@ -53,7 +32,7 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 class StageConfig:
     """One training stage. Load from JSON with `StageConfig.from_json` / `load_run_config`."""
 
-    stage: str = "backbone"  # "backbone" | "workspace" | "controller" | "router" (STAGE_SPECS)
+    stage: str = "backbone"  # "backbone" | "workspace" | "controller" | "router" (`STAGE_SPECS`; `spec`)
     steps: int = 200  # optimizer steps of this stage (the cosine schedule ends here)
     batch_size: int = 16  # global batch: sequences per optimizer step, over all ranks and accumulation steps
     seq_len: int | None = None  # tokens per sequence (default: the model's max_seq_len; MQAR: its seq_len)
@@ -115,10 +94,28 @@ class StageConfig:
     tf32: bool = False  # allow TF32 matmuls on CUDA (`prisme.devices.set_tf32`); off = PyTorch's float32 default
 
     @property
+    def spec(self) -> StageSpec:
+        """The stage's `StageSpec` (`STAGE_SPECS`); ValueError naming the stages for an unknown one."""
+        if self.stage not in STAGE_SPECS:
+            raise ValueError(f"StageConfig: stage must be one of {STAGES}, got {self.stage!r}")
+        return STAGE_SPECS[self.stage]
+
+    @property
+    def trained_groups(self) -> tuple[str, ...]:
+        """The parameter groups this stage trains, in the optimizer's order (`StageSpec.trained_groups`)."""
+        return self.spec.trained_groups(self.train_backbone_in_workspace_stage)
+
+    @property
+    def backbone_joins(self) -> bool:
+        """Whether the backbone learns next to the stage's own group (the workspace stage with
+        train_backbone_in_workspace_stage): its parameters come first, with their own lr (`backbone_lr`)."""
+        return self.spec.backbone_joins and self.train_backbone_in_workspace_stage
+
+    @property
     def may_start_fresh(self) -> bool:
         """Whether the stage can start from a fresh model (no init_from): stage 1, or the workspace stage when the
         backbone learns in it too (joint training from scratch)."""
-        return self.stage == "backbone" or (self.stage == "workspace" and self.train_backbone_in_workspace_stage)
+        return self.spec.may_start_fresh(self.train_backbone_in_workspace_stage)
 
     def validate(self) -> StageConfig:
         """Raise ValueError naming the field for every bad value; returns self."""

@@ -8,7 +8,7 @@
    heads regressed on the oracle's true loss drops. Only these training stages execute candidate edits; the
    deployed controller and router never do.
 
-`OBJECTIVES` maps each stage of `prisme.training.config.STAGE_SPECS` to its objective.
+Each stage's objective is its `prisme.training.stages.StageSpec.objective`.
 
 Notation: b rows of one micro-batch on one rank, T seq_len, P oracle positions per sequence, A actions, R forced
 steps. An objective owns its stage's randomness and loss; see the section comment below for the contract.
@@ -28,6 +28,9 @@ from prisme.training.oracle_objectives import ControllerObjective, RouterObjecti
 
 if TYPE_CHECKING:  # pragma: no cover
     from prisme.training.config import StageConfig
+
+# the stages' objectives (`StageSpec.objective`); the controller's and the router's live in oracle_objectives
+__all__ = ["BackboneObjective", "WorkspaceObjective", "ControllerObjective", "RouterObjective"]
 
 
 def _ce_sum(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -91,7 +94,7 @@ class WorkspaceObjective(nn.Module):
         self.train_backbone = scfg.train_backbone_in_workspace_stage
         self.aux = scfg.backbone_aux_weight if self.train_backbone else 0.0
         self.isolate = self.train_backbone and not scfg.workspace_grad_to_backbone  # the workspace reads H.detach()
-        self.aux_prev = scfg.aux_prev_token if scfg.stage == "workspace" else 0.0
+        self.aux_prev = scfg.aux_prev_token if scfg.spec.prev_token_probe else 0.0
         if self.aux_prev > 0:  # SPEC §5 lesson: make H[t] carry token t-1 so the bank has something to match
             self.prev_probe = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)  # trained and checkpointed here
             g = torch.Generator().manual_seed(scfg.seed + 4)
@@ -207,8 +210,3 @@ class WorkspaceObjective(nn.Module):
         for k in sorted(k for k in s if k.startswith("gate") and k != "gate_n"):
             out[f"{k}_mean"] = float(s[k] / gn)  # mean editor gate of block i over edited slots
         return out
-
-
-
-OBJECTIVES = {"backbone": BackboneObjective, "workspace": WorkspaceObjective, "controller": ControllerObjective,
-              "router": RouterObjective}

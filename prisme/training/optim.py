@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn as nn
 
-from prisme.training.config import STAGE_SPECS, StageConfig
+from prisme.training.config import StageConfig
 
 
 def lr_at(step: int, scfg: StageConfig, peak: float | None = None, floor: float | None = None) -> float:
@@ -21,9 +21,10 @@ def lr_at(step: int, scfg: StageConfig, peak: float | None = None, floor: float 
 
 
 def group_lrs(scfg: StageConfig) -> dict[str, tuple[float, float]]:
-    """Peak and final lr per optimizer group kind: "main", and "backbone" when it learns in the workspace stage."""
+    """Peak and final lr per optimizer group kind: "main", and "backbone" when it joins the stage
+    (`StageConfig.backbone_joins`: it learns in the workspace stage)."""
     out = {"main": (scfg.lr, scfg.min_lr)}
-    if scfg.stage == "workspace" and scfg.train_backbone_in_workspace_stage:
+    if scfg.backbone_joins:
         peak = scfg.lr if scfg.backbone_lr is None else scfg.backbone_lr
         floor = scfg.backbone_min_lr if scfg.backbone_min_lr is not None else min(scfg.min_lr, peak)
         out["backbone"] = (peak, floor)
@@ -31,11 +32,11 @@ def group_lrs(scfg: StageConfig) -> dict[str, tuple[float, float]]:
 
 
 def stage_parameters(model: nn.Module, scfg: StageConfig) -> list[nn.Parameter]:
-    """The stage's parameter group (`STAGE_SPECS`; the workspace stage adds the backbone's when it keeps learning);
-    every other parameter gets `requires_grad=False`."""
-    params = model.parameter_group(STAGE_SPECS[scfg.stage].group)
-    if scfg.stage == "workspace" and scfg.train_backbone_in_workspace_stage:
-        params = model.backbone_parameters() + params
+    """The parameters of the stage's groups (`StageConfig.trained_groups`: its spec's group, after the backbone's
+    when the backbone joins), once the model's groups are checked to partition its parameters; every other
+    parameter gets `requires_grad=False`."""
+    model.check_parameter_groups()
+    params = [p for group in scfg.trained_groups for p in model.parameter_group(group)]
     ids = {id(p) for p in params}
     for p in model.parameters():
         p.requires_grad_(id(p) in ids)

@@ -18,7 +18,7 @@ import torch
 
 from prisme import checkpoint as ckpt
 from prisme.io import write_text_atomic
-from prisme.training.config import ACCEPTS_INIT, PREVIOUS, RESUME_FREE
+from prisme.training.config import RESUME_FREE
 
 if TYPE_CHECKING:
     from torch import nn
@@ -93,9 +93,10 @@ def load_start(model_cfg: PrismeConfig | None, scfg: StageConfig) -> tuple[nn.Mo
         check_resumable(meta, scfg, out)
         return model, meta
     check_fresh_run(out, scfg.overwrite)
+    spec = scfg.spec
     if scfg.init_from is None:
-        if not scfg.may_start_fresh or (scfg.stage in PREVIOUS and model_cfg is None):
-            prev = PREVIOUS[scfg.stage]
+        if not scfg.may_start_fresh or (not spec.is_first and model_cfg is None):
+            prev = spec.previous
             raise ValueError(f"stage {scfg.stage!r} starts from the {prev!r} stage's checkpoint, and init_from is not "
                              f"set: run `prisme train --stage {prev}` first and pass its out_dir (or a ckpt_* folder) "
                              f"as init_from / --init-from")
@@ -106,11 +107,11 @@ def load_start(model_cfg: PrismeConfig | None, scfg: StageConfig) -> tuple[nn.Mo
     try:
         model, meta = ckpt.load_checkpoint(scfg.init_from, expected_config=model_cfg, load_optimizer=False)
     except ValueError as e:
-        prev = PREVIOUS.get(scfg.stage, "backbone")
+        prev = spec.previous or spec.name  # the first stage: a checkpoint of its own
         raise ValueError(f"stage {scfg.stage!r} cannot start from init_from={scfg.init_from!r}: {e}. Run "
                          f"`prisme train --stage {prev}` first, or point init_from at its out_dir") from None
-    if meta.stage not in ACCEPTS_INIT[scfg.stage]:
-        raise ValueError(f"stage {scfg.stage!r} needs a checkpoint of stage {PREVIOUS.get(scfg.stage)!r} (or its own), "
+    if not spec.accepts(meta.stage):
+        raise ValueError(f"stage {scfg.stage!r} needs a checkpoint of stage {spec.previous!r} (or its own), "
                          f"but {meta.path} is a {meta.stage!r} checkpoint")
     return model, meta
 
@@ -218,13 +219,13 @@ def clear_run(out: Path) -> None:
             p.unlink()
 
 
-def check_resumable(meta: ckpt.CheckpointMeta, scfg: Any, out: Path) -> None:
+def check_resumable(meta: ckpt.CheckpointMeta, scfg: StageConfig, out: Path) -> None:
     """ValueError unless the checkpoint `meta` (the latest of run folder `out`) can be continued exactly by `scfg`:
     it has optimizer state, it is of the same stage, the schedule and every setting outside `RESUME_FREE` match."""
     found = meta.path
     if meta.optimizer_state is None:
         raise ValueError(f"{found} has no {ckpt.OPTIMIZER}; it cannot be resumed (use it as init_from instead)")
-    if meta.stage != scfg.stage:
+    if not scfg.spec.owns(meta.stage):
         raise ValueError(f"{found} is a {meta.stage!r} checkpoint; cannot resume it as stage {scfg.stage!r}")
     saved = meta.stage_config.get("steps")
     if saved is not None and saved != scfg.steps and not scfg.reschedule:

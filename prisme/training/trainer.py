@@ -5,9 +5,10 @@
     train_stage(None, StageConfig(stage="workspace", init_from="runs/x/backbone", out_dir="runs/x/workspace"))
     train_stage(None, StageConfig(stage="controller", init_from="runs/x/workspace", out_dir="runs/x/controller"))
 
-Each stage (`STAGE_SPECS`: backbone, workspace, controller, router) loads the previous stage's checkpoint
-(`init_from`), trains only its own parameter group (everything else has `requires_grad=False`), holds its run folder's
-lock, logs JSONL metrics and writes atomic checkpoints to `out_dir`. The losses are in `prisme.training.objectives`.
+Each stage (`prisme.training.stages.STAGE_SPECS`: backbone, workspace, controller, router) loads the previous
+stage's checkpoint (`init_from`), trains only its own parameter groups (everything else has `requires_grad=False`),
+holds its run folder's lock, logs JSONL metrics and writes atomic checkpoints to `out_dir`. What a stage does comes
+from its `StageSpec` (`scfg.spec`); the losses are in `prisme.training.objectives`.
 
 Notation: B global batch (sequences per optimizer step), b rows of one micro-batch on one rank, T seq_len,
 P oracle positions per sequence, A actions, R forced steps, W world size.
@@ -45,7 +46,6 @@ from prisme.devices import upload
 from prisme.io import write_text_atomic
 from prisme.training.config import (
     DTYPES,
-    STAGE_SPECS,
     StageConfig,
     build_dataset,
     check_same_tokenizer,
@@ -66,7 +66,6 @@ from prisme.training.distributed import (
     stats_to_host,
     wrap_for_ranks,
 )
-from prisme.training.objectives import OBJECTIVES
 from prisme.training.optim import group_lrs, lr_at, make_optimizer, stage_parameters
 from prisme.training.resume import (
     RunLock,
@@ -153,10 +152,11 @@ class _Trainer:
         self.device = device = resolve_device(scfg.device, di, scfg.tf32)
         model, meta = load_start(model_cfg, scfg)
         cfg = model.cfg
-        if scfg.stage != "backbone" and not cfg.use_workspace:
+        spec = scfg.spec
+        if spec.uses_workspace and not cfg.use_workspace:
             raise ValueError(f"stage {scfg.stage!r} needs a model with a workspace; {cfg.name!r} has "
                              f"use_workspace=False")
-        needs = STAGE_SPECS[scfg.stage].needs
+        needs = spec.needs
         if needs is not None and not getattr(cfg, needs):
             raise ValueError(f"stage {scfg.stage!r} trains the model's {needs}, but {cfg.name!r} has {needs}=False: "
                              f"build the model with {needs}=True from stage 1 on")
@@ -176,14 +176,14 @@ class _Trainer:
 
         # ---- model, objective, generators
         self.model = model = model.to(device=device, dtype=DTYPES[scfg.dtype])
-        if scfg.stage != "backbone":
+        if spec.uses_workspace:
             from prisme.model.compiled import maybe_compile
 
             maybe_compile(model, scfg.compile)
         self.params = stage_parameters(model, scfg)
         if not self.params:
             raise ValueError(f"stage {scfg.stage!r} has no parameters to train in model {cfg.name!r}")
-        self.objective = objective = OBJECTIVES[scfg.stage](model, scfg).to(device, DTYPES[scfg.dtype])  # + probes
+        self.objective = objective = spec.objective(model, scfg).to(device, DTYPES[scfg.dtype])  # + probes
         self.params += list(_own_parameters(objective).values())  # aux probes
         resuming = scfg.resume and meta is not None
         if resuming and "objective" in (meta.optimizer_state or {}):
@@ -200,20 +200,19 @@ class _Trainer:
                      "sample": torch.Generator().manual_seed(scfg.seed + 1)}
         self.extra_state: dict[str, Any] = dict(meta.extra) if resuming else {}
         trained = ckpt.trained_groups(meta) if meta is not None else set()
-        trained |= {STAGE_SPECS[scfg.stage].group} | ({"backbone"} if scfg.stage == "workspace"
-                                                      and scfg.train_backbone_in_workspace_stage else set())
+        trained |= set(scfg.trained_groups)
         self.extra_state["trained_groups"] = sorted(trained)  # which parts of this model some stage has trained
         if resuming:
             restore_rng_state(self.gens, meta.rng, meta.path / ckpt.STATE)
         self.rng = rng_state(self.gens)  # generator states at the current step boundary (saved with checkpoints)
         self.updating = False
-        if scfg.stage in ("controller", "router"):  # the value heads regress dL / scale
+        if spec.calibrates_values:  # the value heads regress dL / scale
             if "value_scale" in self.extra_state:
                 objective.scale = float(self.extra_state["value_scale"])
             else:  # the same calibration batch on every rank, from its own generator
                 g = torch.Generator().manual_seed(scfg.seed + 3)
                 xc, yc = self.data.batch("train", scfg.batch_size, self.T, g)
-                fresh = meta is not None and meta.stage != scfg.stage  # not a checkpoint of this stage
+                fresh = meta is not None and not spec.owns(meta.stage)  # not a checkpoint of this stage
                 exc = {k: v.to(device) for k, v in objective.sample(xc, yc, g).items()}  # with the batch
                 objective.calibrate(xc.to(device), yc.to(device), exc, init_heads=fresh)
             self.extra_state["value_scale"] = objective.scale
