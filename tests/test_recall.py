@@ -255,8 +255,8 @@ def test_frontier_quick_run_writes_both_families_the_verdict_and_the_router_cost
     doc = json.loads(text[text.index("\n{") + 1:])
     f = doc["frontier"]
     cfg = RecallStudyConfig()
-    assert {(e["n_layer"], e["d_model"]) for e in f["dense"]} == {(L, d) for L in cfg.frontier_depths
-                                                                  for d in cfg.frontier_widths}
+    assert {(e["n_layer"], e["d_model"]) for e in f["dense"]} == {(L, d) for b in cfg.frontier_dense
+                                                                  for L in b["depths"] for d in b["widths"]}
     keys = {"n_layer", "d_model", "w", "ops_ratio", "accuracy", "seeds_at_95"}
     assert all(keys <= set(e) and e["w"] is None and len(e["accuracy"]) == 1 for e in f["dense"])
     assert len(f["prisme"]) == 1 and keys <= set(f["prisme"][0]) and f["prisme"][0]["w"] == cfg.family[0][1]
@@ -283,9 +283,14 @@ def test_frontier_quick_run_writes_both_families_the_verdict_and_the_router_cost
                                 "out_dir": str(tmp_path / "empty")}), progress=False)
 
 
-@pytest.mark.parametrize("override, field", [({"frontier_widths": [15]}, "frontier_widths"),
-                                             ({"frontier_widths": []}, "frontier_widths"),
-                                             ({"frontier_depths": [0]}, "frontier_depths"),
+@pytest.mark.parametrize("override, field", [({"frontier_dense": [{"depths": [1], "widths": [15]}]}, "frontier_dense"),
+                                             ({"frontier_dense": [{"depths": [1], "widths": []}]}, "frontier_dense"),
+                                             ({"frontier_dense": [{"depths": [0], "widths": [16]}]}, "frontier_dense"),
+                                             ({"frontier_dense": []}, "frontier_dense"),
+                                             ({"frontier_dense": [{"depths": [1], "widths": [16], "window": 4}]},
+                                              "frontier_dense"),
+                                             ({"frontier_dense": [{"depths": [1], "widths": [16]},
+                                                                  {"depths": [1], "widths": [16]}]}, "frontier_dense"),
                                              ({"family": [[16, -32]]}, "family"),
                                              ({"family": [[18, 32]]}, "family"),
                                              ({"family": [[16, 33]]}, "family"),

@@ -67,7 +67,8 @@ def test_the_quick_frontier_plan_is_the_family_then_the_controls_then_the_dense_
     """`--frontier --quick`: the first family size on every seed, the controls, then every depth x width backbone
     on every seed, each in `frontier/`; the controller runs are left out."""
     out = tmp_path / "study"
-    tasks = recall_plan(tmp_path, seeds=[0, 2], frontier=True, frontier_depths=[1, 2], frontier_widths=[16, 32],
+    tasks = recall_plan(tmp_path, seeds=[0, 2], frontier=True,
+                        frontier_dense=[{"depths": [1, 2], "widths": [16, 32]}],
                         family=[[16, 32], [24, 32]])
     want = [described("family", s, out / "frontier" / f"prisme_d16_w32_seed{s}", "d16_w32") for s in (0, 2)]
     want += [described("control", 0, out / f"control_{n}_seed0", n) for n in ("one_layer", "two_layer")]

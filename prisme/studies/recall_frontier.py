@@ -2,7 +2,9 @@
 
 Two families, every member trained on every seed of the study and scored on the same held-out sequences:
 
-* **dense**: backbones alone over `frontier_depths` x `frontier_widths` (the recipe's stage 1 at `frontier_steps`,
+* **dense**: backbones alone over each `frontier_dense` block's depths x widths, with its backbone options (a key
+  shift, an attention window: every help the workspace's bank gets, the dense family gets too; the recipe's stage 1 at
+  `frontier_steps`,
   at least 1,500 and at least as many as the PRISME family's three stages together: trained to what it can do);
 * **PRISME**: the recipe at each `family` size (backbone width d x workspace width w; one layer), stage 2 at
   `family_workspace_steps`, then the router stage (configs/recall_router.json), deployed with the router at budget 1
@@ -28,7 +30,15 @@ from prisme.costs.traces import trace_cost
 from prisme.data.mqar import MQARConfig, make_mqar_batch
 from prisme.evaluation.policies import Backbone
 from prisme.studies.recall_eval import calibrated_policy, forced_row, score
-from prisme.studies.recall_setup import EVAL_SEED, TARGET_ACCURACY, RecallStudyConfig, RecallTask, Recipe, _quick
+from prisme.studies.recall_setup import (
+    DENSE_OPTIONS,
+    EVAL_SEED,
+    TARGET_ACCURACY,
+    RecallStudyConfig,
+    RecallTask,
+    Recipe,
+    _quick,
+)
 
 
 def seeds_needed(n_seeds: int) -> int:
@@ -36,13 +46,22 @@ def seeds_needed(n_seeds: int) -> int:
     return max(1, n_seeds - 1)
 
 
-def dense_config(recipe: Recipe, n_layer: int, d: int) -> PrismeConfig:
-    """The recipe's backbone at another depth and width, without a workspace; ValueError naming the grid field."""
+def dense_name(n_layer: int, d: int, key_shift: bool = False, attn_window: int | None = None) -> str:
+    """`L{n_layer}_d{d}`, `_ks` with a key shift, `_win{W}` with an attention window."""
+    return f"L{n_layer}_d{d}" + ("_ks" if key_shift else "") + (f"_win{attn_window}" if attn_window else "")
+
+
+def dense_config(recipe: Recipe, n_layer: int, d: int, key_shift: bool = False,
+                 attn_window: int | None = None) -> PrismeConfig:
+    """The recipe's backbone at another depth and width (and backbone options), without a workspace; ValueError naming
+    the grid field."""
+    options = {k: v for k, v in (("key_shift", key_shift), ("attn_window", attn_window)) if v != DENSE_OPTIONS[k]}
     try:
-        return recipe.model.replace(n_layer=n_layer, d_model=d, use_workspace=False, name=f"dense_L{n_layer}_d{d}")
-    except ValueError as e:
-        raise ValueError(f"recall study: frontier_widths / frontier_depths entry (n_layer={n_layer}, d_model={d}) "
-                         f"does not make a model: {e}") from None
+        return recipe.model.replace(n_layer=n_layer, d_model=d, use_workspace=False,
+                                    name=f"dense_{dense_name(n_layer, d, key_shift, attn_window)}", **options)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"recall study: frontier_dense entry (n_layer={n_layer}, d_model={d}, {options}) does not "
+                         f"make a model: {e}") from None
 
 
 def family_config(recipe: Recipe, d: int, w: int) -> PrismeConfig:
@@ -71,16 +90,18 @@ def frontier_stages(cfg: RecallStudyConfig, recipe: Recipe) -> tuple[Any, Any, A
 def plan_frontier(cfg: RecallStudyConfig, recipe: Recipe, out) -> list[FrontierMember]:
     """The frontier's runs: every dense configuration and every family size, on every seed."""
     dense, s1, s2, s3 = frontier_stages(cfg, recipe)
-    depths, widths = cfg.frontier_depths, cfg.frontier_widths
     family = cfg.family[:1] if cfg.quick else cfg.family
     tasks: list[FrontierMember] = []
-    for L in depths:
-        for d in widths:
-            model = dense_config(recipe, L, d)
-            for seed in cfg.seeds:
-                tasks.append(DenseTask(n_layer=L, d_model=d, seed=seed, model=model, stages=(dense,),
-                                       folder=str(out / "frontier" / f"dense_L{L}_d{d}_seed{seed}"),
-                                       mqar=recipe.mqar, study=cfg))
+    for block in cfg.frontier_dense:
+        options = {k: block.get(k, v) for k, v in DENSE_OPTIONS.items()}
+        for L in block["depths"]:
+            for d in block["widths"]:
+                model = dense_config(recipe, L, d, **options)
+                for seed in cfg.seeds:
+                    tasks.append(DenseTask(n_layer=L, d_model=d, **options, seed=seed, model=model, stages=(dense,),
+                                           folder=str(out / "frontier" / f"dense_{dense_name(L, d, **options)}"
+                                                                         f"_seed{seed}"),
+                                           mqar=recipe.mqar, study=cfg))
     for d, w in family:
         model = family_config(recipe, d, w)
         for seed in cfg.seeds:
@@ -151,13 +172,20 @@ class DenseTask(FrontierMember):
     section: ClassVar[str] = "dense"
     n_layer: int
     d_model: int
+    key_shift: bool = False
+    attn_window: int | None = None
 
     @property
     def name(self) -> str:
-        return f"L{self.n_layer}_d{self.d_model}"
+        return dense_name(self.n_layer, self.d_model, self.key_shift, self.attn_window)
 
     def score(self, model: torch.nn.Module) -> dict[str, Any]:
         return evaluate_dense(model, self.mqar, self.seed, self.study)
+
+    def frontier_entry(self, cfg_model: dict[str, Any], runs: list[dict[str, Any]], ref: float,
+                       need: int) -> dict[str, Any]:
+        return super().frontier_entry(cfg_model, runs, ref, need) | {"key_shift": self.key_shift,
+                                                                      "attn_window": self.attn_window}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -260,6 +288,11 @@ def decode_speed(frontier: dict[str, Any], mcfg: MQARConfig, batches: tuple[int,
     return out
 
 
+def _options(e: dict[str, Any]) -> str:
+    """A dense entry's backbone options in the table's family column: "+ks" (key shift), "+wW" (window W)."""
+    return ("+ks" if e.get("key_shift") else "") + (f"+w{e['attn_window']}" if e.get("attn_window") else "")
+
+
 def format_frontier(doc: dict[str, Any]) -> str:
     """The frontier table, the verdict and the router's cost, for humans."""
     f = doc["frontier"]
@@ -275,14 +308,16 @@ def format_frontier(doc: dict[str, Any]) -> str:
                 extra = (f"budget1 {min(e['budget1_accuracy']):.3f}-{max(e['budget1_accuracy']):.3f}, edits/token "
                          f"{min(e['edits_per_token']):.3f}-{max(e['edits_per_token']):.3f}, on queries "
                          f"{min(e['query_edit_share']):.2f}-{max(e['query_edit_share']):.2f}")
-            lines.append(f"{kind:<8}{e['n_layer']:>3}{e['d_model']:>5}{e['w'] if e['w'] else '-':>5}"
+            lines.append(f"{kind + _options(e):<8}{e['n_layer']:>3}{e['d_model']:>5}{e['w'] if e['w'] else '-':>5}"
                          f"{e['ops_ratio']:>8.3f}  {acc:<44}{e['seeds_at_95']:>4}  {extra}")
     v = f["verdict"]
 
     def name(e: dict[str, Any] | None) -> str:
         if e is None:
             return "none reaches 95%"
-        return f"L{e['n_layer']} d{e['d_model']}" + (f" w{e['w']}" if e["w"] else "") + f" at {e['ops_ratio']:.3f}x"
+        return (f"L{e['n_layer']} d{e['d_model']}" + (f" w{e['w']}" if e["w"] else "")
+                + (" with key shift" if e.get("key_shift") else "")
+                + (f" window {e['attn_window']}" if e.get("attn_window") else "") + f" at {e['ops_ratio']:.3f}x")
 
     lines += ["", f"cheapest dense passing: {name(v['dense_best'])}; cheapest PRISME passing: {name(v['prisme_best'])}"]
     if v["ops_ratio_prisme_over_dense"] is not None:

@@ -21,6 +21,7 @@ EVAL_SEED, CALIBRATION_SEED, RANDOM_POLICY_SEED = 100_003, 200_003, 300_007  # +
 RECIPE_FILES = {"backbone": "recall_backbone.json", "workspace": "recall_workspace.json",
                 "controller": "recall_controller.json", "router": "recall_router.json", "study": "recall_study.json"}
 TARGET_ACCURACY = 0.95
+DENSE_OPTIONS = {"key_shift": False, "attn_window": None}  # backbone options a dense grid block may set, defaults
 CHUNK = 256  # sequences per evaluation forward
 
 
@@ -47,8 +48,10 @@ class RecallStudyConfig:
     # --- the dense frontier (`--frontier`): backbones alone over depths x widths, and the PRISME family
     frontier: bool = False  # run the frontier study instead of the controller runs (the controls run as always)
     evaluate_only: bool = False  # train nothing: score the checkpoints an earlier run of the same study left in out_dir
-    frontier_depths: list[int] = field(default_factory=lambda: [1, 2])
-    frontier_widths: list[int] = field(default_factory=lambda: [16, 24, 32, 64])
+    frontier_dense: list[dict[str, Any]] = field(
+        default_factory=lambda: [{"depths": [1, 2], "widths": [16, 24, 32, 64]}])
+    #   the dense frontier's grid: blocks of depths x widths, each with its backbone options (`key_shift`,
+    #   `attn_window`), e.g. {"depths": [1, 2], "widths": [8, 16], "key_shift": true}
     frontier_steps: int = 1500  # every dense model's steps: >= 1500 and >= the PRISME family's three stages together
     family: list[list[int]] = field(default_factory=lambda: [[16, 32], [24, 32], [32, 32]])  # [backbone d, w]
     family_workspace_steps: int = 1000  # the family's workspace stage (the recipe's 300 is too short below d = 64)
@@ -71,10 +74,26 @@ class RecallStudyConfig:
         need(0 <= self.accuracy_tolerance < 1, f"accuracy_tolerance must be in [0, 1), got {self.accuracy_tolerance}")
         check_choice("compile", self.compile, COMPILE_SETTINGS, "recall study: ")
         positive = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1  # noqa: E731
-        for f in ("frontier_depths", "frontier_widths"):
-            v = getattr(self, f)
-            need(isinstance(v, list) and len(v) > 0 and all(positive(x) for x in v) and len(set(v)) == len(v),
-                 f"{f} must be a non-empty list of distinct ints >= 1, got {v!r}")
+        need(isinstance(self.frontier_dense, list) and len(self.frontier_dense) > 0,
+             f"frontier_dense must be a non-empty list of grid blocks, got {self.frontier_dense!r}")
+        seen: set[tuple] = set()
+        for block in self.frontier_dense:
+            need(isinstance(block, dict) and {"depths", "widths"} <= set(block)
+                 and set(block) <= {"depths", "widths", *DENSE_OPTIONS},
+                 f"frontier_dense entries must be {{depths, widths[, {', '.join(DENSE_OPTIONS)}]}}, got {block!r}")
+            for f in ("depths", "widths"):
+                v = block[f]
+                need(isinstance(v, list) and len(v) > 0 and all(positive(x) for x in v) and len(set(v)) == len(v),
+                     f"frontier_dense {f} must be a non-empty list of distinct ints >= 1, got {v!r}")
+            need(isinstance(block.get("key_shift", False), bool),
+                 f"frontier_dense key_shift must be true or false, got {block.get('key_shift')!r}")
+            need(block.get("attn_window") is None or positive(block["attn_window"]),
+                 f"frontier_dense attn_window must be an int >= 1 or null, got {block.get('attn_window')!r}")
+            for L in block["depths"]:
+                for d in block["widths"]:
+                    key = (L, d, *(block.get(o, DENSE_OPTIONS[o]) for o in DENSE_OPTIONS))
+                    need(key not in seen, f"frontier_dense lists the configuration {key} twice")
+                    seen.add(key)
         need(isinstance(self.family, list) and len(self.family) > 0
              and all(isinstance(e, (list, tuple)) and len(e) == 2 and all(positive(x) for x in e) for e in self.family),
              f"family must be a non-empty list of [backbone width, workspace width] pairs of ints >= 1, got "
