@@ -304,8 +304,10 @@ def _run_batches(model: PrismeModel, plan: list[Row], accs: dict[str, _Acc],
         base_ce = token_ce(batch.base_logits, y)  # [B, T]
         t_enc = clock() - t0
         matched_ce = None
-        if matched is not None:  # its CE on the same targets: every row's second reference
+        if matched is not None:  # its CE on the same targets: every row's second reference (its row's time)
+            t0 = clock()
             matched_ce = token_ce(matched.policy.logits(batch), y)
+            accs[matched.name].time_s += clock() - t0
         for row in plan:
             acc = accs[row.name]
             t0 = clock()
