@@ -80,6 +80,11 @@ class PrismeConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool | None = None  # default: True for llama, False for gpt2
     init_std: float = 0.02
+    key_shift: bool = False  # every attention layer's key also reads the previous position:
+    #   k_t = W_k n(x_t) + W_s n(x_{t-1}) (n: the layer's attention-input norm; zero before position 0), the short
+    #   convolution that Zoology, H3 and Based put in front of attention
+    attn_window: int | None = None  # W: causal sliding-window attention, position t attends to keys t-W+1 .. t; the
+    #   decode cache then keeps the last W positions (a ring buffer). None: every earlier position
     # --- workspace
     use_workspace: bool = True  # False: a backbone-only model (e.g. seed001)
     w: int = 64  # workspace width (bank K/V, z, slots)
@@ -224,6 +229,9 @@ class PrismeConfig:
         need(self.norm_eps > 0, f"norm_eps must be > 0, got {self.norm_eps}")
         need(self.init_std > 0, f"init_std must be > 0, got {self.init_std}")
         need(self.rope_theta > 0, f"rope_theta must be > 0, got {self.rope_theta}")
+        need(isinstance(self.key_shift, bool), f"key_shift must be a bool, got {self.key_shift!r}")
+        need(self.attn_window is None or 1 <= self.attn_window <= self.max_seq_len,
+             f"attn_window must be None or an int in [1, max_seq_len={self.max_seq_len}], got {self.attn_window!r}")
         need(isinstance(self.tie_embeddings, bool), f"tie_embeddings must be a bool, got {self.tie_embeddings!r}")
         need(isinstance(self.use_workspace, bool), f"use_workspace must be a bool, got {self.use_workspace!r}")
         need(self.n_slots >= 2 and self.n_slots % 2 == 0, f"n_slots (M) must be even and >= 2, got {self.n_slots}")
@@ -344,7 +352,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 # PrismeConfig fields added since schema version 1 was written, with the value that reproduces what a checkpoint
 # without them computed (the migration table): any other field missing from a config.json is an error, never a
 # silent default (a missing `bank_source` would rebuild another model).
-ADDED_CONFIG_FIELDS: dict[str, Any] = {"slot_kv_cache": False, "router": False, "router_ngram": 1}
+ADDED_CONFIG_FIELDS: dict[str, Any] = {"slot_kv_cache": False, "router": False, "router_ngram": 1, "key_shift": False,
+                                       "attn_window": None}
 
 
 def complete_config(d: dict[str, Any], where: Path | str = "config.json") -> dict[str, Any]:

@@ -1,7 +1,9 @@
 """Hugging Face `transformers` interop: the PRISME backbone as a `LlamaForCausalLM` / `GPT2LMHeadModel`, and back.
 
 `to_hf(backbone)` returns an HF model whose logits are `backbone.head(backbone(tokens))` (the PRISME bypass logits);
-`from_hf(hf_model)` is its inverse, so HF-format weights can be used in PRISME. Both copy the weights.
+`from_hf(hf_model)` is its inverse, so HF-format weights can be used in PRISME. Both copy the weights. A backbone
+with `key_shift` or `attn_window` has no stock HF counterpart: both refuse it with a ValueError naming the option
+(`check_hf_backbone`); `prisme export-hf --workspace` (`prisme.hf_full`) exports it exactly, with PRISME's modules.
 `transformers` is an optional extra (`pip install 'prisme[hf]'`) and is imported only when a function needs it.
 
 Weight layout (ours -> HF), per block i:
@@ -160,6 +162,7 @@ def hf_config(cfg: PrismeConfig, attn_implementation: str = "sdpa") -> Any:
     if attn_implementation not in ATTN_IMPLEMENTATIONS:
         raise ValueError(f"attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, got {attn_implementation!r}")
     cfg.validate()
+    check_hf_backbone(cfg)
     tf = transformers_module()
     common = dict(vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_embeddings, bos_token_id=None,
                   eos_token_id=None, pad_token_id=None, attn_implementation=attn_implementation)
@@ -182,6 +185,17 @@ def hf_config(cfg: PrismeConfig, attn_implementation: str = "sdpa") -> Any:
             **common)
     hf_cfg.prisme_config = cfg.to_dict()  # the full PrismeConfig, so that from_hf restores name and workspace fields
     return hf_cfg
+
+
+def check_hf_backbone(cfg: PrismeConfig) -> None:
+    """ValueError naming the backbone options HF's Llama / GPT-2 do not have (`key_shift`, `attn_window`): such a
+    backbone cannot be exported to, or imported from, a stock HF model exactly (`export-hf --workspace` can: it
+    ships PRISME's own modules)."""
+    options = [f for f, on in (("key_shift", cfg.key_shift), ("attn_window", cfg.attn_window is not None)) if on]
+    if options:
+        raise ValueError(f"HF {'LlamaForCausalLM' if cfg.family == 'llama' else 'GPT2LMHeadModel'} has no "
+                         f"{' and no '.join(options)} ({', '.join(f'{f}={getattr(cfg, f)!r}' for f in options)}): "
+                         f"this backbone cannot be exported to or imported from it exactly")
 
 
 def prisme_config_from_hf(hf_cfg: Any, **overrides: Any) -> PrismeConfig:
@@ -226,7 +240,9 @@ def prisme_config_from_hf(hf_cfg: Any, **overrides: Any) -> PrismeConfig:
     fields.update(vocab_size=hf_cfg.vocab_size, n_layer=hf_cfg.num_hidden_layers,
                   tie_embeddings=bool(hf_cfg.tie_word_embeddings), init_std=float(hf_cfg.initializer_range))
     carried = dict(getattr(hf_cfg, "prisme_config", None) or {})  # written by to_hf: name and workspace fields
-    return PrismeConfig.from_dict({"name": f"hf-{kind}", **carried, **fields, **overrides})
+    cfg = PrismeConfig.from_dict({"name": f"hf-{kind}", **carried, **fields, **overrides})
+    check_hf_backbone(cfg)
+    return cfg
 
 
 # ---------------------------------------------------------------------------------------------- exact llama modules

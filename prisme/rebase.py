@@ -11,7 +11,8 @@ from prisme.checkpoint import checkpoint_name, load_checkpoint, load_tokenizer, 
 from prisme.config import PrismeConfig
 
 BACKBONE_FIELDS = ("family", "vocab_size", "max_seq_len", "d_model", "n_layer", "n_head", "n_kv_head", "ffn_hidden",
-                   "ffn_multiple_of", "rope_theta", "norm_eps", "tie_embeddings", "init_std")
+                   "ffn_multiple_of", "rope_theta", "norm_eps", "tie_embeddings", "init_std", "key_shift",
+                   "attn_window")
 # What a rebase writes, by the parameter groups it keeps: the stage of its checkpoint (a checkpoint metadata value;
 # the training stage that starts from it keeps `prisme.training.stages.StageSpec.rebase_keeps`). A stage-1
 # checkpoint is rebased from a stage-1 checkpoint only (a later stage's backbone may have learnt); keeping the

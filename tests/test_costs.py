@@ -40,6 +40,9 @@ VARIANTS = {  # small llama configs for the FLOP ties
     # controller with its own input projection and the bank-match features
     "tiny_sources": dict(bank_source="residual+embedding", query_source="layer1", bank_shift=True,
                          controller_source="residual", controller_bank=True, controller_entropy=True),
+    # the backbone options: each key also reads the previous position (its own term, backbone_key_shift) and a
+    # sliding window of 8 < T_CTX keys (backbone_attention at min(t, W)); the workspace still reads the whole bank
+    "tiny_backbone_options": dict(key_shift=True, attn_window=8),
 }
 WORKSPACE_TERMS = ("bank_projection", "editor_source_attn", "editor_slot_attn", "editor_ffn", "editor_gate",
                    "controller", "readout")
@@ -300,12 +303,18 @@ def test_plain_flop_counter_sees_no_cpu_attention_so_a_formula_is_registered():
     assert flops == sdpa_flop_count(q.shape, k.shape, k.shape) == 4 * 2 * 4 * 3 * 7 * 16
 
 
+BACKBONE_OPTIONS = {"plain": {}, "key_shift": dict(key_shift=True), "window": dict(attn_window=8),
+                    "both": dict(key_shift=True, attn_window=8)}
+
+
+@pytest.mark.parametrize("options", list(BACKBONE_OPTIONS))
 @pytest.mark.parametrize("preset", ["tiny", "seed001"])
-def test_backbone_decode_step_flops_tie_to_backbone_terms(preset):
+def test_backbone_decode_step_flops_tie_to_backbone_terms(preset, options):
     """One new token at context T through Backbone.forward with the KV cache + head: measured matmul ops equal
-    backbone_linear minus the norm allowance, backbone_attention (L 4 T d) and lm_head (2 d V); gpt2 best effort."""
+    backbone_linear minus the norm allowance, backbone_attention (L 4 min(T, W) d), backbone_key_shift (L 2 d nkv hd,
+    with the key shift) and lm_head (2 d V); gpt2 best effort."""
     torch.manual_seed(0)
-    model = PrismeModel(PrismeConfig.from_name(preset)).double().eval()
+    model = PrismeModel(PrismeConfig.from_name(preset, **BACKBONE_OPTIONS[options])).double().eval()
     oc, _ = decode_token(model)
     assert measured_vs_analytic(oc.by_component, costs.backbone_ops(model.cfg, T_CTX), model.cfg) == {}
     allowance = costs.backbone_linear_allowance(model.cfg)

@@ -61,3 +61,26 @@ def test_the_folder_has_its_tokenizer_and_a_model_card(exported):
     assert tok("naïve")["input_ids"] == list("naïve".encode())
     card = (folder / "README.md").read_text()
     assert "budget 2" in card and "ops per token" in card and "trust_remote_code=True" in card
+
+
+def test_a_backbone_with_a_key_shift_and_a_window_exports_exactly(tmp_path, capsys):
+    """`export-hf --workspace` ships PRISME's own modules, so a backbone with `key_shift` and `attn_window` (which a
+    stock HF Llama cannot hold: `export-hf` without --workspace refuses it) gives the same logits there."""
+    torch.manual_seed(0)
+    cfg = PrismeConfig.from_name("tiny").replace(vocab_size=256, key_shift=True, attn_window=4)
+    model = PrismeModel(cfg).eval()
+    torch.nn.init.normal_(model.readout.U.weight, std=0.5)
+    save_checkpoint(tmp_path / "ck", model, stage="workspace", step=1, tokenizer=ByteTokenizer(),
+                    stage_config={"max_budget": 2}, extra={"trained_groups": ["backbone", "workspace"]})
+    rc, _ = run_cli("export-hf", "--checkpoint", str(tmp_path / "ck"), "--out", str(tmp_path / "hf"), "--workspace")
+    assert rc == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
+    assert hf.prisme.cfg.key_shift and hf.prisme.cfg.attn_window == 4
+    x = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert float((hf(x, max_budget=0).logits - model(x).logits).abs().max()) <= 1e-5
+        plain = PrismeModel(cfg.replace(key_shift=False, attn_window=None)).eval()
+        plain.load_state_dict({k: v for k, v in model.state_dict().items() if "wk_shift" not in k})
+        assert float((hf(x, max_budget=0).logits - plain(x).logits).abs().max()) > 1e-3  # the options matter
+    rc, _ = run_cli("export-hf", "--checkpoint", str(tmp_path / "ck"), "--out", str(tmp_path / "stock"))
+    assert rc != 0 and "key_shift" in capsys.readouterr().err and not (tmp_path / "stock").exists()

@@ -35,6 +35,8 @@ def differences(old, new, path: str = "") -> list[str]:
         for k in sorted(set(old) | set(new)):
             if k in UNRECORDED:
                 continue
+            if k not in old and path.endswith("/config") and new[k] in (False, None):
+                continue  # a model option added since, off
             if k not in old or k not in new:
                 out.append(f"{path}/{k}: only in {'the record' if k in old else 'the new rows'}")
             else:

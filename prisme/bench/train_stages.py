@@ -35,17 +35,19 @@ OPS_CONVENTION = (
 
 
 def _backbone_fwd_ops(cfg: PrismeConfig, B: int, T: int) -> float:
-    """Backbone blocks (linear + causal attention) over B rows of T positions, no head."""
+    """Backbone blocks (linear + causal attention, and a key shift's projections) over B rows of T positions, no
+    head."""
     from prisme.costs.analytic import backbone_ops
 
     rows = [backbone_ops(cfg, t) for t in range(1, T + 1)]
-    return float(B * sum(r["backbone_linear"] + r["backbone_attention"] for r in rows))
+    return float(B * sum(r["backbone_linear"] + r["backbone_attention"] + r.get("backbone_key_shift", 0)
+                         for r in rows))
 
 
 def workspace_stage_ops(cfg: PrismeConfig, extra: dict[str, torch.Tensor], y: torch.Tensor,
                         deep_supervision: float) -> float:
     """Analytic ops of one workspace-stage step (`OPS_CONVENTION`) for its sampled actions `[B, T, R]` and budgets."""
-    from prisme.costs.analytic import BACKBONE, backbone_ops, readout_ops
+    from prisme.costs.analytic import BACKBONE_TERMS, backbone_ops, readout_ops
     from prisme.costs.traces import trace_cost
     from prisme.data.text import IGNORE_INDEX
 
@@ -55,7 +57,7 @@ def workspace_stage_ops(cfg: PrismeConfig, extra: dict[str, torch.Tensor], y: to
     P = max(1, int(labelled.sum(1).max()))  # query positions per row (all T on text)
     ctx = (torch.arange(T) + 1).expand(B, T)
     tc = trace_cost(cfg, acts[labelled], ctx[labelled])  # the forced traces, seed accounting
-    ws = sum(v for k, v in tc.by_component.items() if k not in BACKBONE)  # bank projections, editor, readout
+    ws = sum(v for k, v in tc.by_component.items() if k not in BACKBONE_TERMS)  # bank projections, editor, readout
     head = backbone_ops(cfg, 1)["lm_head"]  # one position
     ops = NO_GRAD * _backbone_fwd_ops(cfg, B, T) + TRAINED * ws
     ops += (THROUGH + NO_GRAD) * head * B * P  # the final logits, and the backbone's own (the logged reference)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from prisme.costs.analytic import (
     ASSUMPTIONS,
     BACKBONE,
+    BACKBONE_TERMS,
     COMPONENTS,
     OPTIMISED_ASSUMPTIONS,
     OPTIONAL_COMPONENTS,
@@ -15,6 +16,7 @@ from prisme.costs.analytic import (
     SLOT_KV_ASSUMPTIONS,
     action_cost_proxy,
     action_editor_ops,
+    attended_keys,
     backbone_linear_allowance,
     backbone_ops,
     backbone_params,
@@ -28,6 +30,7 @@ from prisme.costs.analytic import (
     controller_step_ops,
     cost_document,
     cost_table,
+    key_shift_params,
     readout_ops,
     router_match_ops,
     router_ops,
@@ -46,5 +49,6 @@ __all__ = [
     "SLOT_KV_ASSUMPTIONS", "backbone_params", "backbone_linear_allowance", "workspace_params", "action_editor_ops",
     "controller_step_ops", "readout_ops", "bank_projection_ops", "bank_shift_ops", "bank_ops", "backbone_ops",
     "token_ops", "seed_rows", "action_cost_proxy", "cost_table", "cost_document", "TraceCost", "trace_cost",
-    "OpsCounter", "format_table", "costs_cli", "router_ops", "router_match_ops", "router_share_of_layer"
+    "OpsCounter", "format_table", "costs_cli", "router_ops", "router_match_ops", "router_share_of_layer",
+    "BACKBONE_TERMS", "attended_keys", "key_shift_params"
 ]

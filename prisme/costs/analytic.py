@@ -6,7 +6,9 @@ M slots, A = M + M/2 actions, B_e editor blocks, h_e editor hidden, F controller
 Conventions (the seed's):
   * one multiply-add = 2 ops; softmax, norms and activations are ignored (O(dim), not O(dim^2)), except that norm
     gains count in `backbone_linear` (2 ops per gain) because that term is 2 x non-embedding parameters;
-  * decode step: the backbone attends over the whole context T (KV cache); the LM head is included;
+  * decode step: the backbone attends over the whole context T (KV cache), or its last W positions with a sliding
+    window (`attn_window`: min(T, W) keys); the LM head is included; a key shift (`key_shift`) is its own term,
+    `backbone_key_shift`: one d x (n_kv_head head_dim) projection per layer, outside `backbone_linear`;
   * the source bank is incremental: K, V and z of the new position only (3 projections d -> w);
   * the editor reads the whole bank (T keys) for every edited slot in every block (`editor_source_attn`);
   * seed accounting (`optimised=False`, what `cfg.optimised=False` models run): every block refreshes the K/V of
@@ -34,14 +36,19 @@ from prisme.config import PrismeConfig
 COMPONENTS = ("backbone_linear", "backbone_attention", "lm_head", "bank_projection", "editor_source_attn",
               "editor_slot_attn", "editor_ffn", "editor_gate", "controller", "readout")
 BACKBONE = COMPONENTS[:3]
-OPTIONAL_COMPONENTS = ("bank_shift", "router", "controller_input", "controller_bank", "controller_entropy")
+BACKBONE_TERMS = (*BACKBONE, "backbone_key_shift")  # every term that counts as the backbone's
+OPTIONAL_COMPONENTS = ("backbone_key_shift", "bank_shift", "router", "controller_input", "controller_bank",
+                       "controller_entropy")
 
 
 def components(cfg: PrismeConfig) -> tuple[str, ...]:
-    """The cost model's terms for `cfg`: seed 000's ten, plus `bank_shift` (after `bank_projection`) with a shifted
-    bank and `controller_input` (after `controller`) with a controller source of its own. A config with the seed's
-    workspace inputs has exactly seed 000's terms."""
+    """The cost model's terms for `cfg`: seed 000's ten, plus `backbone_key_shift` (after `backbone_attention`) with a
+    key shift, `bank_shift` (after `bank_projection`) with a shifted bank and `controller_input` (after
+    `controller`) with a controller source of its own. A config with the seed's backbone and workspace inputs has
+    exactly seed 000's terms."""
     out = list(COMPONENTS)
+    if cfg.key_shift:
+        out.insert(out.index("backbone_attention") + 1, "backbone_key_shift")
     if cfg.bank_shift:
         out.insert(out.index("bank_projection") + 1, "bank_shift")
     if cfg.router:
@@ -77,7 +84,7 @@ def router_share_of_layer(cfg: PrismeConfig, T: int | None = None) -> float:
     """The router's ops per position over one backbone layer's (its linears and attention at context T, default
     `cfg.cost_context`): what "nearly free" is measured against."""
     T = _check_T(cfg, cfg.cost_context if T is None else T)
-    layer = 2 * matmul_params_per_layer(cfg) + 4 * T * cfg.d_model
+    layer = 2 * matmul_params_per_layer(cfg) + 4 * attended_keys(cfg, T) * cfg.d_model
     return router_ops(cfg, T) / layer
 
 
@@ -140,6 +147,16 @@ def matmul_params_per_layer(cfg: PrismeConfig) -> int:
     return d * qkv_out + cfg.n_head * cfg.head_dim * d + mlp
 
 
+def key_shift_params(cfg: PrismeConfig) -> int:
+    """The key shift's projections W_s (d -> n_kv_head head_dim per layer, no bias); 0 without `key_shift`."""
+    return cfg.n_layer * cfg.d_model * cfg.n_kv_head * cfg.head_dim if cfg.key_shift else 0
+
+
+def attended_keys(cfg: PrismeConfig, T: int) -> int:
+    """Keys a new token at context T attends to: T, or min(T, W) with a sliding window `attn_window` = W."""
+    return T if cfg.attn_window is None else min(T, cfg.attn_window)
+
+
 def _backbone_matmul_params(cfg: PrismeConfig) -> int:
     """Weights of the backbone's per-layer linears (qkv, o, MLP), all layers."""
     return cfg.n_layer * matmul_params_per_layer(cfg)
@@ -156,7 +173,7 @@ def backbone_params(cfg: PrismeConfig, non_embedding: bool = False) -> int:
         extra = L * 2 * d + d
     else:  # biases of qkv, o and the MLP; two LayerNorms (weight + bias) per layer, one final
         extra = L * (qkv_out + d + cfg.ffn_hidden + d + 4 * d) + 2 * d
-    n = _backbone_matmul_params(cfg) + extra
+    n = _backbone_matmul_params(cfg) + extra + key_shift_params(cfg)
     if non_embedding:
         return n
     n += cfg.vocab_size * d
@@ -169,8 +186,9 @@ def backbone_params(cfg: PrismeConfig, non_embedding: bool = False) -> int:
 
 def backbone_linear_allowance(cfg: PrismeConfig) -> int:
     """Ops in `backbone_linear` that are not matmul FLOPs: 2 per norm gain (llama), 2 per norm weight/bias and
-    linear bias (gpt2). `FlopCounterMode` counts exactly `backbone_linear - allowance` for the backbone's linears."""
-    return 2 * (backbone_params(cfg, non_embedding=True) - _backbone_matmul_params(cfg))
+    linear bias (gpt2). `FlopCounterMode` counts exactly `backbone_linear - allowance` for the backbone's linears
+    (the key shift's W_s is `backbone_key_shift`'s)."""
+    return 2 * (backbone_params(cfg, non_embedding=True) - _backbone_matmul_params(cfg) - key_shift_params(cfg))
 
 
 def workspace_params(cfg: PrismeConfig) -> dict[str, int]:
@@ -269,19 +287,24 @@ def bank_ops(cfg: PrismeConfig) -> dict[str, int]:
 
 
 def backbone_ops(cfg: PrismeConfig, T: int) -> dict[str, int]:
-    """The backbone's three terms for one new token attending to T cached keys."""
-    return {
-        "backbone_linear": 2 * backbone_params(cfg, non_embedding=True),
-        "backbone_attention": cfg.n_layer * 4 * T * cfg.d_model,  # QK^T and AV of n_head heads of head_dim
+    """The backbone's three terms for one new token at context T (it attends to `attended_keys` of them), and
+    `backbone_key_shift` with a key shift (W_s of the previous position's normed input, every layer)."""
+    shift = key_shift_params(cfg)
+    out = {
+        "backbone_linear": 2 * (backbone_params(cfg, non_embedding=True) - shift),
+        "backbone_attention": cfg.n_layer * 4 * attended_keys(cfg, T) * cfg.d_model,  # QK^T, AV: n_head heads of hd
         "lm_head": 2 * cfg.d_model * cfg.vocab_size,
     }
+    if cfg.key_shift:
+        out["backbone_key_shift"] = 2 * shift
+    return out
 
 
 def finish_row(row: dict[str, int], cfg: PrismeConfig) -> dict[str, int]:
     comps = components(cfg)
     row = {c: int(row.get(c, 0)) for c in comps}
-    row["backbone"] = sum(row[c] for c in BACKBONE)
-    row["workspace"] = sum(row[c] for c in comps if c not in BACKBONE)
+    row["backbone"] = sum(row[c] for c in comps if c in BACKBONE_TERMS)
+    row["workspace"] = sum(row[c] for c in comps if c not in BACKBONE_TERMS)
     row["total"] = row["backbone"] + row["workspace"]
     return row
 

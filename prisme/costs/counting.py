@@ -27,11 +27,12 @@ class OpsCounter:
     Counts with `torch.utils.flop_counter.FlopCounterMode` (mm/addmm/bmm/... at 2 ops per multiply-add), adding a
     formula for `aten._scaled_dot_product_flash_attention_for_cpu`, which FlopCounterMode counts as 0. Each op goes to
     the component of the innermost tagged module running it: backbone blocks -> `backbone_linear` (their SDPA ->
-    `backbone_attention`); `backbone.head` -> `lm_head`; W_K, W_V, P (and their `_more` terms) -> `bank_projection`,
-    W_K_shift -> `bank_shift`, P_ctrl -> `controller_input`; the router -> `router`; editor linears by name
-    (src_q/src_o, slot_q/slot_kv/slot_o, w13/w2, gate); an SDPA inside an editor block -> `editor_source_attn` if it
-    carries a mask (the causal bank) else `editor_slot_attn` (the M slots); controller; readout. Anything else lands
-    in `untagged`. Not counted, by the convention: norms, softmax, activations, embeddings, biases.
+    `backbone_attention`, the key shift's `wk_shift` -> `backbone_key_shift`); `backbone.head` -> `lm_head`; W_K,
+    W_V, P (and their `_more` terms) -> `bank_projection`, W_K_shift -> `bank_shift`, P_ctrl -> `controller_input`;
+    the router -> `router`; editor linears by name (src_q/src_o, slot_q/slot_kv/slot_o, w13/w2, gate); an SDPA
+    inside an editor block -> `editor_source_attn` if it carries a mask (the causal bank) else `editor_slot_attn`
+    (the M slots); controller; readout. Anything else lands in `untagged`. Not counted, by the convention: norms,
+    softmax, activations, embeddings, biases.
     Made for CPU runs: on CUDA torch's own SDPA formulas apply, but the bank/slot split of the editor's attention
     reads the CPU kernel's `attn_mask` keyword.
 
@@ -47,7 +48,7 @@ class OpsCounter:
     def __init__(self, model: Any):
         self.model = model
         cfg = getattr(model, "cfg", None)
-        comps = components(cfg) if cfg is not None and getattr(cfg, "use_workspace", False) else COMPONENTS
+        comps = components(cfg) if cfg is not None else COMPONENTS
         self.by_component: dict[str, int] = dict.fromkeys((*comps, "untagged"), 0)
         self._stack: list[str] = []
         self._handles: list[Any] = []
@@ -62,6 +63,8 @@ class OpsCounter:
         backbone = getattr(m, "backbone", m)
         for blk in backbone.blocks:
             tags[blk] = "backbone_block"
+            if getattr(blk.attn, "wk_shift", None) is not None:
+                tags[blk.attn.wk_shift] = "backbone_key_shift"
         if getattr(backbone, "lm_head", None) is not None:
             tags[backbone.lm_head] = "lm_head"
         if getattr(m, "editor", None) is not None:

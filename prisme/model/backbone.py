@@ -80,7 +80,8 @@ class Block(nn.Module):
     def __init__(self, cfg: PrismeConfig):
         super().__init__()
         self.norm1 = make_norm(cfg, cfg.d_model)
-        self.attn = CausalSelfAttention(cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.use_bias, cfg.family == "llama")
+        self.attn = CausalSelfAttention(cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.use_bias, cfg.family == "llama",
+                                        cfg.key_shift, cfg.attn_window)
         self.norm2 = make_norm(cfg, cfg.d_model)
         self.mlp = MLP(cfg)
 
@@ -131,7 +132,8 @@ class Backbone(nn.Module):
 
     # ------------------------------------------------------------------ caches
     def new_cache(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
-        """Allocate a `KVCache` for `batch_size` rows of up to `max_len` (default T_max) positions."""
+        """Allocate a `KVCache` for `batch_size` rows of up to `max_len` (default T_max) positions (with
+        `attn_window` W < max_len, a ring of W slots per row; with `key_shift`, each row's last normed input)."""
         max_len = self.cfg.max_seq_len if max_len is None else max_len
         if not (1 <= max_len <= self.cfg.max_seq_len):
             raise ValueError(f"cache max_len must be in [1, T_max={self.cfg.max_seq_len}], got {max_len}")
@@ -139,7 +141,8 @@ class Backbone(nn.Module):
             raise ValueError(f"cache batch_size must be >= 1, got {batch_size}")
         p = self.tok_emb.weight
         return KVCache(self.cfg.n_layer, batch_size, self.cfg.n_kv_head, max_len, self.cfg.head_dim,
-                       dtype=dtype or p.dtype, device=p.device)
+                       dtype=dtype or p.dtype, device=p.device, window=self.cfg.attn_window,
+                       shift_dim=self.cfg.d_model if self.cfg.key_shift else 0)
 
     # ------------------------------------------------------------------ forward
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None,
@@ -172,24 +175,65 @@ class Backbone(nn.Module):
                 raise ValueError(f"sequence of {C} tokens is longer than T_max={T_max}")
             return self._blocks(tokens, 0, layers=layers)
         valid, n_new = self._check_chunk(cache, B, C, n_new)
+        pos, step = self._cache_step(cache, B, C, valid, n_new, tokens.device)
+        H, kept = self._blocks(tokens, pos, cache, step, layers)
+        cache.advance(n_new)
+        return H, kept
+
+    def _cache_step(self, cache: KVCache, B: int, C: int, valid: torch.Tensor | None, n_new: list[int],
+                    device: torch.device) -> tuple[int | torch.Tensor, CacheStep]:
+        """Where a checked chunk of C tokens goes in `cache` and what its queries attend to (`CacheStep`), and the
+        positions `_blocks` embeds it at: the shared offset (int) or per-row positions `[B, C]`."""
         # chunk_positions, chunk_start and causal_mask are looked up on the module on purpose: `faults` patches them.
         ragged = len(set(cache.lengths)) > 1
-        input_pos = attn.chunk_positions(cache.lengths, C, tokens.device,
-                                         cache.lengths_tensor(tokens.device) if ragged else None)  # [C] or [B, C]
+        input_pos = attn.chunk_positions(cache.lengths, C, device,
+                                         cache.lengths_tensor(device) if ragged else None)  # [C] or [B, C]
         if valid is not None and input_pos.dim() == 1:
             input_pos = input_pos.expand(B, C)
-        kv_len = min(max(cache.lengths) + C, cache.max_len)
+        shift = {}
+        if cache.key_shift and valid is not None:  # each row's last real token is its next shifted input
+            n_t = torch.tensor(n_new, device=device)  # [B]
+            shift = dict(last=(n_t - 1).clamp(min=0), moved=(n_t > 0).unsqueeze(1))
+        T_max = self.cfg.max_seq_len
+        pos = input_pos.clamp(max=T_max - 1) if input_pos.dim() == 2 else None  # padding may lie past T_max
+        R = cache.slots
+        if cache.ring and max(cache.lengths) + C > R:  # the ring has wrapped, or will within this chunk
+            return self._ring_step(cache, input_pos, valid, n_new, pos, shift)
+        kv_len = min(max(cache.lengths) + C, R)
         if input_pos.dim() == 1:  # every row at the same offset: slice reads and writes
             start = attn.chunk_start(cache.lengths)  # from the host's lengths: no device read
             causal = start == 0 and kv_len == C > 1  # a prompt into an empty cache: no mask tensor needed
             mask = None if C == 1 or causal else attn.causal_mask(input_pos, kv_len)
-            H, kept = self._blocks(tokens, start, cache, CacheStep(input_pos, start, None, kv_len, mask, causal),
-                                   layers)
-        else:
-            step = CacheStep(input_pos, None, valid, kv_len, attn.causal_mask(input_pos, kv_len))
-            H, kept = self._blocks(tokens, input_pos.clamp(max=T_max - 1), cache, step, layers)  # padding: past T_max
-        cache.advance(n_new)
-        return H, kept
+            return start, CacheStep(input_pos, start, None, kv_len, mask, causal, **shift)
+        return pos, CacheStep(input_pos, None, valid, kv_len, attn.causal_mask(input_pos, kv_len), **shift)
+
+    def _ring_step(self, cache: KVCache, input_pos: torch.Tensor, valid: torch.Tensor | None, n_new: list[int],
+                   pos: torch.Tensor | None, shift: dict) -> tuple[int | torch.Tensor, CacheStep]:
+        """`_cache_step` on a sliding-window ring of R = W slots that is (or becomes) full. One token per row: written
+        to slot p mod R first, then the R slots are exactly its window (mask: slot i <= p while a row has not
+        wrapped). A longer chunk: the R old slots (positions from the lengths, `ring_positions`) and the chunk's own
+        keys side by side under the band mask, and only each row's last R real positions written."""
+        R, W, C = cache.slots, cache.window, input_pos.shape[-1]
+        slots = input_pos % R  # [C] or [B, C]
+        if C == 1:
+            if input_pos.dim() == 1:
+                start = attn.chunk_start(cache.lengths)
+                mask = None if start >= R - 1 else attn.causal_mask(input_pos, R)  # a full ring: all R slots
+                return start, CacheStep(input_pos, start % R, None, R, mask, slots=slots, **shift)
+            return pos, CacheStep(input_pos, None, valid, R, attn.causal_mask(input_pos, R), slots=slots, **shift)
+        device = input_pos.device
+        if input_pos.dim() == 1:
+            start = attn.chunk_start(cache.lengths)
+            keys = torch.cat([attn.ring_positions(start, R, device), input_pos])  # [R + C]
+            return start, CacheStep(input_pos, None, None, R, attn.band_mask(input_pos, keys, W), slots=slots,
+                                    concat=True, **shift)
+        old = attn.ring_positions(cache.lengths_tensor(device), R)  # [B, R]
+        keys = torch.cat([old, input_pos], dim=1)  # [B, R + C]
+        n_t = torch.tensor(n_new, device=device).unsqueeze(1)  # [B, 1]
+        offsets = torch.arange(C, device=device)  # [C]
+        write = (offsets < n_t) & (offsets >= n_t - R)  # [B, C]: each row's last R real positions
+        return pos, CacheStep(input_pos, None, valid, R, attn.band_mask(input_pos, keys, W), slots=slots,
+                              concat=True, write=write, **shift)
 
     def prefill(self, tokens: torch.Tensor, cache: KVCache, chunk_size: int | None = None) -> torch.Tensor:
         """Append `tokens` `[B, T]` to `cache` in chunks of `chunk_size` (default: one chunk); returns H `[B, T, d]`.
@@ -209,6 +253,10 @@ class Backbone(nn.Module):
         """ValueError unless the chunk fits every row; returns the `[B, C]` valid mask (None: all real) and n_new."""
         if B != cache.batch_size:
             raise ValueError(f"batch of {B} rows does not match the cache's {cache.batch_size} rows")
+        if cache.key_shift != self.cfg.key_shift or (cache.window is None) != (self.cfg.attn_window is None):
+            raise ValueError(f"the cache (key shift {cache.key_shift}, window {cache.window}) was not made for this "
+                             f"backbone (key_shift={self.cfg.key_shift}, attn_window={self.cfg.attn_window}): "
+                             f"allocate it with new_cache")
         if n_new is None:
             n_new = [C] * B
         n_new = [int(n) for n in n_new]

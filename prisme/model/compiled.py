@@ -249,12 +249,18 @@ def compile_decode(backbone: Backbone, batch_size: int, max_len: int | None = No
         math_attention: trace the step's attention as matmul + masked softmax (`SDPBackend.MATH`) instead of the
             CPU flash kernel, so that Inductor fuses it with its neighbours: for a small model (seed001: 71 -> 58 µs
             a step, measured), not a large batch (prisme_103m, batch 8: 37.5 -> 42.8 ms).
+    A key-shift backbone (`key_shift`) compiles as any other: its cache's `prev` is updated in place. A sliding
+    window shorter than the cache (`attn_window`) is a ValueError: decode it eagerly.
     Each compiled callable compiles at its first call: ~10 s for seed001, 15-90 s for prisme_103m with max-autotune
     on 2 cores (Inductor's graph cache does not apply to frozen graphs; its autotuning and kernel caches do).
     """
     if (mode is not None or prefill_mode is not None) and backbone.training:
         raise ValueError("compile_decode needs a backbone in eval mode (call backbone.eval())")
     cache = backbone.new_cache(batch_size, max_len)
+    if cache.ring:  # TODO: the ring's slots and band mask in the fixed-shape step and the dynamic-length prefill
+        raise ValueError(f"compile_decode does not support attn_window={backbone.cfg.attn_window} shorter than the "
+                         f"cache ({cache.max_len} positions): decode a sliding-window backbone eagerly "
+                         f"(Backbone.forward with a cache, or DecodeState)")
     mode = step_mode(mode, cache.layers[0].k.device)
 
     def fixed_step(tokens: torch.Tensor, input_pos: torch.Tensor, kv: KVCache) -> torch.Tensor:

@@ -140,10 +140,19 @@ class DecodeState:
 
         Exact: the next step writes its K/V and bank entry at position `length` and every later read is masked to
         positions <= its own, so entries left past `length` are never read (`prisme bench workspace` checks that a
-        rewound state decodes bit-identically to a fresh one)."""
+        rewound state decodes bit-identically to a fresh one). Shift memories hold each row's last position only:
+        with `bank_shift` (or the backbone's `key_shift`) a state rewinds to 0 or to its rows' own length; a
+        sliding-window backbone keeps its last W positions (`KVCache.truncate`). Anything else is a ValueError that
+        leaves the state as it was."""
         if not is_int(length) or not 0 <= length <= min(self.lengths):
             raise ValueError(f"can only rewind to a length in [0, {min(self.lengths)}], got {length!r}")
+        if self.prev and 0 < length and any(n != length for n in self.lengths):
+            raise ValueError(f"the bank shift keeps each row's last position only: this state rewinds to 0 or to its "
+                             f"rows' length, not from {self.lengths} to {length}")
         self.cache.truncate(length)
+        if length == 0:
+            for p in self.prev:
+                p.zero_()
         return self
 
     def reset(self) -> None:
