@@ -337,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--frontier", action="store_true",
                    help="the dense frontier instead of the controller runs: backbones alone over depths x widths and "
                         "the PRISME family with its router, every seed, ops against the same reference")
+    r.add_argument("--context", nargs="?", const="default", default=None, metavar="T1,T2,...",
+                   help="with --frontier: the long-context study at these sequence lengths (alone: recall_study.json's "
+                        "context_lengths, 256,512,1024), every query's pair beyond the largest attention window")
     r.add_argument("--evaluate-only", action="store_true",
                    help="train nothing: score the checkpoints an earlier run with the same settings left in --out")
     r.add_argument("--no-progress", action="store_true", help="no per-run progress lines on stderr")

@@ -339,6 +339,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     "recall": dict(vocab_size=64, max_seq_len=32, d_model=64, n_layer=1, n_head=2, n_kv_head=2, ffn_multiple_of=64,
                    w=64, n_slots=4, ws_head_dim=32, editor_multiple_of=64, n_edit_blocks=1, r_max=4,
                    bank_source="embedding", bank_shift=True, controller_source="residual", controller_bank=True),
+    # The long-context recall study (`prisme study recall --frontier --context`): the same model, contexts to 4,096.
+    "recall_long": dict(vocab_size=64, max_seq_len=4096, d_model=64, n_layer=1, n_head=2, n_kv_head=2,
+                        ffn_multiple_of=64, w=64, n_slots=4, ws_head_dim=32, editor_multiple_of=64, n_edit_blocks=1,
+                        r_max=4, bank_source="embedding", bank_shift=True, controller_source="residual",
+                        controller_bank=True),
     # Seed 001's toy backbone: gpt2-style, 145,280 parameters, no workspace.
     "seed001": dict(family="gpt2", vocab_size=97, max_seq_len=512, d_model=64, n_layer=2, n_head=4,
                     use_workspace=False),

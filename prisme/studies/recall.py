@@ -38,6 +38,14 @@ import torch
 from prisme.checkpoint import load_model
 from prisme.devices import spread
 from prisme.io import write_text_atomic
+from prisme.studies.recall_context import (
+    assemble_contexts,
+    parse_contexts,
+    plan_contexts,
+    plot_ratio,
+    ratio_by_context,
+    recipe_at,
+)
 from prisme.studies.recall_eval import evaluate_backbone, evaluate_run
 from prisme.studies.recall_frontier import assemble_frontier, decode_speed, plan_frontier
 from prisme.studies.recall_report import emit_study, format_table, plot_accuracy_vs_ops, plot_edits, plot_frontier
@@ -130,7 +138,8 @@ def plan_tasks(cfg: RecallStudyConfig, recipe: Recipe) -> list[RecallTask]:
                                  model=recipe.model.replace(n_layer=layers),
                                  stages=(s1.replace(steps=matched, warmup=min(s1.warmup, matched)),), **common))
     if cfg.frontier:  # the frontier replaces the controller runs; the controls run as always
-        tasks = [t for t in tasks if isinstance(t, ControlTask)] + plan_frontier(cfg, recipe, out)
+        runs = plan_frontier(cfg, recipe, out) if cfg.contexts is None else plan_contexts(cfg, recipe, out)
+        tasks = [t for t in tasks if isinstance(t, ControlTask)] + runs
     return sorted(tasks, key=lambda t: -t.priority)
 
 
@@ -198,6 +207,8 @@ def finish_study(cfg: RecallStudyConfig, recipe: Recipe, results: dict[str, Any]
         doc = assemble_frontier_study(cfg, recipe, done, total_s, jobs)
         write_text_atomic(out / "recall.json", json.dumps(doc, indent=2, allow_nan=False) + "\n")
         plot_frontier(doc, out / "recall_frontier.png")
+        if "contexts" in doc:
+            plot_ratio(doc, out / "recall_context_ratio.png")
         return doc
     doc = assemble(cfg, recipe, done, total_s, jobs)
     write_text_atomic(out / "recall.json", json.dumps(doc, indent=2, allow_nan=False) + "\n")
@@ -301,16 +312,18 @@ def assemble_frontier_study(cfg: RecallStudyConfig, recipe: Recipe, done: list[t
                             total_s: float, jobs: int) -> dict[str, Any]:
     """The `--frontier` study's JSON document: the controls, the frontier, the winners' decode speed."""
     controls = {t.name: e for t, e in _sections(cfg, done)["controls"]}
-    frontier = assemble_frontier(cfg, recipe, done)
+    contexts = None if cfg.contexts is None else assemble_contexts(cfg, recipe, done)
+    frontier = assemble_frontier(cfg, recipe, done) if contexts is None else contexts[-1]["frontier"]  # the longest
     phases: dict[str, float] = {}
     for t, e in done:
         for k, v in e["wall_s"].items():
             key = f"{t.kind}_{k}"
             phases[key] = phases.get(key, 0.0) + v
     t0 = time.perf_counter()
-    speed = decode_speed(frontier, recipe.mqar)
+    speed = decode_speed(frontier, recipe.mqar if contexts is None else recipe_at(cfg, recipe, contexts[-1]["T"]).mqar)
     v = frontier["verdict"]
-    return {
+    extra = {} if contexts is None else {"contexts": contexts, "ratio_by_context": ratio_by_context(contexts)}
+    return extra | {
         "task": dataclasses.asdict(recipe.mqar),
         "model": recipe.model.to_dict(),
         "recipe": {"backbone": recipe.backbone.to_dict(), "workspace": recipe.workspace.to_dict(),
@@ -332,7 +345,10 @@ def assemble_frontier_study(cfg: RecallStudyConfig, recipe: Recipe, done: list[t
 def main(args: Any) -> int:
     """`prisme study recall`."""
     seeds = parse_seeds(args.seeds) if args.seeds is not None else None
+    context = getattr(args, "context", None)
+    lengths = study_config({}, args.configs).context_lengths if context == "default" else []
     cfg = study_config({"seeds": seeds, "out_dir": args.out, "jobs": args.jobs, "threads": args.threads,
+                        "contexts": parse_contexts(context, lengths),
                         "quick": args.quick, "bank_source": args.bank_source,
                         "frontier": getattr(args, "frontier", False) or None,
                         "evaluate_only": getattr(args, "evaluate_only", False) or None,

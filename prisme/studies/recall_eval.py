@@ -25,11 +25,13 @@ from prisme.studies.recall_setup import (
 
 # ------------------------------------------------------------------------------------------------------- evaluation
 def _batches(mcfg: MQARConfig, n: int, seed: int):
-    """`n` sequences from the generator seeded `seed`, in chunks of CHUNK: (x, y) `[b, T]`."""
+    """`n` sequences from the generator seeded `seed`, in chunks of CHUNK (at T = 32; as many tokens at longer T):
+    (x, y) `[b, T]`."""
     g = torch.Generator().manual_seed(seed)
+    chunk = max(1, CHUNK * 32 // max(mcfg.seq_len, 32))
     done = 0
     while done < n:
-        b = min(CHUNK, n - done)
+        b = min(chunk, n - done)
         yield make_mqar_batch(mcfg, b, g)
         done += b
 

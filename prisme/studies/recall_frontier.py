@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -64,13 +65,21 @@ def dense_config(recipe: Recipe, n_layer: int, d: int, key_shift: bool = False,
                          f"make a model: {e}") from None
 
 
-def family_config(recipe: Recipe, d: int, w: int) -> PrismeConfig:
-    """The recipe's model at backbone width d and workspace width w, with the router; ValueError naming `family`."""
+def family_name(d: int, w: int, attn_window: int | None = None) -> str:
+    """`d{d}_w{w}`, `_win{W}` on a local-window backbone."""
+    return f"d{d}_w{w}" + (f"_win{attn_window}" if attn_window else "")
+
+
+def family_config(recipe: Recipe, d: int, w: int, attn_window: int | None = None) -> PrismeConfig:
+    """The recipe's model at backbone width d and workspace width w, with the router (and a local-window backbone
+    whose workspace still reads the whole bank); ValueError naming `family`."""
+    window = {} if attn_window is None else {"attn_window": attn_window}
     try:
         return recipe.model.replace(d_model=d, w=w, ws_head_dim=min(recipe.model.ws_head_dim, w), router=True,
-                                    name=f"prisme_d{d}_w{w}")
+                                    name=f"prisme_{family_name(d, w, attn_window)}", **window)
     except ValueError as e:
-        raise ValueError(f"recall study: family entry [{d}, {w}] does not make a model: {e}") from None
+        raise ValueError(f"recall study: family entry [{d}, {w}{', ' + str(attn_window) if attn_window else ''}] "
+                         f"does not make a model: {e}") from None
 
 
 def frontier_stages(cfg: RecallStudyConfig, recipe: Recipe) -> tuple[Any, Any, Any, Any]:
@@ -87,27 +96,33 @@ def frontier_stages(cfg: RecallStudyConfig, recipe: Recipe) -> tuple[Any, Any, A
     return dense, s1, s2, s3
 
 
-def plan_frontier(cfg: RecallStudyConfig, recipe: Recipe, out) -> list[FrontierMember]:
-    """The frontier's runs: every dense configuration and every family size, on every seed."""
+def plan_frontier(cfg: RecallStudyConfig, recipe: Recipe, out, grid: list[dict[str, Any]] | None = None,
+                  family: list[list[int]] | None = None, context: int | None = None) -> list[FrontierMember]:
+    """The frontier's runs: every dense configuration (`grid`, default `frontier_dense`) and every family size
+    (`family`: [d, w] or [d, w, window], default the study's), on every seed; `context`: the sequence length a
+    long-context study (`recall_context`) runs them at, in `frontier/T{context}/`."""
     dense, s1, s2, s3 = frontier_stages(cfg, recipe)
-    family = cfg.family[:1] if cfg.quick else cfg.family
+    family = cfg.family if family is None else family
+    family = family[:1] if cfg.quick else family
+    at = {} if context is None else {"context": context}
+    out = Path(out) / "frontier" if context is None else Path(out) / "frontier" / f"T{context}"
     tasks: list[FrontierMember] = []
-    for block in cfg.frontier_dense:
+    for block in cfg.frontier_dense if grid is None else grid:
         options = {k: block.get(k, v) for k, v in DENSE_OPTIONS.items()}
         for L in block["depths"]:
             for d in block["widths"]:
                 model = dense_config(recipe, L, d, **options)
                 for seed in cfg.seeds:
                     tasks.append(DenseTask(n_layer=L, d_model=d, **options, seed=seed, model=model, stages=(dense,),
-                                           folder=str(out / "frontier" / f"dense_{dense_name(L, d, **options)}"
-                                                                         f"_seed{seed}"),
-                                           mqar=recipe.mqar, study=cfg))
-    for d, w in family:
-        model = family_config(recipe, d, w)
+                                           folder=str(out / f"dense_{dense_name(L, d, **options)}_seed{seed}"),
+                                           mqar=recipe.mqar, study=cfg, **at))
+    for d, w, *win in family:
+        window = win[0] if win else None
+        model = family_config(recipe, d, w, window)
         for seed in cfg.seeds:
-            tasks.append(FamilyTask(d_model=d, w=w, seed=seed, model=model, stages=(s1, s2, s3),
-                                    folder=str(out / "frontier" / f"prisme_d{d}_w{w}_seed{seed}"),
-                                    mqar=recipe.mqar, study=cfg))
+            tasks.append(FamilyTask(d_model=d, w=w, attn_window=window, seed=seed, model=model, stages=(s1, s2, s3),
+                                    folder=str(out / f"prisme_{family_name(d, w, window)}_seed{seed}"),
+                                    mqar=recipe.mqar, study=cfg, **at))
     return tasks
 
 
@@ -147,7 +162,18 @@ def _entry(cfg_model: dict[str, Any], runs: list[dict[str, Any]], ref: float, ne
 @dataclass(frozen=True, kw_only=True)
 class FrontierMember(RecallTask):
     """One member of one of the frontier's families on one seed; its runs over the seeds make one entry of the
-    document's `frontier.<section>`."""
+    document's `frontier.<section>` (of its context's frontier in a long-context study)."""
+
+    context: int | None = None  # the sequence length of a long-context study's run (None: the recipe's)
+
+    @property
+    def key(self) -> str:
+        """The member's configuration, whatever its seed (its name within its context)."""
+        raise NotImplementedError
+
+    @property
+    def name(self) -> str:
+        return self.key if self.context is None else f"T{self.context}_{self.key}"
 
     def score(self, model: torch.nn.Module) -> dict[str, Any]:
         """The member's accuracy and ops per token on the held-out sequences."""
@@ -176,7 +202,7 @@ class DenseTask(FrontierMember):
     attn_window: int | None = None
 
     @property
-    def name(self) -> str:
+    def key(self) -> str:
         return dense_name(self.n_layer, self.d_model, self.key_shift, self.attn_window)
 
     def score(self, model: torch.nn.Module) -> dict[str, Any]:
@@ -197,10 +223,11 @@ class FamilyTask(FrontierMember):
     priority: ClassVar[int] = 3
     d_model: int
     w: int
+    attn_window: int | None = None  # a local-window backbone (the workspace reads the whole bank)
 
     @property
-    def name(self) -> str:
-        return f"d{self.d_model}_w{self.w}"
+    def key(self) -> str:
+        return family_name(self.d_model, self.w, self.attn_window)
 
     def score(self, model: torch.nn.Module) -> dict[str, Any]:
         return evaluate_family(model, self.mqar, self.seed, self.study)
@@ -208,7 +235,8 @@ class FamilyTask(FrontierMember):
     def frontier_entry(self, cfg_model: dict[str, Any], runs: list[dict[str, Any]], ref: float,
                        need: int) -> dict[str, Any]:
         return super().frontier_entry(cfg_model, runs, ref, need) | {
-            "w": cfg_model["w"], "budget1_accuracy": [r["budget1_accuracy"] for r in runs],
+            "w": cfg_model["w"], "attn_window": self.attn_window,
+            "budget1_accuracy": [r["budget1_accuracy"] for r in runs],
             "lambda": [r["router"]["lambda"] for r in runs],
             "edits_per_token": [r["router"]["edits_per_token"] for r in runs],
             "query_edit_share": [r["router"]["query_edit_share"] for r in runs],
@@ -218,16 +246,16 @@ class FamilyTask(FrontierMember):
         return entry.get("accuracy", entry.get("budget1_accuracy"))
 
 
-def assemble_frontier(cfg: RecallStudyConfig, recipe: Recipe,
-                      done: list[tuple[RecallTask, dict[str, Any]]]) -> dict[str, Any]:
+def assemble_frontier(cfg: RecallStudyConfig, recipe: Recipe, done: list[tuple[RecallTask, dict[str, Any]]],
+                      context: int | None = None) -> dict[str, Any]:
     """`frontier`: both families' entries, the verdict and the deployed router's cost (the issue's JSON layout), from
-    the finished (task, entry) pairs."""
+    the finished (task, entry) pairs of `context` (None: the recipe's own length; `recipe` is the one at it)."""
     T = recipe.mqar.seq_len
     ref = reference_ops(recipe, T)
     need = seeds_needed(len(cfg.seeds))
     groups: dict[tuple[str, str], list[tuple[FrontierMember, dict[str, Any]]]] = {}
     for t, e in done:
-        if isinstance(t, FrontierMember):
+        if isinstance(t, FrontierMember) and t.context == context:
             groups.setdefault((t.section, t.name), []).append((t, e))
     parts: dict[str, list[dict[str, Any]]] = {"dense": [], "prisme": []}
     first_models = []  # (entry, the model of its first run)
@@ -289,8 +317,8 @@ def decode_speed(frontier: dict[str, Any], mcfg: MQARConfig, batches: tuple[int,
 
 
 def _options(e: dict[str, Any]) -> str:
-    """A dense entry's backbone options in the table's family column: "+ks" (key shift), "+wW" (window W)."""
-    return ("+ks" if e.get("key_shift") else "") + (f"+w{e['attn_window']}" if e.get("attn_window") else "")
+    """An entry's backbone options in the table's family column: "+ks" (key shift), "+winW" (window W)."""
+    return ("+ks" if e.get("key_shift") else "") + (f"+win{e['attn_window']}" if e.get("attn_window") else "")
 
 
 def format_frontier(doc: dict[str, Any]) -> str:
@@ -298,7 +326,8 @@ def format_frontier(doc: dict[str, Any]) -> str:
     f = doc["frontier"]
     lines = [f"dense frontier and PRISME family (ops/token / the 1-layer d=64 backbone's "
              f"{f['reference']['ops_per_token']:,.0f}; pass = >= 95% on >= {f['seeds_needed']} seeds)", ""]
-    head = f"{'family':<8}{'L':>3}{'d':>5}{'w':>5}{'ops':>8}  {'accuracy per seed':<44}{'@95':>4}  extra"
+    wide = max([8] + [len(k + _options(e)) + 1 for k in ("dense", "prisme") for e in f[k]])
+    head = f"{'family':<{wide}}{'L':>3}{'d':>5}{'w':>5}{'ops':>8}  {'accuracy per seed':<44}{'@95':>4}  extra"
     lines += [head, "-" * (len(head) + 30)]
     for kind, entries in (("dense", f["dense"]), ("prisme", f["prisme"])):
         for e in entries:
@@ -308,7 +337,8 @@ def format_frontier(doc: dict[str, Any]) -> str:
                 extra = (f"budget1 {min(e['budget1_accuracy']):.3f}-{max(e['budget1_accuracy']):.3f}, edits/token "
                          f"{min(e['edits_per_token']):.3f}-{max(e['edits_per_token']):.3f}, on queries "
                          f"{min(e['query_edit_share']):.2f}-{max(e['query_edit_share']):.2f}")
-            lines.append(f"{kind + _options(e):<8}{e['n_layer']:>3}{e['d_model']:>5}{e['w'] if e['w'] else '-':>5}"
+            w = e["w"] if e["w"] else "-"
+            lines.append(f"{kind + _options(e):<{wide}}{e['n_layer']:>3}{e['d_model']:>5}{w:>5}"
                          f"{e['ops_ratio']:>8.3f}  {acc:<44}{e['seeds_at_95']:>4}  {extra}")
     v = f["verdict"]
 

@@ -28,7 +28,13 @@ def format_table(doc: dict[str, Any]) -> str:
         from prisme.studies.recall_frontier import format_frontier
 
         s = doc["summary"]
-        return "\n".join(lines + [format_frontier(doc), "",
+        if "contexts" in doc:
+            from prisme.studies.recall_context import format_contexts
+
+            table = format_contexts(doc)
+        else:
+            table = format_frontier(doc)
+        return "\n".join(lines + [table, "",
                                   f"negative control <= 30%: {'yes' if s['negative_control_ok'] else 'NO'}; positive "
                                   f"control >= 95%: {'yes' if s['positive_control_ok'] else 'NO'}; wall "
                                   f"{doc['wall_s']['total']:.0f} s ({doc['wall_s']['jobs']} workers)"])

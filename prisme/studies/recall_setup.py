@@ -48,13 +48,26 @@ class RecallStudyConfig:
     # --- the dense frontier (`--frontier`): backbones alone over depths x widths, and the PRISME family
     frontier: bool = False  # run the frontier study instead of the controller runs (the controls run as always)
     evaluate_only: bool = False  # train nothing: score the checkpoints an earlier run of the same study left in out_dir
-    frontier_dense: list[dict[str, Any]] = field(
-        default_factory=lambda: [{"depths": [1, 2], "widths": [16, 24, 32, 64]}])
+    frontier_dense: list[dict[str, Any]] = field(default_factory=lambda: [
+        {"depths": [1, 2], "widths": [16, 24, 32, 64]},
+        {"depths": [1, 2], "widths": [4, 8, 12, 16, 24], "key_shift": True}])
     #   the dense frontier's grid: blocks of depths x widths, each with its backbone options (`key_shift`,
     #   `attn_window`), e.g. {"depths": [1, 2], "widths": [8, 16], "key_shift": true}
     frontier_steps: int = 1500  # every dense model's steps: >= 1500 and >= the PRISME family's three stages together
     family: list[list[int]] = field(default_factory=lambda: [[16, 32], [24, 32], [32, 32]])  # [backbone d, w]
     family_workspace_steps: int = 1000  # the family's workspace stage (the recipe's 300 is too short below d = 64)
+    # --- long contexts (`--frontier --context`): the frontier at several sequence lengths, queries beyond every window
+    contexts: list[int] | None = None  # the lengths of this run (None: the recipe's T = 32 alone)
+    context_lengths: list[int] = field(default_factory=lambda: [256, 512, 1024])  # `--context` without a list
+    context_dense: list[dict[str, Any]] = field(default_factory=lambda: [
+        {"depths": [1, 2], "widths": [8, 16, 24, 32]}, {"depths": [1, 2], "widths": [8, 16, 24, 32], "key_shift": True},
+        {"depths": [1, 2], "widths": [16, 32], "attn_window": 64},
+        {"depths": [1, 2], "widths": [16, 32], "attn_window": 64, "key_shift": True}])
+    context_family: list[list[int]] = field(default_factory=lambda: [[16, 32, 64], [24, 32, 64]])  # [d, w, window]
+    context_queries: int = 4  # queries per sequence, every one after the largest window (its pair out of reach)
+    context_batch_size: int = 16  # sequences per step of every stage at a long context
+    context_frontier_steps: int = 3000  # the dense models' steps there (>= the family's stages together)
+    context_workspace_steps: int = 2000  # the family's workspace stage there
     router_lambdas: list[float] = field(default_factory=lambda: [0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
                                                                  0.06, 0.07, 0.08, 0.1, 0.12, 0.15, 0.2])
 
@@ -74,36 +87,55 @@ class RecallStudyConfig:
         need(0 <= self.accuracy_tolerance < 1, f"accuracy_tolerance must be in [0, 1), got {self.accuracy_tolerance}")
         check_choice("compile", self.compile, COMPILE_SETTINGS, "recall study: ")
         positive = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1  # noqa: E731
-        need(isinstance(self.frontier_dense, list) and len(self.frontier_dense) > 0,
-             f"frontier_dense must be a non-empty list of grid blocks, got {self.frontier_dense!r}")
-        seen: set[tuple] = set()
-        for block in self.frontier_dense:
-            need(isinstance(block, dict) and {"depths", "widths"} <= set(block)
-                 and set(block) <= {"depths", "widths", *DENSE_OPTIONS},
-                 f"frontier_dense entries must be {{depths, widths[, {', '.join(DENSE_OPTIONS)}]}}, got {block!r}")
-            for f in ("depths", "widths"):
-                v = block[f]
-                need(isinstance(v, list) and len(v) > 0 and all(positive(x) for x in v) and len(set(v)) == len(v),
-                     f"frontier_dense {f} must be a non-empty list of distinct ints >= 1, got {v!r}")
-            need(isinstance(block.get("key_shift", False), bool),
-                 f"frontier_dense key_shift must be true or false, got {block.get('key_shift')!r}")
-            need(block.get("attn_window") is None or positive(block["attn_window"]),
-                 f"frontier_dense attn_window must be an int >= 1 or null, got {block.get('attn_window')!r}")
-            for L in block["depths"]:
-                for d in block["widths"]:
-                    key = (L, d, *(block.get(o, DENSE_OPTIONS[o]) for o in DENSE_OPTIONS))
-                    need(key not in seen, f"frontier_dense lists the configuration {key} twice")
-                    seen.add(key)
+        check_grid("frontier_dense", self.frontier_dense, need)
+        check_grid("context_dense", self.context_dense, need)
         need(isinstance(self.family, list) and len(self.family) > 0
              and all(isinstance(e, (list, tuple)) and len(e) == 2 and all(positive(x) for x in e) for e in self.family),
              f"family must be a non-empty list of [backbone width, workspace width] pairs of ints >= 1, got "
              f"{self.family!r}")
-        for f in ("frontier_steps", "family_workspace_steps"):
+        need(isinstance(self.context_family, list) and len(self.context_family) > 0
+             and all(isinstance(e, (list, tuple)) and len(e) == 3 and all(positive(x) for x in e)
+                     for e in self.context_family),
+             f"context_family must be a non-empty list of [backbone width, workspace width, window] of ints >= 1, "
+             f"got {self.context_family!r}")
+        for f in ("frontier_steps", "family_workspace_steps", "context_queries", "context_batch_size",
+                  "context_frontier_steps", "context_workspace_steps"):
             need(positive(getattr(self, f)), f"{f} must be an int >= 1, got {getattr(self, f)!r}")
+        for f, v in (("context_lengths", self.context_lengths), ("--context", self.contexts)):
+            need(v is None and f == "--context" or isinstance(v, list) and len(v) > 0
+                 and all(positive(x) for x in v) and len(set(v)) == len(v),
+                 f"{f} must be a non-empty list of distinct ints >= 1 (no length twice), got {v!r}")
+        need(self.contexts is None or self.frontier, "--context needs --frontier (the long-context study is a frontier "
+                                                     "study)")
         need(len(self.router_lambdas) > 0 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
                                                   and math.isfinite(x) and x >= 0 for x in self.router_lambdas),
              f"router_lambdas must be a non-empty list of finite numbers >= 0, got {self.router_lambdas!r}")
         return self
+
+
+def check_grid(name: str, grid: Any, need: Any) -> None:
+    """A dense grid (`frontier_dense`, `context_dense`): blocks of depths x widths with their backbone options, no
+    configuration twice; `need(ok, message)` raises."""
+    positive = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1  # noqa: E731
+    need(isinstance(grid, list) and len(grid) > 0, f"{name} must be a non-empty list of grid blocks, got {grid!r}")
+    seen: set[tuple] = set()
+    for block in grid:
+        need(isinstance(block, dict) and {"depths", "widths"} <= set(block)
+             and set(block) <= {"depths", "widths", *DENSE_OPTIONS},
+             f"{name} entries must be {{depths, widths[, {', '.join(DENSE_OPTIONS)}]}}, got {block!r}")
+        for f in ("depths", "widths"):
+            v = block[f]
+            need(isinstance(v, list) and len(v) > 0 and all(positive(x) for x in v) and len(set(v)) == len(v),
+                 f"{name} {f} must be a non-empty list of distinct ints >= 1, got {v!r}")
+        need(isinstance(block.get("key_shift", False), bool),
+             f"{name} key_shift must be true or false, got {block.get('key_shift')!r}")
+        need(block.get("attn_window") is None or positive(block["attn_window"]),
+             f"{name} attn_window must be an int >= 1 or null, got {block.get('attn_window')!r}")
+        for L in block["depths"]:
+            for d in block["widths"]:
+                key = (L, d, *(block.get(o, DENSE_OPTIONS[o]) for o in DENSE_OPTIONS))
+                need(key not in seen, f"{name} lists the configuration {key} twice")
+                seen.add(key)
 
 
 def parse_seeds(text: str) -> list[int]:

@@ -1,0 +1,148 @@
+"""Long-context recall (`prisme study recall --frontier --context T1,T2,...`): the dense frontier and PRISME at several
+sequence lengths, where dense attention reads the whole context at every position and the workspace only where the
+router fires.
+
+Per length T: MQAR with `context_queries` queries, every one after position 2N + W_max, where W_max is the largest
+attention window of the grid (`context_dense` blocks, `context_family` entries), so that no query's pair lies inside
+any local model's window; the dense frontier over `context_dense` (global attention with and without a key shift at
+widths down to where it fails, and local-window backbones, to show what a local model cannot do), and PRISME on a
+local-window backbone (`context_family`: [d, w, window]) whose workspace reads the whole bank, with its router. Every
+stage runs at `context_batch_size` sequences per step; the dense models train for `context_frontier_steps` (at least
+the family's stages together), the family's workspace stage for `context_workspace_steps`. Ops per token come from
+the same cost model for every model, each position at its own context, over the same reference (the recipe's
+one-layer d = 64 backbone alone at that T). Runs live in `frontier/T{T}/`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from prisme.config import PrismeConfig
+from prisme.data.mqar import MQARConfig
+from prisme.studies.recall_frontier import FrontierMember, assemble_frontier, format_frontier, plan_frontier
+from prisme.studies.recall_setup import RecallStudyConfig, RecallTask, Recipe
+
+LONG_PRESET = "recall_long"  # the preset whose T_max bounds `--context`
+
+
+def parse_contexts(text: str | None, cfg_lengths: list[int]) -> list[int] | None:
+    """`--context 256,512,1024` -> [256, 512, 1024]; "default" (the flag alone): `context_lengths`; None: no flag."""
+    if text is None:
+        return None
+    if text == "default":
+        return list(cfg_lengths)
+    try:
+        return [int(p) for p in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--context must be comma-separated lengths, e.g. 256,512,1024; got {text!r}") from None
+
+
+def largest_window(cfg: RecallStudyConfig) -> int:
+    """The largest attention window of the long-context grid (0 if every model attends globally)."""
+    windows = [b.get("attn_window") or 0 for b in cfg.context_dense] + [e[2] for e in cfg.context_family]
+    return max(windows, default=0)
+
+
+def context_mqar(cfg: RecallStudyConfig, recipe: Recipe, T: int) -> MQARConfig:
+    """The recipe's task at length T, its queries after every window; ValueError naming `--context` when T is over
+    the preset's T_max or too short for the queries."""
+    t_max = PrismeConfig.from_name(LONG_PRESET).max_seq_len
+    if T > t_max:
+        raise ValueError(f"recall study: --context {T} is over the {LONG_PRESET} preset's T_max = {t_max}")
+    q0 = 2 * recipe.mqar.n_pairs + largest_window(cfg)
+    mcfg = dataclasses.replace(recipe.mqar, seq_len=T, query_min_pos=q0, n_queries=cfg.context_queries)
+    if cfg.context_queries > recipe.mqar.n_pairs or mcfg.n_query_slots < cfg.context_queries:
+        raise ValueError(f"recall study: --context {T} cannot hold {cfg.context_queries} queries (at most n_pairs = "
+                         f"{recipe.mqar.n_pairs}) after position {q0} (every pair beyond the largest window, "
+                         f"{largest_window(cfg)}): pass longer contexts")
+    return mcfg
+
+
+def recipe_at(cfg: RecallStudyConfig, recipe: Recipe, T: int) -> Recipe:
+    """The recipe at length T: the model's T_max, every stage's task and batch size."""
+    mcfg = context_mqar(cfg, recipe, T)
+    task = dataclasses.asdict(mcfg)
+
+    def at(s):
+        return None if s is None else s.replace(mqar=task, batch_size=cfg.context_batch_size)
+
+    return Recipe(recipe.model.replace(max_seq_len=T), at(recipe.backbone), at(recipe.workspace),
+                  at(recipe.controller), mcfg, at(recipe.router))
+
+
+def context_study(cfg: RecallStudyConfig) -> RecallStudyConfig:
+    """The study's settings with the long-context step counts."""
+    return dataclasses.replace(cfg, frontier_steps=cfg.context_frontier_steps,
+                               family_workspace_steps=cfg.context_workspace_steps)
+
+
+def plan_contexts(cfg: RecallStudyConfig, recipe: Recipe, out: str | Path) -> list[FrontierMember]:
+    """Every length's frontier runs (`plan_frontier` over the long-context grid), each in `frontier/T{T}/`."""
+    long = context_study(cfg)
+    return [t for T in cfg.contexts for t in plan_frontier(long, recipe_at(cfg, recipe, T), out, cfg.context_dense,
+                                                           cfg.context_family, context=T)]
+
+
+def assemble_contexts(cfg: RecallStudyConfig, recipe: Recipe,
+                      done: list[tuple[RecallTask, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per length, in order: {"T", "task", "frontier"} (the frontier as `assemble_frontier` writes it)."""
+    long = context_study(cfg)
+    out = []
+    for T in sorted(cfg.contexts):
+        rT = recipe_at(cfg, recipe, T)
+        out.append({"T": T, "task": dataclasses.asdict(rT.mqar),
+                    "frontier": assemble_frontier(long, rT, done, context=T)})
+    return out
+
+
+def ratio_by_context(contexts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per length: the cheapest passing configuration's ops of each family and PRISME's over the dense one's."""
+    rows = []
+    for c in contexts:
+        v = c["frontier"]["verdict"]
+        rows.append({"T": c["T"], "dense_ops": v["dense_best"] and v["dense_best"]["ops_ratio"],
+                     "prisme_ops": v["prisme_best"] and v["prisme_best"]["ops_ratio"],
+                     "ratio": v["ops_ratio_prisme_over_dense"]})
+    return rows
+
+
+def format_contexts(doc: dict[str, Any]) -> str:
+    """Each length's frontier table, then the ratio against T."""
+    lines = []
+    for c in doc["contexts"]:
+        task = c["task"]
+        lines += [f"T = {c['T']} (queries from position {task['query_min_pos']}, {task['n_queries']} per sequence)",
+                  format_frontier({"frontier": c["frontier"]}), ""]
+    lines.append(f"{'T':>6}{'dense':>9}{'PRISME':>9}{'ratio':>8}   (cheapest passing configuration's ops, x reference)")
+    fmt = lambda v, w: f"{'-':>{w}}" if v is None else f"{v:>{w}.3f}"  # noqa: E731
+    for r in doc["ratio_by_context"]:
+        lines.append(f"{r['T']:>6}{fmt(r['dense_ops'], 9)}{fmt(r['prisme_ops'], 9)}{fmt(r['ratio'], 8)}")
+    return "\n".join(lines)
+
+
+def plot_ratio(doc: dict[str, Any], path: Path) -> None:
+    """PRISME's ops over the dense frontier's (cheapest passing of each) against T, log-log."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in doc["ratio_by_context"] if r["ratio"] is not None]
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    ax.axhline(1.0, color="gray", ls="--", lw=1, label="the dense frontier")
+    if rows:
+        ax.plot([r["T"] for r in rows], [r["ratio"] for r in rows], "-o", color="C3", label="PRISME")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+    else:
+        ax.text(0.5, 0.6, "no length where both families pass", ha="center", transform=ax.transAxes)
+    ax.set_xlabel("context length T")
+    ax.set_ylabel("PRISME ops / dense ops (cheapest passing)")
+    ax.set_title("MQAR: where a sparse workspace pays")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
