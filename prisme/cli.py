@@ -101,6 +101,9 @@ def _cmd_data(args: argparse.Namespace) -> int:
     from prisme.data.shards import prepare
     from prisme.data.tokenizers import tokenizer_named
 
+    if not 0 < args.val_fraction < 1:  # `prepare(val_fraction=0)` makes a folder no training can validate on
+        raise ValueError(f"--val-fraction must be in (0, 1) (training validates on those documents), got "
+                         f"{args.val_fraction}")
     tok = tokenizer_named(args.tokenizer)
     m = prepare(args.source, args.out, tok, args.text_field, args.val_fraction, args.seed)
     print(f"wrote {args.out}: {m['documents']['train']:,} + {m['documents']['val']:,} documents, "

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from prisme.checks import COMPILE_SETTINGS, check_choice, check_seeds
+from prisme.checks import COMPILE_SETTINGS, check_choice, check_seeds, is_int
 from prisme.config import PrismeConfig
 from prisme.data.mqar import MQARConfig
 from prisme.io import CONFIG_DIR, loads_config
@@ -68,6 +68,9 @@ class RecallStudyConfig:
             v = getattr(self, f)
             need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{f} must be an int >= 1, got {v!r}")
         need(isinstance(self.jobs, int) and self.jobs >= 0, f"jobs must be an int >= 0, got {self.jobs!r}")
+        need(isinstance(self.control_layers, (tuple, list)) and len(self.control_layers) == 2
+             and all(is_int(v) and v >= 1 for v in self.control_layers),
+             f"control_layers must be two layer counts [negative, positive] >= 1, got {self.control_layers!r}")
         need(len(self.lambdas) > 0 and all(isinstance(x, (int, float)) and math.isfinite(x) and x >= 0
                                            for x in self.lambdas),
              f"lambdas must be a non-empty list of finite numbers >= 0, got {self.lambdas!r}")
@@ -176,7 +179,7 @@ def study_config(overrides: dict[str, Any], config_dir: str | None = None) -> Re
         if unknown:
             raise ValueError(f"{path}: unknown field(s) {unknown}; known: {sorted(known)}")
         base = {k: v for k, v in raw.items() if k in known}
-        if "control_layers" in base:
+        if isinstance(base.get("control_layers"), list):  # anything else is `validate`'s to name
             base["control_layers"] = tuple(base["control_layers"])
     base.update({k: v for k, v in overrides.items() if v is not None})
     base["config_dir"] = config_dir
