@@ -5,6 +5,11 @@ the option or file, before work starts. (The HF export's config and padding: `te
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -353,3 +358,206 @@ def test_the_eval_tables_verdicts_never_run_into_the_next_column():
     head, _, line = rep.table().splitlines()[:3]
     assert "beats -0.1652" in line and "beats    2.500" in line, line
     assert head.index("vs matched") == head.index("vs backbone") + 29 and head.index("rel ops") > 0
+
+
+# ---------------------------------------------------------------------------------- studies
+def tiny_recall_configs(tmp_path: Path) -> Path:
+    """The recall recipe with small batches and evaluations (the quick study still runs every phase)."""
+    from prisme.io import CONFIG_DIR
+    from prisme.studies.recall_setup import RECIPE_FILES
+
+    folder = tmp_path / "configs"
+    folder.mkdir(exist_ok=True)
+    for name in RECIPE_FILES.values():
+        cfg = json.loads((CONFIG_DIR / name).read_text())
+        if name == "recall_study.json":
+            cfg.update(converged=False, eval_sequences=32, calibration_sequences=32, lambdas=[0.0, 0.1])
+        else:
+            cfg["batch_size"] = 8
+        (folder / name).write_text(json.dumps(cfg))
+    return folder
+
+
+def recall_cmd(out: Path, configs: Path, *more: str) -> list[str]:
+    return [sys.executable, "-m", "prisme", "study", "recall", "--quick", "--out", str(out), "--configs",
+            str(configs), "--no-progress", *more]
+
+
+def finished_stage(folder: Path) -> bool:
+    meta = ckpt.read_meta(folder)
+    return meta.step == meta.stage_config["steps"] and not meta.metrics.get("interrupted")
+
+
+@pytest.mark.parametrize("sig, jobs", [(signal.SIGTERM, 2), (signal.SIGINT, 1)], ids=["SIGTERM-pool", "SIGINT-alone"])
+def test_an_interrupted_study_stops_scores_nothing_and_continues(tmp_path, sig, jobs):
+    """A signal while the study trains: it used to score the interrupted checkpoint, write recall.json and exit 0.
+    Now every run saves and the study exits 130 / 143 saying how to continue, with no document; what it kept comes
+    from finished stages only; rerunning (with --resume, or the same command) continues and tells so."""
+    configs, out = tiny_recall_configs(tmp_path), tmp_path / "study"
+    cmd = recall_cmd(out, configs, "--jobs", str(jobs))
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 180
+    while time.time() < deadline and p.poll() is None and not any(out.glob("*/*/metrics.jsonl")):
+        time.sleep(0.05)
+    p.send_signal(sig)
+    rc = p.wait(timeout=180)
+    err = p.stderr.read()
+    assert rc == 128 + sig, err
+    assert sig.name in err and "--resume" in err and "Traceback" not in err, err
+    assert not (out / "recall.json").exists()
+    for metrics in out.glob("*/*/metrics.jsonl"):  # every stage that trained saved its checkpoint
+        assert ckpt.latest_checkpoint(metrics.parent) is not None, metrics
+    for kept in (out / ".prisme-study" / "done").glob("*.json"):  # a kept score comes from finished stages only
+        run = Path(json.loads(kept.read_text())["task"]["folder"])
+        assert all(finished_stage(stage) for stage in run.iterdir() if stage.is_dir()), run
+    again = subprocess.run(cmd + (["--resume"] if jobs > 1 else []), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert "continuing the study in" in again.stderr
+    doc = json.loads((out / "recall.json").read_text())
+    assert doc["scored"]["quick"] and doc["scored"]["eval_sequences"] == 32
+    assert all(finished_stage(Path(s["controller_checkpoint"]).parent) for s in doc["seeds"])
+
+
+@pytest.fixture(scope="module")
+def quick_study(tmp_path_factory):
+    """A finished quick recall study (tiny recipe, one process)."""
+    root = tmp_path_factory.mktemp("quick")
+    configs, out = tiny_recall_configs(root), root / "study"
+    rc, _ = run_cli(*recall_cmd(out, configs, "--jobs", "1")[3:])
+    assert rc == 0
+    return configs, out
+
+
+def test_evaluate_only_rescores_with_the_settings_the_study_was_run_with(quick_study, capsys):
+    """`--evaluate-only` without --quick on a quick study re-scored it as a full study and overwrote recall.json
+    (quick false, the full recipe's sequences and steps). Now it takes the study's own settings, says so, and the
+    document keeps what it scored; the scores are the same."""
+    configs, out = quick_study
+    before = json.loads((out / "recall.json").read_text())
+    rc, _ = run_cli(*[a for a in recall_cmd(out, configs, "--jobs", "1", "--evaluate-only", "--seeds", "0")[3:]
+                      if a != "--quick"])
+    err = capsys.readouterr().err
+    assert rc == 0 and "re-scoring with the settings the study" in err and "quick=True" in err, err
+    after = json.loads((out / "recall.json").read_text())
+    assert after["scored"] == before["scored"] and after["scored"]["quick"] and after["study"]["quick"]
+    assert after["scored"]["steps"]["seed0"] == {"backbone": 12, "workspace": 12, "controller": 6}
+    assert after["seeds"][0]["controllers"] == before["seeds"][0]["controllers"]
+
+
+def test_evaluate_only_refuses_checkpoints_of_other_settings_and_a_document_of_another_kind(quick_study, tmp_path,
+                                                                                           capsys):
+    """Without the study's record (an older folder) a full re-score of quick checkpoints is refused naming the
+    checkpoint's steps; a full study is never written over a quick study's document (refused before training);
+    --resume on a folder holding no study is refused."""
+    import shutil
+
+    configs, src = quick_study
+    out = tmp_path / "old"
+    shutil.copytree(src, out)
+    shutil.rmtree(out / ".prisme-study")
+    (out / "recall.json").unlink()
+    rc, _ = run_cli(*[a for a in recall_cmd(out, configs, "--jobs", "1", "--evaluate-only", "--seeds", "0")[3:]
+                      if a != "--quick"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "at step 24" in err and "quick: False" in err, err
+    shutil.copy(src / "recall.json", out / "recall.json")
+    listing = sorted(p.name for p in out.rglob("*"))
+    rc, _ = run_cli(*[a for a in recall_cmd(out, configs, "--jobs", "1", "--seeds", "0")[3:] if a != "--quick"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "recall.json is a study document of another kind" in err, err
+    assert sorted(p.name for p in out.rglob("*")) == listing
+    rc, _ = run_cli(*recall_cmd(tmp_path / "none", configs, "--jobs", "1", "--resume")[3:])
+    assert rc == 2 and "holds no recall study to continue" in capsys.readouterr().err
+
+
+def test_a_study_folder_continues_only_with_the_settings_it_was_started_with(tmp_path, capsys):
+    """The text study and the demo: a folder where a study was started with other settings is refused naming them,
+    --resume needs a started study, the same settings continue (nothing is trained by these checks)."""
+    from prisme.studies import text
+    from prisme.studies.demo import run_demo
+    from prisme.studies.runner import record_study
+
+    model = PrismeConfig.from_name("tiny", vocab_size=256)
+    cfg = text.TextStudyConfig(sources=["residual"], seeds=[3], scale=0.01, jobs=1, progress=False,
+                               frontier=[[2, None]], out_dir=str(tmp_path / "text"))
+    with pytest.raises(ValueError, match="--resume: .* holds no text study"):
+        text.prepare_study(cfg, model, resume=True)
+    model_cfg, stages, _ = text.prepare_study(cfg, model)
+    record_study(cfg.out_dir, text.study_settings(cfg, model_cfg, stages))
+    (tmp_path / "text" / "seed3").mkdir()
+    assert text.prepare_study(cfg, model, resume=True)[2]  # the same settings: continued
+    other = text.TextStudyConfig(**{**cfg.__dict__, "scale": 0.02})
+    with pytest.raises(ValueError, match="other settings .*study.scale: was 0.01, now 0.02"):
+        text.prepare_study(other, model)
+    with pytest.raises(ValueError, match="holds no demo to continue"):
+        run_demo(out=tmp_path / "demo", scale=0.01, model_cfg=model, resume=True, recall_seeds=[])
+
+
+def stop_own_worker(seconds: float) -> str:
+    os.kill(os.getpid(), signal.SIGTERM)  # what a scheduler sends one worker
+    time.sleep(seconds)
+    return "never"
+
+
+def sleep_then(seconds: float) -> str:
+    time.sleep(seconds)
+    return "slept"
+
+
+def test_a_signal_to_one_worker_stops_the_whole_pool_and_finished_tasks_are_kept(tmp_path):
+    """SIGTERM to a single worker: its task stops and so does every other (the study raises StudyInterrupted once
+    they have ended; the task that needs the stopped one never starts). A finished task is kept in the store and not
+    run again by the next run, which tells that it continues."""
+    from contextlib import redirect_stderr
+    from io import StringIO
+
+    from prisme.studies.runner import StudyInterrupted, Task, run_tasks
+
+    store = tmp_path / "store"
+    tasks = [Task("quick", sleep_then, (0.0,)), Task("stopped", stop_own_worker, (30.0,)),
+             Task("after", sleep_then, (0.0,), needs=("stopped",))]
+    assert run_tasks(tasks[:1], jobs=1, store=store) == {"quick": "slept"}
+    with pytest.raises(StudyInterrupted) as e:
+        run_tasks(tasks, jobs=2, store=store)
+    assert e.value.signal == "SIGTERM" and "--resume" in str(e.value)
+    ran = []
+    err = StringIO()
+    with redirect_stderr(err):
+        got = run_tasks([tasks[0], Task("stopped", sleep_then, (0.0,)), tasks[2]], jobs=1, store=store,
+                        on_done=lambda t, r, s: ran.append(t.name), resumed=True)
+    assert ran == ["stopped", "after"] and got["quick"] == "slept" and "1 of 3 tasks had finished" in err.getvalue()
+
+
+TINY_TEXT = """
+import sys
+from prisme import cli
+from prisme.config import PrismeConfig
+own = PrismeConfig.from_name.__func__
+PrismeConfig.from_name = classmethod(lambda cls, name, **kw: own(cls, "tiny", vocab_size=256, **kw) if name == "demo"
+                                     else own(cls, name, **kw))  # the text study on a tiny model
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_an_interrupted_text_study_stops_and_continues(tmp_path):
+    """The text study (its pool, its training and evaluation tasks) under SIGINT: exit 130, no text.json, every
+    stage that trained saved; the same command again continues to the document."""
+    held = tmp_path / "held.txt"
+    held.write_text(TEXT_B)
+    out = tmp_path / "text"
+    cmd = [sys.executable, "-c", TINY_TEXT, "study", "text", "--sources", "residual", "--seeds", "3", "--scale",
+           "0.01", "--frontier", "2", "--val-batches", "1", "--held-out", str(held), "--jobs", "2", "--out",
+           str(out), "--no-progress"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 180
+    while time.time() < deadline and p.poll() is None and not list(out.rglob("metrics.jsonl")):
+        time.sleep(0.05)
+    p.send_signal(signal.SIGINT)
+    rc = p.wait(timeout=180)
+    err = p.stderr.read()
+    assert rc == 130 and "SIGINT" in err and "--resume" in err and not (out / "text.json").exists(), err
+    for metrics in out.rglob("metrics.jsonl"):
+        assert ckpt.latest_checkpoint(metrics.parent) is not None, metrics
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "continuing the study in" in again.stderr, again.stderr
+    assert json.loads((out / "text.json").read_text())["seeds"]["3"]["sources"]["residual"]["val"]["rows"]
