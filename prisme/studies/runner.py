@@ -182,7 +182,7 @@ def train_stage_once(model_cfg: Any, scfg: Any, **kw: Any) -> Any:
     found = ckpt.latest_checkpoint(out)
     if found is not None:
         meta = ckpt.read_meta(found)
-        if meta.stage == scfg.stage and meta.step >= scfg.steps and not meta.metrics.get("interrupted"):
+        if scfg.spec.owns(meta.stage) and meta.step >= scfg.steps and not meta.metrics.get("interrupted"):
             return TrainResult(stage=scfg.stage, out_dir=out, checkpoint=found, step=meta.step, tokens=0,
                                train=meta.metrics.get("train") or {}, val=meta.metrics.get("val") or {}, wall_s=0.0)
         scfg = scfg.replace(resume=True)
