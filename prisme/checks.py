@@ -98,7 +98,8 @@ def _matches(v: Any, ann: str) -> bool:
     return True  # an annotation this checker does not know: the config's validate() decides
 
 
-_KIND = {"bool": "a bool (true/false)", "int": "an integer", "float": "a finite number", "str": "a string"}
+_KIND = {"bool": "a bool (true/false)", "int": "an integer", "float": "a finite number", "str": "a string",
+         "tuple[float, float]": "two finite numbers [a, b]"}
 
 
 def check_fields(obj: Any, where: str = "") -> None:

@@ -76,18 +76,23 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from prisme.studies.demo import main
+    from prisme.studies.runner import stop_on_signals
 
-    return main(args)
+    with stop_on_signals():  # SIGINT / SIGTERM end the whole study, 130 / 143
+        return main(args)
 
 
 def _cmd_study(args: argparse.Namespace) -> int:
-    if args.study == "text":
-        from prisme.studies.text import main as study_text
+    from prisme.studies.runner import stop_on_signals
 
-        return study_text(args)
-    from prisme.studies.recall import main as study_recall
+    with stop_on_signals():  # SIGINT / SIGTERM end the whole study, 130 / 143
+        if args.study == "text":
+            from prisme.studies.text import main as study_text
 
-    return study_recall(args)
+            return study_text(args)
+        from prisme.studies.recall import main as study_recall
+
+        return study_recall(args)
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
@@ -101,6 +106,9 @@ def _cmd_data(args: argparse.Namespace) -> int:
     from prisme.data.shards import prepare
     from prisme.data.tokenizers import tokenizer_named
 
+    if not 0 < args.val_fraction < 1:  # `prepare(val_fraction=0)` makes a folder no training can validate on
+        raise ValueError(f"--val-fraction must be in (0, 1) (training validates on those documents), got "
+                         f"{args.val_fraction}")
     tok = tokenizer_named(args.tokenizer)
     m = prepare(args.source, args.out, tok, args.text_field, args.val_fraction, args.seed)
     print(f"wrote {args.out}: {m['documents']['train']:,} + {m['documents']['val']:,} documents, "
@@ -143,6 +151,7 @@ def _cmd_export_hf(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from prisme import __version__
     from prisme.bench.cli import add_bench_parser
+    from prisme.studies.cli import add_study_parsers
     from prisme.training.config import STAGES  # the stage registry
 
     p = argparse.ArgumentParser(prog="prisme", description=__doc__.split("\n\n")[0],
@@ -321,69 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--lambda-cost", type=float, default=None, help="with --workspace: its price (default: config's)")
     s.set_defaults(func=_cmd_export_hf)
 
-    s = sub.add_parser("study", help="controlled studies with success rates over seeds")
-    ssub = s.add_subparsers(dest="study", required=True)
-    r = ssub.add_parser("recall", help="MQAR: 1-layer backbone + workspace vs controls, the controller's allocation")
-    r.add_argument("--seeds", default=None, help="comma-separated seeds (default: recall_study.json's, 0,1,2,3,4)")
-    r.add_argument("--out", default=None, help="study folder (default: runs/recall)")
-    r.add_argument("--jobs", type=int, default=None, help="worker processes (default 0 = one per CPU core)")
-    r.add_argument("--threads", type=int, default=None, help="torch CPU threads per worker (default 1)")
-    r.add_argument("--json", default=None, help="also write the JSON document to this file (atomically)")
-    r.add_argument("--quick", action="store_true", help="one seed, few steps: a smoke run of every phase")
-    r.add_argument("--bank-source", default=None,
-                   help="override the recipe's bank and query source (e.g. residual: the seed's, for comparison)")
-    r.add_argument("--configs", default=None,
-                   help="folder holding recall_*.json (default: the shipped recipes, prisme/configs/)")
-    r.add_argument("--frontier", action="store_true",
-                   help="the dense frontier instead of the controller runs: backbones alone over depths x widths and "
-                        "the PRISME family with its router, every seed, ops against the same reference")
-    r.add_argument("--context", nargs="?", const="default", default=None, metavar="T1,T2,...",
-                   help="with --frontier: the long-context study at these sequence lengths (alone: recall_study.json's "
-                        "context_lengths, 256,512,1024), every query's pair beyond the largest attention window")
-    r.add_argument("--evaluate-only", action="store_true",
-                   help="train nothing: score the checkpoints an earlier run with the same settings left in --out")
-    r.add_argument("--no-progress", action="store_true", help="no per-run progress lines on stderr")
-    _add_compile(r)
-    r.set_defaults(func=_cmd_study)
-    t = ssub.add_parser("text", help="Austen + a held-out text over training seeds: every policy vs the backbone, "
-                                     "the matched one and the dense frontier, with paired intervals, per bank source")
-    t.add_argument("--sources", default=None, help="comma-separated bank sources (default: residual,embedding)")
-    t.add_argument("--seeds", default=None, help="training seeds, comma-separated (default 1337,1338,1339): every "
-                   "run per seed, every claim over them")
-    t.add_argument("--seed", type=int, default=None, help="one training seed (the same as --seeds N)")
-    t.add_argument("--scale", type=float, default=1.0, help="multiply every stage's steps (0.05 = smoke run)")
-    t.add_argument("--frontier", default=None, help="the dense frontier: backbones alone as LAYERS or LAYERSxWIDTH, "
-                   "comma-separated (default 1,2,3,1x96)")
-    t.add_argument("--ngram", type=int, default=4, help="n of the AR-hit / seen-miss / other slices (default 4)")
-    t.add_argument("--window", type=int, default=None,
-                   help="evaluation window length (default 128, the workspace stage's; at most the preset's 256)")
-    t.add_argument("--val-batches", default="8", help="validation batches of 64 x 128, or 'all' (default 8)")
-    t.add_argument("--held-out", default="devils_dictionary",
-                   help="held-out text, scored whole (default: the embedded devils_dictionary)")
-    t.add_argument("--out", default=None, help="study folder (default: runs/text)")
-    t.add_argument("--jobs", type=int, default=None, help="worker processes (default 0 = one per CPU core)")
-    t.add_argument("--threads", type=int, default=None, help="torch CPU threads per worker (default 1)")
-    t.add_argument("--json", default=None, help="also write the JSON document to this file (atomically)")
-    t.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
-    _add_compile(t)
-    t.set_defaults(func=_cmd_study)
-
-    s = sub.add_parser("demo", help="run the main job on the embedded default corpus")
-    s.add_argument("--out", default=None, help="run folder (default: runs/demo-<timestamp>)")
-    s.add_argument("--scale", type=float, default=1.0, help="multiply every stage's steps (e.g. 0.05 = smoke run)")
-    s.add_argument("--threads", type=int, default=-1, help="torch CPU threads (-1 = leave as is)")
-    s.add_argument("--seed", type=int, default=1337, help="seed for init, data order and random actions")
-    s.add_argument("--eval-batches", type=int, default=8, help="validation batches (64 x 128 tokens) per policy")
-    s.add_argument("--recall-seeds", default="0",
-                   help="seeds of the recall study run first (comma-separated; 'none' skips it)")
-    s.add_argument("--jobs", type=int, default=0, help="worker processes (default 0 = one per CPU core)")
-    s.add_argument("--sources", default=None, help="bank sources of the text study (default: residual; "
-                   "residual,embedding = the full `prisme study text`)")
-    s.add_argument("--backbone-keeps-learning", action="store_true",
-                   help="stage 2 also trains the backbone, from its own loss only, on exactly the matched baseline's "
-                        "steps (default: frozen, as SPEC stage 2)")
-    _add_compile(s)
-    s.set_defaults(func=_cmd_demo)
+    add_study_parsers(sub, _add_compile, _cmd_study, _cmd_demo)
     return p
 
 
@@ -410,16 +357,18 @@ def attach_negative_values(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     """Every failure goes through here: a user error (ValueError, a missing or unreadable file) prints one line
     `prisme: error: ...` and exits 2; anything else does the same with its type (PRISME_DEBUG=1 shows the traceback);
-    Ctrl-C exits 130 without a traceback; a closed output pipe (`prisme info | head -1`) exits quietly."""
+    Ctrl-C exits 130 without a traceback (a study stopped by SIGTERM: 143); a closed output pipe (`prisme info |
+    head -1`) exits quietly."""
     args = build_parser().parse_args(attach_negative_values(sys.argv[1:] if argv is None else list(argv)))
     try:
         return int(args.func(args) or 0)
     except BrokenPipeError:
         _silence_stdout()
         return 0
-    except KeyboardInterrupt:
-        print("prisme: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # a study's `StudyInterrupted` names its signal and how to continue
+        sig = getattr(e, "signal", "SIGINT")
+        print(f"prisme: interrupted: {e}" if str(e) else "prisme: interrupted", file=sys.stderr)
+        return 143 if sig == "SIGTERM" else 130
     except ValueError as e:  # user errors: one clear line, no traceback
         print(f"prisme: error: {e}", file=sys.stderr)
         return 2

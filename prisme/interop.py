@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -388,6 +389,10 @@ def export_hf(model: nn.Module, folder: str | Path, tokenizer: Any = "byte") -> 
     elif tokenizer is not None:
         tok = tokenizer._tok
     hf.save_pretrained(folder)
+    from prisme.io import current_umask
+
+    for weights in folder.glob("*.safetensors"):  # safetensors writes 0600: follow the umask like every other file
+        os.chmod(weights, 0o666 & ~current_umask())
     if tokenizer is not None:
         PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(folder)
     return folder
@@ -396,8 +401,8 @@ def export_hf(model: nn.Module, folder: str | Path, tokenizer: Any = "byte") -> 
 def export_hf_checkpoint(checkpoint: str | Path, folder: str | Path, tokenizer: str | None = None) -> Path:
     """`export_hf` of a checkpoint (or run / study folder: its most trained stage) with the tokenizer it was trained
     with, which its folder holds; `tokenizer` overrides it: "byte", "none" or a BPE file (or folder)."""
-    from prisme.checkpoint import find_model_checkpoint, load_model, load_tokenizer
-    from prisme.data.tokenizers import ByteTokenizer, tokenizer_named
+    from prisme.checkpoint import find_model_checkpoint, load_model, load_tokenizer, read_meta
+    from prisme.data.tokenizers import ByteTokenizer, describe_tokenizer, tokenizer_named
 
     path = find_model_checkpoint(checkpoint)
     if tokenizer is None:  # the checkpoint's own (None: a token-id model, exported without a tokenizer)
@@ -406,5 +411,10 @@ def export_hf_checkpoint(checkpoint: str | Path, folder: str | Path, tokenizer: 
     else:
         tok = {"byte": "byte", "none": None}.get(tokenizer) if tokenizer in ("byte", "none") \
             else tokenizer_named(tokenizer)
+        asked, own = (ByteTokenizer() if tok == "byte" else tok), load_tokenizer(path)
+        if asked is not None and read_meta(path).tokenizer is not None and (
+                own is None or own.identity != asked.identity):  # the ids would be written as other strings
+            raise ValueError(f"--tokenizer {tokenizer} ({describe_tokenizer(asked)}) is not the tokenizer {path} was "
+                             f"trained with ({describe_tokenizer(own)}); leave --tokenizer out to export its own")
     return export_hf(load_model(path)[0], folder, tok)
 

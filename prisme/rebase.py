@@ -4,11 +4,13 @@ parameter groups initialised as a fresh model of the new config would be (`prism
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from prisme.checkpoint import checkpoint_name, load_checkpoint, load_tokenizer, save_checkpoint
+from prisme.checkpoint import checkpoint_name, load_checkpoint, save_checkpoint, tokenizer_of
 from prisme.config import PrismeConfig
+from prisme.data.tokenizers import describe_tokenizer, tokenizer_identity
 
 BACKBONE_FIELDS = ("family", "vocab_size", "max_seq_len", "d_model", "n_layer", "n_head", "n_kv_head", "ffn_hidden",
                    "ffn_multiple_of", "rope_theta", "norm_eps", "tie_embeddings", "init_std", "key_shift",
@@ -22,7 +24,7 @@ STAGE1 = (REBASES[("backbone",)],)  # the checkpoint stages that are stage 1's r
 
 
 def rebase(path: str | Path, cfg: PrismeConfig, out_dir: str | Path, seed: int,
-           keep: tuple[str, ...] = ("backbone",)) -> Path:
+           keep: tuple[str, ...] = ("backbone",), tokenizer: Any = "unchecked") -> Path:
     """A checkpoint of `path`'s trained parameter groups `keep` under another config `cfg`; the other groups are
     initialised as `torch.manual_seed(seed); PrismeModel(cfg)` does.
 
@@ -30,7 +32,9 @@ def rebase(path: str | Path, cfg: PrismeConfig, out_dir: str | Path, seed: int,
     `PrismeModel` builds (and seeds) the backbone first, so training stage 1 with `cfg` and seed `seed` ends with
     exactly this checkpoint (tests/test_text_study.py checks it bitwise). keep=("backbone", "workspace"): a stage-2
     checkpoint whose controller (and controller features) are new, e.g. to train another controller recipe on a
-    trained workspace. ValueError if the kept groups do not fit `cfg` (another backbone, other workspace shapes).
+    trained workspace. ValueError if the kept groups do not fit `cfg` (another backbone, other workspace shapes), or
+    if `tokenizer` (the tokenizer the rebased model goes on with; None: token ids) is not the one `path` was trained
+    with, naming both. The rebased checkpoint records `path`'s tokenizer.
     """
     from prisme.model.prisme import PrismeModel
 
@@ -38,6 +42,11 @@ def rebase(path: str | Path, cfg: PrismeConfig, out_dir: str | Path, seed: int,
     if kept is None:
         raise ValueError(f"keep must be {' or '.join(map(repr, REBASES))}, got {keep!r}")
     src, meta = load_checkpoint(path, load_optimizer=False)
+    own = tokenizer_of(meta)
+    if tokenizer != "unchecked" and tokenizer_identity(tokenizer) != tokenizer_identity(own):
+        raise ValueError(f"cannot rebase {meta.path}: it was trained with {describe_tokenizer(own)}, the rebased "
+                         f"model would go on with {describe_tokenizer(tokenizer)} (its embedding rows would mean other "
+                         f"strings); train on the checkpoint's tokenizer (--tokenizer {meta.path})")
     ws = "workspace" in kept
     if (meta.stage in STAGE1) == ws:
         need = "a workspace or controller" if ws else "a backbone"
@@ -60,7 +69,7 @@ def rebase(path: str | Path, cfg: PrismeConfig, out_dir: str | Path, seed: int,
     return save_checkpoint(Path(out_dir) / checkpoint_name(meta.step), model, stage=REBASES[kept],
                            step=meta.step, stage_config=meta.stage_config, metrics=meta.metrics,
                            extra={"rebased_from": str(meta.path), "kept": list(keep)},
-                           tokenizer=load_tokenizer(meta.path))
+                           tokenizer=own)
 
 
 def rebase_backbone(path: str | Path, cfg: PrismeConfig, out_dir: str | Path, seed: int) -> Path:

@@ -74,8 +74,10 @@ def test_a_tokenizer_folder_loads_its_tokenizer_json_or_says_it_has_none(tmp_pat
 def test_a_vocab_size_the_text_cannot_reach_is_refused():
     """`tokenizer train --vocab-size 300` on a tiny text used to return 256 ids silently."""
     pytest.importorskip("tokenizers")
-    with pytest.raises(ValueError, match="vocab_size=300.*yields only 256 tokens"):
+    with pytest.raises(ValueError, match="vocab_size=300.*yields at most 261 tokens"):  # 11 bytes: 5 merges at most
         BPETokenizer.train("hello world", 300)
+    with pytest.raises(ValueError, match="vocab_size=270.*yields only 266 tokens"):  # reachable, not reached
+        BPETokenizer.train("hello world, hello world, hello world", 270)
     assert BPETokenizer.train(TEXT, 280).vocab_size == 280  # control: a reachable size is met exactly
 
 

@@ -150,5 +150,6 @@ def test_text_study_over_two_seeds_reports_each_seed_and_the_frontier_gaps(tmp_p
     assert all(set(sl) == {"ar_hit", "seen_miss", "other"} for e in fixed for sl in e["slices"])
     assert any("/2 seeds" in line and "dense frontier" in line for line in doc["verdicts"])
     assert "over the training seeds 3, 4" in format_report(doc)
-    with pytest.raises(ValueError, match="not empty"):
-        run_study(cfg, model)
+    assert run_study(cfg, model)["seeds"] == doc["seeds"]  # the same settings again: every task kept, none rerun
+    with pytest.raises(ValueError, match="other settings"):
+        run_study(TextStudyConfig(**{**cfg.__dict__, "seeds": [3]}), model)

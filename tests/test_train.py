@@ -482,8 +482,12 @@ def test_demo_pipeline_writes_every_output(tmp_path):
         steps["source:residual"][k]["tokens"] for k in ("workspace", "controller"))
     assert any(e["policy"] == "fixed_1xk1" and len(e["frontier_gap"]) == 1 for e in doc["summary"])
     assert summary["text"]["verdicts"] and summary["wall_s"]["total"] > 0
-    with pytest.raises(ValueError, match="not empty"):
+    with pytest.raises(ValueError, match="holds a demo run with other settings"):
         run_demo(run, scale=0.01, model_cfg=cfg)
+    again = run_demo(run, scale=0.01, eval_batches=1, progress=False, model_cfg=cfg, jobs=1,  # the same: continued
+                     sources=["residual", "embedding"], held_out=str(tmp_path / "held_out.txt"), recall_seeds=[0])
+    assert again["text"]["verdicts"] == summary["text"]["verdicts"] and again["recall"]["summary"] == recall["summary"]
+    assert again["wall_s"]["total"] < summary["wall_s"]["total"]  # nothing was trained again
 
 
 def test_aux_prev_token_adds_the_probe_ce_on_the_previous_token(data):

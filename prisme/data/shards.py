@@ -135,9 +135,12 @@ def prepare(src: str | Path, out: str | Path, tokenizer: Any = None, text_field:
     if not handles:
         raise ValueError(f"{src} holds no readable document ({'/'.join('*' + s for s in DOC_SUFFIXES)} files, or a "
                          f"saved Hugging Face dataset)")
+    if val_fraction > 0 and len(handles) < 2:
+        raise ValueError(f"{src} holds one document: documents are split whole, so a validation split needs two or "
+                         f"more (split the text into several files, or train on the text itself: --dataset {src})")
     order = list(range(len(handles)))
     random.Random(seed).shuffle(order)
-    n_val = 0 if len(handles) < 2 or val_fraction == 0 else max(1, round(len(handles) * val_fraction))
+    n_val = 0 if val_fraction == 0 else min(len(handles) - 1, max(1, round(len(handles) * val_fraction)))
     val = set(order[:n_val])
     dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
     eod = tok.encode("\x00")
@@ -191,19 +194,14 @@ class ShardDataset(TokenDataset):
 
     def __init__(self, path: str | Path):  # noqa: D107 - TokenDataset's constructor builds from a tensor instead
         path = Path(path)
-        try:
-            m = json.loads((path / MANIFEST).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path / MANIFEST} is not a readable manifest ({e})") from None
-        if m.get("format") != FORMAT:
-            raise ValueError(f"{path / MANIFEST}: format {m.get('format')!r} is not {FORMAT!r}; prepare it again")
+        m = read_manifest(path)
         self.path, self.manifest = path, m
         self.tokenizer = tokenizer_from_record(m["tokenizer"], path)
         self.vocab_size = int(m["vocab_size"])
         self._np = {}
         for split in ("train", "val"):
             f = path / m["files"][split]
-            n = f.stat().st_size // np.dtype(m["dtype"]).itemsize if f.is_file() else 0
+            n = f.stat().st_size // np.dtype(m["dtype"]).itemsize
             self._np[split] = np.memmap(f, dtype=m["dtype"], mode="r") if n else np.zeros(0, dtype=m["dtype"])
             mm = getattr(self._np[split], "_mmap", None)
             if mm is not None and hasattr(mm, "madvise") and hasattr(mmap, "MADV_RANDOM"):
@@ -213,6 +211,42 @@ class ShardDataset(TokenDataset):
     def split_tokens(self, split: str) -> _Lazy:
         """The split's token file, indexed lazily (`TokenDataset.batch` / `iter_eval` read only their windows)."""
         return _Lazy(self._np[check_split(split)])
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """A prepared folder's manifest, checked against its token files; ValueError naming the file and what is wrong
+    (a missing or mistyped entry, a missing token file, one whose size is not the manifest's count of whole tokens)."""
+    where = path / MANIFEST
+    again = f"prepare the folder again (prisme data prepare SOURCE --out {path})"
+    try:
+        m = json.loads(where.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{where} is not a readable manifest ({e}); {again}") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise ValueError(f"{where}: format {m.get('format') if isinstance(m, dict) else None!r} is not {FORMAT!r}; "
+                         f"{again}")
+    shapes = {"dtype": str, "tokenizer": dict, "vocab_size": int, "files": dict, "tokens": dict, "split": dict}
+    for key, kind in shapes.items():
+        if not isinstance(m.get(key), kind) or isinstance(m.get(key), bool):
+            raise ValueError(f"{where} has no {key!r} entry (or not a {kind.__name__}); {again}")
+    if m["dtype"] not in ("uint16", "uint32"):
+        raise ValueError(f"{where}: dtype {m['dtype']!r} is not uint16 or uint32; {again}")
+    vf = m["split"].get("val_fraction")
+    if not isinstance(vf, (int, float)) or isinstance(vf, bool) or not 0 <= vf < 1:
+        raise ValueError(f"{where}: its 'split' entry has no val_fraction in [0, 1); {again}")
+    size = np.dtype(m["dtype"]).itemsize
+    for split in ("train", "val"):
+        name, count = m["files"].get(split), m["tokens"].get(split)
+        if not isinstance(name, str) or not isinstance(count, int):
+            raise ValueError(f"{where}: 'files' and 'tokens' must name the {split} split's file and tokens; {again}")
+        f = path / name
+        if not f.is_file():
+            raise ValueError(f"{f} is missing (the {split} split's tokens, named in {where}); {again}")
+        got = f.stat().st_size
+        if got != count * size:
+            raise ValueError(f"{f} holds {got:,} bytes, but {where} records {count:,} {m['dtype']} tokens "
+                             f"({count * size:,} bytes): the file is truncated or from another preparation; {again}")
+    return m
 
 
 class _Lazy:

@@ -71,6 +71,7 @@ def load_text(source: str | Path | None = None) -> str:
     if source is None or (isinstance(source, str) and source in EMBEDDED_TEXTS):
         return _load_embedded(source or EMBEDDED_CORPUS)
     path = Path(source)
+    check_plain_text(path)
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in TEXT_SUFFIXES)
         if not files:
@@ -89,6 +90,27 @@ def load_text(source: str | Path | None = None) -> str:
     if not text.strip():
         raise ValueError(f"corpus at {path} is empty (no non-whitespace text)")
     return text
+
+
+def check_plain_text(path: Path) -> None:
+    """ValueError, with the command that reads it, for documents that `prisme data prepare` reads but plain text
+    loading would not read as documents: a `.jsonl` file (its JSON would become the text), a saved Hugging Face
+    dataset, or a folder with `.jsonl` files or text in its subfolders (only the files directly inside are read)."""
+    hf = ("dataset_info.json", "state.json", "dataset_dict.json")
+    if path.is_file() and path.suffix == ".jsonl":
+        found = [path]
+    elif path.is_dir() and any((path / n).is_file() for n in hf):
+        found = [path / next(n for n in hf if (path / n).is_file())]
+    elif path.is_dir():
+        found = sorted(p for p in path.rglob("*") if p.is_file() and (
+            p.suffix == ".jsonl" or (p.suffix in TEXT_SUFFIXES and p.parent != path)))
+    else:
+        return
+    if found:
+        shown = ", ".join(str(p) for p in found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        raise ValueError(f"{path} holds documents that only `prisme data prepare` reads ({shown}: JSON lines, a saved "
+                         f"dataset or text in subfolders); prepare them with `prisme data prepare {path} --out "
+                         f"DIR` (--text-field names a JSON field) and pass that folder: --dataset DIR")
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -97,6 +97,11 @@ class BPETokenizer:
             raise ValueError(f"BPE vocab_size must be > 256 (the byte alphabet), got {vocab_size}")
         if not text:
             raise ValueError("cannot train a BPE tokenizer on empty text")
+        reachable = 256 + len(text.encode("utf-8")) // 2  # each merge joins a pair seen at least twice
+        if vocab_size > reachable:  # checked before the trainer allocates for vocab_size ids
+            raise ValueError(f"vocab_size={vocab_size}: the text ({len(text):,} characters) yields at most "
+                             f"{reachable:,} tokens (the 256 bytes, then merges of pairs seen at least twice); ask "
+                             f"for fewer or train on more text")
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
@@ -190,6 +195,22 @@ def get_tokenizer(
             tok.save(path)
         return tok
     raise ValueError(f"unknown tokenizer kind {kind!r}; expected 'byte' or 'bpe'")
+
+
+def tokenizer_identity(tok: Tokenizer | None) -> str:
+    """A tokenizer's identity (what two tokenizers must share to mean the same strings by the same ids); "none" for
+    token-id data (MQAR)."""
+    return "none" if tok is None else tok.identity
+
+
+def describe_tokenizer(tok: Tokenizer | None) -> str:
+    """A tokenizer for an error message: the byte tokenizer, a BPE with its size and the start of its identity (two
+    BPEs of one size differ there), or no text tokenizer."""
+    if tok is None:
+        return "no text tokenizer (token ids)"
+    if isinstance(tok, BPETokenizer):
+        return f"BPETokenizer of {tok.vocab_size} ids, identity {tok.identity[:16]}"
+    return f"ByteTokenizer ({tok.identity})"
 
 
 # ----------------------------------------------------------------------------------------------------------------------

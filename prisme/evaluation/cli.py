@@ -13,7 +13,7 @@ import torch
 
 from prisme.data.mqar import MQARDataset
 from prisme.data.text import TokenDataset
-from prisme.evaluation.policies import standard_policies
+from prisme.evaluation.policies import row_family_of_name, standard_policies
 from prisme.evaluation.run import EvalOptions, evaluate_policies
 from prisme.io import write_text_atomic
 
@@ -21,12 +21,14 @@ from prisme.io import write_text_atomic
 # ---------------------------------------------------------------------------------------------------------- CLI
 def dataset_for_checkpoint(meta: Any, vocab_size: int, corpus: str | None = None, seq_len: int | None = None):
     """The evaluation dataset of a checkpoint: its training stage's dataset (tokenizer, val split, MQAR settings), or
-    `corpus`: "austen" / "mqar" with the checkpoint's other data settings (their val split), or a held-out text (the
-    embedded "devils_dictionary", a UTF-8 file or folder) scored whole with the checkpoint's tokenizer. Returns
+    `corpus`: "austen" / "mqar" / a `prisme data prepare` folder with the checkpoint's other data settings (their val
+    split), or a held-out text (the embedded "devils_dictionary", a UTF-8 file or folder) scored whole with the
+    checkpoint's tokenizer; ValueError naming both tokenizers when the data's is not the checkpoint's. Returns
     (dataset, seq_len or None)."""
     from prisme.checkpoint import load_tokenizer
+    from prisme.data.shards import is_prepared
     from prisme.data.text import EMBEDDED_CORPUS, load_text
-    from prisme.data.tokenizers import BPETokenizer, tokenizer_named
+    from prisme.data.tokenizers import BPETokenizer, describe_tokenizer, tokenizer_identity, tokenizer_named
     from prisme.training.config import StageConfig, build_dataset
 
     sc = getattr(meta, "stage_config", None) or {}
@@ -34,7 +36,8 @@ def dataset_for_checkpoint(meta: Any, vocab_size: int, corpus: str | None = None
     own = load_tokenizer(meta.path) if getattr(meta, "path", None) is not None else None
     if isinstance(own, BPETokenizer):  # the checkpoint's own copy: the run folder may have moved since training
         scfg = scfg.replace(tokenizer=str(meta.path))
-    if corpus is not None and corpus not in (EMBEDDED_CORPUS, "mqar") and corpus != scfg.dataset:
+    if corpus is not None and corpus not in (EMBEDDED_CORPUS, "mqar") and corpus != scfg.dataset \
+            and not is_prepared(corpus):  # a prepared folder: its val split, below
         tok = tokenizer_named(scfg.tokenizer)
         if tok.vocab_size > vocab_size:
             raise ValueError(f"the checkpoint's tokenizer has {tok.vocab_size} ids but the model has {vocab_size}")
@@ -44,7 +47,14 @@ def dataset_for_checkpoint(meta: Any, vocab_size: int, corpus: str | None = None
         return TokenDataset.held_out(load_text(corpus), tok, T, name=Path(str(corpus)).name), scfg.seq_len
     if corpus is not None and corpus != scfg.dataset:
         scfg = scfg.replace(dataset=corpus)
-    return build_dataset(scfg, vocab_size), scfg.seq_len
+    ds = build_dataset(scfg, vocab_size)
+    theirs = getattr(ds, "tokenizer", None)
+    if theirs is not None and getattr(meta, "path", None) is not None and theirs.identity != tokenizer_identity(own):
+        raise ValueError(f"--corpus {scfg.dataset} was prepared with {describe_tokenizer(theirs)}, the checkpoint "
+                         f"{meta.path} was trained with {describe_tokenizer(own)}: its ids would be read as other "
+                         f"strings; prepare the text with the checkpoint's tokenizer (prisme data prepare ... "
+                         f"--tokenizer {meta.path})")
+    return ds, scfg.seq_len
 
 
 def n_eval_batches(dataset: Any, split: str, batch_size: int, seq_len: int) -> int | None:
@@ -83,12 +93,17 @@ def parse_references(items: list[str] | None) -> dict[str, str]:
     """`--reference NAME=CKPT` (repeatable) -> {name: checkpoint}; names unique and not a built-in row's."""
     out: dict[str, str] = {}
     for item in items or []:
-        name, sep, path = item.partition("=")
+        cuts = [i for i, c in enumerate(item) if c == "=" and item[:i].count("(") == item[:i].count(")")]
+        name, sep, path = (item[:cuts[0]], "=", item[cuts[0] + 1:]) if cuts else (item, "", "")  # a row name's "="
         name, path = name.strip(), path.strip()
         if not sep or not name or not path:
             raise ValueError(f"--reference must be NAME=CHECKPOINT, got {item!r}")
-        if name in out or name in BUILT_IN_ROWS:
-            raise ValueError(f"--reference name {name!r} is used twice (or is a built-in row's name)")
+        if name in out:
+            raise ValueError(f"--reference name {name!r} is used twice; give each reference its own NAME")
+        family = row_family_of_name(name)
+        if family is not None:  # the evaluation's own rows take names of this form, whatever its prices
+            raise ValueError(f"--reference {item}: {name!r} has the form of a built-in or policy row's name (the "
+                             f"{family} family's); give the reference another NAME (e.g. ref_{name})")
         out[name] = path
     return out
 
@@ -108,18 +123,51 @@ def parse_frontier_rows(text: str | None, references: dict[str, str], has_matche
     return list(dict.fromkeys(rows))
 
 
-def load_references(references: dict[str, str], model: Any, device: torch.device) -> dict[str, Any]:
-    """Load each `--reference` and check that it reads the same tokens as the evaluated model."""
+def load_references(references: dict[str, str], model: Any, device: torch.device, meta: Any = None
+                    ) -> dict[str, Any]:
+    """Load each `--reference` and check that it reads the same tokens as the evaluated model (its vocabulary and,
+    with the evaluated checkpoint's `meta`, its tokenizer)."""
     from prisme.checkpoint import load_model
 
     out = {}
     for name, path in references.items():
-        ref, _ = load_model(path, map_location=device)
+        ref, ref_meta = load_model(path, map_location=device)
         if ref.cfg.vocab_size != model.cfg.vocab_size:
             raise ValueError(f"--reference {name}={path} has a vocabulary of {ref.cfg.vocab_size} ids, the evaluated "
                              f"model {model.cfg.vocab_size}: they cannot be scored on the same targets")
+        if meta is not None:
+            check_same_tokens(meta, ref_meta, f"--reference {name}={path}")
         out[name] = ref
     return out
+
+
+def check_same_tokens(meta: Any, other: Any, what: str) -> None:
+    """ValueError naming both tokenizers when checkpoint `other` (`what`: the option that named it) was trained on
+    another tokenizer than the evaluated checkpoint `meta`: the same ids would mean other strings."""
+    from prisme.checkpoint import tokenizer_of
+    from prisme.data.tokenizers import describe_tokenizer, tokenizer_identity
+
+    ours, theirs = tokenizer_of(meta), tokenizer_of(other)
+    if None in (meta.tokenizer, other.tokenizer) and None in (ours, theirs):
+        return  # a checkpoint that recorded no tokenizer: its "token ids" or "byte" is a guess from its stage config
+    if tokenizer_identity(ours) != tokenizer_identity(theirs):
+        raise ValueError(f"{what} was trained with {describe_tokenizer(theirs)}, the evaluated checkpoint {meta.path} "
+                         f"with {describe_tokenizer(ours)}: the same ids mean other strings, so they cannot be "
+                         f"compared on the same targets")
+
+
+
+def check_routing_bound(model: Any, meta: Any) -> None:
+    """`--routing-bound` runs the oracle's edits on the checkpoint's workspace: ValueError naming the option when the
+    model has none, or no stage trained it."""
+    from prisme.checkpoint import trained_groups
+
+    if not model.cfg.use_workspace:
+        raise ValueError(f"--routing-bound needs a model with a workspace; {meta.path} is a backbone-only model "
+                         f"({model.cfg.name!r}, use_workspace=False): evaluate a workspace checkpoint")
+    if "workspace" not in trained_groups(meta):
+        raise ValueError(f"--routing-bound needs a trained workspace; no stage of {meta.path} (a {meta.stage!r} "
+                         f"checkpoint) trained it: evaluate the workspace or a later stage's checkpoint")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -153,6 +201,8 @@ def main(args: argparse.Namespace) -> int:
     if str(path) != str(args.checkpoint):
         print(f"note: using {path}", file=sys.stderr)
     model, meta = load_model(path, map_location=device)
+    if getattr(args, "routing_bound", False):  # before the evaluation: the bound runs the trained workspace
+        check_routing_bound(model, meta)
     from prisme.model.compiled import maybe_compile
 
     maybe_compile(model, getattr(args, "compile", None))
@@ -160,17 +210,21 @@ def main(args: argparse.Namespace) -> int:
     if args.matched_backbone:
         from prisme.rebase import BACKBONE_FIELDS
 
-        matched, _ = load_model(args.matched_backbone, map_location=device)
+        matched, matched_meta = load_model(args.matched_backbone, map_location=device)
         diff = {k: v for k, v in model.cfg.diff(matched.cfg).items() if k in BACKBONE_FIELDS}
         if diff:
             shown = ", ".join(f"{k} {a!r} vs {b!r}" for k, (a, b) in sorted(diff.items()))
             raise ValueError(f"--matched-backbone {args.matched_backbone} is another backbone ({shown}); the matched "
                              f"baseline is the evaluated model's backbone trained on more tokens (same architecture)")
-    refs = load_references(references, model, device)
+        check_same_tokens(meta, matched_meta, f"--matched-backbone {args.matched_backbone}")
+    refs = load_references(references, model, device, meta)
     dataset, train_seq_len = dataset_for_checkpoint(meta, model.cfg.vocab_size, args.corpus, args.seq_len)
     seq_len = args.seq_len if args.seq_len is not None else train_seq_len
     if seq_len is None:
         seq_len = dataset.cfg.seq_len if isinstance(dataset, MQARDataset) else model.cfg.max_seq_len
+    if slices is not None and slices > seq_len:
+        raise ValueError(f"--slices {slices}: an n-gram longer than the window ({seq_len} tokens, --seq-len) occurs "
+                         f"in none; pass an n-gram length <= {seq_len}")
     available = n_eval_batches(dataset, "val", args.batch_size, seq_len)
     if max_batches is not None and available is not None and max_batches > available:
         raise ValueError(f"--batches {max_batches} exceeds the split: {dataset!r} holds {available} batches of "

@@ -12,6 +12,7 @@ family (marker, whether it runs the workspace, which of its differences is to it
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -28,9 +29,9 @@ if TYPE_CHECKING:
     from prisme.evaluation.batch import Batch
 
 BUDGETS = (1, 2, 4, 8)
-__all__ = ["ROW_KINDS", "Row", "Outcome", "Policy", "Backbone", "Reference", "Fixed", "Random", "Dense", "Controller",
-           "EqualEdits", "Oracle", "standard_policies", "forced_actions", "thinned_actions", "sample_positions",
-           "default_lambdas"]
+__all__ = ["ROW_KINDS", "row_family_of_name", "Row", "Outcome", "Policy", "Backbone", "Reference", "Fixed", "Random",
+           "Dense", "Controller", "EqualEdits", "Oracle", "standard_policies", "forced_actions", "thinned_actions",
+           "sample_positions", "default_lambdas"]
 
 
 # ---------------------------------------------------------------------------------------------------------- rows
@@ -46,9 +47,16 @@ class RowKind:
     own_reference: str | None = None  # the paired difference that is this row against itself (not a verdict)
     sampled: bool = False  # scored on sampled positions only (compared there)
     baseline: bool = False  # a baseline of another row (the controller's equal-edits row)
+    names: str = ""  # the form of its rows' names (a regular expression); "": any name (a reference's own)
 
 
 ROW_KINDS: dict[str, RowKind] = {}  # every family's kind, registered by the Policy class that makes its rows
+
+
+def row_family_of_name(name: str) -> str | None:
+    """The family whose rows take names of the form of `name` (`RowKind.names`), or None: a name another row may
+    take (a reference's) without meeting a policy row's, whatever prices and budgets the evaluation plans."""
+    return next((k.family for k in ROW_KINDS.values() if k.names and re.fullmatch(k.names, name)), None)
 
 
 @dataclass(frozen=True)
@@ -141,7 +149,8 @@ class Policy:
 class Backbone(Policy):
     """The backbone alone: the exact bypass, from the batch's shared encoding."""
 
-    kinds = (RowKind("backbone", "s", "C0", backbone_only=True, own_reference="delta_vs_backbone"),)
+    kinds = (RowKind("backbone", "s", "C0", backbone_only=True, own_reference="delta_vs_backbone",
+                     names="backbone"),)
     shares_encoding = True
 
     def plan(self, model, first_tokens):
@@ -156,7 +165,8 @@ class Reference(Policy):
     "backbone + matched tokens" baseline: the evaluated backbone trained on as many extra tokens as the workspace
     stage used, and every row gets its paired difference to it (`delta_vs_matched`)."""
 
-    kinds = (RowKind("matched", "D", "C1", backbone_only=True, own_reference="delta_vs_matched"),
+    kinds = (RowKind("matched", "D", "C1", backbone_only=True, own_reference="delta_vs_matched",
+                     names=r"backbone\+matched"),
              RowKind("reference", "h", "C8", backbone_only=True))
 
     def __init__(self, name: str, model: PrismeModel, matched: bool = False):
@@ -216,7 +226,7 @@ class Forced(Policy):
 class Fixed(Forced):
     """Step r edits slot r mod M (k = 1) or pair M + (r mod M/2) (k = 2) at every position."""
 
-    kinds = (RowKind("fixed", "o", "C2", workspace=True),)
+    kinds = (RowKind("fixed", "o", "C2", workspace=True, names=r"fixed_\d+xk\d+"),)
 
     def actions(self, cfg, n, k, shape, generator):
         M = cfg.n_slots
@@ -228,7 +238,7 @@ class Fixed(Forced):
 class Random(Forced):
     """Uniform single slots (k = 1) or pairs (k = 2), drawn from the batch's common random numbers."""
 
-    kinds = (RowKind("random", "x", "C3", workspace=True),)
+    kinds = (RowKind("random", "x", "C3", workspace=True, names=r"random_\d+xk\d+"),)
 
     def actions(self, cfg, n, k, shape, generator):
         lo, hi = (0, cfg.n_slots) if k == 1 else (cfg.n_slots, cfg.n_actions)
@@ -238,7 +248,7 @@ class Random(Forced):
 class Dense(Forced):
     """n DENSE actions (every slot attends to the bank at each step)."""
 
-    kinds = (RowKind("dense", "^", "C4", workspace=True),)
+    kinds = (RowKind("dense", "^", "C4", workspace=True, names=r"dense_\d+"),)
 
     def __init__(self, budgets: Sequence[int] | None = None, ks: Sequence[int] = ()):
         super().__init__(budgets, ks=())  # every slot: no k to choose
@@ -274,7 +284,7 @@ class Controller(Policy):
     """The deployed policy (`forward_policy`; with `cfg.router`, the router decides step 0) at each price, each row
     followed by its equal-edits baseline (`equal_edits=True`): the same mean edits spread uniformly."""
 
-    kinds = (RowKind("controller", "*", "C5", workspace=True),)
+    kinds = (RowKind("controller", "*", "C5", workspace=True, names=r"controller\(.*\)"),)
     needs_workspace = True
     shares_encoding = True
 
@@ -308,7 +318,7 @@ class EqualEdits(Policy):
     """The controller row's mean edits per position, as fixed round-robin single-slot edits thinned at random
     (seeded per batch) to that mean: the same edit count spread uniformly instead of allocated."""
 
-    kinds = (RowKind("equal_edits", "v", "C7", workspace=True, baseline=True),)
+    kinds = (RowKind("equal_edits", "v", "C7", workspace=True, baseline=True, names=r"equal_edits\(.*\)"),)
     needs_workspace = True
     shares_encoding = True
 
@@ -326,7 +336,7 @@ class Oracle(Policy):
     where the scored targets are and stops at once everywhere else: its trace covers every position (one
     controller step where it does nothing), as a deployed policy's would."""
 
-    kinds = (RowKind("oracle", "P", "C6", workspace=True, sampled=True),)
+    kinds = (RowKind("oracle", "P", "C6", workspace=True, sampled=True, names=r"oracle\(.*\)"),)
     needs_workspace = True
 
     def __init__(self, lambdas: Sequence[float] | None = None, positions: int | None = 16, budget: int | None = None,

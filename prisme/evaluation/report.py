@@ -96,8 +96,8 @@ class EvalReport:
         matched backbone with their 95% intervals and verdicts, ops, edits, throughput."""
         has_m = any(r.delta_vs_matched for r in self.rows)
         ci = lambda d: "-" if not d else f"{d['mean']:+.4f} [{d['lo']:+.4f},{d['hi']:+.4f}]"  # noqa: E731
-        head = (f"{'policy':<30}{'loss':>8}  {'vs backbone [95% CI]':<28}" + (f"{'vs matched [95% CI]':<28}" if has_m
-                                                                              else "")
+        head = (f"{'policy':<30}{'loss':>8}  {'vs backbone [95% CI]':<28} " + (f"{'vs matched [95% CI]':<28} " if has_m
+                                                                               else "")
                 + f"{'rel ops':>8}{'edits':>7}{'acc':>7}{'tok/s':>9}  deployable")
         lines = [head, "-" * len(head)]
         for r in self.rows:
@@ -109,7 +109,8 @@ class EvalReport:
                                             else f" {r.verdict_vs_backbone}")
             vm = ci(r.delta_vs_matched) + ("" if not r.verdict_vs_matched or own == "delta_vs_matched"
                                            else f" {r.verdict_vs_matched}")
-            lines.append(f"{r.policy:<30}{r.loss:>8.4f}  {vb:<28}" + (f"{vm:<28}" if has_m else "")
+            # a difference with its verdict takes 31 characters: the space after each keeps it apart from the next
+            lines.append(f"{r.policy:<30}{r.loss:>8.4f}  {vb:<28} " + (f"{vm:<28} " if has_m else "")
                          + f"{r.relative_ops:>8.3f}{r.mean_edits:>7.2f}{acc:>7}{r.tokens_per_s:>9.0f}  {dep}")
             if r.delta_vs_equal_edits:
                 lines.append(f"{'':<4}controller - equal_edits: {ci(r.delta_vs_equal_edits)} "

@@ -168,8 +168,9 @@ def _check_options(model: PrismeModel, data: Any, options: EvalOptions) -> int:
     if vocab is not None and vocab > cfg.vocab_size:
         raise ValueError(f"dataset vocab_size={vocab} exceeds the model's vocab_size={cfg.vocab_size}")
     check_bootstrap_args(options.bootstrap_samples, options.bootstrap_seed)
-    if options.slices is not None and (not is_int(options.slices) or options.slices < 1):
-        raise ValueError(f"slices must be an n-gram length >= 1, got {options.slices!r}")
+    if options.slices is not None and (not is_int(options.slices) or not 1 <= options.slices <= seq_len):
+        raise ValueError(f"slices must be an n-gram length in [1, seq_len={seq_len}] (a longer one matches nothing "
+                         f"in a window), got {options.slices!r}")
     if not isinstance(options.scorer, NextTokenLoss):
         raise ValueError(f"scorer must be NextTokenLoss() or QueryAccuracy(), got {options.scorer!r}")
     return seq_len

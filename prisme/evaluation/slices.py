@@ -9,6 +9,7 @@ the row's whole gain, and its edits per position.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +32,7 @@ def ar_slice_labels(x: torch.Tensor, y: torch.Tensor, n: int) -> torch.Tensor:
         gram = gram * base + torch.nn.functional.pad(x, (k, 0), value=0)[:, :T].double()
     t = torch.arange(T, device=x.device)
     gram = torch.where(t >= n - 1, gram, -1.0 - t.double())  # incomplete n-grams match nothing
-    if base ** n >= 2 ** 53:  # beyond float64's exact integers: compare the n tokens themselves
+    if n * math.log2(base) >= 53:  # beyond float64's exact integers: compare the n tokens themselves
         win = torch.stack([torch.nn.functional.pad(x, (k, 0), value=-1)[:, :T] for k in range(n)], -1)  # [B, T, n]
         same = (win[:, :, None] == win[:, None, :]).all(-1) & (t >= n - 1)[None, :, None]
     else:

@@ -62,7 +62,8 @@ def _sample(model: torch.nn.Module, prompt: str, n_tokens: int, max_budget: int,
 def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | None = None, seed: int = 1337,
              backbone_keeps_learning: bool = False, eval_batches: int = 8, progress: bool = True,
              model_cfg: PrismeConfig | None = None, recall_seeds: list[int] | None = None, jobs: int = 0,
-             sources: list[str] | None = None, held_out: str | None = None, compile: str = "off") -> dict[str, Any]:
+             sources: list[str] | None = None, held_out: str | None = None, compile: str = "off",
+             resume: bool = False) -> dict[str, Any]:
     """Run the demo end to end; returns the summary (also written to <run>/summary.json).
 
     1. the recall study on `recall_seeds` (None or [] skips it; with `scale` < 1 it runs in its quick mode), without
@@ -73,8 +74,10 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
        bank sources `sources` (default: the seed's, which keeps the demo within its time; `prisme study text` runs
        both);
     3. a short greedy sample from the seed's-bank controller.
+
+    A demo started in `out` with the same settings continues from what finished (`resume`: one must have been).
     """
-    from prisme.studies.runner import Task, prefixed, run_tasks, worker_count
+    from prisme.studies.runner import Task, open_study, prefixed, record_study, run_tasks, worker_count
     from prisme.studies.text import TextStudyConfig, format_report
     from prisme.studies.text import finish_study as finish_text
     from prisme.studies.text import prepare_study as prepare_text
@@ -86,9 +89,13 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
     if threads is not None and threads > 0:
         torch.set_num_threads(threads)
     run = Path(out) if out is not None else Path("runs") / f"demo-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    if run.exists() and any(run.iterdir()):
-        raise ValueError(f"run folder {run} already exists and is not empty; pass another --out")
     cfg = model_cfg if model_cfg is not None else PrismeConfig.from_name("demo")
+    settings = {"scale": scale, "seed": seed, "backbone_keeps_learning": backbone_keeps_learning,
+                "eval_batches": eval_batches, "recall_seeds": list(recall_seeds or []), "sources": sources,
+                "held_out": held_out, "model": cfg.to_dict()}
+    resumed = open_study(run, settings, resume, "demo")
+    if not resumed and run.exists() and any(run.iterdir()):
+        raise ValueError(f"run folder {run} already exists and is not empty; pass another --out")
     if cfg.vocab_size < 256 or not cfg.use_workspace:
         raise ValueError(f"the demo needs a byte-level model (vocab_size >= 256) with a workspace, got {cfg.name!r}")
     tcfg = TextStudyConfig(sources=list(sources or DEMO_SOURCES), seeds=[seed], frontier=[list(DEMO_FRONTIER)],
@@ -101,6 +108,9 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
     walls: dict[str, float] = {}
     # both studies' tasks in one pool (the text study's long chains first, the recall runs filling the gaps)
     text_model, stages, text_tasks = prepare_text(tcfg, cfg)
+    from prisme.studies.text import study_settings as text_settings
+
+    studies = [(tcfg.out_dir, text_settings(tcfg, text_model, stages))]  # recorded with the demo's below
     tasks = [prefixed(t, "text/") for t in text_tasks]
     recall_tasks: list = []
     if recall_seeds:
@@ -114,6 +124,10 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
                              "calibration_sequences": 1024,  # the study's own calibration set: the same lambda
                              "converged": False})  # the converged case: `prisme study recall`
         rcfg, recipe, recall_tasks = prepare_recall(rcfg)
+        from prisme.studies.recall import study_settings as recall_settings
+        from prisme.studies.recall import study_task
+
+        studies.append((rcfg.out_dir, recall_settings(rcfg, [study_task(t) for t in recall_tasks])))
         chains = 1 + len(tcfg.sources) + len(tcfg.frontier)  # the text study's backbone, sources and frontier first
         tasks = tasks[:chains] + [prefixed(t, "recall/") for t in recall_tasks] + tasks[chains:]
         print(f"demo: the recall study (seeds {','.join(map(str, rcfg.seeds))}) in {run / 'recall'}", flush=True)
@@ -133,19 +147,21 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
         if shows[prefix] is not None:
             shows[prefix](task, res, elapsed)
 
-    results = run_tasks(tasks, jobs, on_done=on_done)
+    for folder, study in studies:  # a rerun finds each study started with its settings
+        record_study(folder, study)
+    results = run_tasks(tasks, jobs, on_done=on_done, store=record_study(run, settings), resumed=resumed)
     n_workers = worker_count(jobs, len(tasks))
     recall = None
     if recall_seeds:
         doc = finish_recall(rcfg, recipe, {t.name: results["recall/" + t.name] for t in recall_tasks}, recall_tasks,
-                            finished["recall/"], n_workers)
+                            finished.get("recall/", 0.0), n_workers)
         print(format_table(doc) + "\n", flush=True)
         recall = {"summary": doc["summary"], "controls": {k: v["accuracy"] for k, v in doc["controls"].items()},
                   "json": str(run / "recall" / "recall.json"), "wall_s": round(doc["wall_s"]["total"], 1)}
-        walls["recall"] = finished["recall/"]
+        walls["recall"] = finished.get("recall/", 0.0)
     text_doc = finish_text(tcfg, text_model, stages, {t.name: results["text/" + t.name] for t in text_tasks},
-                           text_tasks, finished["text/"], n_workers)
-    walls["text"] = finished["text/"]
+                           text_tasks, finished.get("text/", 0.0), n_workers)
+    walls["text"] = finished.get("text/", 0.0)
     print(format_report(text_doc), flush=True)
 
     t = time.perf_counter()
@@ -189,5 +205,5 @@ def main(args: argparse.Namespace) -> int:
              eval_batches=getattr(args, "eval_batches", 8), recall_seeds=recall_seeds,
              jobs=getattr(args, "jobs", 0) or 0,
              sources=[v.strip() for v in args.sources.split(",") if v.strip()] if getattr(args, "sources", None)
-             else None, compile=getattr(args, "compile", None) or "off")
+             else None, compile=getattr(args, "compile", None) or "off", resume=getattr(args, "resume", False))
     return 0

@@ -57,11 +57,11 @@ from prisme.studies.recall_setup import (
     Recipe,
     _quick,
     load_recipe,
+    own_settings,
     parse_seeds,
     study_config,
 )
-from prisme.studies.runner import Task, run_tasks, worker_count
-from prisme.training.trainer import train_stage
+from prisme.studies.runner import Task, open_study, record_study, run_tasks, train_stage_once, worker_count
 
 
 # ------------------------------------------------------------------------------------------------------------ tasks
@@ -158,7 +158,7 @@ def run_task(task: RecallTask) -> dict[str, Any]:
         t0 = time.perf_counter()
         s = s.replace(seed=task.seed, out_dir=str(folder / name), init_from=init, progress=False,
                       compile=cfg.compile, device=task.device if s.device == "auto" else s.device)
-        res = train_stage(task.model if s.spec.is_first else None, s)  # later stages: the model of init_from
+        res = train_stage_once(task.model if s.spec.is_first else None, s)  # later: the model of init_from
         wall[s.stage] = time.perf_counter() - t0
         init = str(res.checkpoint)
         results[s.stage] = res
@@ -175,23 +175,87 @@ def run_task(task: RecallTask) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------------------ report
-def prepare_study(cfg: RecallStudyConfig) -> tuple[RecallStudyConfig, Recipe, list[Task]]:
+UNRECORDED = ("out_dir", "jobs", "threads", "config_dir", "evaluate_only", "compile")  # change no run or score
+
+
+def study_settings(cfg: RecallStudyConfig, planned: list[RecallTask]) -> dict[str, Any]:
+    """What a recall study scores and trains, as its folder records it (`runner.record_study`) and its document
+    (`scored`): its kind, its own settings, each run's stage steps, and each run's model and stage configs."""
+    return {"kind": "frontier" if cfg.frontier else "controllers", "quick": cfg.quick,
+            "study": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in UNRECORDED},
+            "steps": {Path(t.folder).name: {s.stage: s.steps for s in t.stages} for t in planned},
+            "runs": {Path(t.folder).name: {"model": t.model.to_dict(), "stages": [s.to_dict() for s in t.stages]}
+                     for t in planned}}
+
+
+def check_rescoring(cfg: RecallStudyConfig, settings: dict[str, Any], planned: list[RecallTask]) -> None:
+    """`--evaluate-only`: ValueError unless the study in `cfg.out_dir` was run with these settings (its record, or
+    an older folder's recall.json) and each stage's checkpoint is the finished one of its planned stage."""
+    from prisme.checkpoint import read_meta
+    from prisme.studies.runner import differences, recorded_study
+
+    out = Path(cfg.out_dir)
+    before = recorded_study(out)
+    now = json.loads(json.dumps(settings))
+    if before is None and (out / "recall.json").is_file():  # a study run before settings were recorded
+        old = json.loads((out / "recall.json").read_text()).get("study", {})
+        before = {"study": {k: v for k, v in old.items() if k in now["study"]}}
+        now = {"study": {k: now["study"][k] for k in before["study"]}}
+    if before is not None:
+        changed = differences(before, now)
+        if changed:
+            raise ValueError(f"--evaluate-only: the study in {out} was run with other settings "
+                             f"({'; '.join(changed[:3])}); re-score it with its own (pass the options it was run with)")
+    for t in planned:
+        for name, s in zip(t.stage_folders(), t.stages):
+            folder = Path(t.folder) / name
+            if not (folder / "latest").exists():
+                raise ValueError(f"--evaluate-only: {folder} holds no checkpoint; run the study with the same "
+                                 f"settings (and --out) first")
+            meta = read_meta(folder)
+            if meta.step != s.steps or meta.metrics.get("interrupted"):
+                raise ValueError(f"--evaluate-only: {folder} holds a {s.stage} checkpoint at step {meta.step} "
+                                 f"{'(interrupted) ' if meta.metrics.get('interrupted') else ''}but these settings "
+                                 f"train {s.steps} steps (quick: {cfg.quick}); pass the settings the study was run "
+                                 f"with, or continue it first (--resume)")
+
+
+def check_document_kind(cfg: RecallStudyConfig) -> None:
+    """A study never replaces a recall.json of another kind (quick or full, controllers or frontier) in its folder."""
+    path = Path(cfg.out_dir) / "recall.json"
+    if not path.is_file():
+        return
+    try:
+        study = json.loads(path.read_text()).get("study", {})
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return
+    old = {"quick": bool(study.get("quick")), "frontier": bool(study.get("frontier"))}
+    new = {"quick": cfg.quick, "frontier": cfg.frontier}
+    if old != new:
+        shown = ", ".join(f"{k} {old[k]} (asked {new[k]})" for k in old if old[k] != new[k])
+        raise ValueError(f"{path} is a study document of another kind ({shown}); it is not replaced: pass the "
+                         f"options it was made with, or another --out")
+
+
+def prepare_study(cfg: RecallStudyConfig, resume: bool = False) -> tuple[RecallStudyConfig, Recipe, list[Task]]:
     """Validate, plan and check every run folder before anything trains; returns (the effective settings, the recipe,
-    the tasks for `runner.run_tasks`, each named by its folder)."""
+    the tasks for `runner.run_tasks`, each named by its folder). A folder where this study was started with the same
+    settings is continued (`runner.open_study`); `resume` asks for one."""
     cfg.validate()
     if cfg.quick:
         cfg = dataclasses.replace(cfg, seeds=cfg.seeds[:1], eval_sequences=min(cfg.eval_sequences, 128),
                                   calibration_sequences=min(cfg.calibration_sequences, 128))
     recipe, _ = load_recipe(cfg)
     planned = plan_tasks(cfg, recipe)
-    for t in planned:  # nothing trains if any run folder is already taken
-        for s in t.stage_folders():
-            taken = (Path(t.folder) / s / "latest").exists()
-            if taken and not cfg.evaluate_only:
-                raise ValueError(f"{Path(t.folder) / s} already holds a run; pass another --out or remove it")
-            if cfg.evaluate_only and not taken:
-                raise ValueError(f"--evaluate-only: {Path(t.folder) / s} holds no checkpoint; run the study "
-                                 f"with the same settings (and --out) first")
+    settings = study_settings(cfg, planned)
+    check_document_kind(cfg)
+    if cfg.evaluate_only:
+        check_rescoring(cfg, settings, planned)
+    elif not open_study(cfg.out_dir, settings, resume, "recall study"):
+        for t in planned:  # nothing trains if any run folder is already taken (by another study or run)
+            for s in t.stage_folders():
+                if (Path(t.folder) / s / "latest").exists():
+                    raise ValueError(f"{Path(t.folder) / s} already holds a run; pass another --out or remove it")
     tasks = [Task(t.folder, run_task, (dataclasses.replace(t, device=spread(i)),))  # over GPUs
              for i, t in enumerate(planned)]
     return cfg, recipe, tasks
@@ -203,14 +267,18 @@ def finish_study(cfg: RecallStudyConfig, recipe: Recipe, results: dict[str, Any]
     done = [(study_task(t), results[t.name]["entry"]) for t in tasks]
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    check_document_kind(cfg)
+    scored = study_settings(cfg, [d[0] for d in done])
+    scored = {"kind": scored["kind"], "quick": cfg.quick, "seeds": cfg.seeds, "eval_sequences": cfg.eval_sequences,
+              "calibration_sequences": cfg.calibration_sequences, "steps": scored["steps"]}
     if cfg.frontier:
-        doc = assemble_frontier_study(cfg, recipe, done, total_s, jobs)
+        doc = {**assemble_frontier_study(cfg, recipe, done, total_s, jobs), "scored": scored}
         write_text_atomic(out / "recall.json", json.dumps(doc, indent=2, allow_nan=False) + "\n")
         plot_frontier(doc, out / "recall_frontier.png")
         if "contexts" in doc:
             plot_ratio(doc, out / "recall_context_ratio.png")
         return doc
-    doc = assemble(cfg, recipe, done, total_s, jobs)
+    doc = {**assemble(cfg, recipe, done, total_s, jobs), "scored": scored}
     write_text_atomic(out / "recall.json", json.dumps(doc, indent=2, allow_nan=False) + "\n")
     plot_accuracy_vs_ops(doc, out / "recall_accuracy_vs_ops.png")
     first = next((s for s in doc["seeds"]), None)
@@ -220,11 +288,17 @@ def finish_study(cfg: RecallStudyConfig, recipe: Recipe, results: dict[str, Any]
     return doc
 
 
-def run_study(cfg: RecallStudyConfig, progress: bool = True) -> dict[str, Any]:
-    """Run every task (in `cfg.jobs` worker processes), then assemble the report document."""
-    cfg, recipe, tasks = prepare_study(cfg)
+def run_study(cfg: RecallStudyConfig, progress: bool = True, resume: bool = False) -> dict[str, Any]:
+    """Run every task (in `cfg.jobs` worker processes), then assemble the report document. A study started in
+    `cfg.out_dir` with the same settings before continues from what finished (`resume`: one must have been)."""
+    cfg, recipe, tasks = prepare_study(cfg, resume)
+    store, resumed = None, False
+    if not cfg.evaluate_only:
+        resumed = open_study(cfg.out_dir, settings := study_settings(cfg, [study_task(t) for t in tasks]))
+        store = record_study(cfg.out_dir, settings)
     t0 = time.perf_counter()
-    results = run_tasks(tasks, cfg.jobs, on_done=progress_printer(progress, len(tasks)))
+    results = run_tasks(tasks, cfg.jobs, on_done=progress_printer(progress, len(tasks)), store=store,
+                        resumed=resumed)
     return finish_study(cfg, recipe, results, tasks, time.perf_counter() - t0, worker_count(cfg.jobs, len(tasks)))
 
 
@@ -343,17 +417,22 @@ def assemble_frontier_study(cfg: RecallStudyConfig, recipe: Recipe, done: list[t
 
 # ---------------------------------------------------------------------------------------------------------------- CLI
 def main(args: Any) -> int:
-    """`prisme study recall`."""
+    """`prisme study recall`. With --evaluate-only, the options that choose the runs (--quick, --frontier, --seeds,
+    --bank-source) default to those the study in --out was run with."""
     seeds = parse_seeds(args.seeds) if args.seeds is not None else None
     context = getattr(args, "context", None)
     lengths = study_config({}, args.configs).context_lengths if context == "default" else []
-    cfg = study_config({"seeds": seeds, "out_dir": args.out, "jobs": args.jobs, "threads": args.threads,
-                        "contexts": parse_contexts(context, lengths),
-                        "quick": args.quick, "bank_source": args.bank_source,
-                        "frontier": getattr(args, "frontier", False) or None,
-                        "evaluate_only": getattr(args, "evaluate_only", False) or None,
+    given = {"seeds": seeds, "quick": args.quick or None, "bank_source": args.bank_source,
+             "frontier": getattr(args, "frontier", False) or None, "contexts": parse_contexts(context, lengths)}
+    evaluate_only = getattr(args, "evaluate_only", False)
+    if evaluate_only:
+        given = {**own_settings(args.out or RecallStudyConfig.out_dir, given), **{k: v for k, v in given.items()
+                                                                                 if v is not None}}
+    cfg = study_config({**given, "out_dir": args.out, "jobs": args.jobs, "threads": args.threads,
+                        "evaluate_only": evaluate_only or None,
                         "compile": getattr(args, "compile", None) or "off"}, args.configs)
     from prisme.io import check_output_file
 
     check_output_file(args.json, "--json")  # before anything trains
-    return emit_study(run_study(cfg, progress=not args.no_progress), format_table, args.json)
+    return emit_study(run_study(cfg, progress=not args.no_progress, resume=getattr(args, "resume", False)),
+                      format_table, args.json)

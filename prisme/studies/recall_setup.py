@@ -6,11 +6,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from prisme.checks import COMPILE_SETTINGS, check_choice, check_seeds
+from prisme.checks import COMPILE_SETTINGS, check_choice, check_seeds, is_int
 from prisme.config import PrismeConfig
 from prisme.data.mqar import MQARConfig
 from prisme.io import CONFIG_DIR, loads_config
@@ -81,6 +82,9 @@ class RecallStudyConfig:
             v = getattr(self, f)
             need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{f} must be an int >= 1, got {v!r}")
         need(isinstance(self.jobs, int) and self.jobs >= 0, f"jobs must be an int >= 0, got {self.jobs!r}")
+        need(isinstance(self.control_layers, (tuple, list)) and len(self.control_layers) == 2
+             and all(is_int(v) and v >= 1 for v in self.control_layers),
+             f"control_layers must be two layer counts [negative, positive] >= 1, got {self.control_layers!r}")
         need(len(self.lambdas) > 0 and all(isinstance(x, (int, float)) and math.isfinite(x) and x >= 0
                                            for x in self.lambdas),
              f"lambdas must be a non-empty list of finite numbers >= 0, got {self.lambdas!r}")
@@ -208,7 +212,7 @@ def study_config(overrides: dict[str, Any], config_dir: str | None = None) -> Re
         if unknown:
             raise ValueError(f"{path}: unknown field(s) {unknown}; known: {sorted(known)}")
         base = {k: v for k, v in raw.items() if k in known}
-        if "control_layers" in base:
+        if isinstance(base.get("control_layers"), list):  # anything else is `validate`'s to name
             base["control_layers"] = tuple(base["control_layers"])
     base.update({k: v for k, v in overrides.items() if v is not None})
     base["config_dir"] = config_dir
@@ -264,3 +268,19 @@ class RecallTask:
     def headline(self, entry: dict[str, Any]) -> float:
         """The accuracy a progress line shows for this run's entry."""
         return entry.get("budget1_accuracy", entry.get("accuracy"))
+
+
+def own_settings(out: str, given: dict[str, Any]) -> dict[str, Any]:
+    """The run-choosing settings (`given`'s keys) the study in `out` was run with (its record, or an older folder's
+    recall.json), for those not given on the command line; a note on stderr names them."""
+    from prisme.studies.runner import recorded_study
+
+    before = recorded_study(out)
+    study = before.get("study", {}) if before is not None else {}
+    if before is None and (Path(out) / "recall.json").is_file():
+        study = json.loads((Path(out) / "recall.json").read_text()).get("study", {})
+    own = {k: study[k] for k, v in given.items() if v is None and k in study}
+    if own:
+        print(f"--evaluate-only: re-scoring with the settings the study in {out} was run with ("
+              f"{', '.join(f'{k}={v}' for k, v in own.items())})", file=sys.stderr, flush=True)
+    return own

@@ -7,19 +7,32 @@ one study's tasks fill the other's idle workers) run through `run_tasks`.
 
     tasks = [Task("backbone", train, (cfg,)), Task("eval", evaluate, (cfg,), needs=("backbone",))]
     results = run_tasks(tasks, jobs=2)  # {"backbone": ..., "eval": ...}
+
+A study stops on SIGINT or SIGTERM (`stop_on_signals`): the signal goes on to every worker (each in its own process
+group, so a terminal's Ctrl-C reaches the study alone and the study passes it on once), a training run finishes its
+step and saves, and once every running task has ended `StudyInterrupted` is raised (`prisme` exits 130 / 143). A task
+whose training was interrupted raises it too (`train_stage_once`): nothing is scored from an interrupted stage. With a
+`store` (`open_study`), every finished task's result is kept in the study folder, and a rerun with the same settings
+continues from what finished: the kept tasks are not run again, an interrupted stage resumes from its checkpoint.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
+import json
 import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from prisme.io import write_text_atomic
 
 
 @dataclass(frozen=True)
@@ -72,53 +85,257 @@ def die_with_parent(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+class StudyInterrupted(KeyboardInterrupt):
+    """A study stopped by SIGINT or SIGTERM (`signal` names it) once every running task had saved."""
+
+    def __init__(self, signal_name: str = "SIGINT", message: str = ""):
+        super().__init__(signal_name, message)
+        self.signal = signal_name
+
+    def __str__(self) -> str:
+        return self.args[1] or f"{self.signal}: the study stopped"
+
+
+RESUME_NOTE = ("every running task saved first; nothing was scored from an interrupted stage. Rerun the same command "
+               "(the same settings and --out) with --resume to continue from what finished")
+_POOLS: list[Any] = []  # the worker pools running in this process (a second signal goes on to their workers)
+_WORKER: dict[str, Any] = {"busy": False, "stopped": None, "parent": None}  # in a worker: running a task; the stop
+#   signal it got while idle; the study's pid
+
+
+def _forward(signum: int) -> None:
+    """Pass a signal on to every worker of every running pool."""
+    for pool in _POOLS:
+        for proc in list(getattr(pool, "_processes", {}).values()):
+            with contextlib.suppress(ProcessLookupError, OSError):
+                os.kill(proc.pid, signum)
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """In the study's process: the first SIGINT or SIGTERM raises `StudyInterrupted` where the process is (a training
+    run's own handler, `train_stage`'s, stops it at the step boundary and saves instead); a later one is passed on to
+    the workers, which then stop at once. Nothing changes outside the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    state: dict[str, str | None] = {"signal": None}
+
+    def handler(signum, frame):
+        if state["signal"] is None:
+            state["signal"] = signal.Signals(signum).name
+            raise StudyInterrupted(state["signal"])
+        _forward(signum)
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _worker_init(parent: int, guard: Callable[[int], Any]) -> None:
+    """Worker initializer: `guard` (`die_with_parent`), a process group of its own (a terminal's Ctrl-C reaches the
+    study, which passes it on once), and SIGINT / SIGTERM stopping the task it runs (`StudyInterrupted`; a training
+    run saves first), or, while idle, the next task it is given."""
+    guard(parent)
+    _WORKER["parent"] = parent
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+
+    def handler(signum, frame):
+        name = signal.Signals(signum).name
+        if _WORKER["busy"]:
+            raise StudyInterrupted(name)
+        if os.getppid() != parent:  # the study is gone (`die_with_parent`): nothing runs, nothing to save
+            os._exit(128 + signum)
+        _WORKER["stopped"] = name
+
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, handler)
+
+
+def _call(fn: Callable[..., Any], args: tuple) -> Any:
+    """A task in a worker: not started once the worker was told to stop."""
+    if _WORKER["stopped"]:
+        raise StudyInterrupted(_WORKER["stopped"])
+    _WORKER["busy"] = True
+    try:
+        return fn(*args)
+    finally:
+        _WORKER["busy"] = False
+        if _WORKER.get("parent") not in (None, os.getppid()):  # the study died while this task ran (and saved)
+            os._exit(128 + signal.SIGTERM)
+
+
+def train_stage_once(model_cfg: Any, scfg: Any, **kw: Any) -> Any:
+    """`train_stage` in a study: a stage that finished in `scfg.out_dir` before (its checkpoint at `scfg.steps`, not
+    saved by an interrupt) is not trained again, its result read back; an interrupted one resumes from its checkpoint;
+    one that stopped before its first save starts again. Raises `StudyInterrupted` when the stage is interrupted: no
+    score is computed from it."""
+    from prisme import checkpoint as ckpt
+    from prisme.training.resume import run_contents
+    from prisme.training.trainer import TrainResult, train_stage
+
+    out = Path(scfg.out_dir)
+    found = ckpt.latest_checkpoint(out)
+    if found is not None:
+        meta = ckpt.read_meta(found)
+        if scfg.spec.owns(meta.stage) and meta.step >= scfg.steps and not meta.metrics.get("interrupted"):
+            return TrainResult(stage=scfg.stage, out_dir=out, checkpoint=found, step=meta.step, tokens=0,
+                               train=meta.metrics.get("train") or {}, val=meta.metrics.get("val") or {}, wall_s=0.0)
+        scfg = scfg.replace(resume=True)
+    elif run_contents(out):
+        scfg = scfg.replace(overwrite=True)
+    res = train_stage(model_cfg, scfg, **kw)
+    if res.interrupted:
+        raise StudyInterrupted(res.signal or "SIGINT")
+    return res
+
+
+STUDY_DIR = ".prisme-study"  # in a study folder: the settings it was run with, and each finished task's result
+
+
+def open_study(out: str | Path, settings: dict[str, Any], resume: bool = False, label: str = "study") -> bool:
+    """Check, before anything runs, that a study with `settings` may run in folder `out`: True when a study was
+    started there with the same settings (this run continues it), False when none was (`record_study` starts one).
+    Other settings than the recorded ones are a ValueError naming them; `resume` asks for a study started there."""
+    out = Path(out)
+    before = recorded_study(out)
+    if before is None:
+        if resume:
+            raise ValueError(f"--resume: {out} holds no {label} to continue ({out / STUDY_DIR / 'settings.json'} is "
+                             f"missing); start it without --resume")
+        return False
+    changed = differences(before, json.loads(json.dumps(settings, default=str)))
+    if changed:
+        raise ValueError(f"{out} holds a {label} run with other settings ({'; '.join(changed[:3])}); rerun it with "
+                         f"the settings it was run with to continue it, or pass another --out")
+    return True
+
+
+def recorded_study(out: str | Path) -> dict[str, Any] | None:
+    """The settings a study in `out` was started with (`record_study`), or None."""
+    record = Path(out) / STUDY_DIR / "settings.json"
+    if not record.is_file():
+        return None
+    try:
+        return json.loads(record.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{record} is not readable ({e}); remove the study folder {out} or pass another --out") \
+            from None
+
+
+def record_study(out: str | Path, settings: dict[str, Any]) -> Path:
+    """Start a study in `out`: its settings recorded (what a rerun must match to continue it); returns its store."""
+    record = Path(out) / STUDY_DIR / "settings.json"
+    if not record.is_file():
+        write_text_atomic(record, json.dumps(settings, indent=2, sort_keys=True, default=str) + "\n")
+    return Path(out) / STUDY_DIR / "done"
+
+
+def differences(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """Where two settings differ, one level into each entry: `entry.key: was A, now B`."""
+    out = []
+    for k in dict.fromkeys([*before, *now]):
+        a, b = before.get(k), now.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += [f"{k}.{j}: was {a.get(j)!r}, now {b.get(j)!r}"[:200] for j in dict.fromkeys([*a, *b])
+                    if a.get(j) != b.get(j)]
+        elif a != b:
+            out.append(f"{k}: was {a!r}, now {b!r}"[:200])
+    return out
+
+
+def _store_path(store: Path, name: str) -> Path:
+    return store / (name.replace("%", "%25").replace("/", "%2F").replace(":", "%3A") + ".json")
+
+
+def _kept(result: Any, store: Path | None, name: str) -> Any:
+    """`result` as the store keeps it (written there, and read back: a rerun gets exactly what this run got)."""
+    if store is None:
+        return result
+    text = json.dumps(result, default=str)
+    write_text_atomic(_store_path(store, name), text + "\n")
+    return json.loads(text)
+
+
 def worker_count(jobs: int, n_tasks: int) -> int:
     """Worker processes for `n_tasks`: `jobs`, or one per CPU core when 0, and never more than the tasks."""
     return max(1, min(jobs or (os.cpu_count() or 1), n_tasks))
 
 
 def run_tasks(tasks: Sequence[Task], jobs: int = 0,
-              on_done: Callable[[Task, Any, float], None] | None = None) -> dict[str, Any]:
+              on_done: Callable[[Task, Any, float], None] | None = None, store: str | Path | None = None,
+              resumed: bool = False) -> dict[str, Any]:
     """Run every task (`jobs` worker processes, 0 = one per core); returns {name: result}. `on_done(task, result,
     seconds since the start)` runs in this process as each task finishes. A task that raises stops the run: the tasks
-    not started are cancelled, and its exception is raised once the running ones have finished. An interrupt (Ctrl-C,
-    or this process exiting) sends SIGTERM to the running tasks' workers: a training run saves and exits."""
+    not started are cancelled, and its exception is raised once the running ones have finished. SIGINT or SIGTERM
+    (`stop_on_signals`), or a task stopped by one, stops every task and raises `StudyInterrupted` once they have
+    ended. `store` (`record_study`): each result is kept there, and the tasks kept by an earlier run are not run;
+    `resumed`: the study is continued (a note on stderr says what is kept)."""
     check_tasks(tasks)
     t0 = time.perf_counter()
+    store = Path(store) if store is not None else None
     done: dict[str, Any] = {}
-    jobs = worker_count(jobs, len(tasks))
+    if store is not None:
+        for t in tasks:
+            if _store_path(store, t.name).is_file():
+                done[t.name] = json.loads(_store_path(store, t.name).read_text())
+    if resumed:
+        print(f"continuing the study in {store.parent.parent if store else '?'}: {len(done)} of {len(tasks)} tasks "
+              f"had finished and are kept; interrupted stages resume from their checkpoints", file=sys.stderr,
+              flush=True)
+    running: dict[cf.Future, str] = {}
 
     def ready() -> list[Task]:
         return [t for t in tasks if t.name not in done and t.name not in running.values()
                 and all(n in done for n in t.needs)]
 
-    running: dict[cf.Future, str] = {}
-    if jobs == 1:
-        while len(done) < len(tasks):
-            task = ready()[0]
-            done[task.name] = task.fn(*task.args)
-            if on_done is not None:
-                on_done(task, done[task.name], time.perf_counter() - t0)
-        return done
-    by_name = {t.name: t for t in tasks}
-    with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
-                                initializer=die_with_parent, initargs=(os.getpid(),)) as pool:
-        try:
-            while len(done) < len(tasks):
-                for task in ready()[:jobs - len(running)]:
-                    running[pool.submit(task.fn, *task.args)] = task.name
-                finished, _ = cf.wait(list(running), return_when=cf.FIRST_COMPLETED)
-                for f in finished:
-                    name = running.pop(f)
-                    done[name] = f.result()
-                    if on_done is not None:
-                        on_done(by_name[name], done[name], time.perf_counter() - t0)
-        except Exception:
-            pool.shutdown(wait=True, cancel_futures=True)
-            raise
-        except BaseException:  # KeyboardInterrupt, SystemExit: stop the workers too
-            for proc in list(getattr(pool, "_processes", {}).values()):
-                proc.terminate()
-            pool.shutdown(wait=True, cancel_futures=True)
-            raise
+    def finish(task: Task, result: Any) -> None:
+        done[task.name] = _kept(result, store, task.name)
+        if on_done is not None:
+            on_done(task, done[task.name], time.perf_counter() - t0)
+
+    left = [t for t in tasks if t.name not in done]
+    jobs = worker_count(jobs, len(left))
+    with stop_on_signals():
+        if jobs == 1 or not left:
+            try:
+                while len(done) < len(tasks):
+                    task = ready()[0]
+                    finish(task, task.fn(*task.args))
+            except StudyInterrupted as e:
+                raise StudyInterrupted(e.signal, f"{e.signal}: the study stopped; {RESUME_NOTE}") from None
+            return done
+        by_name = {t.name: t for t in tasks}
+        with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
+                                    initializer=_worker_init, initargs=(os.getpid(), die_with_parent)) as pool:
+            _POOLS.append(pool)
+            try:
+                while len(done) < len(tasks):
+                    for task in ready()[:jobs - len(running)]:
+                        running[pool.submit(_call, task.fn, task.args)] = task.name
+                    finished, _ = cf.wait(list(running), return_when=cf.FIRST_COMPLETED)
+                    for f in finished:
+                        name = running.pop(f)
+                        finish(by_name[name], f.result())
+            except StudyInterrupted as e:  # this process's signal, or a task a signal stopped: stop them all
+                _forward(getattr(signal, e.signal, signal.SIGINT))
+                for f in cf.as_completed(list(running)):  # every running task saves and ends
+                    if not f.cancelled() and f.exception() is None:
+                        finish(by_name[running[f]], f.result())
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise StudyInterrupted(e.signal, f"{e.signal}: the study stopped; {RESUME_NOTE}") from None
+            except Exception:
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+            except BaseException:  # SystemExit, or a KeyboardInterrupt of another kind: stop the workers too
+                for proc in list(getattr(pool, "_processes", {}).values()):
+                    proc.terminate()
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+            finally:
+                _POOLS.remove(pool)
     return done

@@ -41,7 +41,7 @@ from prisme.devices import spread
 from prisme.io import write_text_atomic
 from prisme.rebase import rebase_backbone
 from prisme.studies.recall_setup import parse_seeds
-from prisme.studies.runner import Task, run_tasks, worker_count
+from prisme.studies.runner import Task, open_study, record_study, run_tasks, train_stage_once, worker_count
 from prisme.studies.text_report import format_report, seed_summary, verdicts
 from prisme.studies.text_setup import (
     HELD_OUT_POLICIES,
@@ -55,7 +55,6 @@ from prisme.studies.text_setup import (
     stage_configs,
 )
 from prisme.training.config import StageConfig
-from prisme.training.trainer import train_stage
 
 __all__ = ["TextStudyConfig", "format_report", "prepare_study", "finish_study", "run_study", "verdicts", "TextTask",
            "BackboneTask", "MatchedTask", "FrontierTask", "SourceTask", "EvalTask"]
@@ -103,7 +102,7 @@ class BackboneTask(TextTask):
 
     def run(self, cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[str, StageConfig],
             data: TokenDataset) -> dict[str, Any]:
-        return _summary(train_stage(model_cfg, stages["backbone"], dataset=data))
+        return _summary(train_stage_once(model_cfg, stages["backbone"], dataset=data))
 
 
 @dataclass(frozen=True)
@@ -114,7 +113,7 @@ class MatchedTask(TextTask):
 
     def run(self, cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[str, StageConfig],
             data: TokenDataset) -> dict[str, Any]:
-        return _summary(train_stage(None, stages["matched"], dataset=data))
+        return _summary(train_stage_once(None, stages["matched"], dataset=data))
 
 
 @dataclass(frozen=True)
@@ -130,7 +129,7 @@ class FrontierTask(TextTask):
 
     def run(self, cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[str, StageConfig],
             data: TokenDataset) -> dict[str, Any]:
-        return _summary(train_stage(self.model, stages[self.key], dataset=data))
+        return _summary(train_stage_once(self.model, stages[self.key], dataset=data))
 
 
 @dataclass(frozen=True)
@@ -152,9 +151,9 @@ class SourceTask(TextTask):
             init = str(rebase_backbone(init, source_config(model_cfg, self.source), folder / "1_backbone",
                                        stages["backbone"].seed).parent)
         s2 = stages["workspace"].replace(out_dir=str(folder / "2_workspace"), init_from=init)
-        r2 = train_stage(None, s2, dataset=data)
+        r2 = train_stage_once(None, s2, dataset=data)
         s3 = stages["controller"].replace(out_dir=str(folder / "4_controller"), init_from=s2.out_dir)
-        r3 = train_stage(None, s3, dataset=data)
+        r3 = train_stage_once(None, s3, dataset=data)
         return {"workspace": _summary(r2), "controller": _summary(r3)}
 
 
@@ -239,17 +238,28 @@ def _evaluate(cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[str, S
 
 
 # ------------------------------------------------------------------------------------------------------------ run
-def prepare_study(cfg: TextStudyConfig, model_cfg: PrismeConfig | None = None
+def study_settings(cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[int, dict[str, StageConfig]]
+                   ) -> dict[str, Any]:
+    """What the study trains and scores, as its folder records it (`runner.record_study`)."""
+    return {"study": {k: v for k, v in dataclasses.asdict(cfg).items()
+                      if k not in ("out_dir", "jobs", "threads", "progress", "compile")},
+            "model": model_cfg.to_dict(), "stages": {str(seed): {k: v.to_dict() for k, v in st.items()}
+                                                     for seed, st in stages.items()}}
+
+
+def prepare_study(cfg: TextStudyConfig, model_cfg: PrismeConfig | None = None, resume: bool = False
                   ) -> tuple[PrismeConfig, dict[int, dict[str, StageConfig]], list[Task]]:
     """Validate and check everything before anything trains; returns (the model config, each seed's stage configs,
-    the tasks for `runner.run_tasks`: per seed a small dependency graph, every seed's long chains first)."""
+    the tasks for `runner.run_tasks`: per seed a small dependency graph, every seed's long chains first). A folder
+    where this study was started with the same settings is continued (`runner.open_study`); `resume` asks for one."""
     model_cfg = model_cfg if model_cfg is not None else PrismeConfig.from_name("demo")
     cfg.validate(model_cfg)
     out = Path(cfg.out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise ValueError(f"study folder {out} already exists and is not empty; pass another --out")
     load_text(cfg.held_out)  # a missing or empty held-out text fails now, not after training
     stages = {seed: stage_configs(cfg, model_cfg, seed) for seed in cfg.seeds}
+    if not open_study(out, study_settings(cfg, model_cfg, stages), resume, "text study") and out.exists() \
+            and any(out.iterdir()):  # a study started there with these settings continues
+        raise ValueError(f"study folder {out} already exists and is not empty; pass another --out")
     models: dict[str, PrismeConfig] = {}  # the frontier's models by name, in the order of `frontier`
     for f in cfg.frontier:
         models.setdefault(frontier_name(model_cfg, *f), frontier_config(model_cfg, *f))
@@ -294,11 +304,15 @@ def progress_printer(on: bool, label: str = "text study") -> Any:
                                             file=sys.stderr, flush=True)
 
 
-def run_study(cfg: TextStudyConfig, model_cfg: PrismeConfig | None = None) -> dict[str, Any]:
-    """Train and evaluate everything (`jobs` worker processes); returns the document (also `<out>/text.json`)."""
-    model_cfg, stages, tasks = prepare_study(cfg, model_cfg)
+def run_study(cfg: TextStudyConfig, model_cfg: PrismeConfig | None = None, resume: bool = False) -> dict[str, Any]:
+    """Train and evaluate everything (`jobs` worker processes); returns the document (also `<out>/text.json`). A
+    study started in `cfg.out_dir` with the same settings continues from what finished (`resume`: one must have)."""
+    model_cfg, stages, tasks = prepare_study(cfg, model_cfg, resume)
+    settings = study_settings(cfg, model_cfg, stages)
+    resumed = open_study(cfg.out_dir, settings)
+    store = record_study(cfg.out_dir, settings)
     t0 = time.perf_counter()
-    done = run_tasks(tasks, cfg.jobs, on_done=progress_printer(cfg.progress))
+    done = run_tasks(tasks, cfg.jobs, on_done=progress_printer(cfg.progress), store=store, resumed=resumed)
     return finish_study(cfg, model_cfg, stages, done, tasks, time.perf_counter() - t0,
                         worker_count(cfg.jobs, len(tasks)))
 
@@ -346,4 +360,4 @@ def main(args: Any) -> int:
 
     cfg.validate(PrismeConfig.from_name("demo"))  # before anything trains
     check_output_file(args.json, "--json")  # before anything trains
-    return emit_study(run_study(cfg), format_report, args.json)
+    return emit_study(run_study(cfg, resume=getattr(args, "resume", False)), format_report, args.json)

@@ -65,6 +65,8 @@ def main(args: Any) -> int:
                              f"use one (a preset's fields can be changed with --set model.FIELD=VALUE)")
         model_cfg = PrismeConfig.from_name(args.preset)
     scfg, model_cfg = apply_sets(getattr(args, "set", None) or [], scfg, model_cfg)
+    if getattr(args, "tokenizer", None) is not None:
+        check_tokenizer_option(scfg)
     lock = None
     try:
         if getattr(args, "rebase", False):  # the run folder's lock is held from the rebased start's write on
@@ -93,6 +95,20 @@ def main(args: Any) -> int:
 
             print(f"curves: {plot_run(result.out_dir)}")
     return {"SIGTERM": 143, "SIGINT": 130}.get(result.signal or "", 130) if result.interrupted else 0
+
+
+def check_tokenizer_option(scfg: StageConfig) -> None:
+    """An explicit `--tokenizer` is the one the data is read with: ValueError for token-id data (MQAR: it would be
+    ignored) and for a prepared folder of another tokenizer (`--tokenizer byte` included), before anything is
+    written."""
+    from prisme.data.shards import ShardDataset, is_prepared
+    from prisme.training.config import check_prepared_tokenizer
+
+    if scfg.dataset == "mqar":
+        raise ValueError(f"--tokenizer {scfg.tokenizer}: the mqar dataset is token ids, read by no tokenizer; leave "
+                         f"--tokenizer out")
+    if is_prepared(scfg.dataset):
+        check_prepared_tokenizer(ShardDataset(scfg.dataset), scfg.tokenizer, byte_asked=True)
 
 
 def saved_stage_config(out_dir: str | None) -> StageConfig:
@@ -178,7 +194,9 @@ def rebased_start(scfg: StageConfig, model_cfg: PrismeConfig | None) -> StageCon
                          "'model', --set model.FIELD=...) and a stage after the backbone, without --resume")
     check_fresh_run(Path(scfg.out_dir), scfg.overwrite)  # before the rebased start is written into the folder
     folder = Path(scfg.out_dir) / "0_rebased_init"
-    path = rebase(scfg.init_from, model_cfg, folder, seed=scfg.seed, keep=keep)
+    from prisme.training.config import stage_tokenizer
+
+    path = rebase(scfg.init_from, model_cfg, folder, seed=scfg.seed, keep=keep, tokenizer=stage_tokenizer(scfg))
     print(f"rebased {scfg.init_from} under {model_cfg.name!r}: kept its {' and '.join(keep)}, the rest initialised "
           f"as a fresh model with seed {scfg.seed}; written to {path}", file=sys.stderr)
     return scfg.replace(init_from=str(path))

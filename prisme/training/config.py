@@ -145,8 +145,7 @@ class StageConfig:
             need(v is None or (v >= 0 and math.isfinite(v) and (top is None or v <= top)),
                  f"{f} must be None or a finite value >= 0{'' if top is None else f' and <= {top}'}, got {v!r}")
         need(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
-        need(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"betas must be two values in [0, 1), "
-             f"got {self.betas}")
+        need(all(0 <= b < 1 for b in self.betas), f"betas must be two values in [0, 1), got {self.betas}")
         need(self.eps > 0, f"eps must be > 0, got {self.eps}")
         need(self.grad_clip >= 0, f"grad_clip must be >= 0 (0 = off), got {self.grad_clip}")
         need(0 <= self.val_fraction < 1, f"val_fraction must be in [0, 1), got {self.val_fraction}")
@@ -184,7 +183,7 @@ class StageConfig:
     def from_dict(cls, d: dict[str, Any]) -> StageConfig:
         reject_unknown_fields(cls, d)
         d = dict(d)
-        if "betas" in d:
+        if isinstance(d.get("betas"), list):  # JSON's list; anything else is `validate`'s to name
             d["betas"] = tuple(d["betas"])
         return cls(**d).validate()
 
@@ -252,10 +251,10 @@ def build_dataset(scfg: StageConfig, vocab_size: int) -> TokenDataset | MQARData
 
     if is_prepared(scfg.dataset):  # `prisme data prepare`'s token files: the tokens are already made
         ds = ShardDataset(scfg.dataset)
-        asked = None if scfg.tokenizer == "byte" else tokenizer_named(scfg.tokenizer)
-        if asked is not None and (ds.tokenizer is None or asked.identity != ds.tokenizer.identity):
-            raise ValueError(f"{scfg.dataset} was prepared with another tokenizer ({ds.tokenizer!r}) than "
-                             f"--tokenizer {scfg.tokenizer}; prepare it again with this one, or leave --tokenizer out")
+        check_prepared_tokenizer(ds, scfg.tokenizer)
+        if ds.n_tokens("val") == 0:
+            raise ValueError(f"{scfg.dataset} has no validation documents (prepared with val_fraction 0); prepare it "
+                             f"again with --val-fraction > 0 from two or more documents")
         if ds.vocab_size > vocab_size:
             raise ValueError(f"{scfg.dataset}'s tokenizer has {ds.vocab_size} ids but the model's vocab_size is "
                              f"{vocab_size}; use a model with vocab_size >= {ds.vocab_size}")
@@ -268,19 +267,56 @@ def build_dataset(scfg: StageConfig, vocab_size: int) -> TokenDataset | MQARData
                                   cache_dir=scfg.cache_dir, name="corpus")
 
 
+def check_prepared_tokenizer(ds: Any, name: str, byte_asked: bool = False) -> None:
+    """ValueError naming both when the tokenizer `name` is not the one prepared folder `ds` was made with. The
+    default "byte" means "the prepared one" unless it was asked for (`byte_asked`: an explicit --tokenizer byte)."""
+    from prisme.data.tokenizers import describe_tokenizer, tokenizer_identity, tokenizer_named
+
+    if name == "byte" and not byte_asked:
+        return
+    asked = tokenizer_named(name)
+    if asked.identity != tokenizer_identity(ds.tokenizer):
+        raise ValueError(f"{ds.path} was prepared with {describe_tokenizer(ds.tokenizer)}, not --tokenizer {name} "
+                         f"({describe_tokenizer(asked)}); prepare it again with this one, or leave --tokenizer out "
+                         f"(the prepared one is used)")
+
+
+def stage_tokenizer(scfg: StageConfig) -> Any:
+    """The tokenizer the stage's dataset is read with, without reading the data: None for MQAR (token ids), a
+    prepared folder's own, else `scfg.tokenizer`."""
+    from prisme.data.shards import ShardDataset, is_prepared
+    from prisme.data.tokenizers import tokenizer_named
+
+    if scfg.dataset == "mqar":
+        return None
+    if is_prepared(scfg.dataset):
+        ds = ShardDataset(scfg.dataset)
+        check_prepared_tokenizer(ds, scfg.tokenizer)
+        return ds.tokenizer
+    return tokenizer_named(scfg.tokenizer)
+
+
 def check_same_tokenizer(meta: Any, data: Any) -> None:
     """ValueError when a stage would train on other tokens than the checkpoint it starts from (or resumes) was
-    trained on: the embedding rows would mean other strings."""
-    from prisme.checkpoint import tokenizer_of
+    trained on: the embedding rows would mean other strings. `data`: the stage's dataset (its `tokenizer`; token-id
+    data has none)."""
+    check_start_tokenizer(meta, getattr(data, "tokenizer", None))
 
-    ours = getattr(data, "tokenizer", None)
-    if meta is None or ours is None:
+
+def check_start_tokenizer(meta: Any, ours: Any) -> None:
+    """`check_same_tokenizer` for the stage's tokenizer `ours` (None: token ids). A checkpoint that recorded no
+    tokenizer is compared only with a text tokenizer (its own is then a guess from its stage config)."""
+    from prisme.checkpoint import tokenizer_of
+    from prisme.data.tokenizers import describe_tokenizer, tokenizer_identity
+
+    if meta is None or (ours is None and meta.tokenizer is None):
         return
     theirs = tokenizer_of(meta)
-    if theirs is not None and theirs.identity != ours.identity:
-        raise ValueError(f"this stage's tokenizer ({ours!r}) is not the one {meta.path} was trained with "
-                         f"({theirs!r}); pass --tokenizer {meta.path / 'tokenizer.json'} (a checkpoint folder also "
-                         f"works) or start from a checkpoint of this tokenizer")
+    if (theirs is not None or meta.tokenizer is not None) and tokenizer_identity(theirs) != tokenizer_identity(ours):
+        fix = (f"pass --tokenizer {meta.path / 'tokenizer.json'} (a checkpoint folder also works)" if theirs is not None
+               and theirs.identity.startswith("bpe-") else "train on data of the checkpoint's tokenizer")
+        raise ValueError(f"this stage's tokenizer ({describe_tokenizer(ours)}) is not the one {meta.path} was trained "
+                         f"with ({describe_tokenizer(theirs)}); {fix}, or start from a checkpoint of this tokenizer")
 
 
 # --------------------------------------------------------------------------------------------- the demo's recipe

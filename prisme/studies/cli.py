@@ -1,0 +1,83 @@
+"""The command line of `prisme study recall`, `prisme study text` and `prisme demo`: their options, on the `prisme`
+parser (`prisme.cli`); each command's `main` is imported only when it runs."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+
+def add_study_parsers(sub: Any, add_compile: Callable[[argparse.ArgumentParser], None], run_study: Callable,
+                      run_demo: Callable) -> None:
+    """The `study` command (recall, text) and `demo`, on the `prisme` parser's subparsers `sub`; `add_compile` adds
+    `--compile`, `run_study` / `run_demo` are the commands' entry points."""
+    s = sub.add_parser("study", help="controlled studies with success rates over seeds")
+    ssub = s.add_subparsers(dest="study", required=True)
+    r = ssub.add_parser("recall", help="MQAR: 1-layer backbone + workspace vs controls, the controller's allocation")
+    r.add_argument("--seeds", default=None, help="comma-separated seeds (default: recall_study.json's, 0,1,2,3,4)")
+    r.add_argument("--out", default=None, help="study folder (default: runs/recall)")
+    r.add_argument("--jobs", type=int, default=None, help="worker processes (default 0 = one per CPU core)")
+    r.add_argument("--threads", type=int, default=None, help="torch CPU threads per worker (default 1)")
+    r.add_argument("--json", default=None, help="also write the JSON document to this file (atomically)")
+    r.add_argument("--quick", action="store_true", help="one seed, few steps: a smoke run of every phase")
+    r.add_argument("--bank-source", default=None,
+                   help="override the recipe's bank and query source (e.g. residual: the seed's, for comparison)")
+    r.add_argument("--configs", default=None,
+                   help="folder holding recall_*.json (default: the shipped recipes, prisme/configs/)")
+    r.add_argument("--frontier", action="store_true",
+                   help="the dense frontier instead of the controller runs: backbones alone over depths x widths and "
+                        "the PRISME family with its router, every seed, ops against the same reference")
+    r.add_argument("--context", nargs="?", const="default", default=None, metavar="T1,T2,...",
+                   help="with --frontier: the long-context study at these sequence lengths (alone: recall_study.json's "
+                        "context_lengths, 256,512,1024), every query's pair beyond the largest attention window")
+    r.add_argument("--evaluate-only", action="store_true",
+                   help="train nothing: score the checkpoints an earlier run with the same settings left in --out")
+    r.add_argument("--no-progress", action="store_true", help="no per-run progress lines on stderr")
+    r.add_argument("--resume", action="store_true", help="continue the study an interrupted run left in --out (a "
+                   "rerun with the same settings does so too): finished runs are kept, interrupted stages resume")
+    add_compile(r)
+    r.set_defaults(func=run_study)
+    t = ssub.add_parser("text", help="Austen + a held-out text over training seeds: every policy vs the backbone, "
+                                     "the matched one and the dense frontier, with paired intervals, per bank source")
+    t.add_argument("--sources", default=None, help="comma-separated bank sources (default: residual,embedding)")
+    t.add_argument("--seeds", default=None, help="training seeds, comma-separated (default 1337,1338,1339): every "
+                   "run per seed, every claim over them")
+    t.add_argument("--seed", type=int, default=None, help="one training seed (the same as --seeds N)")
+    t.add_argument("--scale", type=float, default=1.0, help="multiply every stage's steps (0.05 = smoke run)")
+    t.add_argument("--frontier", default=None, help="the dense frontier: backbones alone as LAYERS or LAYERSxWIDTH, "
+                   "comma-separated (default 1,2,3,1x96)")
+    t.add_argument("--ngram", type=int, default=4, help="n of the AR-hit / seen-miss / other slices (default 4)")
+    t.add_argument("--window", type=int, default=None,
+                   help="evaluation window length (default 128, the workspace stage's; at most the preset's 256)")
+    t.add_argument("--val-batches", default="8", help="validation batches of 64 x 128, or 'all' (default 8)")
+    t.add_argument("--held-out", default="devils_dictionary",
+                   help="held-out text, scored whole (default: the embedded devils_dictionary)")
+    t.add_argument("--out", default=None, help="study folder (default: runs/text)")
+    t.add_argument("--jobs", type=int, default=None, help="worker processes (default 0 = one per CPU core)")
+    t.add_argument("--threads", type=int, default=None, help="torch CPU threads per worker (default 1)")
+    t.add_argument("--json", default=None, help="also write the JSON document to this file (atomically)")
+    t.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    t.add_argument("--resume", action="store_true", help="continue the study an interrupted run left in --out (a "
+                   "rerun with the same settings does so too): finished tasks are kept, interrupted stages resume")
+    add_compile(t)
+    t.set_defaults(func=run_study)
+
+    s = sub.add_parser("demo", help="run the main job on the embedded default corpus")
+    s.add_argument("--out", default=None, help="run folder (default: runs/demo-<timestamp>)")
+    s.add_argument("--scale", type=float, default=1.0, help="multiply every stage's steps (e.g. 0.05 = smoke run)")
+    s.add_argument("--threads", type=int, default=-1, help="torch CPU threads (-1 = leave as is)")
+    s.add_argument("--seed", type=int, default=1337, help="seed for init, data order and random actions")
+    s.add_argument("--eval-batches", type=int, default=8, help="validation batches (64 x 128 tokens) per policy")
+    s.add_argument("--recall-seeds", default="0",
+                   help="seeds of the recall study run first (comma-separated; 'none' skips it)")
+    s.add_argument("--jobs", type=int, default=0, help="worker processes (default 0 = one per CPU core)")
+    s.add_argument("--sources", default=None, help="bank sources of the text study (default: residual; "
+                   "residual,embedding = the full `prisme study text`)")
+    s.add_argument("--backbone-keeps-learning", action="store_true",
+                   help="stage 2 also trains the backbone, from its own loss only, on exactly the matched baseline's "
+                        "steps (default: frozen, as SPEC stage 2)")
+    s.add_argument("--resume", action="store_true", help="continue the demo an interrupted run left in --out (a "
+                   "rerun with the same settings does so too)")
+    add_compile(s)
+    s.set_defaults(func=run_demo)
