@@ -6,7 +6,7 @@ rotated each repeat, on the same prompts:
   * `backbone`: the PRISME model at budget 0 (its backbone alone: the reference step);
   * `routed_off`: budget 1, the router at a price where it never fires;
   * `routed`: budget 1, at the price where `--edit-rate` of the positions edit (the deployed price of the study's
-    winners: 12.5 %), found from the router's own scores on the prompts;
+    winners: 12.5 %), read from the router's own scores on the backbone's greedy continuation of the prompts;
   * `dense` (recall shapes): the dense winner alone.
 Per path: ms per generated step (the first, which holds the prefill, is not counted), ops per token (`prisme.costs`,
 each position at its own context, the traces the run took), and the summary figure: time over the backbone's step
@@ -69,12 +69,13 @@ def _seeded(cfg: PrismeConfig, seed: int) -> PrismeModel:
 
 
 @torch.no_grad()
-def deployed_price(model: PrismeModel, tokens: torch.Tensor, edit_rate: float) -> float:
-    """The lambda at which the router fires at `edit_rate` of the positions of `tokens` `[B, T]`: a position fires
-    iff lambda < max_a value_a / cost_a over the actions of positive value, so the price is that ratio's quantile."""
+def deployed_price(model: PrismeModel, tokens: torch.Tensor, edit_rate: float, start: int = 0) -> float:
+    """The lambda at which the router fires at `edit_rate` of the positions `start..` of `tokens` `[B, T]`: a position
+    fires iff lambda < max_a value_a / cost_a over the actions of positive value, so the price is that ratio's
+    quantile."""
     ctx = model.encode(tokens)
-    value = model.router_values(ctx)  # [B, T, A]
-    ratio = (value / model.action_cost).masked_fill(value <= 0, 0).amax(-1).flatten()  # [B T]
+    value = model.router_values(ctx)[:, start:]  # [B, T - start, A]
+    ratio = (value / model.action_cost).masked_fill(value <= 0, 0).amax(-1).flatten()
     return float(torch.quantile(ratio.double(), 1 - edit_rate))
 
 
@@ -132,8 +133,9 @@ def measure(name: str, model: PrismeModel, dense: PrismeModel | None, batch: int
     """Every path of one shape at one batch size: time, ops, parts (module docstring)."""
     cfg = model.cfg
     prompts = make_tokens(cfg.vocab_size, batch, prompt_len, seed)
-    ref = make_tokens(cfg.vocab_size, 64, min(cfg.max_seq_len, prompt_len + n_new), seed + 1)
-    price = deployed_price(model, ref, edit_rate)
+    # the price is read on the trajectory decoded: the backbone's greedy tokens, at the positions that generate
+    seq = torch.cat([prompts, torch.tensor(generate(model, prompts, n_new).tokens, device=prompts.device)], 1)
+    price = deployed_price(model, seq[:, :-1], edit_rate, start=prompt_len - 1)
     paths = {"backbone": (model, {}), "routed_off": (model, dict(max_budget=1, lambda_cost=OFF_PRICE)),
              "routed": (model, dict(max_budget=1, lambda_cost=price))}
     if dense is not None:
@@ -170,7 +172,7 @@ def measure(name: str, model: PrismeModel, dense: PrismeModel | None, batch: int
                    "parts": {p: {"share_of_time": ns[p] / max(total, 1),
                                  "ops_per_token": sum(per.get(c, 0.0) for c in PART_TERMS[p])} for p in PARTS}}
     base = rows["backbone"]
-    for k, row in rows.items():
+    for row in rows.values():
         row["time_ratio"] = row["ms_per_step"] / base["ms_per_step"]
         row["ops_ratio"] = row["ops_per_token"] / base["ops_per_token"]
         row["t_over_ops"] = row["time_ratio"] / row["ops_ratio"]
@@ -201,8 +203,9 @@ def main(args: argparse.Namespace) -> int:
     if not 0 < args.edit_rate < 1:
         raise ValueError(f"--edit-rate must lie in (0, 1), got {args.edit_rate}")
     results = []
+    models = shapes(names, not args.no_tables, args.seed)
     with torch_threads(args.threads), torch.inference_mode():
-        for name, model, dense in shapes(names, not args.no_tables, args.seed):
+        for name, model, dense in models:
             n_new = min(args.new_tokens, model.cfg.max_seq_len - args.prompt_len)
             if n_new < 3:
                 raise ValueError(f"{name}: --prompt-len {args.prompt_len} leaves fewer than 3 new tokens")

@@ -11,9 +11,9 @@ its norm is a function of the token alone. So for each such term the decode step
 
 instead of projecting `[B, C, d]` rows: the same numbers (the projection of the same vector; float64 agrees to
 rounding), one gather per table. The shift's memory of such a term is the previous token id + 1 `[B]` (0 before
-position 0, whose shifted part is zero), not its normed stream. Other terms are projected as `PrismeModel.bank_from_inputs`
-does. Tables are rebuilt when a weight they read changes (its version counter) or moves. The cost model prices each
-lookup as w ops, one per element read (`prisme.costs.analytic.bank_lookup_ops`).
+position 0, whose shifted part is zero), not its normed stream. Other terms are projected as
+`PrismeModel.bank_from_inputs` does. Tables are rebuilt when a weight they read changes (its version counter) or
+moves. The cost model prices each lookup as w ops, one per element read (`prisme.costs.analytic.bank_lookup_ops`).
 """
 
 from __future__ import annotations
@@ -49,12 +49,20 @@ def _modules(model: PrismeModel) -> dict[str, torch.nn.Module]:
     return mods
 
 
+def _version(p: torch.Tensor) -> int:
+    """The tensor's in-place version counter (-1 for an inference tensor, which keeps none)."""
+    try:
+        return p._version
+    except RuntimeError:
+        return -1
+
+
 def bank_tables(model: PrismeModel) -> dict[str, torch.Tensor]:
     """{"K", "V", "S", "P"}: the tables of the embedding term (those it has), cached on the model until a weight
     they read changes."""
     mods = _modules(model)
     params = [p for m in mods.values() for p in m._parameters.values() if p is not None]  # leaf modules
-    key = tuple((id(p), p._version, p.data_ptr(), p.dtype) for p in params)
+    key = tuple((id(p), _version(p), p.data_ptr(), p.dtype) for p in params)
     cached = getattr(model, "_bank_table_cache", None)
     if cached is not None and cached[0] == key:
         return cached[1]
