@@ -25,7 +25,7 @@ from prisme.model.outputs import EncodedContext, Streams
 from prisme.model.tables import query_state
 
 if TYPE_CHECKING:
-    from prisme.model.state import DecodeState, StepOutput, _Workspace
+    from prisme.model.state import DecodeState, _Workspace
 
 
 def router_decision(state: DecodeState, st: Streams, pos: torch.Tensor, valid: torch.Tensor | None,
@@ -49,11 +49,9 @@ def fired_positions(first: torch.Tensor, stop: int) -> tuple[torch.Tensor, torch
 
 
 def routed_workspace(state: DecodeState, st: Streams, pos: torch.Tensor, valid: torch.Tensor | None,
-                     ws: _Workspace) -> StepOutput:
+                     ws: _Workspace) -> dict[str, torch.Tensor]:
     """`DecodeState._workspace` for a router model's policy (see the module docstring); valid `[B, Q]` marks real
-    queries (None: all are)."""
-    from prisme.model.state import StepOutput
-
+    queries (None: all are). Returns the fields of its `StepOutput`."""
     model, cfg = state.model, state.cfg
     H = st.H
     B, Q = pos.shape
@@ -83,5 +81,4 @@ def routed_workspace(state: DecodeState, st: Streams, pos: torch.Tensor, valid: 
         trace = trace.index_put((b, t), roll.actions[:, 0])
         n_edits = n_edits.index_put((b, t), roll.n_edits[:, 0])
         steps = steps.index_put((b, t), roll.controller_steps[:, 0])
-    return StepOutput(logits=logits, actions=trace, n_edits=n_edits, controller_steps=steps, positions=pos,
-                      valid=valid_t)
+    return dict(logits=logits, actions=trace, n_edits=n_edits, controller_steps=steps, positions=pos, valid=valid_t)
