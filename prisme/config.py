@@ -7,6 +7,7 @@ A = M + M/2 controller actions (M single slots, then M/2 disjoint pairs), STOP =
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,7 @@ def source_layer(term: str, n_layer: int) -> int:
     return 0 if term == "embedding" else n_layer if term == "residual" else int(term.removeprefix("layer"))
 
 
+@functools.lru_cache(maxsize=256)  # a pure parse, read on every decode step through cfg.bank_terms
 def source_terms(spec: str, n_layer: int, field_name: str = "bank_source", where: str = "") -> tuple[str, ...]:
     """Parse a source spec ("residual", "embedding", "layer<i>", or two joined by "+") into canonical term names.
 
@@ -122,6 +124,9 @@ class PrismeConfig:
     #   on norm(H) and whether the current n-gram was seen before); the controller runs only where it fired
     router_ngram: int = 1  # the router also reads whether the last n tokens occurred earlier in the context (n token
     #   comparisons per earlier position, no weights); 0 = its head reads norm(H) only
+    bank_tables: bool = False  # decoding serves the bank's and the query's projections of the token embeddings
+    #   (K, V, the shift's K', z of each "embedding" term) from per-vocabulary tables [V, w] (exact: that stream is a
+    #   function of the token), and the cost model prices them as lookups (llama family: gpt2 adds positions)
     extra: dict[str, Any] = field(default_factory=dict)  # free-form metadata carried in checkpoints
 
     def __post_init__(self) -> None:
@@ -257,6 +262,10 @@ class PrismeConfig:
         need(isinstance(self.router_ngram, int) and not isinstance(self.router_ngram, bool) and self.router_ngram >= 0,
              f"router_ngram must be an int >= 0, got {self.router_ngram!r}")
         need(not self.router or self.use_workspace, "router=True needs a workspace (use_workspace=True)")
+        need(isinstance(self.bank_tables, bool), f"bank_tables must be a bool, got {self.bank_tables!r}")
+        if self.bank_tables:
+            need(self.use_workspace and self.family == "llama" and "embedding" in self.bank_terms + self.query_terms,
+                 "bank_tables=True needs a llama workspace model whose bank_source or query_source reads 'embedding'")
         need(self.lambda_cost >= 0, f"lambda_cost must be >= 0, got {self.lambda_cost}")
         need(self.kappa_risk >= 0, f"kappa_risk must be >= 0, got {self.kappa_risk}")
         return self
@@ -358,7 +367,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 # without them computed (the migration table): any other field missing from a config.json is an error, never a
 # silent default (a missing `bank_source` would rebuild another model).
 ADDED_CONFIG_FIELDS: dict[str, Any] = {"slot_kv_cache": False, "router": False, "router_ngram": 1, "key_shift": False,
-                                       "attn_window": None}
+                                       "attn_window": None, "bank_tables": False}
 
 
 def complete_config(d: dict[str, Any], where: Path | str = "config.json") -> dict[str, Any]:

@@ -7,7 +7,7 @@ import argparse
 import importlib
 
 BENCHES = {"kv": "prisme.bench.kv", "workspace": "prisme.bench.workspace", "vs-hf": "prisme.bench.vs_hf",
-           "train": "prisme.bench.train"}
+           "train": "prisme.bench.train", "decode": "prisme.bench.decode"}
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -89,4 +89,15 @@ def add_bench_parser(sub) -> None:
                          "takes minutes on a CPU)")
     tr.add_argument("--compile", action="store_true", help="the stages with the editor under torch.compile")
     tr.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]: where the steps and matmuls run")
+    dc = bench_parser(bsub, "decode", help="one decode step of a router model by part: time and ops per part, and "
+                         "time over its backbone's step / ops over its backbone's (routed off, at a deployed price)")
+    dc.add_argument("--shapes", default="recall_d24_w32,demo", help="comma-separated: recall_d24_w32, demo, tiny")
+    dc.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
+    dc.add_argument("--prompt-len", type=int, default=8, help="prompt tokens per row")
+    dc.add_argument("--new-tokens", type=int, default=23, help="generated tokens per row (at most T_max - prompt)")
+    dc.add_argument("--repeats", type=int, default=7, help="timed rounds (paths rotated each round; one warm-up)")
+    dc.add_argument("--edit-rate", type=float, default=0.125, help="share of positions the deployed price edits")
+    dc.add_argument("--threads", type=int, default=1, help="torch CPU threads (-1 = leave as is)")
+    dc.add_argument("--no-tables", action="store_true", help="project the recall shape's embedding bank per step "
+                    "instead of serving it from per-vocabulary tables (bank_tables=False)")
     s.set_defaults(func=run_bench)

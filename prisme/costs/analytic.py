@@ -267,15 +267,34 @@ def readout_ops(cfg: PrismeConfig, optimised: bool = False) -> int:
     return 2 * w * w + 2 * (2 * M * w * w + 4 * M * w) + 2 * w * cfg.d_model
 
 
+def _served(terms: tuple[str, ...], cfg: PrismeConfig) -> int:
+    """How many of `terms` decoding serves from per-vocabulary tables (`cfg.bank_tables`: the "embedding" term)."""
+    return terms.count("embedding") if cfg.bank_tables else 0
+
+
 def bank_projection_ops(cfg: PrismeConfig) -> int:
     """K, V and z of the new position: three d -> w projections (seed 000), one K and one V per bank source term
-    and one z projection per query source term."""
-    return (2 * len(cfg.bank_terms) + len(cfg.query_terms)) * 2 * cfg.d_model * cfg.w
+    and one z projection per query source term; with `cfg.bank_tables`, each of an embedding term's is a lookup of
+    a w-row of its table (`prisme.model.tables`), w ops (one per element read)."""
+    nb, nq = _served(cfg.bank_terms, cfg), _served(cfg.query_terms, cfg)
+    projected = 2 * (len(cfg.bank_terms) - nb) + len(cfg.query_terms) - nq
+    return projected * 2 * cfg.d_model * cfg.w + (2 * nb + nq) * cfg.w
 
 
 def bank_shift_ops(cfg: PrismeConfig) -> int:
-    """The token shift's key projection W_K' n(X_{j-1}) of the new position, per bank source term (0 without it)."""
-    return len(cfg.bank_terms) * 2 * cfg.d_model * cfg.w if cfg.bank_shift else 0
+    """The token shift's key projection W_K' n(X_{j-1}) of the new position, per bank source term (0 without it); a
+    lookup (w ops) for a term served from its table."""
+    if not cfg.bank_shift:
+        return 0
+    nb = _served(cfg.bank_terms, cfg)
+    return (len(cfg.bank_terms) - nb) * 2 * cfg.d_model * cfg.w + nb * cfg.w
+
+
+def bank_lookup_ops(cfg: PrismeConfig) -> int:
+    """The part of `bank_ops` that is table lookups (`cfg.bank_tables`), not matmuls: a named allowance in the tie
+    to counted FLOPs (0 without tables)."""
+    nb, nq = _served(cfg.bank_terms, cfg), _served(cfg.query_terms, cfg)
+    return (2 * nb + nq + (nb if cfg.bank_shift else 0)) * cfg.w
 
 
 def bank_ops(cfg: PrismeConfig) -> dict[str, int]:

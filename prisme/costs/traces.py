@@ -119,3 +119,25 @@ def _kinds(cfg: PrismeConfig, acts: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"action id {a} is not an edit (valid: [0, {A}) or DENSE={dense})")
     kinds = torch.where(acts == dense, -1, torch.where(acts < M, 1, 2))
     return kinds.masked_fill(after, 0)
+
+
+def position_ops(cfg: PrismeConfig, context: int, actions: list[int] | None, controller_steps: int = 0,
+                 optimised: bool = False, router: bool = False) -> int:
+    """`trace_cost(cfg, [actions], [context], [controller_steps], optimised, router).total_ops` of one position, from
+    Python ints (no tensor work: what generation prices once per token)."""
+    stop, dense_id, A, M = cfg.stop_action, cfg.dense_action, cfg.n_actions, cfg.n_slots
+    ks: list[int] = []
+    dense: list[bool] = []
+    for a in actions or ():
+        if a == stop:
+            break
+        if a != dense_id and not 0 <= a < A:
+            raise ValueError(f"action id {a} is not an edit (valid: [0, {A}) or DENSE={dense_id})")
+        ks.append(M if a == dense_id else 1 if a < M else 2)
+        dense.append(a == dense_id)
+    traced = bool(actions)
+    row = token_ops(cfg, context, ks, controller_steps=controller_steps, optimised=optimised, dense=dense,
+                    router=router and traced)
+    if traced and not ks and controller_steps == 0:  # forced, all STOP: the bank entry still runs
+        row = finish_row({**row, **bank_ops(cfg)}, cfg)
+    return int(row["total"])

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from prisme.checks import check_utf8, is_int
-from prisme.costs.traces import trace_cost
+from prisme.costs.traces import position_ops, trace_cost
 from prisme.decoding.sampling import sample_logits
 from prisme.model.backbone import check_tokens
 from prisme.model.prisme import PrismeModel
@@ -271,10 +271,9 @@ class _OpsOf:
 
     def __call__(self, context: int, actions: list[int], steps: int) -> int:
         key = (context, tuple(actions), steps)
-        if key not in self.memo:
-            acts = None if self.max_budget == 0 else [actions]
-            self.memo[key] = int(trace_cost(self.cfg, acts, [context], [steps], self.cfg.optimised,
-                                             router=self.cfg.router).total_ops)
+        if key not in self.memo:  # `trace_cost` of the one position, from its ints
+            self.memo[key] = position_ops(self.cfg, context, None if self.max_budget == 0 else actions, steps,
+                                          self.cfg.optimised, router=self.cfg.router)
         return self.memo[key]
 
 

@@ -313,11 +313,12 @@ class PrismeModel(ParameterGroups, nn.Module):
 
     def rollout_policy(self, ctx: EncodedContext, max_budget: int, cost: torch.Tensor,
                        lambda_cost: float | None = None, kappa_risk: float | None = None,
-                       on_step: object | None = None) -> Rollout:
+                       on_step: object | None = None, first: torch.Tensor | None = None) -> Rollout:
         """Run the controller loop at every position in parallel: score, select, edit, until STOP or the budget.
 
         With `cfg.router`, the router decides step 0 at every position (an action or STOP) and the controller runs
         only at the positions still editing from step 1 on; `controller_steps` counts the controller's evaluations.
+        `first` `[B, Tq]`: the router's step-0 decision, already taken (decoding: `prisme.model.routed`).
         """
         cfg = self.cfg
         B, Tq = ctx.z.shape[:2]
@@ -331,7 +332,7 @@ class PrismeModel(ParameterGroups, nn.Module):
         ctrl_steps = torch.zeros(B, Tq, dtype=torch.long, device=dev)
         budget = torch.full((B, Tq), max_budget, dtype=torch.long, device=dev)
         routed = cfg.router
-        if routed:  # step 0: the router at every position, nothing else
+        if routed and first is None:  # step 0: the router at every position, nothing else
             lam = check_number("lambda_cost", cfg.lambda_cost if lambda_cost is None else lambda_cost, lo=0)
             first = self.router.select(self.router_values(ctx), cost, lam)  # [B, Tq]
         infos = []

@@ -31,6 +31,8 @@ import torch
 from prisme.checks import check_max_budget, is_int
 from prisme.model.backbone import check_tokens
 from prisme.model.outputs import EncodedContext, Streams
+from prisme.model.routed import routed_workspace
+from prisme.model.tables import bank_step, query_state, shift_memory
 from prisme.model.workspace import check_cost, check_forced
 
 if TYPE_CHECKING:
@@ -113,9 +115,9 @@ class DecodeState:
         self.has_bank = bank
         self.K = param.new_zeros(batch_size, self.max_len, cfg.w) if bank else None  # [B, T_max, w]
         self.V = param.new_zeros(batch_size, self.max_len, cfg.w) if bank else None  # [B, T_max, w]
-        # bank_shift: each bank term's normed stream at each row's last position, read by the next key
-        n_shift = len(cfg.bank_terms) if bank and cfg.bank_shift else 0
-        self.prev = [param.new_zeros(batch_size, cfg.d_model) for _ in range(n_shift)]  # [B, d] each
+        # bank_shift: each bank term's normed stream at each row's last position, read by the next key ([B, d]; a
+        # table term's token id + 1, [B], `prisme.model.tables`)
+        self.prev = shift_memory(cfg, batch_size, param) if bank else []
         # the token ids, for the router's n-gram feature (cfg.router with router_ngram > 0)
         routed = bank and cfg.router and cfg.router_ngram > 0
         self.ids = torch.zeros(batch_size, self.max_len, dtype=torch.long, device=param.device) if routed else None
@@ -240,7 +242,8 @@ class DecodeState:
             return StepOutput(logits=None, actions=empty.unsqueeze(-1), n_edits=empty, controller_steps=empty,
                               positions=empty, valid=empty.bool())
         st = Streams(torch.cat([p.H for p in parts], 1), {k: torch.cat([p.src[k] for p in parts], 1)
-                                                           for k in parts[0].src})  # [B, T, d] each
+                                                           for k in parts[0].src},
+                     tokens)  # [B, T, d] each
         last = (torch.tensor(lengths, device=dev) - 1).unsqueeze(1)  # [B, 1]
         return self._workspace(st.index(torch.arange(B, device=dev).unsqueeze(1), last), pos, None, None, ws)
 
@@ -270,8 +273,8 @@ class DecodeState:
         st = self.model.streams(tokens, self.cache, n_new)  # H [B, C, d]
         H = st.H
         if self.K is not None:
-            hs = self.model.bank_inputs(st)  # [B, C, d] per bank term: only the new positions are projected
-            K, V = self.model.bank_from_inputs(hs, self.prev if self.prev else None)  # [B, C, w] each
+            # only the new positions are projected (or looked up); hs: what each term's shift memory keeps
+            K, V, hs = bank_step(self.model, st, tokens, self.prev if self.prev else None)  # [B, C, w] each
             entries = [(self.K, K), (self.V, V)] + ([(self.ids, tokens)] if self.ids is not None else [])
             if self.prev and full:  # the shift's memory: each row's last position
                 for p, h in zip(self.prev, hs):
@@ -279,9 +282,11 @@ class DecodeState:
             elif self.prev:  # ... each row's last real position (padding is never read)
                 n_t = torch.tensor(n_new, device=H.device)
                 moved = (n_t > 0).unsqueeze(1)  # [B, 1]
-                last = (n_t - 1).clamp(min=0).view(B, 1, 1).expand(B, 1, H.shape[-1])  # [B, 1, d]
-                for p, h in zip(self.prev, hs):
-                    p.copy_(torch.where(moved, h.gather(1, last).squeeze(1).to(p.dtype), p))
+                last = (n_t - 1).clamp(min=0)  # [B]
+                for p, h in zip(self.prev, hs):  # h [B, C, d] (or [B, C] ids)
+                    at = last.view(B, 1, *[1] * (h.dim() - 2)).expand(B, 1, *h.shape[2:])
+                    p.copy_(torch.where(moved.view(B, *[1] * (p.dim() - 1)), h.gather(1, at).squeeze(1).to(p.dtype),
+                                        p))
             if start_t is None:  # every row at the same offset, all full
                 for buf, new in entries:
                     buf.narrow(1, start[0], C).copy_(new)
@@ -314,6 +319,8 @@ class DecodeState:
             zeros = torch.zeros(B, Q, dtype=torch.long, device=dev)
             return StepOutput(logits=model.backbone.head(H), actions=zeros.unsqueeze(-1)[..., :0], n_edits=zeros,
                               controller_steps=zeros, positions=pos, valid=valid_t)
+        if ws.actions is None and cfg.router and not getattr(model.editor.compiled, "static_decode", False):
+            return StepOutput(**routed_workspace(self, st, pos, valid_t if valid is not None else None, ws))
         lengths = self.lengths
         if keep is not None and len(keep) == 0:  # no row has a new position
             zeros = torch.zeros(B, Q, dtype=torch.long, device=dev)
@@ -326,11 +333,12 @@ class DecodeState:
             Tb = self.K.shape[1]  # (the mask hides every key past a row's length)
         keep = None if keep is None or len(keep) == B else torch.tensor(keep, dtype=torch.long, device=dev)
         sub = (lambda x: x) if keep is None else (lambda x: x[keep])
-        st_q = st if keep is None else Streams(H[keep], {k: v[keep] for k, v in st.src.items()})
+        st_q = st if keep is None else Streams(H[keep], {k: v[keep] for k, v in st.src.items()},
+                                               None if st.ids is None else st.ids[keep])
         H_q, pos_q, valid_q = st_q.H, sub(pos), sub(valid_t)
         bank_len = sub(self.cache.lengths_tensor(dev))  # [b]
         K, V = sub(self.K.narrow(1, 0, Tb)), sub(self.V.narrow(1, 0, Tb))  # [b, Tb, w]
-        z, S0 = model.query_state(st_q)  # [b, Q, w], [b, Q, M, w]
+        z, S0 = query_state(model, st_q)  # [b, Q, w], [b, Q, M, w]
         mask = model.bank_mask(H_q.shape[0], Q, Tb, pos_q, bank_len, dev)  # [b, Q, Tb]
         seen = None if self.ids is None else model.router_seen(sub(self.ids.narrow(1, 0, Tb)), pos_q)  # [b, Q]
         ctx = EncodedContext(H=H_q, K=K, V=V, z=z, bank_mask=mask, S0=S0, ctrl_in=model.controller_stream(st_q),

@@ -1,0 +1,227 @@
+"""`prisme bench decode`: one decode step of a router model by part, time against ops, next to its backbone's step.
+
+For each shape (the recall frontier's winners: PRISME d=24/w=32 with its router and the dense 2-layer d=24 backbone;
+the `demo` preset with a router; untrained weights) and batch size, greedy `prisme.generate` runs, interleaved and
+rotated each repeat, on the same prompts:
+  * `backbone`: the PRISME model at budget 0 (its backbone alone: the reference step);
+  * `routed_off`: budget 1, the router at a price where it never fires;
+  * `routed`: budget 1, at the price where `--edit-rate` of the positions edit (the deployed price of the study's
+    winners: 12.5 %), read from the router's own scores on the backbone's greedy continuation of the prompts;
+  * `dense` (recall shapes): the dense winner alone.
+Per path: ms per generated step (the first, which holds the prefill, is not counted), ops per token (`prisme.costs`,
+each position at its own context, the traces the run took), and the summary figure: time over the backbone's step
+divided by ops over the backbone's (`t_over_ops`; 1.0 = time follows ops). One instrumented run per path splits
+the step by part (backbone, bank, router, decision, editor, readout; `loop` is the rest: generate's own loop and
+the state's bookkeeping), with the ops of each part beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from prisme.bench.harness import emit, make_tokens, model_facts, parse_ints, torch_threads
+from prisme.config import PrismeConfig
+from prisme.costs import trace_cost
+from prisme.decoding.generate import generate, generate_stream
+from prisme.model.prisme import PrismeModel
+
+PARTS = ("backbone", "bank", "router", "decision", "editor", "readout", "loop")
+PART_TERMS = {"backbone": ("backbone_linear", "backbone_attention", "backbone_key_shift"),
+              "bank": ("bank_projection", "bank_shift"), "router": ("router",), "decision": (),
+              "editor": ("editor_source_attn", "editor_slot_attn", "editor_ffn", "editor_gate", "controller",
+                         "controller_input", "controller_bank", "controller_entropy"),
+              "readout": ("readout", "lm_head"), "loop": ()}
+OFF_PRICE = 1e9  # no score beats it: the router never fires
+
+
+# ------------------------------------------------------------------------------------------------------------ shapes
+def shapes(names: list[str], tables: bool, seed: int) -> list[tuple[str, PrismeModel, PrismeModel | None]]:
+    """(name, PRISME model with a router, dense rival or None) per shape name: recall_d24_w32, demo, tiny."""
+    out = []
+    for name in names:
+        dense = None
+        if name == "recall_d24_w32":
+            from prisme.studies.recall_frontier import dense_config, family_config
+            from prisme.studies.recall_setup import RecallStudyConfig, load_recipe
+
+            recipe, _ = load_recipe(RecallStudyConfig())
+            cfg = family_config(recipe, 24, 32).replace(bank_tables=tables)
+            dense = _seeded(dense_config(recipe, 2, 24), seed)
+        elif name in ("demo", "tiny"):
+            cfg = PrismeConfig.from_name(name, router=True)
+        else:
+            raise ValueError(f"--shapes: unknown shape {name!r} (recall_d24_w32, demo, tiny)")
+        out.append((name, _seeded(cfg, seed), dense))
+    return out
+
+
+def _seeded(cfg: PrismeConfig, seed: int) -> PrismeModel:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return PrismeModel(cfg).eval()
+
+
+@torch.no_grad()
+def deployed_price(model: PrismeModel, tokens: torch.Tensor, edit_rate: float, start: int = 0) -> float:
+    """The lambda at which the router fires at `edit_rate` of the positions `start..` of `tokens` `[B, T]`: a position
+    fires iff lambda < max_a value_a / cost_a over the actions of positive value, so the price is that ratio's
+    quantile."""
+    ctx = model.encode(tokens)
+    value = model.router_values(ctx)[:, start:]  # [B, T - start, A]
+    ratio = (value / model.action_cost).masked_fill(value <= 0, 0).amax(-1).flatten()
+    return float(torch.quantile(ratio.double(), 1 - edit_rate))
+
+
+# ------------------------------------------------------------------------------------------------------------ timing
+class PartTimer:
+    """Wall time per part of the decode step, from wrappers installed on the model and on the decode modules (an
+    outer part's time includes what it calls: nothing is counted twice)."""
+
+    def __init__(self, model: PrismeModel):
+        import prisme.model.routed as routed
+        import prisme.model.state as state
+
+        self.ns = dict.fromkeys(PARTS, 0)
+        self._active = False
+        self._undo: list[Callable[[], None]] = []
+        for obj, attr, part in ((model, "streams", "backbone"), (state, "bank_step", "bank"),
+                                (routed, "router_decision", "router"), (routed, "fired_positions", "decision"),
+                                (model, "rollout_policy", "editor"), (routed, "query_state", "editor"),
+                                (state, "query_state", "editor"), (model, "logits_from_state", "readout"),
+                                (model.backbone, "head", "readout")):
+            self._patch(obj, attr, part)
+
+    def _patch(self, obj: Any, attr: str, part: str) -> None:
+        fn, own = getattr(obj, attr), attr in vars(obj)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self._active:
+                return fn(*args, **kwargs)
+            self._active = True
+            t0 = time.perf_counter_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.ns[part] += time.perf_counter_ns() - t0
+                self._active = False
+
+        setattr(obj, attr, timed)
+        self._undo.append((lambda: setattr(obj, attr, fn)) if own else (lambda: delattr(obj, attr)))
+
+    def close(self) -> None:
+        for undo in reversed(self._undo):
+            undo()
+
+
+def _steps_ms(model: PrismeModel, prompts: torch.Tensor, n_new: int, policy: dict) -> float:
+    """Mean ms per generated step after the first (which holds the prefill)."""
+    marks = [time.perf_counter_ns()]
+    for _ in generate_stream(model, prompts, n_new, **policy):
+        marks.append(time.perf_counter_ns())
+    return (marks[-1] - marks[2]) / 1e6 / (len(marks) - 3)
+
+
+def measure(name: str, model: PrismeModel, dense: PrismeModel | None, batch: int, prompt_len: int, n_new: int,
+            repeats: int, edit_rate: float, seed: int) -> dict[str, Any]:
+    """Every path of one shape at one batch size: time, ops, parts (module docstring)."""
+    cfg = model.cfg
+    prompts = make_tokens(cfg.vocab_size, batch, prompt_len, seed)
+    # the price is read on the trajectory decoded: the backbone's greedy tokens, at the positions that generate
+    seq = torch.cat([prompts, torch.tensor(generate(model, prompts, n_new).tokens, device=prompts.device)], 1)
+    price = deployed_price(model, seq[:, :-1], edit_rate, start=prompt_len - 1)
+    paths = {"backbone": (model, {}), "routed_off": (model, dict(max_budget=1, lambda_cost=OFF_PRICE)),
+             "routed": (model, dict(max_budget=1, lambda_cost=price))}
+    if dense is not None:
+        paths["dense"] = (dense, {})
+    names = list(paths)
+    samples: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(repeats + 1):  # the first round warms up
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            ms = _steps_ms(paths[k][0], prompts, n_new, paths[k][1])
+            if r > 0:
+                samples[k].append(ms)
+    rows: dict[str, Any] = {}
+    for k in names:
+        m, policy = paths[k]
+        out = generate(m, prompts, n_new, **policy)
+        ctx = [p + i for p, row in zip(out.prompt_lengths, out.tokens) for i in range(len(row))]  # own contexts
+        tc = trace_cost(m.cfg, torch.cat(out.actions) if policy else None, ctx,
+                        [s for row in out.controller_steps for s in row], m.cfg.optimised,
+                        router=m.cfg.router and bool(policy))
+        per = tc.per_token_by_component
+        timer = PartTimer(m) if m.cfg.use_workspace else None
+        try:
+            t0 = time.perf_counter_ns()
+            _steps_ms(m, prompts, n_new, policy)
+            total = time.perf_counter_ns() - t0
+        finally:
+            if timer is not None:
+                timer.close()
+        ns = timer.ns if timer is not None else dict.fromkeys(PARTS, 0)
+        ns["loop"] = total - sum(ns.values())
+        rows[k] = {"ms_per_step": float(np.median(samples[k])), "samples_ms": samples[k],
+                   "ops_per_token": tc.ops_per_token,
+                   "edits_per_token": float(np.mean([e > 0 for row in out.n_edits for e in row])),
+                   "parts": {p: {"share_of_time": ns[p] / max(total, 1),
+                                 "ops_per_token": sum(per.get(c, 0.0) for c in PART_TERMS[p])} for p in PARTS}}
+    base = rows["backbone"]
+    for row in rows.values():
+        row["time_ratio"] = row["ms_per_step"] / base["ms_per_step"]
+        row["ops_ratio"] = row["ops_per_token"] / base["ops_per_token"]
+        row["t_over_ops"] = row["time_ratio"] / row["ops_ratio"]
+    return {"shape": name, "batch": batch, "deployed_price": price, "model": model_facts(model),
+            "bank_tables": bool(cfg.bank_tables), "rows": rows}
+
+
+# ------------------------------------------------------------------------------------------------------------ output
+def format_table(results: list[dict[str, Any]]) -> str:
+    lines = [f"{'shape':<15}{'B':>3}  {'path':<11}{'ms/step':>8}{'ops/tok':>9}{'edits':>6}{'t x':>6}{'ops x':>6}"
+             f"{'t/ops':>6}  share of time by part (ops x of the backbone step)"]
+    lines.append("-" * 130)
+    for res in results:
+        for k, row in res["rows"].items():
+            base = res["rows"]["backbone"]["ops_per_token"]
+            parts = "  ".join(f"{p} {v['share_of_time']:.0%}" + (f" ({v['ops_per_token'] / base:.2f})"
+                                                                 if v["ops_per_token"] else "")
+                              for p, v in row["parts"].items() if v["share_of_time"] > 0.005 or v["ops_per_token"])
+            lines.append(f"{res['shape']:<15}{res['batch']:>3}  {k:<11}{row['ms_per_step']:>8.3f}"
+                         f"{row['ops_per_token']:>9.0f}{row['edits_per_token']:>6.2f}{row['time_ratio']:>6.2f}"
+                         f"{row['ops_ratio']:>6.2f}{row['t_over_ops']:>6.2f}  {parts}")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    names = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    batches = parse_ints(args.batches, "--batches")
+    if not 0 < args.edit_rate < 1:
+        raise ValueError(f"--edit-rate must lie in (0, 1), got {args.edit_rate}")
+    results = []
+    models = shapes(names, not args.no_tables, args.seed)
+    with torch_threads(args.threads), torch.inference_mode():
+        for name, model, dense in models:
+            n_new = min(args.new_tokens, model.cfg.max_seq_len - args.prompt_len)
+            if n_new < 3:
+                raise ValueError(f"{name}: --prompt-len {args.prompt_len} leaves fewer than 3 new tokens")
+            for B in batches:
+                results.append(measure(name, model, dense, B, args.prompt_len, n_new, args.repeats, args.edit_rate,
+                                       args.seed))
+    t_ok = [r["rows"]["routed_off"]["t_over_ops"] <= 1.25 and r["rows"]["routed"]["t_over_ops"] <= 1.5
+            for r in results]
+    doc = {"bench": "decode", "environment": {"torch": torch.__version__, "python": platform.python_version(),
+                                              "machine": platform.machine(), "processor": platform.processor(),
+                                              "threads": torch.get_num_threads() if args.threads < 1 else args.threads,
+                                              "device": "cpu", "mode": "eager"},
+           "settings": {"shapes": names, "batches": list(batches), "prompt_len": args.prompt_len,
+                        "new_tokens": args.new_tokens, "repeats": args.repeats, "edit_rate": args.edit_rate,
+                        "bank_tables": not args.no_tables, "seed": args.seed},
+           "results": results,
+           "targets": {"routed_off_t_over_ops": 1.25, "routed_t_over_ops": 1.5, "met": all(t_ok)},
+           "checks": {"passed": True}}  # a measurement: the targets are reported, not enforced
+    return emit(doc, format_table(results), args.json)

@@ -1,0 +1,140 @@
+"""Per-vocabulary bank tables (`cfg.bank_tables`): the bank's and the query's projections of the token embeddings,
+served by lookup in decoding.
+
+Notation: B rows, C new positions, V vocab, d backbone width, w workspace width.
+
+On a llama backbone the "embedding" source stream of a position is `tok_emb[token]`: every projection of it through
+its norm is a function of the token alone. So for each such term the decode step reads
+
+    K_tab[v] = W_K n(E_v),  V_tab[v] = W_V n(E_v),  P_tab[v] = P n(E_v)          ([V, w] each)
+    S_tab[0] = 0, S_tab[v + 1] = W_K' n(E_v)                                       ([V + 1, w]: the token shift)
+
+instead of projecting `[B, C, d]` rows: the same numbers (the projection of the same vector; float64 agrees to
+rounding), one gather per table. The shift's memory of such a term is the previous token id + 1 `[B]` (0 before
+position 0, whose shifted part is zero), not its normed stream. Other terms are projected as
+`PrismeModel.bank_from_inputs` does. Tables are rebuilt when a weight they read changes (its version counter) or
+moves. The cost model prices each lookup as w ops, one per element read (`prisme.costs.analytic.bank_lookup_ops`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from prisme.model.outputs import Streams
+
+if TYPE_CHECKING:
+    from prisme.model.prisme import PrismeModel
+
+
+def table_terms(cfg) -> frozenset[str]:
+    """The source terms served from tables: "embedding", where `cfg.bank_tables` is on."""
+    return frozenset({"embedding"}) if cfg.bank_tables else frozenset()
+
+
+def _modules(model: PrismeModel) -> dict[str, torch.nn.Module]:
+    """Every module a table reads, by a stable name (its weights key the cache)."""
+    cfg = model.cfg
+    mods: dict[str, torch.nn.Module] = {"tok_emb": model.backbone.tok_emb, "norm": model._norm_of("embedding")}
+    for i, t in enumerate(cfg.bank_terms):
+        if t == "embedding":
+            mods["K"], mods["V"] = (model.W_K, model.W_V) if i == 0 else (model.W_K_more[t], model.W_V_more[t])
+            if cfg.bank_shift:
+                mods["S"] = model.W_K_shift if i == 0 else model.W_K_shift_more[t]
+    for i, t in enumerate(cfg.query_terms):
+        if t == "embedding":
+            mods["P"] = model.P if i == 0 else model.P_more[t]
+    return mods
+
+
+def _version(p: torch.Tensor) -> int:
+    """The tensor's in-place version counter (-1 for an inference tensor, which keeps none)."""
+    try:
+        return p._version
+    except RuntimeError:
+        return -1
+
+
+def bank_tables(model: PrismeModel) -> dict[str, torch.Tensor]:
+    """{"K", "V", "S", "P"}: the tables of the embedding term (those it has), cached on the model until a weight
+    they read changes."""
+    mods = _modules(model)
+    params = [p for m in mods.values() for p in m._parameters.values() if p is not None]  # leaf modules
+    key = tuple((id(p), _version(p), p.data_ptr(), p.dtype) for p in params)
+    cached = getattr(model, "_bank_table_cache", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    with torch.no_grad():
+        h = mods["norm"](mods["tok_emb"].weight)  # [V, d] n(E_v)
+        out = {k: mods[k](h) for k in ("K", "V", "P") if k in mods}  # [V, w] each
+        if "S" in mods:
+            out["S"] = torch.cat([h.new_zeros(1, model.cfg.w), mods["S"](h)])  # [V + 1, w]
+    object.__setattr__(model, "_bank_table_cache", (key, out))  # not a module attribute: never in a state dict
+    return out
+
+
+def bank_step(model: PrismeModel, st: Streams, tokens: torch.Tensor, prev: list[torch.Tensor] | None
+              ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Bank keys and values `[B, C, w]` of the new positions of `st` (its tokens `[B, C]`), and what each bank term's
+    shift memory keeps of them (the normed stream `[B, C, d]`, or the token id + 1 `[B, C]` of a table term).
+
+    `prev`: each term's memory of the position before the chunk (`DecodeState.prev`), None at position 0 or without
+    a shift. Without `cfg.bank_tables` this is `bank_inputs` + `bank_from_inputs`, unchanged."""
+    cfg = model.cfg
+    served = table_terms(cfg)
+    if not served.intersection(cfg.bank_terms):
+        hs = model.bank_inputs(st)
+        K, V = model.bank_from_inputs(hs, prev)
+        return K, V, hs
+    tabs = bank_tables(model)
+    K = V = None
+    keep: list[torch.Tensor] = []
+    for i, t in enumerate(cfg.bank_terms):
+        if t in served:
+            k, v = F.embedding(tokens, tabs["K"]), F.embedding(tokens, tabs["V"])  # [B, C, w]
+            ids = tokens + 1  # [B, C]
+            if cfg.bank_shift:
+                before = ids.new_zeros(ids[:, :1].shape) if prev is None else prev[i].view(-1, 1).to(ids.dtype)
+                k = k + F.embedding(torch.cat([before, ids[:, :-1]], 1), tabs["S"])  # row 0: no previous position
+            keep.append(ids)
+        else:
+            h = model._norm_of(t)(st.src[t])  # [B, C, d]
+            k, v = (model.W_K, model.W_V) if i == 0 else (model.W_K_more[t], model.W_V_more[t])
+            k, v = k(h), v(h)
+            if cfg.bank_shift:
+                before = h.new_zeros(h[:, :1].shape) if prev is None else prev[i].unsqueeze(1).to(h.dtype)
+                k = k + (model.W_K_shift if i == 0 else model.W_K_shift_more[t])(torch.cat([before, h[:, :-1]], 1))
+            keep.append(h)
+        K, V = (k, v) if K is None else (K + k, V + v)
+    return K, V, keep
+
+
+def query_state(model: PrismeModel, st: Streams) -> tuple[torch.Tensor, torch.Tensor]:
+    """`PrismeModel.query_state` of decoded queries (`st.ids` `[B, Q]` set), the embedding term from its table."""
+    cfg = model.cfg
+    if "embedding" not in table_terms(cfg).intersection(cfg.query_terms):
+        return model.query_state(st)
+    from prisme.model.workspace import init_workspace
+
+    tab = bank_tables(model)["P"]
+    z = None
+    for i, t in enumerate(cfg.query_terms):
+        if t == "embedding":
+            part = F.embedding(st.ids, tab)  # [B, Q, w]
+        else:
+            part = (model.P if i == 0 else model.P_more[t])(model._norm_of(t)(st.src[t]))
+        z = part if z is None else z + part
+    if cfg.z_norm:
+        z = F.rms_norm(z, (cfg.w,), eps=cfg.norm_eps)
+    return z, init_workspace(model.slot_embed, z)
+
+
+def shift_memory(cfg, batch: int, like: torch.Tensor) -> list[torch.Tensor]:
+    """A fresh shift memory per bank term: zeros `[B, d]`, or `[B]` ids (0: no previous position) for a table term."""
+    if not cfg.bank_shift:
+        return []
+    served = table_terms(cfg)
+    return [torch.zeros(batch, dtype=torch.long, device=like.device) if t in served
+            else like.new_zeros(batch, cfg.d_model) for t in cfg.bank_terms]

@@ -1,0 +1,141 @@
+"""The decode step of a router model (`prisme.model.routed`), per-vocabulary bank tables (`prisme.model.tables`,
+`cfg.bank_tables`), their price in the cost model, generation's per-token ops and `prisme bench decode`'s JSON.
+
+* tables equal the projections of every token's normed embedding in float64, and follow weight changes (negative
+  control: a stale table no longer equals them);
+* decoding with tables equals teacher-forced `forward_policy` and decoding without them, in float64, at prices
+  where the router never fires, fires sometimes, and always; ragged rows included;
+* the cost model prices an embedding term's projections as lookups, tied to the counted matmul FLOPs of the decode
+  step's bank and query (the lookups are the named allowance; negative control: without tables the same step
+  counts the projections);
+* `position_ops` equals `trace_cost` of the one position;
+* `prisme bench decode` on the tiny preset writes its JSON document in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+from tiny_models import tiny_model
+
+from prisme import costs
+from prisme.costs.counting import OpsCounter
+from prisme.costs.traces import position_ops, trace_cost
+from prisme.decoding.generate import generate
+from prisme.model.outputs import Streams
+from prisme.model.tables import bank_step, bank_tables, query_state
+
+EMBED = dict(bank_source="embedding", query_source="embedding", bank_shift=True, router=True)
+
+
+def pair(**extra):
+    """(without tables, with tables) float64 router models with the same weights."""
+    ref = tiny_model(0, **EMBED, **extra)
+    tab = tiny_model(0, **EMBED, **extra, bank_tables=True)
+    tab.load_state_dict(ref.state_dict())
+    return ref, tab
+
+
+def test_tables_equal_the_projections_and_follow_the_weights():
+    _, model = pair()
+    E = model.bank_norm(model.backbone.tok_emb.weight)  # [V, d]
+    tabs = bank_tables(model)
+    torch.testing.assert_close(tabs["K"], model.W_K(E), rtol=0, atol=1e-13)
+    torch.testing.assert_close(tabs["V"], model.W_V(E), rtol=0, atol=1e-13)
+    torch.testing.assert_close(tabs["P"], model.P(E), rtol=0, atol=1e-13)
+    torch.testing.assert_close(tabs["S"][1:], model.W_K_shift(E), rtol=0, atol=1e-13)
+    assert bool((tabs["S"][0] == 0).all()) and bank_tables(model) is tabs  # cached
+    with torch.no_grad():
+        model.W_K.weight.add_(0.1)  # negative control: the old table is stale, a new one is built
+    assert not torch.allclose(tabs["K"], model.W_K(E))
+    torch.testing.assert_close(bank_tables(model)["K"], model.W_K(E), rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.05, 1e9], ids=["always", "sometimes", "never"])
+@pytest.mark.parametrize("budget", [1, 2])
+def test_decoding_with_tables_equals_forward_policy(budget, lam):
+    ref, model = pair()
+    toks = torch.randint(0, 64, (3, 20), generator=torch.Generator().manual_seed(3))
+    full = ref.forward_policy(toks, budget, lambda_cost=lam)
+    for m in (ref, model):
+        st = m.new_decode_state(3, 24)
+        outs = [st.prefill(toks[:, :5], logits="all", max_budget=budget, lambda_cost=lam)]
+        outs += [st.decode_step(toks[:, i:i + 1], max_budget=budget, lambda_cost=lam) for i in range(5, 20)]
+        logits = torch.cat([o.logits for o in outs], 1)
+        actions = torch.cat([o.actions for o in outs], 1)
+        torch.testing.assert_close(logits, full.logits, rtol=0, atol=1e-12)
+        assert torch.equal(actions, full.actions)
+    if lam == 0.05:
+        assert 0 < float((full.n_edits > 0).double().mean()) < 1  # some positions fire, some do not
+
+
+def test_ragged_generation_with_tables_equals_without():
+    ref, model = pair()
+    prompts = [[1, 2, 3, 1, 2], [4, 5], [6, 7, 8, 9, 6, 7, 8]]
+    a = generate(ref, prompts, 6, max_budget=2, lambda_cost=0.02)
+    b = generate(model, prompts, 6, max_budget=2, lambda_cost=0.02)
+    assert a.tokens == b.tokens and a.n_edits == b.n_edits
+    assert all(torch.equal(x, y) for x, y in zip(a.actions, b.actions))
+
+
+@pytest.mark.parametrize("tables", [True, False], ids=["tables", "projections"])
+def test_bank_lookups_tie_to_counted_flops(tables):
+    """One new position's bank entry and z: counted matmul FLOPs equal bank_ops minus the lookups; without tables
+    (the negative control) the same step counts every projection."""
+    ref, model = pair()
+    m = model if tables else ref
+    cfg = m.cfg
+    toks = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        st = m.streams(toks)
+        last = st.index(torch.zeros(1, 1, dtype=torch.long), torch.tensor([[4]]))
+        prev = [toks[:, 3] + 1] if tables else [m.bank_inputs(st)[0][:, 3]]
+        bank_tables(m) if tables else None  # built outside the counted step
+        with OpsCounter(m) as oc:
+            bank_step(m, last, last.ids, prev)
+            query_state(m, Streams(last.H, last.src, last.ids))
+    expected = costs.bank_ops(cfg)
+    assert oc.total == sum(expected.values()) - costs.bank_lookup_ops(cfg)
+    if tables:
+        assert costs.bank_lookup_ops(cfg) == 4 * cfg.w and oc.total == 0
+        assert expected == {"bank_projection": 3 * cfg.w, "bank_shift": cfg.w}
+    else:
+        assert costs.bank_lookup_ops(cfg) == 0 and expected["bank_projection"] == 3 * 2 * cfg.d_model * cfg.w
+
+
+def test_tables_need_an_embedding_source():
+    with pytest.raises(ValueError, match="bank_tables"):
+        tiny_model(0, bank_tables=True)
+
+
+def test_position_ops_equals_trace_cost():
+    model = tiny_model(0, **EMBED, bank_tables=True)
+    cfg = model.cfg
+    stop, dense = cfg.stop_action, cfg.dense_action
+    for acts, steps in (([stop, stop], 0), ([1, stop], 0), ([cfg.n_slots, 2], 1), ([dense, stop], 0)):
+        for router in (True, False):
+            want = trace_cost(cfg, [acts], [9], [steps], cfg.optimised, router=router).total_ops
+            assert position_ops(cfg, 9, acts, steps, cfg.optimised, router) == want
+    assert position_ops(cfg, 9, None) == trace_cost(cfg, None, [9]).total_ops
+
+
+def test_bench_decode_json_on_the_tiny_preset(tmp_path, capsys):
+    from prisme.bench.decode import PARTS, main
+
+    out = tmp_path / "decode.json"
+    args = argparse.Namespace(shapes="tiny", batches="1,2", prompt_len=4, new_tokens=4, repeats=1, edit_rate=0.25,
+                              threads=1, no_tables=False, seed=0, json=str(out))
+    assert main(args) == 0
+    doc = json.loads(out.read_text())
+    assert doc["bench"] == "decode" and {"torch", "threads", "mode"} <= set(doc["environment"])
+    assert [(r["shape"], r["batch"]) for r in doc["results"]] == [("tiny", 1), ("tiny", 2)]
+    for res in doc["results"]:
+        assert set(res["rows"]) == {"backbone", "routed_off", "routed"}
+        for row in res["rows"].values():
+            assert set(row["parts"]) == set(PARTS) and row["t_over_ops"] > 0
+            assert abs(sum(p["share_of_time"] for p in row["parts"].values()) - 1) < 1e-9
+        assert res["rows"]["routed_off"]["edits_per_token"] == 0 and res["rows"]["backbone"]["ops_ratio"] == 1
+    assert "routed_off" in capsys.readouterr().out
