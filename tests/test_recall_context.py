@@ -4,6 +4,7 @@ anything trains, and (slow set) a quick run's document and table."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from contextlib import redirect_stdout
 from io import StringIO
@@ -14,14 +15,22 @@ import torch
 from prisme import cli
 from prisme.data.mqar import make_mqar_batch
 from prisme.data.text import IGNORE_INDEX
+from prisme.model.prisme import PrismeModel
 from prisme.studies.recall import plan_tasks
-from prisme.studies.recall_context import context_mqar, largest_window, recipe_at
-from prisme.studies.recall_frontier import DenseTask, FamilyTask
+from prisme.studies.recall_context import (
+    context_mqar,
+    costlier_than_passing,
+    largest_window,
+    planned_ops,
+    recipe_at,
+)
+from prisme.studies.recall_frontier import DenseTask, FamilyTask, evaluate_dense, reference_ops
 from prisme.studies.recall_setup import RecallStudyConfig, load_recipe
+from prisme.studies.runner import Task, run_tasks
 
 
 def study(**overrides) -> RecallStudyConfig:
-    return RecallStudyConfig(frontier=True, quick=True, seeds=[0], **overrides).validate()
+    return RecallStudyConfig(**{"frontier": True, "quick": True, "seeds": [0], **overrides}).validate()
 
 
 def test_every_query_lies_beyond_every_window_of_the_grid():
@@ -58,12 +67,83 @@ def test_each_length_plans_the_grid_in_its_own_folder_at_its_length(tmp_path):
         assert len(dense) == n_dense and len(family) == 1  # quick: the first family member
         assert all(t.folder.startswith(str(tmp_path / "frontier" / f"T{T}")) for t in mine)
         assert all(t.model.max_seq_len == T and t.mqar.seq_len == T for t in mine)
-        assert all(s.mqar["seq_len"] == T and s.batch_size == cfg.context_batch_size for t in mine for s in t.stages)
+        first = {t.stages[0].to_dict()["mqar"]["seq_len"] for t in mine} | {t.stages[0].batch_size for t in mine}
+        assert first == {recipe.mqar.seq_len, recipe.backbone.batch_size}  # the warm-up: the recipe's stage 1
+        assert all(len(t.stages) == 2 for t in dense) and all(t.stages[0] == family[0].stages[0] for t in dense)
+        assert all(s.mqar["seq_len"] == T and s.batch_size == cfg.context_batch_size for t in mine
+                   for s in t.stages[1:])
         assert {(t.model.key_shift, t.model.attn_window) for t in dense} == {(False, None), (True, None),
                                                                             (False, 64), (True, 64)}
         assert family[0].model.attn_window == 64 and family[0].model.router and family[0].name == f"T{T}_d16_w32_win64"
     assert sum(t.kind == "control" for t in tasks) == 2
+    cold = study(contexts=[96], out_dir=str(tmp_path), context_warmup=False)  # every stage at T, dense in one
+    for t in plan_tasks(cold, recipe):
+        if getattr(t, "context", None) == 96:
+            assert all(s.mqar["seq_len"] == 96 for s in t.stages) and len(t.stages) == (1 if t.kind == "dense" else 3)
     assert recipe_at(cfg, recipe, 96).router.mqar["query_min_pos"] == 2 * recipe.mqar.n_pairs + 64
+
+
+def entry(accuracy: float) -> dict:
+    return {"entry": {"accuracy": accuracy}}
+
+
+def searched(tasks: list, passing: dict[str, list[float]], order=None, rule=costlier_than_passing
+             ) -> tuple[set[str], str | None, str | None]:
+    """Run the search over fake dense runs (accuracy per seed from `passing` by configuration): (the configurations it
+    trained, the cheapest passing among them, the cheapest passing of the whole grid)."""
+    cfg = tasks[0].study
+    dense = [t for t in tasks if isinstance(t, DenseTask)] if order is None else order
+    accuracy = {t.folder: passing.get(t.key, [0.0] * len(cfg.seeds))[cfg.seeds.index(t.seed)] for t in dense}
+    jobs = [Task(t.folder, entry, (accuracy[t.folder],)) for t in dense]
+    got = run_tasks(jobs, jobs=1, prune=rule(cfg, dense, [t.folder for t in dense]))
+    ops = {t.key: planned_ops(t) for t in dense}
+
+    def cheapest(keys):
+        ok = [k for k in keys if sum(a >= 0.95 for a in passing.get(k, [])) >= len(cfg.seeds) - 1]
+        return min(ok, key=ops.get, default=None)
+
+    trained = {t.key for t in dense if t.folder in got}
+    return trained, cheapest(trained), cheapest(ops)
+
+
+def test_the_cheapest_search_trains_in_increasing_ops_and_finds_the_grids_cheapest_passing_configuration(tmp_path):
+    """`context_search="cheapest"`: the dense runs are planned in increasing ops (after the PRISME family), their
+    planned ops are what their evaluation measures, and the search stops above the first configuration that passes on
+    4 of 5 seeds: it finds the whole grid's cheapest passing configuration, and every configuration it does not train
+    costs more. One passing seed too few prunes nothing. The order only saves work: in another order the rule finds
+    the same configuration. Negative control: a rule that stops the search at the first pass, in that order, finds a
+    costlier one."""
+    cfg = study(contexts=[96], out_dir=str(tmp_path), seeds=[0, 1, 2, 3, 4])
+    recipe, _ = load_recipe(cfg)
+    tasks = [t for t in plan_tasks(cfg, recipe) if getattr(t, "context", None) == 96]
+    kinds = [isinstance(t, DenseTask) for t in tasks]
+    assert kinds == sorted(kinds)  # the family first, then the dense runs
+    dense = [t for t in tasks if isinstance(t, DenseTask)]
+    ops = [planned_ops(t) for t in dense]
+    assert ops == sorted(ops) and len({t.key for t in dense}) == len(dense) // 5
+    small = dataclasses.replace(cfg, eval_sequences=8)
+    model = PrismeModel(dense[0].model).eval()
+    assert evaluate_dense(model, dense[0].mqar, 0, small)["ops_per_token"] == pytest.approx(ops[0], rel=1e-12)
+    by_ops = sorted({t.key: o for t, o in zip(dense, ops)}.items(), key=lambda kv: kv[1])
+    third, sixth, last = by_ops[2][0], by_ops[5][0], by_ops[-1][0]
+    passing = {third: [0.96, 0.97, 0.2, 0.99, 0.95], last: [1.0] * 5}
+    trained, found, best = searched(tasks, passing)
+    assert found == best == third
+    assert trained == {k for k, _ in by_ops[:3]}  # one run at a time: nothing above the third is started
+    _, found, best = searched(tasks, {third: [0.96, 0.97, 0.2, 0.99, 0.5], last: [1.0] * 5})  # 3 of 5: no pass
+    assert found == best == last
+    grid_order = sorted(dense, key=lambda t: [k for k, _ in by_ops].index(t.key) if t.key != sixth else -1)
+    both = {third: [1.0] * 5, sixth: [1.0] * 5}
+    trained, found, best = searched(tasks, both, order=grid_order)
+    assert found == best == third and sixth in trained
+
+    def first_pass(cfg, dense, folders):  # the bug: "something passed, stop"
+        rule = costlier_than_passing(cfg, dense, folders)
+        return lambda done: set(folders) if rule(done) else set()
+
+    _, found, best = searched(tasks, both, order=grid_order, rule=first_pass)
+    assert best == third and found == sixth  # the sixth ran first and passed: the third was never trained
+    assert reference_ops(recipe_at(cfg, recipe, 96), 96) > 0
 
 
 @pytest.mark.parametrize("argv, msg", [

@@ -114,3 +114,27 @@ def test_killing_the_study_process_stops_its_workers(tmp_path, guard):
                 os.kill(p, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+
+def result(name: str, value: float, seconds: float = 0.0) -> dict:
+    time.sleep(seconds)
+    return {"name": name, "value": value}
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_a_pruned_task_is_not_started_and_neither_is_what_needs_it(jobs):
+    """`prune(results so far)` names tasks no longer needed: once "cheap" returns a value over 1, "costly" (listed
+    after it, not yet started: with two workers the first two run while it waits) and the task that needs it never
+    run; "other" still does. Negative control: without `prune` every task runs."""
+    tasks = [Task("cheap", result, ("cheap", 2.0)), Task("other", result, ("other", 0.0, 0.5 * (jobs - 1))),
+             Task("costly", result, ("costly", 0.0)), Task("after_costly", result, ("after", 0.0), needs=("costly",))]
+
+    def prune(done):
+        return {"costly"} if done.get("cheap", {}).get("value", 0) > 1 else set()
+
+    assert set(run_tasks(tasks, jobs=jobs, prune=prune)) == {"cheap", "other"}
+    assert set(run_tasks(tasks, jobs=jobs)) == {"cheap", "costly", "after_costly", "other"}
+    asked = []
+    run_tasks(tasks, jobs=1, prune=lambda done: asked.append(set(done)) or set())
+    assert asked[0] == set() and asked[-1] == {"cheap", "costly", "after_costly", "other"}  # before and after each

@@ -40,6 +40,7 @@ from prisme.devices import spread
 from prisme.io import write_text_atomic
 from prisme.studies.recall_context import (
     assemble_contexts,
+    costlier_than_passing,
     parse_contexts,
     plan_contexts,
     plot_ratio,
@@ -47,7 +48,7 @@ from prisme.studies.recall_context import (
     recipe_at,
 )
 from prisme.studies.recall_eval import evaluate_backbone, evaluate_run
-from prisme.studies.recall_frontier import assemble_frontier, decode_speed, plan_frontier
+from prisme.studies.recall_frontier import DenseTask, assemble_frontier, decode_speed, plan_frontier
 from prisme.studies.recall_report import emit_study, format_table, plot_accuracy_vs_ops, plot_edits, plot_frontier
 from prisme.studies.recall_setup import (
     EVAL_SEED,
@@ -183,7 +184,7 @@ def study_settings(cfg: RecallStudyConfig, planned: list[RecallTask]) -> dict[st
     (`scored`): its kind, its own settings, each run's stage steps, and each run's model and stage configs."""
     return {"kind": "frontier" if cfg.frontier else "controllers", "quick": cfg.quick,
             "study": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in UNRECORDED},
-            "steps": {Path(t.folder).name: {s.stage: s.steps for s in t.stages} for t in planned},
+            "steps": {Path(t.folder).name: t.stage_steps() for t in planned},
             "runs": {Path(t.folder).name: {"model": t.model.to_dict(), "stages": [s.to_dict() for s in t.stages]}
                      for t in planned}}
 
@@ -207,6 +208,8 @@ def check_rescoring(cfg: RecallStudyConfig, settings: dict[str, Any], planned: l
             raise ValueError(f"--evaluate-only: the study in {out} was run with other settings "
                              f"({'; '.join(changed[:3])}); re-score it with its own (pass the options it was run with)")
     for t in planned:
+        if searched(cfg, t) and not (Path(t.folder) / t.stage_folders()[-1] / "latest").exists():
+            continue  # a search did not train it (`costlier_than_passing`)
         for name, s in zip(t.stage_folders(), t.stages):
             folder = Path(t.folder) / name
             if not (folder / "latest").exists():
@@ -218,6 +221,11 @@ def check_rescoring(cfg: RecallStudyConfig, settings: dict[str, Any], planned: l
                                  f"{'(interrupted) ' if meta.metrics.get('interrupted') else ''}but these settings "
                                  f"train {s.steps} steps (quick: {cfg.quick}); pass the settings the study was run "
                                  f"with, or continue it first (--resume)")
+
+
+def searched(cfg: RecallStudyConfig, t: RecallTask) -> bool:
+    """Whether the long-context search may leave run `t` untrained (a dense run under the "cheapest" search)."""
+    return cfg.contexts is not None and cfg.context_search == "cheapest" and isinstance(t, DenseTask)
 
 
 def check_document_kind(cfg: RecallStudyConfig) -> None:
@@ -264,7 +272,7 @@ def prepare_study(cfg: RecallStudyConfig, resume: bool = False) -> tuple[RecallS
 def finish_study(cfg: RecallStudyConfig, recipe: Recipe, results: dict[str, Any], tasks: list[Task],
                  total_s: float, jobs: int) -> dict[str, Any]:
     """The document from the finished tasks (`results` by task name), written with its plots to the study folder."""
-    done = [(study_task(t), results[t.name]["entry"]) for t in tasks]
+    done = [(study_task(t), results[t.name]["entry"]) for t in tasks if t.name in results]  # a search skips some
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     check_document_kind(cfg)
@@ -297,8 +305,11 @@ def run_study(cfg: RecallStudyConfig, progress: bool = True, resume: bool = Fals
         resumed = open_study(cfg.out_dir, settings := study_settings(cfg, [study_task(t) for t in tasks]))
         store = record_study(cfg.out_dir, settings)
     t0 = time.perf_counter()
+    prune = None
+    if cfg.contexts is not None and cfg.context_search == "cheapest":
+        prune = costlier_than_passing(cfg, [study_task(t) for t in tasks], [t.name for t in tasks])
     results = run_tasks(tasks, cfg.jobs, on_done=progress_printer(progress, len(tasks)), store=store,
-                        resumed=resumed)
+                        resumed=resumed, prune=prune)
     return finish_study(cfg, recipe, results, tasks, time.perf_counter() - t0, worker_count(cfg.jobs, len(tasks)))
 
 

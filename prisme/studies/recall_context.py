@@ -11,18 +11,37 @@ stage runs at `context_batch_size` sequences per step; the dense models train fo
 the family's stages together), the family's workspace stage for `context_workspace_steps`. Ops per token come from
 the same cost model for every model, each position at its own context, over the same reference (the recipe's
 one-layer d = 64 backbone alone at that T). Runs live in `frontier/T{T}/`.
+
+The search (`context_search`): with "cheapest" (the default) each length's dense configurations are trained in
+increasing ops (their ops per token are the cost model's before anything trains: a backbone alone runs the same at
+every position), and once one passes, those that cost more are not trained (`costlier_than_passing`): every
+configuration cheaper than the cheapest passing one is trained and fails, so the cheapest passing configuration, the
+family's ratio and the verdict are those of the whole grid. The document lists the untrained ones with their ops
+(`not_trained`). "grid" trains every configuration.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from prisme.config import PrismeConfig
+from prisme.costs.traces import trace_cost
 from prisme.data.mqar import MQARConfig
-from prisme.studies.recall_frontier import FrontierMember, assemble_frontier, format_frontier, plan_frontier
-from prisme.studies.recall_setup import RecallStudyConfig, RecallTask, Recipe
+from prisme.studies.recall_frontier import (
+    DenseTask,
+    FrontierMember,
+    assemble_frontier,
+    format_frontier,
+    plan_frontier,
+    reference_ops,
+    seeds_needed,
+)
+from prisme.studies.recall_setup import TARGET_ACCURACY, RecallStudyConfig, RecallTask, Recipe
 
 LONG_PRESET = "recall_long"  # the preset whose T_max bounds `--context`
 
@@ -68,8 +87,9 @@ def recipe_at(cfg: RecallStudyConfig, recipe: Recipe, T: int) -> Recipe:
     def at(s):
         return None if s is None else s.replace(mqar=task, batch_size=cfg.context_batch_size)
 
+    warmup = recipe.backbone if cfg.context_warmup else None
     return Recipe(recipe.model.replace(max_seq_len=T), at(recipe.backbone), at(recipe.workspace),
-                  at(recipe.controller), mcfg, at(recipe.router))
+                  at(recipe.controller), mcfg, at(recipe.router), warmup)
 
 
 def context_study(cfg: RecallStudyConfig) -> RecallStudyConfig:
@@ -78,11 +98,63 @@ def context_study(cfg: RecallStudyConfig) -> RecallStudyConfig:
                                family_workspace_steps=cfg.context_workspace_steps)
 
 
+def planned_ops(task: DenseTask) -> float:
+    """A dense member's ops per token at its context, before it trains: `trace_cost` of the backbone alone over
+    positions 1..T (what its evaluation measures: a backbone runs the same at every position)."""
+    return trace_cost(task.model, None, torch.arange(1, task.context + 1)).ops_per_token
+
+
 def plan_contexts(cfg: RecallStudyConfig, recipe: Recipe, out: str | Path) -> list[FrontierMember]:
-    """Every length's frontier runs (`plan_frontier` over the long-context grid), each in `frontier/T{T}/`."""
+    """Every length's frontier runs (`plan_frontier` over the long-context grid), each in `frontier/T{T}/`; with the
+    "cheapest" search the dense runs in increasing ops over the reference (every length's cheapest first)."""
     long = context_study(cfg)
-    return [t for T in cfg.contexts for t in plan_frontier(long, recipe_at(cfg, recipe, T), out, cfg.context_dense,
-                                                           cfg.context_family, context=T)]
+    tasks = [t for T in cfg.contexts for t in plan_frontier(long, recipe_at(cfg, recipe, T), out, cfg.context_dense,
+                                                            cfg.context_family, context=T)]
+    if cfg.context_search == "cheapest":
+        ref = {T: reference_ops(recipe_at(cfg, recipe, T), T) for T in cfg.contexts}
+        dense = sorted((t for t in tasks if isinstance(t, DenseTask)), key=lambda t: planned_ops(t) / ref[t.context])
+        tasks = [t for t in tasks if not isinstance(t, DenseTask)] + dense
+    return tasks
+
+
+def costlier_than_passing(cfg: RecallStudyConfig, planned: list[RecallTask], folders: list[str]
+                          ) -> Callable[[dict[str, Any]], set[str]]:
+    """The "cheapest" search's rule for `runner.run_tasks(prune=...)`: given the results so far (by folder), the
+    folders of the dense runs not needed: at each length, those of configurations costing more ops than the cheapest
+    configuration that already passes (>= 95% on `seeds_needed` seeds). With `--evaluate-only`, also the runs the
+    study did not train (no checkpoint)."""
+    need = seeds_needed(len(cfg.seeds))
+    members = [(f, t, planned_ops(t)) for f, t in zip(folders, planned) if isinstance(t, DenseTask)]
+    untrained = set()
+    if cfg.evaluate_only:
+        untrained = {f for f, t, _ in members if not (Path(t.folder) / t.stage_folders()[-1] / "latest").exists()}
+
+    def prune(done: dict[str, Any]) -> set[str]:
+        passed: dict[tuple[int, str], int] = {}
+        for f, t, _ in members:
+            if f in done and done[f]["entry"]["accuracy"] >= TARGET_ACCURACY:
+                passed[(t.context, t.key)] = passed.get((t.context, t.key), 0) + 1
+        cheapest: dict[int, float] = {}
+        for _, t, ops in members:
+            if passed.get((t.context, t.key), 0) >= need:
+                cheapest[t.context] = min(ops, cheapest.get(t.context, ops))
+        return untrained | {f for f, t, ops in members if t.context in cheapest and ops > cheapest[t.context]}
+
+    return prune
+
+
+def not_trained(cfg: RecallStudyConfig, recipe: Recipe, done: list[tuple[RecallTask, dict[str, Any]]],
+                T: int) -> list[dict[str, Any]]:
+    """The dense configurations of length T that the search did not train (costlier than the cheapest passing one)."""
+    ran = {t.key for t, _ in done if isinstance(t, DenseTask) and t.context == T}
+    rT = recipe_at(cfg, recipe, T)
+    ref = reference_ops(rT, T)
+    out = {}
+    for t in plan_frontier(context_study(cfg), rT, cfg.out_dir, cfg.context_dense, cfg.context_family, context=T):
+        if isinstance(t, DenseTask) and t.key not in ran:
+            out[t.key] = {"name": t.key, "n_layer": t.n_layer, "d_model": t.d_model, "key_shift": t.key_shift,
+                          "attn_window": t.attn_window, "ops_ratio": planned_ops(t) / ref}
+    return sorted(out.values(), key=lambda e: e["ops_ratio"])
 
 
 def assemble_contexts(cfg: RecallStudyConfig, recipe: Recipe,
@@ -92,8 +164,9 @@ def assemble_contexts(cfg: RecallStudyConfig, recipe: Recipe,
     out = []
     for T in sorted(cfg.contexts):
         rT = recipe_at(cfg, recipe, T)
-        out.append({"T": T, "task": dataclasses.asdict(rT.mqar),
-                    "frontier": assemble_frontier(long, rT, done, context=T)})
+        out.append({"T": T, "task": dataclasses.asdict(rT.mqar), "search": cfg.context_search,
+                    "frontier": assemble_frontier(long, rT, done, context=T),
+                    "not_trained": not_trained(cfg, recipe, done, T)})
     return out
 
 
@@ -114,7 +187,11 @@ def format_contexts(doc: dict[str, Any]) -> str:
     for c in doc["contexts"]:
         task = c["task"]
         lines += [f"T = {c['T']} (queries from position {task['query_min_pos']}, {task['n_queries']} per sequence)",
-                  format_frontier({"frontier": c["frontier"]}), ""]
+                  format_frontier({"frontier": c["frontier"]})]
+        if c.get("not_trained"):
+            lines.append("not trained (more ops than the cheapest passing dense configuration, so they cannot change "
+                         "the verdict): " + ", ".join(f"{e['name']} {e['ops_ratio']:.3f}" for e in c["not_trained"]))
+        lines.append("")
     lines.append(f"{'T':>6}{'dense':>9}{'PRISME':>9}{'ratio':>8}   (cheapest passing configuration's ops, x reference)")
     fmt = lambda v, w: f"{'-':>{w}}" if v is None else f"{v:>{w}.3f}"  # noqa: E731
     for r in doc["ratio_by_context"]:

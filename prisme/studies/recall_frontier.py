@@ -82,18 +82,22 @@ def family_config(recipe: Recipe, d: int, w: int, attn_window: int | None = None
                          f"does not make a model: {e}") from None
 
 
-def frontier_stages(cfg: RecallStudyConfig, recipe: Recipe) -> tuple[Any, Any, Any, Any]:
-    """(dense stage, family stages 1, 2, 3) with the study's step counts; ValueError if the dense frontier would be
-    trained for fewer steps than 1,500 or than the family's stages together."""
-    s1, s2, s3 = recipe.backbone, recipe.workspace.replace(steps=cfg.family_workspace_steps), recipe.router
+def frontier_stages(cfg: RecallStudyConfig, recipe: Recipe) -> tuple[tuple[Any, ...], Any, Any, Any]:
+    """(the dense models' stages, family stages 1, 2, 3) with the study's step counts; ValueError if the dense frontier
+    would be trained for fewer steps than 1,500 or than the family's stages together. With a warm-up stage (the
+    recipe's stage 1 at its short task, `Recipe.warmup`) every model starts with it: it is the family's stage 1, and
+    each dense model's first stage before its `frontier_steps` at the recipe's length."""
+    s1, s2, s3 = recipe.warmup or recipe.backbone, recipe.workspace.replace(steps=cfg.family_workspace_steps), \
+        recipe.router
     family_steps = s1.steps + s2.steps + s3.steps
     if not cfg.quick and cfg.frontier_steps < max(1500, family_steps):
         raise ValueError(f"recall study: frontier_steps={cfg.frontier_steps} must be >= 1500 and >= the PRISME "
                          f"family's stages together ({family_steps}): the dense frontier is trained to what it can do")
-    dense = s1.replace(steps=cfg.frontier_steps, warmup=min(s1.warmup, cfg.frontier_steps))
+    b = recipe.backbone
+    dense = b.replace(steps=cfg.frontier_steps, warmup=min(b.warmup, cfg.frontier_steps))
     if cfg.quick:
         dense, s1, s2, s3 = _quick(dense, 12), _quick(s1, 12), _quick(s2, 12), _quick(s3, 6)
-    return dense, s1, s2, s3
+    return ((s1, dense) if recipe.warmup else (dense,)), s1, s2, s3
 
 
 def plan_frontier(cfg: RecallStudyConfig, recipe: Recipe, out, grid: list[dict[str, Any]] | None = None,
@@ -113,7 +117,7 @@ def plan_frontier(cfg: RecallStudyConfig, recipe: Recipe, out, grid: list[dict[s
             for d in block["widths"]:
                 model = dense_config(recipe, L, d, **options)
                 for seed in cfg.seeds:
-                    tasks.append(DenseTask(n_layer=L, d_model=d, **options, seed=seed, model=model, stages=(dense,),
+                    tasks.append(DenseTask(n_layer=L, d_model=d, **options, seed=seed, model=model, stages=dense,
                                            folder=str(out / f"dense_{dense_name(L, d, **options)}_seed{seed}"),
                                            mqar=recipe.mqar, study=cfg, **at))
     for d, w, *win in family:
@@ -181,7 +185,7 @@ class FrontierMember(RecallTask):
 
     def evaluate(self, model: torch.nn.Module, checkpoint: str) -> dict[str, Any]:
         return self.score(model) | {"seed": self.seed, "checkpoint": checkpoint, "model": model.cfg.to_dict(),
-                                    "steps": {s.stage: s.steps for s in self.stages}}
+                                    "steps": self.stage_steps()}
 
     def frontier_entry(self, cfg_model: dict[str, Any], runs: list[dict[str, Any]], ref: float,
                        need: int) -> dict[str, Any]:

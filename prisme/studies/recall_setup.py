@@ -17,6 +17,7 @@ from prisme.data.mqar import MQARConfig
 from prisme.io import CONFIG_DIR, loads_config
 from prisme.training.config import StageConfig, load_run_config
 
+CONTEXT_SEARCHES = ("cheapest", "grid")  # `context_search`: how much of each length's dense grid trains
 EVAL_SEED, CALIBRATION_SEED, RANDOM_POLICY_SEED = 100_003, 200_003, 300_007  # + the run's seed
 
 RECIPE_FILES = {"backbone": "recall_backbone.json", "workspace": "recall_workspace.json",
@@ -69,6 +70,12 @@ class RecallStudyConfig:
     context_batch_size: int = 16  # sequences per step of every stage at a long context
     context_frontier_steps: int = 3000  # the dense models' steps there (>= the family's stages together)
     context_workspace_steps: int = 2000  # the family's workspace stage there
+    # "cheapest": each length's dense configurations train in increasing ops, and those costlier than the cheapest
+    # that passes are not trained (the cheapest passing one is the same as the whole grid's); "grid": all of them
+    context_search: str = "cheapest"
+    # every model of a long-context study, dense or PRISME, first trains as the recipe's stage 1 at its own short task
+    # (T = 32, batch 128, 200 steps): PRISME's backbone is that stage, and each dense model continues at T from it
+    context_warmup: bool = True
     router_lambdas: list[float] = field(default_factory=lambda: [0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
                                                                  0.06, 0.07, 0.08, 0.1, 0.12, 0.15, 0.2])
 
@@ -105,6 +112,10 @@ class RecallStudyConfig:
         for f in ("frontier_steps", "family_workspace_steps", "context_queries", "context_batch_size",
                   "context_frontier_steps", "context_workspace_steps"):
             need(positive(getattr(self, f)), f"{f} must be an int >= 1, got {getattr(self, f)!r}")
+        need(isinstance(self.context_warmup, bool), f"context_warmup must be true or false, got "
+                                                     f"{self.context_warmup!r}")
+        need(self.context_search in CONTEXT_SEARCHES,
+             f"context_search must be one of {list(CONTEXT_SEARCHES)}, got {self.context_search!r}")
         for f, v in (("context_lengths", self.context_lengths), ("--context", self.contexts)):
             need(v is None and f == "--context" or isinstance(v, list) and len(v) > 0
                  and all(positive(x) for x in v) and len(set(v)) == len(v),
@@ -168,6 +179,8 @@ class Recipe:
     controller: StageConfig
     mqar: MQARConfig
     router: StageConfig | None = None  # the PRISME family's third stage (`--frontier`)
+    warmup: StageConfig | None = None  # at a long context: the recipe's own stage 1 at its short task, every model's
+    #   first stage (`context_warmup`)
 
 
 def load_recipe(cfg: RecallStudyConfig) -> tuple[Recipe, dict[str, Any]]:
@@ -252,6 +265,15 @@ class RecallTask:
     def stage_folders(self) -> list[str]:
         """The run folder of each stage: 1_backbone, 2_workspace, 3_controller (or 3_router)."""
         return [f"{i + 1}_{s.stage}" for i, s in enumerate(self.stages)]
+
+    def stage_steps(self) -> dict[str, int]:
+        """Each stage's steps by stage name; a stage that comes again is `name_2`, `name_3` (a dense model's long stage
+        after its warm-up)."""
+        out: dict[str, int] = {}
+        for s in self.stages:
+            n = sum(k == s.stage or k.startswith(s.stage + "_") for k in out)
+            out[s.stage if n == 0 else f"{s.stage}_{n + 1}"] = s.steps
+        return out
 
     def describe(self) -> dict[str, Any]:
         """The run in its result (`{"kind", "seed", "folder", "name"}`), as JSON."""

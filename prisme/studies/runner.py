@@ -27,7 +27,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -268,13 +268,15 @@ def worker_count(jobs: int, n_tasks: int) -> int:
 
 def run_tasks(tasks: Sequence[Task], jobs: int = 0,
               on_done: Callable[[Task, Any, float], None] | None = None, store: str | Path | None = None,
-              resumed: bool = False) -> dict[str, Any]:
+              resumed: bool = False, prune: Callable[[dict[str, Any]], Iterable[str]] | None = None) -> dict[str, Any]:
     """Run every task (`jobs` worker processes, 0 = one per core); returns {name: result}. `on_done(task, result,
     seconds since the start)` runs in this process as each task finishes. A task that raises stops the run: the tasks
     not started are cancelled, and its exception is raised once the running ones have finished. SIGINT or SIGTERM
     (`stop_on_signals`), or a task stopped by one, stops every task and raises `StudyInterrupted` once they have
     ended. `store` (`record_study`): each result is kept there, and the tasks kept by an earlier run are not run;
-    `resumed`: the study is continued (a note on stderr says what is kept)."""
+    `resumed`: the study is continued (a note on stderr says what is kept). `prune(results so far)`: the names of tasks
+    no longer needed, asked after each result: those not started are not run (and have no result); tasks are started
+    in list order, so a search orders its tasks cheapest first."""
     check_tasks(tasks)
     t0 = time.perf_counter()
     store = Path(store) if store is not None else None
@@ -288,22 +290,38 @@ def run_tasks(tasks: Sequence[Task], jobs: int = 0,
               f"had finished and are kept; interrupted stages resume from their checkpoints", file=sys.stderr,
               flush=True)
     running: dict[cf.Future, str] = {}
+    dropped: set[str] = set()
+
+    def drop() -> None:
+        if prune is not None:
+            dropped.update(n for n in prune(done) if n not in done and n not in running.values())
+            grew = True
+            while grew:  # a task that needs a dropped one is dropped too
+                more = {t.name for t in tasks if t.name not in dropped and set(t.needs) & dropped}
+                grew = bool(more)
+                dropped.update(more)
 
     def ready() -> list[Task]:
-        return [t for t in tasks if t.name not in done and t.name not in running.values()
+        return [t for t in tasks if t.name not in done and t.name not in running.values() and t.name not in dropped
                 and all(n in done for n in t.needs)]
+
+    def left_to_run() -> bool:
+        return len(done) + len(dropped) < len(tasks)
 
     def finish(task: Task, result: Any) -> None:
         done[task.name] = _kept(result, store, task.name)
+        drop()
         if on_done is not None:
             on_done(task, done[task.name], time.perf_counter() - t0)
 
-    left = [t for t in tasks if t.name not in done]
+    drop()
+
+    left = [t for t in tasks if t.name not in done and t.name not in dropped]
     jobs = worker_count(jobs, len(left))
     with stop_on_signals():
         if jobs == 1 or not left:
             try:
-                while len(done) < len(tasks):
+                while left_to_run():
                     task = ready()[0]
                     finish(task, task.fn(*task.args))
             except StudyInterrupted as e:
@@ -314,7 +332,7 @@ def run_tasks(tasks: Sequence[Task], jobs: int = 0,
                                     initializer=_worker_init, initargs=(os.getpid(), die_with_parent)) as pool:
             _POOLS.append(pool)
             try:
-                while len(done) < len(tasks):
+                while left_to_run():
                     for task in ready()[:jobs - len(running)]:
                         running[pool.submit(_call, task.fn, task.args)] = task.name
                     finished, _ = cf.wait(list(running), return_when=cf.FIRST_COMPLETED)
