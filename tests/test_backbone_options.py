@@ -123,6 +123,25 @@ def band_by_hand(monkeypatch, window: int) -> None:
     monkeypatch.setattr(F, "scaled_dot_product_attention", patched)
 
 
+@pytest.mark.parametrize("window", [1, 4, 7])
+@pytest.mark.parametrize("n", [1, 3, 4, 8, 14, 15, 50])
+def test_blocked_window_attention_equals_attention_under_the_band_mask(window, n):
+    """`window_attention` (blocks of W, each query reading its block and the previous one) equals SDPA under
+    `band_mask` in float64 (1e-12), for lengths shorter than, equal to and not a multiple of W, with grouped kv heads.
+    Negative control: the band one wider or one narrower differs (the blocks do not see a key too many or too few)."""
+    g = torch.Generator().manual_seed(n * 10 + window)
+    q = torch.randn(2, 4, n, 3, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, n, 3, generator=g, dtype=torch.float64) for _ in range(2))
+    pos = torch.arange(n)
+    got = attention.window_attention(q, k, v, window, gqa=True)
+    for w in (window - 1, window, window + 1):
+        if w < 1:
+            continue
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=attention.band_mask(pos, pos, w), enable_gqa=True)
+        e = err(got, want)
+        assert (e <= 1e-12) if w == window or n <= min(w, window) else (e > 1e-6), (w, e)
+
+
 @pytest.mark.parametrize("window", [1, W, 12])
 @pytest.mark.parametrize("preset", PRESETS)
 def test_window_equals_full_attention_under_an_explicit_band_mask(preset, window, monkeypatch):

@@ -103,6 +103,34 @@ def band_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> t
     return mask if q_pos.dim() == 1 else mask.unsqueeze(1)
 
 
+def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, gqa: bool = False) -> torch.Tensor:
+    """Causal sliding-window attention over a whole sequence in blocks: q `[B, nh, C, hd]`, k, v `[B, nkv, C, hd]` ->
+    `[B, nh, C, hd]`, equal to attention under `band_mask(pos, pos, window)` at O(C W) instead of O(C^2).
+
+    The positions are cut into blocks of W (the last padded); the queries of block b attend to the keys of blocks b - 1
+    and b (2W keys, of which a query at offset i sees offsets i + 1 .. i + W: exactly its window), block 0's first half
+    masked."""
+    B, nh, C, hd = q.shape
+    W = window
+    nb = -(-C // W)
+    pad = nb * W - C
+
+    def blocks(x: torch.Tensor) -> torch.Tensor:  # [B, h, C, hd] -> [B, nb, h, W, hd]
+        x = F.pad(x, (0, 0, 0, pad)) if pad else x
+        return x.view(x.shape[0], x.shape[1], nb, W, hd).transpose(1, 2)
+
+    def with_previous(x: torch.Tensor) -> torch.Tensor:  # [B, nb, h, W, hd] -> [B, nb, h, 2W, hd]
+        return torch.cat([F.pad(x[:, :-1], (0, 0, 0, 0, 0, 0, 1, 0)), x], dim=3)
+
+    i = torch.arange(W, device=q.device).unsqueeze(1)  # [W, 1] query offset
+    j = torch.arange(2 * W, device=q.device).unsqueeze(0)  # [1, 2W] key offset from the previous block's start
+    mask = ((j > i) & (j <= i + W)).expand(nb, 1, W, 2 * W).clone()  # [nb, 1, W, 2W]
+    mask[0, :, :, :W] = False  # block 0 has no previous block
+    y = F.scaled_dot_product_attention(blocks(q), with_previous(blocks(k)), with_previous(blocks(v)), attn_mask=mask,
+                                       enable_gqa=gqa)  # [B, nb, nh, W, hd]
+    return y.transpose(1, 2).reshape(B, nh, nb * W, hd)[:, :, :C]
+
+
 def ring_positions(lengths: torch.Tensor | int, slots: int, device: torch.device | None = None) -> torch.Tensor:
     """The position each slot of a ring of `slots` holds in a row of `lengths` positions: the largest q < length
     with q = i (mod slots), or a negative number where there is none. lengths: an int -> `[R]`; `[B]` -> `[B, R]`."""
@@ -361,9 +389,7 @@ class CausalSelfAttention(nn.Module):
             if self.window is None or C <= self.window:
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # [B, nh, C, hd]
             else:
-                pos = torch.arange(C, device=x.device)  # [C]
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=band_mask(pos, pos, self.window),
-                                                   enable_gqa=gqa)  # [B, nh, C, hd]
+                y = window_attention(q, k, v, self.window, gqa)  # [B, nh, C, hd]
         elif step.concat:  # a chunk on a ring: its window spans old slots and its own keys
             k_all = torch.cat([cache.k.to(k.dtype), k], dim=2)  # [B, nkv, R + C, hd]
             v_all = torch.cat([cache.v.to(v.dtype), v], dim=2)
