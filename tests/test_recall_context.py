@@ -146,6 +146,34 @@ def test_the_cheapest_search_trains_in_increasing_ops_and_finds_the_grids_cheape
     assert reference_ops(recipe_at(cfg, recipe, 96), 96) > 0
 
 
+def test_the_winners_decode_side_by_side_with_their_decode_state_bytes(tmp_path):
+    """`decode_speed` at a long context: tokens/s of both winners at batch 1 and 2, and each one's decode state at the
+    whole sequence: the dense model's K/V cache is 2 x layers x B x kv heads x T x head dim x 4 bytes (float32); the
+    PRISME model on a W-window backbone keeps a ring of W slots, so its state is its global twin's less
+    2 x layers x B x kv heads x (T - W) x head dim x 4 (its bank is the same)."""
+    from prisme.checkpoint import save_checkpoint
+    from prisme.model.state import DecodeState
+    from prisme.studies.recall_frontier import decode_speed, dense_config, family_config
+
+    cfg = study(contexts=[96])
+    recipe, _ = load_recipe(cfg)
+    r = recipe_at(cfg, recipe, 96)
+    models = {"dense": dense_config(r, 1, 8, key_shift=False), "prisme": family_config(r, 16, 32, 16)}
+    picks = {}
+    for k, c in models.items():
+        torch.manual_seed(0)
+        path = save_checkpoint(tmp_path / k, PrismeModel(c), stage="backbone", step=1)
+        picks[f"{k}_best"] = {"checkpoints": [str(path)], "lambda": [0.05]}
+    got = decode_speed({"verdict": picks}, r.mqar, batches=(1, 2), repeats=1)
+    for B in (1, 2):
+        assert set(got[f"batch{B}"]) == {"dense", "prisme"} and min(got[f"batch{B}"].values()) > 0
+        d = models["dense"]
+        assert got[f"memory_batch{B}"]["dense"] == 2 * d.n_layer * B * d.n_kv_head * 96 * d.head_dim * 4
+        p = models["prisme"]
+        twin = DecodeState(PrismeModel(p.replace(attn_window=None)), B, 96).nbytes
+        assert twin - got[f"memory_batch{B}"]["prisme"] == 2 * p.n_layer * B * p.n_kv_head * (96 - 16) * p.head_dim * 4
+
+
 @pytest.mark.parametrize("argv, msg", [
     (["--frontier", "--context", "5000"], "T_max"),
     (["--frontier", "--context", "70"], "cannot hold"),

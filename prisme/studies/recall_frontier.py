@@ -294,9 +294,12 @@ def decode_speed(frontier: dict[str, Any], mcfg: MQARConfig, batches: tuple[int,
                  repeats: int = 3) -> dict[str, Any]:
     """Tokens/s of batched greedy decoding (`prisme.generate`) of the two winners' first-seed checkpoints, side by
     side: held-out MQAR prompts (the pairs and the first query slot), then the rest of the sequence; the PRISME
-    model with its router at budget 1 and its calibrated price. Median over `repeats`, the two models alternating."""
+    model with its router at budget 1 and its calibrated price. Median over `repeats`, the two models alternating.
+    `memory_batch{B}`: each model's decode state at the whole sequence, exact payload bytes (the backbone's K/V cache,
+    a ring of W slots under a window, and PRISME's source bank)."""
     from prisme.checkpoint import load_model
     from prisme.decoding.generate import generate
+    from prisme.model.state import DecodeState
 
     v = frontier["verdict"]
     picks = {k: v[f"{k}_best"] for k in ("dense", "prisme") if v[f"{k}_best"] is not None}
@@ -317,6 +320,7 @@ def decode_speed(frontier: dict[str, Any], mcfg: MQARConfig, batches: tuple[int,
                 generate(m, x[:, :P], new, **kw)
                 times[k].append(time.perf_counter() - t0)
         out[f"batch{B}"] = {k: B * new / sorted(t[1:])[len(t[1:]) // 2] for k, t in times.items()}
+        out[f"memory_batch{B}"] = {k: DecodeState(m, B, mcfg.seq_len).nbytes for k, m in models.items()}
     return out
 
 
@@ -366,5 +370,6 @@ def format_frontier(doc: dict[str, Any]) -> str:
     for B in (1, 8):
         if f"batch{B}" in sp:
             speeds = ", ".join(f"{k} {v:,.0f}" for k, v in sp[f"batch{B}"].items())
-            lines.append(f"decode tokens/s, batch {B}: {speeds}")
+            memory = ", ".join(f"{k} {v / 1024:,.0f} KiB" for k, v in sp.get(f"memory_batch{B}", {}).items())
+            lines.append(f"decode tokens/s, batch {B}: {speeds}" + (f"; decode state {memory}" if memory else ""))
     return "\n".join(lines)

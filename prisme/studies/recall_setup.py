@@ -62,7 +62,8 @@ class RecallStudyConfig:
     contexts: list[int] | None = None  # the lengths of this run (None: the recipe's T = 32 alone)
     context_lengths: list[int] = field(default_factory=lambda: [256, 512, 1024])  # `--context` without a list
     context_dense: list[dict[str, Any]] = field(default_factory=lambda: [
-        {"depths": [1, 2], "widths": [8, 16, 24, 32]}, {"depths": [1, 2], "widths": [8, 16, 24, 32], "key_shift": True},
+        {"depths": [1, 2], "widths": [8, 12, 16, 24, 32]},
+        {"depths": [1, 2], "widths": [8, 12, 16, 24, 32], "key_shift": True},
         {"depths": [1, 2], "widths": [16, 32], "attn_window": 64},
         {"depths": [1, 2], "widths": [16, 32], "attn_window": 64, "key_shift": True}])
     context_family: list[list[int]] = field(default_factory=lambda: [[16, 32, 16], [16, 32, 64], [24, 32, 64]])
