@@ -207,3 +207,5 @@ def test_a_quick_long_context_study_writes_each_length_and_the_ratio(tmp_path):
     for c in doc["contexts"]:
         assert c["task"]["seq_len"] == c["T"] and c["frontier"]["dense"] and c["frontier"]["prisme"]
     assert "T = 96" in text and "T = 128" in text and (out / "recall_context_ratio.png").stat().st_size > 0
+    assert all((out / f"recall_frontier_T{T}.png").stat().st_size > 0 for T in (96, 128))
+    assert all(c["search"] == "cheapest" and isinstance(c["not_trained"], list) for c in doc["contexts"])

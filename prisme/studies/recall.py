@@ -285,6 +285,8 @@ def finish_study(cfg: RecallStudyConfig, recipe: Recipe, results: dict[str, Any]
         plot_frontier(doc, out / "recall_frontier.png")
         if "contexts" in doc:
             plot_ratio(doc, out / "recall_context_ratio.png")
+            for c in doc["contexts"]:  # accuracy against ops at each length
+                plot_frontier({"frontier": c["frontier"]}, out / f"recall_frontier_T{c['T']}.png")
         return doc
     doc = {**assemble(cfg, recipe, done, total_s, jobs), "scored": scored}
     write_text_atomic(out / "recall.json", json.dumps(doc, indent=2, allow_nan=False) + "\n")
