@@ -74,7 +74,7 @@ def test_each_length_plans_the_grid_in_its_own_folder_at_its_length(tmp_path):
                    for s in t.stages[1:])
         assert {(t.model.key_shift, t.model.attn_window) for t in dense} == {(False, None), (True, None),
                                                                             (False, 64), (True, 64)}
-        assert family[0].model.attn_window == 16 and family[0].model.router and family[0].name == f"T{T}_d16_w32_win16"
+        assert family[0].model.attn_window == 64 and family[0].model.router and family[0].name == f"T{T}_d16_w32_win64"
     assert sum(t.kind == "control" for t in tasks) == 2
     cold = study(contexts=[96], out_dir=str(tmp_path), context_warmup=False)  # every stage at T, dense in one
     for t in plan_tasks(cold, recipe):

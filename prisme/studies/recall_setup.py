@@ -66,8 +66,8 @@ class RecallStudyConfig:
         {"depths": [1, 2], "widths": [8, 12, 16, 24, 32], "key_shift": True},
         {"depths": [1, 2], "widths": [16, 32], "attn_window": 64},
         {"depths": [1, 2], "widths": [16, 32], "attn_window": 64, "key_shift": True}])
-    context_family: list[list[int]] = field(default_factory=lambda: [[16, 32, 16], [16, 32, 64], [24, 32, 64]])
-    #   [d, w, window]: the backbone's window only feeds the router and the readout's H; the workspace reads the bank
+    context_family: list[list[int]] = field(default_factory=lambda: [[16, 32, 64], [24, 32, 64]])  # [d, w, window]
+    #   (a 16-window backbone fails: in its T = 32 warm-up the values lie beyond its window, `docs/recall.md`)
     context_queries: int = 4  # queries per sequence, every one after the largest window (its pair out of reach)
     context_batch_size: int = 16  # sequences per step of every stage at a long context
     context_frontier_steps: int = 3000  # the dense models' steps there (>= the family's stages together)
