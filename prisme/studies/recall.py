@@ -323,7 +323,10 @@ def progress_printer(on: bool, n: int, label: str = "") -> Any:
 
     def show(task: Task, res: dict[str, Any], elapsed: float) -> None:
         count[0] += 1
-        _progress(study_task(task), res["entry"], count[0], n, elapsed, label)
+        t = study_task(task)
+        what = t.kind if t.name is None else f"{t.kind} {t.name}"
+        print(f"[{label}{count[0]}/{n} {elapsed:6.0f} s] {what} seed {t.seed}: accuracy {t.headline(res['entry']):.4f}",
+              file=sys.stderr, flush=True)
 
     return show
 
@@ -331,12 +334,6 @@ def progress_printer(on: bool, n: int, label: str = "") -> Any:
 def study_task(task: Task) -> RecallTask:
     """The recall task a pool task of `prepare_study` runs."""
     return task.args[0]
-
-
-def _progress(t: RecallTask, e: dict[str, Any], i: int, n: int, elapsed: float, label: str = "") -> None:
-    what = t.kind if t.name is None else f"{t.kind} {t.name}"
-    print(f"[{label}{i}/{n} {elapsed:6.0f} s] {what} seed {t.seed}: accuracy {t.headline(e):.4f}",
-          file=sys.stderr, flush=True)
 
 
 def _sections(cfg: RecallStudyConfig, done: list[tuple[RecallTask, dict[str, Any]]]

@@ -3,6 +3,7 @@ the seeds, and what every task of the study shares (`RecallTask`)."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -272,9 +273,11 @@ class RecallTask:
         """Each stage's steps by stage name; a stage that comes again is `name_2`, `name_3` (a dense model's long stage
         after its warm-up)."""
         out: dict[str, int] = {}
+        seen: collections.Counter[str] = collections.Counter()
         for s in self.stages:
-            n = sum(k == s.stage or k.startswith(s.stage + "_") for k in out)
-            out[s.stage if n == 0 else f"{s.stage}_{n + 1}"] = s.steps
+            seen[s.stage] += 1
+            count = seen[s.stage]
+            out[s.stage if count == 1 else f"{s.stage}_{count}"] = s.steps
         return out
 
     def describe(self) -> dict[str, Any]:
