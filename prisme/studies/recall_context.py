@@ -121,9 +121,11 @@ def costlier_than_passing(cfg: RecallStudyConfig, planned: list[RecallTask], fol
                           ) -> Callable[[dict[str, Any]], set[str]]:
     """The "cheapest" search's rule for `runner.run_tasks(prune=...)`: given the results so far (by folder), the
     folders of the dense runs not needed: at each length, those of configurations costing more ops than the cheapest
-    configuration that already passes (>= 95% on `seeds_needed` seeds). With `--evaluate-only`, also the runs the
-    study did not train (no checkpoint)."""
+    configuration that already passes (>= 95% on `seeds_needed` seeds), and the remaining seeds of a configuration
+    that can no longer pass (more than `len(seeds) - seeds_needed` seeds below 95%: decided, whatever the rest say).
+    With `--evaluate-only`, also the runs the study did not train (no checkpoint)."""
     need = seeds_needed(len(cfg.seeds))
+    spare = len(cfg.seeds) - need  # failed seeds a configuration may have and still pass
     members = [(f, t, planned_ops(t)) for f, t in zip(folders, planned) if isinstance(t, DenseTask)]
     untrained = set()
     if cfg.evaluate_only:
@@ -131,21 +133,26 @@ def costlier_than_passing(cfg: RecallStudyConfig, planned: list[RecallTask], fol
 
     def prune(done: dict[str, Any]) -> set[str]:
         passed: dict[tuple[int, str], int] = {}
+        failed: dict[tuple[int, str], int] = {}
         for f, t, _ in members:
-            if f in done and done[f]["entry"]["accuracy"] >= TARGET_ACCURACY:
-                passed[(t.context, t.key)] = passed.get((t.context, t.key), 0) + 1
+            if f in done:
+                tally = passed if done[f]["entry"]["accuracy"] >= TARGET_ACCURACY else failed
+                tally[(t.context, t.key)] = tally.get((t.context, t.key), 0) + 1
         cheapest: dict[int, float] = {}
         for _, t, ops in members:
             if passed.get((t.context, t.key), 0) >= need:
                 cheapest[t.context] = min(ops, cheapest.get(t.context, ops))
-        return untrained | {f for f, t, ops in members if t.context in cheapest and ops > cheapest[t.context]}
+        costlier = {f for f, t, ops in members if t.context in cheapest and ops > cheapest[t.context]}
+        decided = {f for f, t, _ in members if f not in done and failed.get((t.context, t.key), 0) > spare}
+        return untrained | costlier | decided
 
     return prune
 
 
 def not_trained(cfg: RecallStudyConfig, recipe: Recipe, done: list[tuple[RecallTask, dict[str, Any]]],
                 T: int) -> list[dict[str, Any]]:
-    """The dense configurations of length T that the search did not train (costlier than the cheapest passing one)."""
+    """The dense configurations of length T that the search did not train (costlier than the cheapest passing one);
+    a configuration decided on some of its seeds lists those in its entry (`seeds`)."""
     ran = {t.key for t, _ in done if isinstance(t, DenseTask) and t.context == T}
     rT = recipe_at(cfg, recipe, T)
     ref = reference_ops(rT, T)

@@ -73,8 +73,9 @@ class RecallStudyConfig:
     context_batch_size: int = 16  # sequences per step of every stage at a long context
     context_frontier_steps: int = 3000  # the dense models' steps there (>= the family's stages together)
     context_workspace_steps: int = 2000  # the family's workspace stage there
-    # "cheapest": each length's dense configurations train in increasing ops, and those costlier than the cheapest
-    # that passes are not trained (the cheapest passing one is the same as the whole grid's); "grid": all of them
+    # "cheapest": each length's dense configurations train in increasing ops; those costlier than the cheapest that
+    # passes are not trained, nor the other seeds of one that can no longer pass (the cheapest passing configuration
+    # is the whole grid's); "grid": all of them
     context_search: str = "cheapest"
     # every model of a long-context study, dense or PRISME, first trains as the recipe's stage 1 at its own short task
     # (T = 32, batch 128, 200 steps): PRISME's backbone is that stage, and each dense model continues at T from it
