@@ -20,7 +20,7 @@ from prisme.costs.counting import OpsCounter
 from prisme.data.mqar import MQARConfig
 from prisme.model.outputs import EncodedContext
 from prisme.model.prisme import PrismeModel
-from prisme.model.router import ngram_seen
+from prisme.model.router import ngram_seen, ngram_seen_at
 from prisme.training.config import StageConfig
 from prisme.training.trainer import train_stage
 
@@ -47,6 +47,28 @@ def test_ngram_seen_equals_a_plain_search_at_every_position(n):
     want = torch.tensor([[brute_seen(row, t, n) for t in range(17)] for row in ids.tolist()])
     assert torch.equal(got, want)
     assert want.any() and (~want).any()  # both answers occur, so the check can fail
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_ngram_seen_at_one_aligned_position_equals_the_plain_search(n):
+    """The decode step's `ngram_seen_at` (every row at the same position p, ids past p never read) says at each p what
+    the plain loop says, including p < n - 1 (nothing seen); ids past p are garbage and change nothing. Negative
+    control: windows one position longer (i <= p, the position against itself) say "seen" everywhere from p = n - 1."""
+    g = torch.Generator().manual_seed(10 + n)
+    ids = torch.randint(0, 3, (5, 21), generator=g)
+    answers = set()
+    for p in range(21):
+        junk = ids.clone()
+        junk[:, p + 1:] = torch.randint(0, 3, (5, 20 - p), generator=g)
+        got = ngram_seen_at(junk, p, n)
+        want = torch.tensor([[brute_seen(row, p, n)] for row in ids.tolist()])
+        assert got.shape == (5, 1) and torch.equal(got, want), p
+        answers |= set(want.flatten().tolist())
+        if p >= n - 1:
+            L = p - n + 2  # the bug: end positions up to p itself
+            leaky = torch.stack([ids.narrow(1, n - 1 - m, L) == ids.narrow(1, p - m, 1) for m in range(n)]).all(0)
+            assert leaky.any(-1).all()
+    assert answers == {True, False}  # both answers occur, so the check can fail
 
 
 def test_negative_control_a_match_that_includes_the_position_itself_fails(monkeypatch):

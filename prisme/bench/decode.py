@@ -42,24 +42,43 @@ OFF_PRICE = 1e9  # no score beats it: the router never fires
 
 
 # ------------------------------------------------------------------------------------------------------------ shapes
+SHAPES = ("recall_d24_w32", "recall_T1024", "demo", "tiny")
+LONG_PROMPT = 1000  # recall_T1024's default prompt: the steps timed decode at contexts 1,001..1,023
+
+
 def shapes(names: list[str], tables: bool, seed: int) -> list[tuple[str, PrismeModel, PrismeModel | None]]:
-    """(name, PRISME model with a router, dense rival or None) per shape name: recall_d24_w32, demo, tiny."""
+    """(name, PRISME model with a router, dense rival or None) per shape name: recall_d24_w32 (the recall frontier's
+    winners at T = 32 without the key shift: PRISME d=24/w=32, dense 2 layers d=24), recall_T1024 (the long-context
+    winners at T = 1,024: PRISME d=16/w=32 on a 64-position-window backbone, dense 1 layer d=16 with the key shift and
+    global attention), demo, tiny."""
     out = []
     for name in names:
         dense = None
-        if name == "recall_d24_w32":
+        if name in ("recall_d24_w32", "recall_T1024"):
+            from prisme.studies.recall_context import recipe_at
             from prisme.studies.recall_frontier import dense_config, family_config
             from prisme.studies.recall_setup import RecallStudyConfig, load_recipe
 
-            recipe, _ = load_recipe(RecallStudyConfig())
-            cfg = family_config(recipe, 24, 32).replace(bank_tables=tables)
-            dense = _seeded(dense_config(recipe, 2, 24), seed)
+            study = RecallStudyConfig(frontier=True, contexts=[1024])
+            recipe, _ = load_recipe(study)
+            if name == "recall_d24_w32":
+                cfg, dense_cfg = family_config(recipe, 24, 32), dense_config(recipe, 2, 24)
+            else:
+                r = recipe_at(study, recipe, 1024)
+                cfg, dense_cfg = family_config(r, 16, 32, 64), dense_config(r, 1, 16, True)
+            cfg = cfg.replace(bank_tables=tables)
+            dense = _seeded(dense_cfg, seed)
         elif name in ("demo", "tiny"):
             cfg = PrismeConfig.from_name(name, router=True)
         else:
-            raise ValueError(f"--shapes: unknown shape {name!r} (recall_d24_w32, demo, tiny)")
+            raise ValueError(f"--shapes: unknown shape {name!r} ({', '.join(SHAPES)})")
         out.append((name, _seeded(cfg, seed), dense))
     return out
+
+
+def prompt_length(name: str, given: int | None) -> int:
+    """The prompt of shape `name`: `given` (--prompt-len), else 8 (LONG_PROMPT for recall_T1024)."""
+    return given if given is not None else LONG_PROMPT if name == "recall_T1024" else 8
 
 
 def _seeded(cfg: PrismeConfig, seed: int) -> PrismeModel:
@@ -206,11 +225,13 @@ def main(args: argparse.Namespace) -> int:
     models = shapes(names, not args.no_tables, args.seed)
     with torch_threads(args.threads), torch.inference_mode():
         for name, model, dense in models:
-            n_new = min(args.new_tokens, model.cfg.max_seq_len - args.prompt_len)
-            if n_new < 3:
-                raise ValueError(f"{name}: --prompt-len {args.prompt_len} leaves fewer than 3 new tokens")
+            prompt = prompt_length(name, args.prompt_len)
+            n_new = min(args.new_tokens, model.cfg.max_seq_len - prompt)
+            if prompt < 1 or n_new < 3:
+                raise ValueError(f"{name}: --prompt-len {prompt} must be >= 1 and leave at least 3 new tokens of its "
+                                 f"{model.cfg.max_seq_len} positions")
             for B in batches:
-                results.append(measure(name, model, dense, B, args.prompt_len, n_new, args.repeats, args.edit_rate,
+                results.append(measure(name, model, dense, B, prompt, n_new, args.repeats, args.edit_rate,
                                        args.seed))
     t_ok = [r["rows"]["routed_off"]["t_over_ops"] <= 1.25 and r["rows"]["routed"]["t_over_ops"] <= 1.5
             for r in results]
@@ -218,7 +239,8 @@ def main(args: argparse.Namespace) -> int:
                                               "machine": platform.machine(), "processor": platform.processor(),
                                               "threads": torch.get_num_threads() if args.threads < 1 else args.threads,
                                               "device": "cpu", "mode": "eager"},
-           "settings": {"shapes": names, "batches": list(batches), "prompt_len": args.prompt_len,
+           "settings": {"shapes": names, "batches": list(batches),
+                        "prompt_len": {n: prompt_length(n, args.prompt_len) for n in names},
                         "new_tokens": args.new_tokens, "repeats": args.repeats, "edit_rate": args.edit_rate,
                         "bank_tables": not args.no_tables, "seed": args.seed},
            "results": results,

@@ -34,7 +34,7 @@ def argmax_or_stop(score: torch.Tensor, stop_action: int, by_mean: bool = False)
     best, idx = score.max(dim=-1)
     if by_mean:
         best = score.mean(dim=-1)
-    return torch.where(best > 0, idx, torch.full_like(idx, stop_action))
+    return torch.where(best > 0, idx, stop_action)
 
 
 def slot_summaries(X: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ import torch
 
 from prisme.checks import check_number
 from prisme.model.outputs import EncodedContext, Streams
+from prisme.model.router import ngram_seen_at
 from prisme.model.tables import query_state
 
 if TYPE_CHECKING:
@@ -34,8 +35,12 @@ def router_decision(state: DecodeState, st: Streams, pos: torch.Tensor, valid: t
     model, cfg = state.model, state.cfg
     seen = None
     if state.ids is not None:
-        Tb = max(state.lengths)
-        seen = model.router_seen(state.ids.narrow(1, 0, Tb), pos.clamp(max=Tb - 1))  # [B, Q] (padding: dropped)
+        lengths = state.lengths
+        if pos.shape[1] == 1 and valid is None and min(lengths) == max(lengths):  # one new position, rows aligned
+            seen = ngram_seen_at(state.ids, lengths[0] - 1, cfg.router_ngram)  # [B, 1]
+        else:
+            Tb = max(lengths)
+            seen = model.router_seen(state.ids.narrow(1, 0, Tb), pos.clamp(max=Tb - 1))  # [B, Q] (padding: dropped)
     lam = check_number("lambda_cost", cfg.lambda_cost if ws.lambda_cost is None else ws.lambda_cost, lo=0)
     first = model.router.select(model.router(st.H, seen), ws.cost, lam)  # [B, Q]
     if valid is not None:
@@ -60,8 +65,7 @@ def routed_workspace(state: DecodeState, st: Streams, pos: torch.Tensor, valid: 
     b, t = fired_positions(first, stop)  # [N]
     logits = model.backbone.head(H)  # [B, Q, V]: every position that does not edit, bitwise
     trace = torch.full((B, Q, R), stop, dtype=torch.long, device=dev)
-    n_edits = torch.zeros(B, Q, dtype=torch.long, device=dev)
-    steps = torch.zeros(B, Q, dtype=torch.long, device=dev)
+    n_edits = steps = torch.zeros(B, Q, dtype=torch.long, device=dev)  # replaced, never written, where some fire
     valid_t = torch.ones(B, Q, dtype=torch.bool, device=dev) if valid is None else valid
     N = b.numel()
     if N > 0:

@@ -49,6 +49,26 @@ def ngram_seen(ids: torch.Tensor, pos: torch.Tensor, n: int) -> torch.Tensor:
     return hit.any(-1)
 
 
+def ngram_seen_at(ids: torch.Tensor, p: int, n: int) -> torch.Tensor:
+    """`ngram_seen` of one query position `p` shared by every row (a decode step of rows of one length): `[B, 1]`,
+    the same answer from the n windows of earlier positions alone (no `[B, Q, Tb]` mask; 2n + 2 calls instead of
+    about 6n + 5).
+
+    Args:
+        ids: `[B, Tb]` token ids, Tb > p (positions past p are never read).
+        p: the query position, an int >= 0.
+        n: n-gram length >= 1.
+    """
+    L = p - n + 1  # candidate end positions i = n-1 .. p-1
+    if L <= 0:
+        return torch.zeros(ids.shape[0], 1, dtype=torch.bool, device=ids.device)
+    hit = None
+    for m in range(n):
+        eq = ids.narrow(1, n - 1 - m, L) == ids.narrow(1, p - m, 1)  # [B, L]: ids[i - m] == ids[p - m]
+        hit = eq if hit is None else hit & eq
+    return hit.any(-1, keepdim=True)
+
+
 class Router(nn.Module):
     def __init__(self, cfg: PrismeConfig):
         super().__init__()

@@ -97,7 +97,8 @@ def bank_step(model: PrismeModel, st: Streams, tokens: torch.Tensor, prev: list[
             ids = tokens + 1  # [B, C]
             if cfg.bank_shift:
                 before = ids.new_zeros(ids[:, :1].shape) if prev is None else prev[i].view(-1, 1).to(ids.dtype)
-                k = k + F.embedding(torch.cat([before, ids[:, :-1]], 1), tabs["S"])  # row 0: no previous position
+                shifted = before if ids.shape[1] == 1 else torch.cat([before, ids[:, :-1]], 1)  # row 0: none before
+                k = k + F.embedding(shifted, tabs["S"])
             keep.append(ids)
         else:
             h = model._norm_of(t)(st.src[t])  # [B, C, d]
