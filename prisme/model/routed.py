@@ -54,9 +54,10 @@ def fired_positions(first: torch.Tensor, stop: int) -> tuple[torch.Tensor, torch
 
 
 def routed_workspace(state: DecodeState, st: Streams, pos: torch.Tensor, valid: torch.Tensor | None,
-                     ws: _Workspace) -> dict[str, torch.Tensor]:
+                     ws: _Workspace, valid_t: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """`DecodeState._workspace` for a router model's policy (see the module docstring); valid `[B, Q]` marks real
-    queries (None: all are). Returns the fields of its `StepOutput`."""
+    queries (None: all are; `valid_t`, if given, is that mask made already). Returns the fields of its
+    `StepOutput`."""
     model, cfg = state.model, state.cfg
     H = st.H
     B, Q = pos.shape
@@ -66,7 +67,8 @@ def routed_workspace(state: DecodeState, st: Streams, pos: torch.Tensor, valid: 
     logits = model.backbone.head(H)  # [B, Q, V]: every position that does not edit, bitwise
     trace = torch.full((B, Q, R), stop, dtype=torch.long, device=dev)
     n_edits = steps = torch.zeros(B, Q, dtype=torch.long, device=dev)  # replaced, never written, where some fire
-    valid_t = torch.ones(B, Q, dtype=torch.bool, device=dev) if valid is None else valid
+    if valid_t is None:
+        valid_t = torch.ones(B, Q, dtype=torch.bool, device=dev) if valid is None else valid
     N = b.numel()
     if N > 0:
         lengths = state.lengths

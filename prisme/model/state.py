@@ -320,7 +320,7 @@ class DecodeState:
             return StepOutput(logits=model.backbone.head(H), actions=zeros.unsqueeze(-1)[..., :0], n_edits=zeros,
                               controller_steps=zeros, positions=pos, valid=valid_t)
         if ws.actions is None and cfg.router and not getattr(model.editor.compiled, "static_decode", False):
-            return StepOutput(**routed_workspace(self, st, pos, valid_t if valid is not None else None, ws))
+            return StepOutput(**routed_workspace(self, st, pos, valid, ws, valid_t))
         lengths = self.lengths
         if keep is not None and len(keep) == 0:  # no row has a new position
             zeros = torch.zeros(B, Q, dtype=torch.long, device=dev)
