@@ -91,8 +91,8 @@ def add_bench_parser(sub) -> None:
     tr.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]: where the steps and matmuls run")
     dc = bench_parser(bsub, "decode", help="one decode step of a router model by part: time and ops per part, and "
                          "time over its backbone's step / ops over its backbone's (routed off, at a deployed price)")
-    dc.add_argument("--shapes", default="recall_d24_w32,recall_T1024,demo",
-                    help="comma-separated: recall_d24_w32, recall_T1024, demo, tiny")
+    dc.add_argument("--shapes", default="recall_T32,recall_T1024,demo",
+                    help="comma-separated: recall_T32, recall_T1024, recall_d24_w32, demo, tiny")
     dc.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
     dc.add_argument("--prompt-len", type=int, default=None,
                     help="prompt tokens per row (default: 8; 1,000 for recall_T1024)")

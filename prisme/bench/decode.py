@@ -1,8 +1,8 @@
 """`prisme bench decode`: one decode step of a router model by part, time against ops, next to its backbone's step.
 
-For each shape (the recall frontier's winners: PRISME d=24/w=32 with its router and the dense 2-layer d=24 backbone;
-the `demo` preset with a router; untrained weights) and batch size, greedy `prisme.generate` runs, interleaved and
-rotated each repeat, on the same prompts:
+For each shape (the recall frontier's winners at T = 32 and at T = 1,024, each PRISME model with its router beside
+its dense rival, `shapes`; the `demo` preset with a router; untrained weights) and batch size, greedy
+`prisme.generate` runs, interleaved and rotated each repeat, on the same prompts:
   * `backbone`: the PRISME model at budget 0 (its backbone alone: the reference step);
   * `routed_off`: budget 1, the router at a price where it never fires;
   * `routed`: budget 1, at the price where `--edit-rate` of the positions edit (the deployed price of the study's
@@ -42,19 +42,20 @@ OFF_PRICE = 1e9  # no score beats it: the router never fires
 
 
 # ------------------------------------------------------------------------------------------------------------ shapes
-SHAPES = ("recall_d24_w32", "recall_T1024", "demo", "tiny")
+SHAPES = ("recall_T32", "recall_T1024", "recall_d24_w32", "demo", "tiny")
 LONG_PROMPT = 1000  # recall_T1024's default prompt: the steps timed decode at contexts 1,001..1,023
 
 
 def shapes(names: list[str], tables: bool, seed: int) -> list[tuple[str, PrismeModel, PrismeModel | None]]:
-    """(name, PRISME model with a router, dense rival or None) per shape name: recall_d24_w32 (the recall frontier's
-    winners at T = 32 without the key shift: PRISME d=24/w=32, dense 2 layers d=24), recall_T1024 (the long-context
-    winners at T = 1,024: PRISME d=16/w=32 on a 64-position-window backbone, dense 1 layer d=16 with the key shift and
-    global attention), demo, tiny."""
+    """(name, PRISME model with a router, dense rival or None) per shape name: recall_T32 (the recall frontier's
+    winners at T = 32: PRISME d=16/w=32, dense 1 layer d=8 with the key shift), recall_T1024 (the long-context winners
+    at T = 1,024: PRISME d=16/w=32 on a 64-position-window backbone, dense 1 layer d=16 with the key shift and global
+    attention), recall_d24_w32 (the winners before the key shift: PRISME d=24/w=32, dense 2 layers d=24), demo,
+    tiny."""
     out = []
     for name in names:
         dense = None
-        if name in ("recall_d24_w32", "recall_T1024"):
+        if name.startswith("recall_") and name in SHAPES:
             from prisme.studies.recall_context import recipe_at
             from prisme.studies.recall_frontier import dense_config, family_config
             from prisme.studies.recall_setup import RecallStudyConfig, load_recipe
@@ -63,6 +64,8 @@ def shapes(names: list[str], tables: bool, seed: int) -> list[tuple[str, PrismeM
             recipe, _ = load_recipe(study)
             if name == "recall_d24_w32":
                 cfg, dense_cfg = family_config(recipe, 24, 32), dense_config(recipe, 2, 24)
+            elif name == "recall_T32":
+                cfg, dense_cfg = family_config(recipe, 16, 32), dense_config(recipe, 1, 8, True)
             else:
                 r = recipe_at(study, recipe, 1024)
                 cfg, dense_cfg = family_config(r, 16, 32, 64), dense_config(r, 1, 16, True)
