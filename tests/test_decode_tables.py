@@ -139,3 +139,21 @@ def test_bench_decode_json_on_the_tiny_preset(tmp_path, capsys):
             assert abs(sum(p["share_of_time"] for p in row["parts"].values()) - 1) < 1e-9
         assert res["rows"]["routed_off"]["edits_per_token"] == 0 and res["rows"]["backbone"]["ops_ratio"] == 1
     assert "routed_off" in capsys.readouterr().out
+
+
+def test_bench_decode_times_the_recall_winners_of_each_length():
+    """`recall_T32` and `recall_T1024` are the frontier's winners at their lengths: PRISME d=16/w=32 with its router
+    (a 64-position window at T = 1,024) beside one key-shift layer (d=8 at T = 32, d=16 with global attention at
+    1,024); the long shape's default prompt leaves room for its new tokens, and an unknown shape is a ValueError."""
+    from prisme.bench.decode import LONG_PROMPT, prompt_length, shapes
+
+    (n32, p32, d32), (n1k, p1k, d1k) = shapes(["recall_T32", "recall_T1024"], True, 0)
+    assert (p32.cfg.d_model, p32.cfg.w, p32.cfg.router, p32.cfg.attn_window, p32.cfg.max_seq_len) == (16, 32, True,
+                                                                                                        None, 32)
+    assert (d32.cfg.n_layer, d32.cfg.d_model, d32.cfg.key_shift, d32.cfg.use_workspace) == (1, 8, True, False)
+    assert (p1k.cfg.d_model, p1k.cfg.w, p1k.cfg.attn_window, p1k.cfg.max_seq_len) == (16, 32, 64, 1024)
+    assert (d1k.cfg.n_layer, d1k.cfg.d_model, d1k.cfg.key_shift, d1k.cfg.attn_window) == (1, 16, True, None)
+    assert p1k.cfg.bank_tables and prompt_length(n1k, None) == LONG_PROMPT < 1024 - 3 and prompt_length(n32, None) == 8
+    assert prompt_length(n1k, 5) == 5
+    with pytest.raises(ValueError, match="unknown shape"):
+        shapes(["recall_T64"], True, 0)
