@@ -42,7 +42,8 @@ OFF_PRICE = 1e9  # no score beats it: the router never fires
 
 
 # ------------------------------------------------------------------------------------------------------------ shapes
-SHAPES = ("recall_T32", "recall_T1024", "recall_d24_w32", "demo", "tiny")
+RECALL_SHAPES = ("recall_T32", "recall_T1024", "recall_d24_w32")
+SHAPES = (*RECALL_SHAPES, "demo", "tiny")
 LONG_PROMPT = 1000  # recall_T1024's default prompt: the steps timed decode at contexts 1,001..1,023
 
 
@@ -55,7 +56,7 @@ def shapes(names: list[str], tables: bool, seed: int) -> list[tuple[str, PrismeM
     out = []
     for name in names:
         dense = None
-        if name.startswith("recall_") and name in SHAPES:
+        if name in RECALL_SHAPES:
             from prisme.studies.recall_context import recipe_at
             from prisme.studies.recall_frontier import dense_config, family_config
             from prisme.studies.recall_setup import RecallStudyConfig, load_recipe

@@ -32,7 +32,7 @@ from prisme.model.editor import EditInfo, SlotKV, SparseEditor
 from prisme.model.groups import ParameterGroups
 from prisme.model.outputs import EncodedContext, PrismeOutput, Rollout, Streams
 from prisme.model.readout import DifferentialReadout
-from prisme.model.router import Router, ngram_seen
+from prisme.model.router import Router, ngram_seen, ngram_seen_at
 from prisme.model.workspace import absorb_stop, bank_mask, check_cost, check_forced, init_workspace, slot_counts
 
 if TYPE_CHECKING:
@@ -217,13 +217,16 @@ class PrismeModel(ParameterGroups, nn.Module):
         return EncodedContext(H=query.H, K=K, V=V, z=z, bank_mask=mask, S0=S0, ctrl_in=self.controller_stream(query),
                               router_seen=self.router_seen(bank.ids, pos))
 
-    def router_seen(self, ids: torch.Tensor | None, pos: torch.Tensor) -> torch.Tensor | None:
+    def router_seen(self, ids: torch.Tensor | None, pos: torch.Tensor | int) -> torch.Tensor | None:
         """The router's n-gram feature `[B, Q]` (`prisme.model.router.ngram_seen`) of queries at positions `pos`
-        `[B, Q]` in the context `ids` `[B, Tb]`; None without a router that reads it."""
+        `[B, Q]` in the context `ids` `[B, Tb]` (an int: one position shared by every row, `[B, 1]` by
+        `ngram_seen_at`); None without a router that reads it."""
         if not self.cfg.router or self.cfg.router_ngram == 0:
             return None
         if ids is None:
             raise ValueError("this model's router reads the token ids: pass model.streams(tokens), not a tensor")
+        if isinstance(pos, int):
+            return ngram_seen_at(ids, pos, self.cfg.router_ngram)
         return ngram_seen(ids, pos, self.cfg.router_ngram)
 
     def router_values(self, ctx: EncodedContext) -> torch.Tensor:

@@ -22,7 +22,6 @@ import torch
 
 from prisme.checks import check_number
 from prisme.model.outputs import EncodedContext, Streams
-from prisme.model.router import ngram_seen_at
 from prisme.model.tables import query_state
 
 if TYPE_CHECKING:
@@ -37,7 +36,7 @@ def router_decision(state: DecodeState, st: Streams, pos: torch.Tensor, valid: t
     if state.ids is not None:
         lengths = state.lengths
         if pos.shape[1] == 1 and valid is None and min(lengths) == max(lengths):  # one new position, rows aligned
-            seen = ngram_seen_at(state.ids, lengths[0] - 1, cfg.router_ngram)  # [B, 1]
+            seen = model.router_seen(state.ids, lengths[0] - 1)  # [B, 1]
         else:
             Tb = max(lengths)
             seen = model.router_seen(state.ids.narrow(1, 0, Tb), pos.clamp(max=Tb - 1))  # [B, Q] (padding: dropped)
@@ -54,9 +53,9 @@ def fired_positions(first: torch.Tensor, stop: int) -> tuple[torch.Tensor, torch
 
 
 def routed_workspace(state: DecodeState, st: Streams, pos: torch.Tensor, valid: torch.Tensor | None,
-                     ws: _Workspace, valid_t: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                     ws: _Workspace, valid_t: torch.Tensor) -> dict[str, torch.Tensor]:
     """`DecodeState._workspace` for a router model's policy (see the module docstring); valid `[B, Q]` marks real
-    queries (None: all are; `valid_t`, if given, is that mask made already). Returns the fields of its
+    queries (None: all are), `valid_t` is that mask with None made all-True. Returns the fields of its
     `StepOutput`."""
     model, cfg = state.model, state.cfg
     H = st.H
@@ -67,8 +66,6 @@ def routed_workspace(state: DecodeState, st: Streams, pos: torch.Tensor, valid: 
     logits = model.backbone.head(H)  # [B, Q, V]: every position that does not edit, bitwise
     trace = torch.full((B, Q, R), stop, dtype=torch.long, device=dev)
     n_edits = steps = torch.zeros(B, Q, dtype=torch.long, device=dev)  # replaced, never written, where some fire
-    if valid_t is None:
-        valid_t = torch.ones(B, Q, dtype=torch.bool, device=dev) if valid is None else valid
     N = b.numel()
     if N > 0:
         lengths = state.lengths
