@@ -4,6 +4,7 @@ anything trains, and (slow set) a quick run's document and table."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 from contextlib import redirect_stdout
@@ -89,8 +90,8 @@ def entry(accuracy: float) -> dict:
 
 def searched(tasks: list, passing: dict[str, list[float]], order=None, rule=costlier_than_passing
              ) -> tuple[set[str], str | None, str | None]:
-    """Run the search over fake dense runs (accuracy per seed from `passing` by configuration): (the configurations it
-    trained, the cheapest passing among them, the cheapest passing of the whole grid)."""
+    """Run the search over fake dense runs (accuracy per seed from `passing` by configuration): (the runs it trained
+    per configuration, the cheapest passing among them, the cheapest passing of the whole grid)."""
     cfg = tasks[0].study
     dense = [t for t in tasks if isinstance(t, DenseTask)] if order is None else order
     accuracy = {t.folder: passing.get(t.key, [0.0] * len(cfg.seeds))[cfg.seeds.index(t.seed)] for t in dense}
@@ -103,13 +104,8 @@ def searched(tasks: list, passing: dict[str, list[float]], order=None, rule=cost
               and sum(accuracy[u.folder] >= 0.95 for u in dense if u.key == t.key and u.folder in ran) >= 4]
         return min(ok, key=ops.get, default=None)
 
-    trained = {t.key for t in dense if t.folder in got}
-    runs.clear()
-    runs.update({k: sum(t.key == k and t.folder in got for t in dense) for k in trained})
-    return trained, cheapest(got), cheapest(accuracy)
-
-
-runs: dict[str, int] = {}  # the last `searched`'s runs per configuration it trained
+    runs = collections.Counter(t.key for t in dense if t.folder in got)
+    return dict(runs), cheapest(got), cheapest(accuracy)
 
 
 def test_the_cheapest_search_trains_in_increasing_ops_and_finds_the_grids_cheapest_passing_configuration(tmp_path):
@@ -135,7 +131,7 @@ def test_the_cheapest_search_trains_in_increasing_ops_and_finds_the_grids_cheape
     passing = {third: [0.96, 0.97, 0.2, 0.99, 0.95], last: [1.0] * 5}
     trained, found, best = searched(tasks, passing)
     assert found == best == third
-    assert trained == {k for k, _ in by_ops[:3]}  # one run at a time: nothing above the third is started
+    assert set(trained) == {k for k, _ in by_ops[:3]}  # one run at a time: nothing above the third is started
     _, found, best = searched(tasks, {third: [0.96, 0.97, 0.2, 0.99, 0.5], last: [1.0] * 5})  # 3 of 5: no pass
     assert found == best == last
     grid_order = sorted(dense, key=lambda t: [k for k, _ in by_ops].index(t.key) if t.key != sixth else -1)
@@ -163,8 +159,8 @@ def test_the_cheapest_search_stops_a_configuration_once_it_can_no_longer_pass(tm
     by_ops = sorted({t.key: planned_ops(t) for t in dense}.items(), key=lambda kv: kv[1])
     first, second, third = (k for k, _ in by_ops[:3])
     passing = {first: [0.99, 0.2, 0.3, 1.0, 1.0], second: [0.2, 1.0, 1.0, 1.0, 1.0], third: [1.0] * 5}
-    trained, found, best = searched(tasks, passing)
-    assert found == best == second and trained == {first, second}
+    runs, found, best = searched(tasks, passing)
+    assert found == best == second
     assert runs == {first: 3, second: 5}  # the first is decided after its third seed (its second failure)
 
     def gives_up_early(cfg, dense, folders):  # the bug: one failed seed decides
@@ -176,7 +172,7 @@ def test_the_cheapest_search_stops_a_configuration_once_it_can_no_longer_pass(tm
             return rule(done) | {f for f in folders if f not in done and key[f] in failed}
         return prune
 
-    _, found, best = searched(tasks, passing, rule=gives_up_early)
+    runs, found, best = searched(tasks, passing, rule=gives_up_early)
     assert best == second and found == third and runs[second] == 1
     assert reference_ops(recipe_at(cfg, recipe, 96), 96) > 0
 
