@@ -129,6 +129,25 @@ def test_bypass_negative_control_stop_treated_as_an_edit(monkeypatch):
     assert bypass_violations(model, tokens, actions) > 0  # ... and every position counts as edited
 
 
+def test_readout_of_every_position_equals_the_masked_readout_with_every_position_edited():
+    """`logits_from_state(S, ctx)` (edited=None: the routed decode step's path, no gather or scatter) equals the
+    masked path with every position marked edited, in float64; the negative control (no position edited) is the
+    backbone's head exactly, and differs."""
+    model = make_model()
+    cfg = model.cfg
+    tokens = random_tokens(cfg, 2, 16)
+    with torch.no_grad():
+        ctx = model.encode(tokens)
+        S = model.rollout_forced(ctx, random_actions(cfg, 2, 16, 2)).S
+        every, d_every = model.logits_from_state(S, ctx)
+        masked, d_masked = model.logits_from_state(S, ctx, torch.ones(2, 16, dtype=torch.bool))
+        none, d_none = model.logits_from_state(S, ctx, torch.zeros(2, 16, dtype=torch.bool))
+    torch.testing.assert_close(every, masked, rtol=0, atol=1e-12)
+    torch.testing.assert_close(d_every, d_masked, rtol=0, atol=1e-12)
+    assert torch.equal(none, model.backbone.head(ctx.H)) and not torch.equal(d_none, d_every)
+    assert (every - none).abs().max() > 1e-6
+
+
 # ---------------------------------------------------------------------- causality
 def causality_gap(model: PrismeModel, t: int, policy: bool, seed: int = 3) -> tuple[float, float, bool]:
     """Perturb every token after t; return (max logit change at <= t, max final-state change at <= t,

@@ -43,15 +43,16 @@ def test_tables_equal_the_projections_and_follow_the_weights():
     _, model = pair()
     E = model.bank_norm(model.backbone.tok_emb.weight)  # [V, d]
     tabs = bank_tables(model)
-    torch.testing.assert_close(tabs["K"], model.W_K(E), rtol=0, atol=1e-13)
-    torch.testing.assert_close(tabs["V"], model.W_V(E), rtol=0, atol=1e-13)
+    w = model.cfg.w
+    torch.testing.assert_close(tabs["KV"][:, :w], model.W_K(E), rtol=0, atol=1e-13)  # K, then V
+    torch.testing.assert_close(tabs["KV"][:, w:], model.W_V(E), rtol=0, atol=1e-13)
     torch.testing.assert_close(tabs["P"], model.P(E), rtol=0, atol=1e-13)
-    torch.testing.assert_close(tabs["S"][1:], model.W_K_shift(E), rtol=0, atol=1e-13)
-    assert bool((tabs["S"][0] == 0).all()) and bank_tables(model) is tabs  # cached
+    torch.testing.assert_close(tabs["S"][:-1], model.W_K_shift(E), rtol=0, atol=1e-13)
+    assert bool((tabs["S"][-1] == 0).all()) and bank_tables(model) is tabs  # row V: no previous position; cached
     with torch.no_grad():
         model.W_K.weight.add_(0.1)  # negative control: the old table is stale, a new one is built
-    assert not torch.allclose(tabs["K"], model.W_K(E))
-    torch.testing.assert_close(bank_tables(model)["K"], model.W_K(E), rtol=0, atol=1e-13)
+    assert not torch.allclose(tabs["KV"][:, :w], model.W_K(E))
+    torch.testing.assert_close(bank_tables(model)["KV"][:, :w], model.W_K(E), rtol=0, atol=1e-13)
 
 
 @pytest.mark.parametrize("lam", [0.0, 0.05, 1e9], ids=["always", "sometimes", "never"])
@@ -92,7 +93,7 @@ def test_bank_lookups_tie_to_counted_flops(tables):
     with torch.no_grad():
         st = m.streams(toks)
         last = st.index(torch.zeros(1, 1, dtype=torch.long), torch.tensor([[4]]))
-        prev = [toks[:, 3] + 1] if tables else [m.bank_inputs(st)[0][:, 3]]
+        prev = [toks[:, 3]] if tables else [m.bank_inputs(st)[0][:, 3]]
         bank_tables(m) if tables else None  # built outside the counted step
         with OpsCounter(m) as oc:
             bank_step(m, last, last.ids, prev)

@@ -106,6 +106,36 @@ def test_router_decides_step_0_and_the_controller_runs_only_where_it_fired():
     assert seen_calls[0] == int((~stopped).sum())  # step 1: the fired positions only
 
 
+def test_router_decide_equals_select_of_its_values_and_follows_the_price_and_the_weights():
+    """`Router.decide` (the decode step's rule: price folded into the bias, n-gram column added where seen) picks, in
+    float64, what `select(forward(H, seen))` picks at every position, across prices, a price it cached and a weight
+    changed in place. Negative controls: the n-gram cue read the wrong way round, and the decision of the old
+    weights, each disagree somewhere."""
+    model = tiny_model(0, **ROUTER)
+    router, cost, stop = model.router, model.action_cost, model.cfg.stop_action
+    g = torch.Generator().manual_seed(3)
+    H = torch.randn(4, 64, model.cfg.d_model, generator=g, dtype=torch.float64)
+    seen = torch.rand(4, 64, generator=g) < 0.5
+    with torch.no_grad():
+        router.head.weight[:, -1].uniform_(-1, 1, generator=g)  # a cue that matters, as a trained router's does
+
+    def decided(s):
+        best, fires = router.decide(H, s, cost, lam)
+        return torch.where(fires, best, stop)
+
+    for lam in (0.0, 0.003, 0.02, 0.0, 1e9):
+        want = router.select(router(H, seen), cost, lam)
+        assert torch.equal(decided(seen), want)
+    lam = 0.0
+    want = router.select(router(H, seen), cost, lam)
+    assert (want != stop).any() and (want == stop).any()
+    assert not torch.equal(decided(~seen), want)  # the cue matters: reading it inverted is caught
+    with torch.no_grad():
+        router.head.bias.sub_(0.05)  # in place: the folded bias must be rebuilt
+    new = router.select(router(H, seen), cost, lam)
+    assert not torch.equal(new, want) and torch.equal(decided(seen), new)
+
+
 def test_router_model_keeps_every_other_weight_of_the_same_seed():
     """The router is built last: a router model's backbone, workspace and controller are bit-identical to the model
     of the same seed without it (so turning the option on changes nothing else)."""

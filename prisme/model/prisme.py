@@ -278,14 +278,17 @@ class PrismeModel(ParameterGroups, nn.Module):
     def logits_from_state(self, S: torch.Tensor, ctx: EncodedContext, edited: torch.Tensor | None = None,
                           head: Callable[[torch.Tensor], torch.Tensor] | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits = head(H + U(r(S) - r(S0))) at edited positions `[B, Tq]` and head(H) elsewhere (bitwise).
+        """logits = head(H + U(r(S) - r(S0))) at edited positions `[B, Tq]` (None: at every one) and head(H)
+        elsewhere (bitwise).
 
         The readout runs only on edited positions. `head` replaces `backbone.head` (training uses it to keep the
         workspace's loss out of the head's weights). Returns (logits `[B, Tq, V]`, delta `[B, Tq, d]`).
         """
         head = self.backbone.head if head is None else head
-        if edited is None:
-            edited = torch.ones(S.shape[:2], dtype=torch.bool, device=S.device)
+        if edited is None:  # every position edited (a routed decode step's fired rows): no gather, no scatter
+            d = self.readout(S.flatten(0, 1), ctx.S0.flatten(0, 1), ctx.z.flatten(0, 1)).to(ctx.H.dtype)  # [B Tq, d]
+            delta = d.view(ctx.H.shape)
+            return head(ctx.H + delta), delta
         b, t = torch.nonzero(edited, as_tuple=True)
         delta = ctx.H.new_zeros(ctx.H.shape)
         if b.numel() == 0:
@@ -356,14 +359,16 @@ class PrismeModel(ParameterGroups, nn.Module):
                 a = torch.full((B, Tq), stop, dtype=torch.long, device=dev).index_put((b, t), chosen)
                 ctrl_steps[b, t] += 1
             trace[:, :, r] = a
-            stopped = stopped | (a == stop)
+            if r + 1 < max_budget:
+                stopped = stopped | (a == stop)
             if on_step is not None:
                 on_step(r, a)
             S, info = self.apply_action(S, ctx, a, r, max_budget - r - 1, slot_kv)
             slot_kv = info.slot_kv
             infos.append(info)
-            edits = edits + self.action_slot_counts[a]
-            taken = taken | F.one_hot(a, cfg.dense_action + 1)[..., : cfg.n_actions].bool()
+            if r + 1 < max_budget:  # what the controller reads at the next step (the last step has none)
+                edits = edits + self.action_slot_counts[a]
+                taken = taken | F.one_hot(a, cfg.dense_action + 1)[..., : cfg.n_actions].bool()
         n_edits = (trace != stop).sum(-1)
         return Rollout(S, trace, n_edits, ctrl_steps, infos)
 

@@ -4,7 +4,7 @@ Notation: B rows, Q query positions per row, N positions where the router fired,
 
 `DecodeState` calls `routed_workspace` for every controller policy of a router model (not for forced actions, nor
 for a compiled editor's fixed-shape decode). Per step it computes, at every position, only what the decision reads:
-the router's value head on norm(H) and its n-gram feature, then `Router.select` at the policy's price, and one host
+the router's value head on norm(H) and its n-gram feature at the policy's price (`Router.decide`), and one host
 read of where it fired (the decision is data: the work that follows has that shape). A step where no position fires
 returns the backbone's logits, `head(H)` bitwise, and an all-STOP trace: no query state, bank gather, mask, editor
 or readout. Where some fire, their N positions are gathered as N rows of one query each (their bank rows, their
@@ -29,8 +29,9 @@ if TYPE_CHECKING:
 
 
 def router_decision(state: DecodeState, st: Streams, pos: torch.Tensor, valid: torch.Tensor | None,
-                    ws: _Workspace) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The router's step-0 action `[B, Q]` at every query (STOP at padding) and its n-gram feature `[B, Q]`."""
+                    ws: _Workspace) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The router's best action at every query, whether it beats STOP (False at padding), each `[B, Q]`, and its
+    n-gram feature `[B, Q]` (`Router.decide`: the step-0 action is `where(fires, best, STOP)`)."""
     model, cfg = state.model, state.cfg
     seen = None
     if state.ids is not None:
@@ -41,15 +42,15 @@ def router_decision(state: DecodeState, st: Streams, pos: torch.Tensor, valid: t
             Tb = max(lengths)
             seen = model.router_seen(state.ids.narrow(1, 0, Tb), pos.clamp(max=Tb - 1))  # [B, Q] (padding: dropped)
     lam = check_number("lambda_cost", cfg.lambda_cost if ws.lambda_cost is None else ws.lambda_cost, lo=0)
-    first = model.router.select(model.router(st.H, seen), ws.cost, lam)  # [B, Q]
+    best, fires = model.router.decide(st.H, seen, ws.cost, lam)  # [B, Q] each
     if valid is not None:
-        first = first.masked_fill(~valid, cfg.stop_action)
-    return first, seen
+        fires = fires & valid
+    return best, fires, seen
 
 
-def fired_positions(first: torch.Tensor, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+def fired_positions(fires: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, query indices) `[N]` where the router fired: the step's one host read."""
-    return torch.nonzero(first != stop, as_tuple=True)
+    return torch.nonzero(fires, as_tuple=True)
 
 
 def routed_workspace(state: DecodeState, st: Streams, pos: torch.Tensor, valid: torch.Tensor | None,
@@ -61,8 +62,8 @@ def routed_workspace(state: DecodeState, st: Streams, pos: torch.Tensor, valid: 
     H = st.H
     B, Q = pos.shape
     dev, R, stop = H.device, ws.n_steps, cfg.stop_action
-    first, seen = router_decision(state, st, pos, valid, ws)
-    b, t = fired_positions(first, stop)  # [N]
+    best, fires, seen = router_decision(state, st, pos, valid, ws)
+    b, t = fired_positions(fires)  # [N]
     logits = model.backbone.head(H)  # [B, Q, V]: every position that does not edit, bitwise
     trace = torch.full((B, Q, R), stop, dtype=torch.long, device=dev)
     n_edits = steps = torch.zeros(B, Q, dtype=torch.long, device=dev)  # replaced, never written, where some fire
@@ -70,18 +71,22 @@ def routed_workspace(state: DecodeState, st: Streams, pos: torch.Tensor, valid: 
     if N > 0:
         lengths = state.lengths
         Tb = max(lengths)
-        one = lambda x: x[b, t].unsqueeze(1)  # noqa: E731  [B, Q, ...] -> [N, 1, ...]
+        if Q == 1:  # a decode step: whole rows, one gather and one scatter per field
+            one = lambda x: x.index_select(0, b)  # noqa: E731  [B, 1, ...] -> [N, 1, ...]
+            put = lambda x, new: x.index_copy(0, b, new)  # noqa: E731
+        else:
+            one = lambda x: x[b, t].unsqueeze(1)  # noqa: E731  [B, Q, ...] -> [N, 1, ...]
+            put = lambda x, new: x.index_put((b, t), new[:, 0])  # noqa: E731
         st_n = Streams(one(H), {k: one(v) for k, v in st.src.items()}, None if st.ids is None else one(st.ids))
         pos_n = one(pos)  # [N, 1]
-        K, V = state.K.narrow(1, 0, Tb)[b], state.V.narrow(1, 0, Tb)[b]  # [N, Tb, w]
+        K, V = state.KV.narrow(1, 0, Tb)[b].split(cfg.w, -1)  # [N, Tb, w] each
         z, S0 = query_state(model, st_n)  # [N, 1, w], [N, 1, M, w]
         mask = model.bank_mask(N, 1, Tb, pos_n, state.cache.lengths_tensor(dev)[b], dev)  # [N, 1, Tb]
         ctx = EncodedContext(H=st_n.H, K=K, V=V, z=z, bank_mask=mask, S0=S0, ctrl_in=model.controller_stream(st_n),
                              router_seen=None if seen is None else one(seen))
-        roll = model.rollout_policy(ctx, ws.max_budget, ws.cost, ws.lambda_cost, ws.kappa_risk, first=one(first))
-        lg, _ = model.logits_from_state(roll.S, ctx, roll.n_edits > 0)  # [N, 1, V]
-        logits = logits.index_put((b, t), lg[:, 0])
-        trace = trace.index_put((b, t), roll.actions[:, 0])
-        n_edits = n_edits.index_put((b, t), roll.n_edits[:, 0])
-        steps = steps.index_put((b, t), roll.controller_steps[:, 0])
+        roll = model.rollout_policy(ctx, ws.max_budget, ws.cost, ws.lambda_cost, ws.kappa_risk,
+                                    first=one(best))  # every one of them fires: its best action is step 0
+        lg, _ = model.logits_from_state(roll.S, ctx)  # [N, 1, V]: each of them edited (its step 0 is an edit)
+        logits, trace = put(logits, lg), put(trace, roll.actions)
+        n_edits, steps = put(n_edits, roll.n_edits), put(steps, roll.controller_steps)
     return dict(logits=logits, actions=trace, n_edits=n_edits, controller_steps=steps, positions=pos, valid=valid_t)

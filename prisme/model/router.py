@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from prisme.config import PrismeConfig
 from prisme.model.controller import argmax_or_stop
+from prisme.model.tables import version_counter
 
 
 def ngram_seen(ids: torch.Tensor, pos: torch.Tensor, n: int) -> torch.Tensor:
@@ -85,12 +86,43 @@ class Router(nn.Module):
         """
         f = F.rms_norm(H, (H.shape[-1],), eps=self.cfg.norm_eps)  # [B, Tq, d]
         if self.ngram > 0:
-            if seen is None:
-                raise ValueError(f"this router reads whether the last {self.ngram} tokens were seen before: pass the "
-                                 f"token ids (model.streams keeps them)")
+            self._check_seen(seen)
             f = torch.cat([f, seen.unsqueeze(-1).to(f.dtype)], dim=-1)  # [B, Tq, d + 1]
         return self.head(f)
 
     def select(self, value: torch.Tensor, cost: torch.Tensor, lambda_cost: float) -> torch.Tensor:
         """argmax_a value_a - lambda cost_a `[...]`, or STOP (A) where no score beats 0 (ties go to STOP)."""
         return argmax_or_stop(value - float(lambda_cost) * cost, self.cfg.stop_action)  # score [..., A]
+
+    def decide(self, H: torch.Tensor, seen: torch.Tensor | None, cost: torch.Tensor, lambda_cost: float
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`select(forward(H, seen), cost, lambda_cost)` in fewer calls, for a decode step: (the best action, whether
+        it beats STOP) `[B, Tq]` each, the rule's `where` left to the positions that fire. The price is folded into
+        the bias (b - lambda cost, kept per price and weights) and the n-gram column is added where seen: the same
+        scores to rounding (the terms are summed in another order)."""
+        W, u, b = self._folded(cost, float(lambda_cost))
+        score = F.linear(F.rms_norm(H, (H.shape[-1],), eps=self.cfg.norm_eps), W, b)  # [B, Tq, A]
+        if u is not None:
+            self._check_seen(seen)
+            score = torch.where(seen.unsqueeze(-1), score + u, score)
+        best, action = score.max(dim=-1)
+        return action, best > 0
+
+    def _check_seen(self, seen: torch.Tensor | None) -> None:
+        if seen is None:
+            raise ValueError(f"this router reads whether the last {self.ngram} tokens were seen before: pass the "
+                             f"token ids (model.streams keeps them)")
+
+    def _folded(self, cost: torch.Tensor, lam: float) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(W `[A, d]`, the n-gram column `[A]` or None, b - lam cost `[A]`), rebuilt when the price, the cost vector
+        or a weight changes (identity, storage and version counter: an in-place update or a move rebuilds)."""
+        w, b = self.head.weight, self.head.bias
+        key = (lam, version_counter(w), version_counter(b), w.data_ptr(), cost.data_ptr(), version_counter(cost))
+        cached = self.__dict__.get("_folded_cache")
+        if cached is not None and cached[0] is w and cached[1] is cost and cached[2] == key:
+            return cached[3]
+        with torch.no_grad():
+            d = self.cfg.d_model
+            out = (w[:, :d].contiguous(), w[:, d].clone() if self.ngram > 0 else None, b - lam * cost)
+        self.__dict__["_folded_cache"] = (w, cost, key, out)  # not a module attribute: never in a state dict
+        return out

@@ -5,12 +5,13 @@ Notation: B rows, C new tokens per row in one call (a chunk), Q query positions 
 position, T_max the state's capacity, V vocab, d backbone width, w workspace width.
 
 A `DecodeState` (allocated by `PrismeModel.new_decode_state`) owns the backbone's KV cache, the source bank K/V
-`[B, T_max, w]` and each row's length. Every new position takes the same path as in the parallel `forward_policy`:
-one backbone step with the cache; its bank entry appended (only new positions are projected); then its own
-workspace, run by the model's own methods on an `EncodedContext` whose queries are the new positions and whose bank
-is the cache (`rollout_policy`, or `rollout_forced` for forced actions, then `logits_from_state`). Reusing those
-methods is what makes decoding exact: forced-token decoding in chunks of any size gives, in float64, the logits
-(to ~1e-12) and action traces of one teacher-forced `forward_policy` call (tests/test_generate.py).
+`[B, T_max, w]` (views of one buffer `KV` `[B, T_max, 2w]`: a step writes each entry once) and each row's length.
+Every new position takes the same path as in the parallel `forward_policy`: one backbone step with the cache; its bank
+entry appended (only new positions are projected); then its own workspace, run by the model's own methods on an
+`EncodedContext` whose queries are the new positions and whose bank is the cache (`rollout_policy`, or
+`rollout_forced` for forced actions, then `logits_from_state`). Reusing those methods is what makes decoding exact:
+forced-token decoding in chunks of any size gives, in float64, the logits (to ~1e-12) and action traces of one
+teacher-forced `forward_policy` call (tests/test_generate.py).
 
 Ragged batches: rows are right-padded and carry their own lengths; `n_new[b]` says how many of a chunk's C tokens of
 row b are real. Outputs at padding positions are unspecified (`StepOutput.valid` marks the real ones); rows with no
@@ -32,7 +33,7 @@ from prisme.checks import check_max_budget, is_int
 from prisme.model.backbone import check_tokens
 from prisme.model.outputs import EncodedContext, Streams
 from prisme.model.routed import routed_workspace
-from prisme.model.tables import bank_step, query_state, shift_memory
+from prisme.model.tables import bank_step, clear_shift_memory, query_state, shift_memory
 from prisme.model.workspace import check_cost, check_forced
 
 if TYPE_CHECKING:
@@ -113,10 +114,10 @@ class DecodeState:
         self.batch_size = batch_size
         self.max_len = self.cache.max_len
         self.has_bank = bank
-        self.K = param.new_zeros(batch_size, self.max_len, cfg.w) if bank else None  # [B, T_max, w]
-        self.V = param.new_zeros(batch_size, self.max_len, cfg.w) if bank else None  # [B, T_max, w]
+        self.KV = param.new_zeros(batch_size, self.max_len, 2 * cfg.w) if bank else None  # [B, T_max, 2w]
+        self.K, self.V = self.KV.split(cfg.w, -1) if bank else (None, None)  # [B, T_max, w] views each
         # bank_shift: each bank term's normed stream at each row's last position, read by the next key ([B, d]; a
-        # table term's token id + 1, [B], `prisme.model.tables`)
+        # table term's token id, [B], V before position 0: `prisme.model.tables`)
         self.prev = shift_memory(cfg, batch_size, param) if bank else []
         # the token ids, for the router's n-gram feature (cfg.router with router_ngram > 0)
         routed = bank and cfg.router and cfg.router_ngram > 0
@@ -131,7 +132,7 @@ class DecodeState:
     @property
     def nbytes(self) -> int:
         """Exact payload bytes of the backbone K/V cache and the source bank."""
-        bank = 0 if self.K is None else 2 * self.K.numel() * self.K.element_size()
+        bank = 0 if self.KV is None else self.KV.numel() * self.KV.element_size()
         bank += sum(p.numel() * p.element_size() for p in self.prev)
         if self.ids is not None:
             bank += self.ids.numel() * self.ids.element_size()
@@ -153,18 +154,15 @@ class DecodeState:
                              f"rows' length, not from {self.lengths} to {length}")
         self.cache.truncate(length)
         if length == 0:
-            for p in self.prev:
-                p.zero_()
+            clear_shift_memory(self.cfg, self.prev)
         return self
 
     def reset(self) -> None:
         """Forget every row (lengths to 0; buffers zeroed so stale entries can never leak)."""
         self.cache.reset()
-        if self.K is not None:
-            self.K.zero_()
-            self.V.zero_()
-        for p in self.prev:
-            p.zero_()
+        if self.KV is not None:
+            self.KV.zero_()
+        clear_shift_memory(self.cfg, self.prev)
         if self.ids is not None:
             self.ids.zero_()
 
@@ -272,13 +270,13 @@ class DecodeState:
         start_t = None if len(set(start)) == 1 and full else self.cache.lengths_tensor(tokens.device)
         st = self.model.streams(tokens, self.cache, n_new)  # H [B, C, d]
         H = st.H
-        if self.K is not None:
+        if self.KV is not None:
             # only the new positions are projected (or looked up); hs: what each term's shift memory keeps
-            K, V, hs = bank_step(self.model, st, tokens, self.prev if self.prev else None)  # [B, C, w] each
-            entries = [(self.K, K), (self.V, V)] + ([(self.ids, tokens)] if self.ids is not None else [])
+            KV, hs = bank_step(self.model, st, tokens, self.prev if self.prev else None)  # [B, C, 2w]
+            entries = [(self.KV, KV)] + ([(self.ids, tokens)] if self.ids is not None else [])
             if self.prev and full:  # the shift's memory: each row's last position
                 for p, h in zip(self.prev, hs):
-                    p.copy_(h[:, -1].to(p.dtype))
+                    p.copy_(h[:, -1])  # (copy_ casts)
             elif self.prev:  # ... each row's last real position (padding is never read)
                 n_t = torch.tensor(n_new, device=H.device)
                 moved = (n_t > 0).unsqueeze(1)  # [B, 1]

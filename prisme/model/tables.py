@@ -6,11 +6,11 @@ Notation: B rows, C new positions, V vocab, d backbone width, w workspace width.
 On a llama backbone the "embedding" source stream of a position is `tok_emb[token]`: every projection of it through
 its norm is a function of the token alone. So for each such term the decode step reads
 
-    K_tab[v] = W_K n(E_v),  V_tab[v] = W_V n(E_v),  P_tab[v] = P n(E_v)          ([V, w] each)
-    S_tab[0] = 0, S_tab[v + 1] = W_K' n(E_v)                                       ([V + 1, w]: the token shift)
+    KV_tab[v] = [W_K n(E_v), W_V n(E_v)]  ([V, 2w]),  P_tab[v] = P n(E_v)  ([V, w])
+    S_tab[v] = W_K' n(E_v), S_tab[V] = 0                                   ([V + 1, w]: the token shift)
 
 instead of projecting `[B, C, d]` rows: the same numbers (the projection of the same vector; float64 agrees to
-rounding), one gather per table. The shift's memory of such a term is the previous token id + 1 `[B]` (0 before
+rounding), one gather per table. The shift's memory of such a term is the previous token id `[B]` (V before
 position 0, whose shifted part is zero), not its normed stream. Other terms are projected as
 `PrismeModel.bank_from_inputs` does. Tables are rebuilt when a weight they read changes (its version counter) or
 moves. The cost model prices each lookup as w ops, one per element read (`prisme.costs.analytic.bank_lookup_ops`).
@@ -49,7 +49,7 @@ def _modules(model: PrismeModel) -> dict[str, torch.nn.Module]:
     return mods
 
 
-def _version(p: torch.Tensor) -> int:
+def version_counter(p: torch.Tensor) -> int:
     """The tensor's in-place version counter (-1 for an inference tensor, which keeps none)."""
     try:
         return p._version
@@ -58,27 +58,30 @@ def _version(p: torch.Tensor) -> int:
 
 
 def bank_tables(model: PrismeModel) -> dict[str, torch.Tensor]:
-    """{"K", "V", "S", "P"}: the tables of the embedding term (those it has), cached on the model until a weight
-    they read changes."""
+    """{"KV", "S", "P"}: the tables of the embedding term (those it has; "KV" is K_tab and V_tab side by side,
+    `[V, 2w]`: one lookup writes a bank entry), cached on the model until a weight they read changes."""
     mods = _modules(model)
     params = [p for m in mods.values() for p in m._parameters.values() if p is not None]  # leaf modules
-    key = tuple((id(p), _version(p), p.data_ptr(), p.dtype) for p in params)
+    key = tuple((id(p), version_counter(p), p.data_ptr(), p.dtype) for p in params)
     cached = getattr(model, "_bank_table_cache", None)
     if cached is not None and cached[0] == key:
         return cached[1]
     with torch.no_grad():
         h = mods["norm"](mods["tok_emb"].weight)  # [V, d] n(E_v)
-        out = {k: mods[k](h) for k in ("K", "V", "P") if k in mods}  # [V, w] each
+        out = {k: mods[k](h) for k in ("P",) if k in mods}  # [V, w]
+        if "K" in mods:
+            out["KV"] = torch.cat([mods["K"](h), mods["V"](h)], -1)  # [V, 2w]
         if "S" in mods:
-            out["S"] = torch.cat([h.new_zeros(1, model.cfg.w), mods["S"](h)])  # [V + 1, w]
+            out["S"] = torch.cat([mods["S"](h), h.new_zeros(1, model.cfg.w)])  # [V + 1, w]: row V, no position
     object.__setattr__(model, "_bank_table_cache", (key, out))  # not a module attribute: never in a state dict
     return out
 
 
 def bank_step(model: PrismeModel, st: Streams, tokens: torch.Tensor, prev: list[torch.Tensor] | None
-              ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """Bank keys and values `[B, C, w]` of the new positions of `st` (its tokens `[B, C]`), and what each bank term's
-    shift memory keeps of them (the normed stream `[B, C, d]`, or the token id + 1 `[B, C]` of a table term).
+              ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Bank keys and values side by side `[B, C, 2w]` (K, then V) of the new positions of `st` (its tokens `[B, C]`),
+    and what each bank term's shift memory keeps of them (the normed stream `[B, C, d]`, or the token ids `[B, C]`
+    of a table term).
 
     `prev`: each term's memory of the position before the chunk (`DecodeState.prev`), None at position 0 or without
     a shift. Without `cfg.bank_tables` this is `bank_inputs` + `bank_from_inputs`, unchanged."""
@@ -86,20 +89,18 @@ def bank_step(model: PrismeModel, st: Streams, tokens: torch.Tensor, prev: list[
     served = table_terms(cfg)
     if not served.intersection(cfg.bank_terms):
         hs = model.bank_inputs(st)
-        K, V = model.bank_from_inputs(hs, prev)
-        return K, V, hs
+        return torch.cat(model.bank_from_inputs(hs, prev), -1), hs
     tabs = bank_tables(model)
-    K = V = None
+    KV = None
     keep: list[torch.Tensor] = []
     for i, t in enumerate(cfg.bank_terms):
         if t in served:
-            k, v = F.embedding(tokens, tabs["K"]), F.embedding(tokens, tabs["V"])  # [B, C, w]
-            ids = tokens + 1  # [B, C]
+            kv = F.embedding(tokens, tabs["KV"])  # [B, C, 2w]
             if cfg.bank_shift:
-                before = ids.new_zeros(ids[:, :1].shape) if prev is None else prev[i].view(-1, 1).to(ids.dtype)
-                shifted = before if ids.shape[1] == 1 else torch.cat([before, ids[:, :-1]], 1)  # row 0: none before
-                k = k + F.embedding(shifted, tabs["S"])
-            keep.append(ids)
+                before = tokens.new_full(tokens[:, :1].shape, cfg.vocab_size) if prev is None else prev[i].view(-1, 1)
+                shifted = before if tokens.shape[1] == 1 else torch.cat([before, tokens[:, :-1]], 1)  # [B, C]
+                kv.narrow(-1, 0, cfg.w).add_(F.embedding(shifted, tabs["S"]))  # the key's shifted part (row V: none)
+            keep.append(tokens)
         else:
             h = model._norm_of(t)(st.src[t])  # [B, C, d]
             k, v = (model.W_K, model.W_V) if i == 0 else (model.W_K_more[t], model.W_V_more[t])
@@ -107,9 +108,10 @@ def bank_step(model: PrismeModel, st: Streams, tokens: torch.Tensor, prev: list[
             if cfg.bank_shift:
                 before = h.new_zeros(h[:, :1].shape) if prev is None else prev[i].unsqueeze(1).to(h.dtype)
                 k = k + (model.W_K_shift if i == 0 else model.W_K_shift_more[t])(torch.cat([before, h[:, :-1]], 1))
+            kv = torch.cat([k, v], -1)
             keep.append(h)
-        K, V = (k, v) if K is None else (K + k, V + v)
-    return K, V, keep
+        KV = kv if KV is None else KV + kv
+    return KV, keep
 
 
 def query_state(model: PrismeModel, st: Streams) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,9 +135,15 @@ def query_state(model: PrismeModel, st: Streams) -> tuple[torch.Tensor, torch.Te
 
 
 def shift_memory(cfg, batch: int, like: torch.Tensor) -> list[torch.Tensor]:
-    """A fresh shift memory per bank term: zeros `[B, d]`, or `[B]` ids (0: no previous position) for a table term."""
+    """A fresh shift memory per bank term: zeros `[B, d]`, or `[B]` ids (V: no previous position) for a table term."""
     if not cfg.bank_shift:
         return []
     served = table_terms(cfg)
-    return [torch.zeros(batch, dtype=torch.long, device=like.device) if t in served
+    return [torch.full((batch,), cfg.vocab_size, dtype=torch.long, device=like.device) if t in served
             else like.new_zeros(batch, cfg.d_model) for t in cfg.bank_terms]
+
+
+def clear_shift_memory(cfg, prev: list[torch.Tensor]) -> None:
+    """Set each term's shift memory (`shift_memory`) back to "no previous position", in place."""
+    for p, t in zip(prev, cfg.bank_terms):
+        p.fill_(cfg.vocab_size if t in table_terms(cfg) else 0)
