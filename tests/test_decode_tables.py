@@ -49,6 +49,7 @@ def test_tables_equal_the_projections_and_follow_the_weights():
     torch.testing.assert_close(tabs["P"], model.P(E), rtol=0, atol=1e-13)
     torch.testing.assert_close(tabs["S"][:-1], model.W_K_shift(E), rtol=0, atol=1e-13)
     assert bool((tabs["S"][-1] == 0).all()) and bank_tables(model) is tabs  # row V: no previous position; cached
+    assert torch.equal(tabs["S2"], torch.cat([tabs["S"], torch.zeros_like(tabs["S"])], -1))  # the key part only
     with torch.no_grad():
         model.W_K.weight.add_(0.1)  # negative control: the old table is stale, a new one is built
     assert not torch.allclose(tabs["KV"][:, :w], model.W_K(E))

@@ -20,7 +20,7 @@ from tiny_models import tiny_model
 from prisme import cli, faults
 from prisme.config import PrismeConfig
 from prisme.costs.analytic import token_ops
-from prisme.costs.traces import trace_cost
+from prisme.costs.traces import position_ops, trace_cost
 from prisme.decoding.generate import GenerationOutput, calibrate_lambda, generate, generate_stream
 from prisme.decoding.sampling import sample_logits
 from prisme.model.prisme import PrismeModel
@@ -313,6 +313,28 @@ def test_budget_zero_generation_equals_backbone_greedy_decoding(model64):
     assert out.tokens == [ref]
     assert out.relative_cost == 1.0
     assert out.ops[0] == [token_ops(model64.cfg, 6 + i, controller_steps=0)["total"] for i in range(8)]
+
+
+def test_per_token_ops_memo_is_kept_per_model_and_config_and_tells_the_bypass_from_a_stopped_trace(model64):
+    """Per-token ops are memoised across calls (a later call prices its tokens by lookup) and still equal
+    `position_ops` of each token's own trace: the bypass (budget 0) and an all-STOP trace at budget 1 at the same
+    contexts cost differently (negative control: a memo keyed on the trace alone would hand the bypass price on), and
+    a model given another config prices afresh."""
+    prompt = random_tokens(model64.cfg.vocab_size, 1, 6)
+    bypass = generate(model64, prompt, 8, max_budget=0).ops[0]
+    stopped = generate(model64, prompt, 8, max_budget=1, lambda_cost=1e9)
+    assert all(a == [model64.cfg.stop_action] for a in stopped.actions[0].tolist())
+    fresh = [position_ops(model64.cfg, 6 + i, [model64.cfg.stop_action], s, model64.cfg.optimised)
+             for i, s in enumerate(stopped.controller_steps[0])]
+    assert stopped.ops[0] == fresh and fresh != bypass
+    cfg, memo = model64.__dict__["_position_ops_memo"]
+    assert cfg is model64.cfg and len(memo) >= 16
+    assert generate(model64, prompt, 8, max_budget=0).ops[0] == bypass  # from the memo
+    other = PrismeModel(model64.cfg.replace(optimised=not model64.cfg.optimised)).double()
+    other.load_state_dict(model64.state_dict())
+    theirs = generate(other, prompt, 8, max_budget=1, lambda_cost=1e9)
+    assert theirs.ops[0] == [position_ops(other.cfg, 6 + i, [other.cfg.stop_action], s, other.cfg.optimised)
+                             for i, s in enumerate(theirs.controller_steps[0])] != fresh
 
 
 # ---------------------------------------------------------------------- generation

@@ -136,6 +136,49 @@ def test_router_decide_equals_select_of_its_values_and_follows_the_price_and_the
     assert not torch.equal(new, want) and torch.equal(decided(seen), new)
 
 
+def test_router_decide_reading_the_final_norm_equals_its_own_norm_and_falls_back_where_it_cannot():
+    """With the backbone's final norm h = g * norm(H) given (what the decode step computes for its logits), `decide`
+    divides the head's columns by g and reads h: in float64 the same decisions as norming H itself, across prices and
+    after g changes in place. A zero in g, another eps or a LayerNorm fall back to norming H. Negative control: h read
+    with the undivided head (the gain applied twice) decides otherwise somewhere."""
+    model = tiny_model(0, **ROUTER)
+    router, cost, stop, d = model.router, model.action_cost, model.cfg.stop_action, model.cfg.d_model
+    g = torch.Generator().manual_seed(5)
+    H = torch.randn(4, 64, d, generator=g, dtype=torch.float64)
+    seen = torch.rand(4, 64, generator=g) < 0.5
+    norm = model.backbone.norm
+    with torch.no_grad():
+        router.head.weight[:, -1].uniform_(-1, 1, generator=g)
+        norm.weight.copy_(torch.rand(d, generator=g, dtype=torch.float64) * 3 - 1.5)  # signs and scales that matter
+
+    def decided(normed, lam):
+        best, fires = router.decide(H, seen, cost, lam, normed)
+        return torch.where(fires, best, stop)
+
+    for lam in (0.0, 0.003, 0.02, 0.0):
+        want = router.select(router(H, seen), cost, lam)
+        assert torch.equal(decided((norm(H), norm), lam), want)
+    assert router._folded(cost, 0.0, norm.weight)[3]  # the shared path ran
+    want = router.select(router(H, seen), cost, 0.0)
+    assert (want != stop).any() and (want == stop).any()
+    W, u, b, _ = router._folded(cost, 0.0, None)
+    twice = torch.where(seen.unsqueeze(-1), torch.nn.functional.linear(norm(H), W, b) + u,
+                        torch.nn.functional.linear(norm(H), W, b))
+    best, action = twice.max(-1)
+    assert not torch.equal(torch.where(best > 0, action, stop), want)  # the gain must be divided out
+    with torch.no_grad():
+        norm.weight.mul_(-0.5)  # in place: the fold is rebuilt
+    assert torch.equal(decided((norm(H), norm), 0.0), want)
+    with torch.no_grad():
+        norm.weight[3] = 0.0  # norm(H) cannot be recovered from h: H is normed here
+    assert not router._folded(cost, 0.0, norm.weight)[3]
+    assert torch.equal(decided((norm(H), norm), 0.0), want)
+    other = type(norm)(d, eps=norm.eps * 10).double()
+    assert torch.equal(decided((other(H), other), 0.0), want)  # another eps: not shared
+    ln = torch.nn.LayerNorm(d).double()
+    assert torch.equal(decided((ln(H), ln), 0.0), want)  # a LayerNorm: not shared
+
+
 def test_router_model_keeps_every_other_weight_of_the_same_seed():
     """The router is built last: a router model's backbone, workspace and controller are bit-identical to the model
     of the same seed without it (so turning the option on changes nothing else)."""

@@ -118,7 +118,8 @@ class PartTimer:
                                 (routed, "router_decision", "router"), (routed, "fired_positions", "decision"),
                                 (model, "rollout_policy", "editor"), (routed, "query_state", "editor"),
                                 (state, "query_state", "editor"), (model, "logits_from_state", "readout"),
-                                (model.backbone, "head", "readout")):
+                                (model.backbone, "head", "readout"), (model.backbone, "final_norm", "readout"),
+                                (model.backbone, "logits", "readout")):
             self._patch(obj, attr, part)
 
     def _patch(self, obj: Any, attr: str, part: str) -> None:

@@ -27,12 +27,12 @@ class OpsCounter:
     Counts with `torch.utils.flop_counter.FlopCounterMode` (mm/addmm/bmm/... at 2 ops per multiply-add), adding a
     formula for `aten._scaled_dot_product_flash_attention_for_cpu`, which FlopCounterMode counts as 0. Each op goes to
     the component of the innermost tagged module running it: backbone blocks -> `backbone_linear` (their SDPA ->
-    `backbone_attention`, the key shift's `wk_shift` -> `backbone_key_shift`); `backbone.head` -> `lm_head`; W_K,
-    W_V, P (and their `_more` terms) -> `bank_projection`, W_K_shift -> `bank_shift`, P_ctrl -> `controller_input`;
-    the router -> `router`; editor linears by name (src_q/src_o, slot_q/slot_kv/slot_o, w13/w2, gate); an SDPA
-    inside an editor block -> `editor_source_attn` if it carries a mask (the causal bank) else `editor_slot_attn`
-    (the M slots); controller; readout. Anything else lands in `untagged`. Not counted, by the convention: norms,
-    softmax, activations, embeddings, biases.
+    `backbone_attention`, the key shift's `wk_shift` -> `backbone_key_shift`); `backbone.logits` (the head's matmul)
+    -> `lm_head`; W_K, W_V, P (and their `_more` terms) -> `bank_projection`, W_K_shift -> `bank_shift`, P_ctrl ->
+    `controller_input`; the router -> `router`; editor linears by name (src_q/src_o, slot_q/slot_kv/slot_o, w13/w2,
+    gate); an SDPA inside an editor block -> `editor_source_attn` if it carries a mask (the causal bank) else
+    `editor_slot_attn` (the M slots); controller; readout. Anything else lands in `untagged`. Not counted, by the
+    convention: norms, softmax, activations, embeddings, biases.
     Made for CPU runs: on CUDA torch's own SDPA formulas apply, but the bank/slot split of the editor's attention
     reads the CPU kernel's `attn_mask` keyword.
 
@@ -125,16 +125,16 @@ class OpsCounter:
             self._handles.append(mod.register_forward_pre_hook(enter))
             self._handles.append(mod.register_forward_hook(leave))
         backbone = getattr(self.model, "backbone", self.model)
-        head = backbone.head
+        logits = backbone.logits  # `head(H)` is `logits(final_norm(H))`: the head's matmul is in `logits`
 
-        def tagged_head(H: Any) -> Any:  # the head inside the controller's entropy feature is that feature's cost
+        def tagged_head(h: Any) -> Any:  # the head inside the controller's entropy feature is that feature's cost
             self._stack.append("controller_entropy" if self._stack[-1:] == ["controller_entropy"] else "lm_head")
             try:
-                return head(H)
+                return logits(h)
             finally:
                 self._stack.pop()
 
-        backbone.head = tagged_head  # instance attribute, removed on exit
+        backbone.logits = tagged_head  # instance attribute, removed on exit
         self._backbone = backbone
         self._mode = FlopCounterMode(display=False, custom_mapping=mapping)
         self._mode.__enter__()
@@ -145,4 +145,4 @@ class OpsCounter:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        del self._backbone.head
+        del self._backbone.logits

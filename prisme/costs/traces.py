@@ -141,3 +141,27 @@ def position_ops(cfg: PrismeConfig, context: int, actions: list[int] | None, con
     if traced and not ks and controller_steps == 0:  # forced, all STOP: the bank entry still runs
         row = finish_row({**row, **bank_ops(cfg)}, cfg)
     return int(row["total"])
+
+
+class TokenPricer:
+    """`position_ops` of generated positions (what `prisme.generate` reports per token), memoised on (bypass, context,
+    trace, controller steps) per model and config (they depend on nothing else), so that later calls price a token
+    by one dict lookup. `max_budget == 0` prices the bypass (the backbone alone)."""
+
+    MAX_MEMO = 1 << 16  # entries kept per model (contexts x traces seen); cleared when full
+
+    def __init__(self, model: Any, max_budget: int):
+        self.cfg, self.bypass = model.cfg, max_budget == 0
+        cfg, memo = model.__dict__.get("_position_ops_memo", (None, None))
+        if cfg is not model.cfg or len(memo) > self.MAX_MEMO:
+            memo = {}
+            object.__setattr__(model, "_position_ops_memo", (model.cfg, memo))  # not in a state dict
+        self.memo: dict[tuple, int] = memo
+
+    def __call__(self, context: int, actions: list[int], steps: int) -> int:
+        key = (self.bypass, context, tuple(actions), steps)
+        ops = self.memo.get(key)
+        if ops is None:  # `trace_cost` of the one position, from its ints
+            ops = self.memo[key] = position_ops(self.cfg, context, None if self.bypass else actions, steps,
+                                                self.cfg.optimised, router=self.cfg.router)
+        return ops

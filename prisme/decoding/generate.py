@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from prisme.checks import check_utf8, is_int
-from prisme.costs.traces import position_ops, trace_cost
+from prisme.costs.traces import TokenPricer, trace_cost
 from prisme.decoding.sampling import sample_logits
 from prisme.model.backbone import check_tokens
 from prisme.model.prisme import PrismeModel
@@ -262,21 +262,6 @@ def _row_seed(seed: int, row: int) -> int:
     return (seed * 0x9E3779B97F4A7C15 + row * 0xBF58476D1CE4E5B9 + 1) % 2**63
 
 
-class _OpsOf:
-    """Analytic ops of one generated position, memoised on (context, trace, controller steps)."""
-
-    def __init__(self, model: PrismeModel, max_budget: int):
-        self.cfg, self.max_budget = model.cfg, max_budget
-        self.memo: dict[tuple, int] = {}
-
-    def __call__(self, context: int, actions: list[int], steps: int) -> int:
-        key = (context, tuple(actions), steps)
-        if key not in self.memo:  # `trace_cost` of the one position, from its ints
-            self.memo[key] = position_ops(self.cfg, context, None if self.max_budget == 0 else actions, steps,
-                                          self.cfg.optimised, router=self.cfg.router)
-        return self.memo[key]
-
-
 @torch.no_grad()
 def _events(run: _Run) -> Iterator[GenerationEvent]:
     model, cfg = run.model, run.model.cfg
@@ -289,7 +274,7 @@ def _events(run: _Run) -> Iterator[GenerationEvent]:
     state = model.new_decode_state(B, max_len=max(run.lengths) + run.max_new_tokens - 1, bank=run.max_budget > 0)
     policy = dict(max_budget=run.max_budget, lambda_cost=run.lambda_cost, kappa_risk=run.kappa_risk)
     out = state.prefill(run.tokens, run.lengths, run.prefill_chunk_size, logits="last", **policy)
-    ops_of = _OpsOf(model, run.max_budget)
+    ops_of = TokenPricer(model, run.max_budget)
     done = [False] * B
     done_t = torch.zeros(B, dtype=torch.bool, device=dev)  # `done` on the device, uploaded only when it changes
     picked = done_t.long()  # replaced at step 0

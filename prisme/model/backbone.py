@@ -300,8 +300,15 @@ class Backbone(nn.Module):
 
     def head(self, H: torch.Tensor) -> torch.Tensor:
         """logits `[..., V]` = lm_head(final_norm(H))."""
+        return self.logits(self.final_norm(H))
+
+    def final_norm(self, H: torch.Tensor) -> torch.Tensor:
+        """The final norm of H `[..., d]`: what the head projects (a router's decision can read it too)."""
+        return apply_norm(self._modules["norm"], H)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """lm_head(h) `[..., V]` of a normed stream h (`final_norm`); `head(H)` is `logits(final_norm(H))`, bitwise."""
         children = self._modules
-        h = apply_norm(children["norm"], H)
         lm_head = children.get("lm_head")
         return F.linear(h, children["tok_emb"]._parameters["weight"]) if lm_head is None else linear(h, lm_head)
 

@@ -4,14 +4,14 @@ Notation: B rows, Q query positions per row, N positions where the router fired,
 
 `DecodeState` calls `routed_workspace` for every controller policy of a router model (not for forced actions, nor
 for a compiled editor's fixed-shape decode). Per step it computes, at every position, only what the decision reads:
-the router's value head on norm(H) and its n-gram feature at the policy's price (`Router.decide`), and one host
-read of where it fired (the decision is data: the work that follows has that shape). A step where no position fires
-returns the backbone's logits, `head(H)` bitwise, and an all-STOP trace: no query state, bank gather, mask, editor
-or readout. Where some fire, their N positions are gathered as N rows of one query each (their bank rows, their
-mask, their query state) and run by the model's own `rollout_policy` with the router's decision as step 0, then
-`logits_from_state`; their results are scattered back. Every position's workspace is independent of the others',
-so this is the computation `forward_policy` does at those positions (tests/test_generate.py holds decoding to it in
-float64).
+the router's value head on norm(H) and its n-gram feature at the policy's price (`Router.decide`, reading the
+backbone's final norm of H, which the logits need anyway), and one host read of where it fired (the decision is
+data: the work that follows has that shape). A step where no position fires returns the backbone's logits, `head(H)`
+bitwise, and an all-STOP trace: no query state, bank gather, mask, editor or readout. Where some fire, their N
+positions are gathered as N rows of one query each (their bank rows, their mask, their query state) and run by the
+model's own `rollout_policy` with the router's decision as step 0, then `logits_from_state`; their results are
+scattered back. Every position's workspace is independent of the others', so this is the computation
+`forward_policy` does at those positions (tests/test_generate.py holds decoding to it in float64).
 """
 
 from __future__ import annotations
@@ -29,9 +29,11 @@ if TYPE_CHECKING:
 
 
 def router_decision(state: DecodeState, st: Streams, pos: torch.Tensor, valid: torch.Tensor | None,
-                    ws: _Workspace) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                    ws: _Workspace, normed: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The router's best action at every query, whether it beats STOP (False at padding), each `[B, Q]`, and its
-    n-gram feature `[B, Q]` (`Router.decide`: the step-0 action is `where(fires, best, STOP)`)."""
+    n-gram feature `[B, Q]` (`Router.decide`: the step-0 action is `where(fires, best, STOP)`); `normed` is the
+    backbone's final norm of `st.H` where the step has it (the decision reads it instead of norming H again)."""
     model, cfg = state.model, state.cfg
     seen = None
     if state.ids is not None:
@@ -42,7 +44,8 @@ def router_decision(state: DecodeState, st: Streams, pos: torch.Tensor, valid: t
             Tb = max(lengths)
             seen = model.router_seen(state.ids.narrow(1, 0, Tb), pos.clamp(max=Tb - 1))  # [B, Q] (padding: dropped)
     lam = check_number("lambda_cost", cfg.lambda_cost if ws.lambda_cost is None else ws.lambda_cost, lo=0)
-    best, fires = model.router.decide(st.H, seen, ws.cost, lam)  # [B, Q] each
+    shared = None if normed is None else (normed, model.backbone.norm)
+    best, fires = model.router.decide(st.H, seen, ws.cost, lam, shared)  # [B, Q] each
     if valid is not None:
         fires = fires & valid
     return best, fires, seen
@@ -62,9 +65,10 @@ def routed_workspace(state: DecodeState, st: Streams, pos: torch.Tensor, valid: 
     H = st.H
     B, Q = pos.shape
     dev, R, stop = H.device, ws.n_steps, cfg.stop_action
-    best, fires, seen = router_decision(state, st, pos, valid, ws)
+    h = model.backbone.final_norm(H)  # [B, Q, d]: the head's input, which the router's decision reads too
+    best, fires, seen = router_decision(state, st, pos, valid, ws, h)
     b, t = fired_positions(fires)  # [N]
-    logits = model.backbone.head(H)  # [B, Q, V]: every position that does not edit, bitwise
+    logits = model.backbone.logits(h)  # [B, Q, V]: every position that does not edit, bitwise head(H)
     trace = torch.full((B, Q, R), stop, dtype=torch.long, device=dev)
     n_edits = steps = torch.zeros(B, Q, dtype=torch.long, device=dev)  # replaced, never written, where some fire
     N = b.numel()

@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from prisme.config import PrismeConfig
+from prisme.model.attention import RMSNorm
 from prisme.model.controller import argmax_or_stop
 from prisme.model.tables import version_counter
 
@@ -94,14 +95,21 @@ class Router(nn.Module):
         """argmax_a value_a - lambda cost_a `[...]`, or STOP (A) where no score beats 0 (ties go to STOP)."""
         return argmax_or_stop(value - float(lambda_cost) * cost, self.cfg.stop_action)  # score [..., A]
 
-    def decide(self, H: torch.Tensor, seen: torch.Tensor | None, cost: torch.Tensor, lambda_cost: float
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def decide(self, H: torch.Tensor, seen: torch.Tensor | None, cost: torch.Tensor, lambda_cost: float,
+               normed: tuple[torch.Tensor, nn.Module] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`select(forward(H, seen), cost, lambda_cost)` in fewer calls, for a decode step: (the best action, whether
         it beats STOP) `[B, Tq]` each, the rule's `where` left to the positions that fire. The price is folded into
         the bias (b - lambda cost, kept per price and weights) and the n-gram column is added where seen: the same
-        scores to rounding (the terms are summed in another order)."""
-        W, u, b = self._folded(cost, float(lambda_cost))
-        score = F.linear(F.rms_norm(H, (H.shape[-1],), eps=self.cfg.norm_eps), W, b)  # [B, Tq, A]
+        scores to rounding (the terms are summed in another order).
+
+        normed: (h, norm), h = norm(H) the backbone's final norm, which the step computes for its logits anyway. Where
+        that norm is an RMSNorm of this router's eps whose gain g has no zero entry, norm(H) without gain is h / g:
+        the head's columns are divided by g once (kept with the folded bias) and h is read instead of a second norm
+        of H. Otherwise (a LayerNorm, another eps, a zero gain) H is normed here, as `forward` does."""
+        gain = normed[1].weight if normed is not None and _plain_rms_norm(normed[1], self.cfg.norm_eps) else None
+        W, u, b, shared = self._folded(cost, float(lambda_cost), gain)
+        f = normed[0] if shared else F.rms_norm(H, (H.shape[-1],), eps=self.cfg.norm_eps)  # [B, Tq, d]
+        score = F.linear(f, W, b)  # [B, Tq, A]
         if u is not None:
             self._check_seen(seen)
             score = torch.where(seen.unsqueeze(-1), score + u, score)
@@ -113,16 +121,27 @@ class Router(nn.Module):
             raise ValueError(f"this router reads whether the last {self.ngram} tokens were seen before: pass the "
                              f"token ids (model.streams keeps them)")
 
-    def _folded(self, cost: torch.Tensor, lam: float) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """(W `[A, d]`, the n-gram column `[A]` or None, b - lam cost `[A]`), rebuilt when the price, the cost vector
-        or a weight changes (identity, storage and version counter: an in-place update or a move rebuilds)."""
+    def _folded(self, cost: torch.Tensor, lam: float, gain: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, bool]:
+        """(W `[A, d]`, the n-gram column `[A]` or None, b - lam cost `[A]`, whether W is divided by `gain`), rebuilt
+        when the price, the cost vector or a weight changes (identity, storage and version counter: an in-place
+        update or a move rebuilds). W is divided by a given gain `[d]` unless some entry of it is 0."""
         w, b = self.head.weight, self.head.bias
-        key = (lam, version_counter(w), version_counter(b), w.data_ptr(), cost.data_ptr(), version_counter(cost))
+        key = (lam, version_counter(w), version_counter(b), w.data_ptr(), cost.data_ptr(), version_counter(cost),
+               None if gain is None else (gain.data_ptr(), version_counter(gain)))
         cached = self.__dict__.get("_folded_cache")
-        if cached is not None and cached[0] is w and cached[1] is cost and cached[2] == key:
-            return cached[3]
+        if (cached is not None and cached[0] is w and cached[1] is cost and cached[2] is gain
+                and cached[3] == key):
+            return cached[4]
         with torch.no_grad():
             d = self.cfg.d_model
-            out = (w[:, :d].contiguous(), w[:, d].clone() if self.ngram > 0 else None, b - lam * cost)
-        self.__dict__["_folded_cache"] = (w, cost, key, out)  # not a module attribute: never in a state dict
+            W = w[:, :d].contiguous()
+            shared = gain is not None and bool((gain != 0).all())  # a host read, once per fold
+            out = (W / gain if shared else W, w[:, d].clone() if self.ngram > 0 else None, b - lam * cost, shared)
+        self.__dict__["_folded_cache"] = (w, cost, gain, key, out)  # not a module attribute: never in a state dict
         return out
+
+
+def _plain_rms_norm(norm: nn.Module, eps: float) -> bool:
+    """Whether `norm` is the backbone's RMSNorm (a gain, no bias) at `eps`."""
+    return isinstance(norm, RMSNorm) and norm.eps == eps

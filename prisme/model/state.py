@@ -272,8 +272,9 @@ class DecodeState:
         H = st.H
         if self.KV is not None:
             # only the new positions are projected (or looked up); hs: what each term's shift memory keeps
-            KV, hs = bank_step(self.model, st, tokens, self.prev if self.prev else None)  # [B, C, 2w]
-            entries = [(self.KV, KV)] + ([(self.ids, tokens)] if self.ids is not None else [])
+            at = self.KV.narrow(1, start[0], C) if start_t is None else None  # written in place where it can be
+            KV, hs = bank_step(self.model, st, tokens, self.prev if self.prev else None, at)  # [B, C, 2w]
+            entries = ([(self.KV, KV)] if at is None else []) + ([(self.ids, tokens)] if self.ids is not None else [])
             if self.prev and full:  # the shift's memory: each row's last position
                 for p, h in zip(self.prev, hs):
                     p.copy_(h[:, -1])  # (copy_ casts)

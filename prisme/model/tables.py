@@ -58,8 +58,9 @@ def version_counter(p: torch.Tensor) -> int:
 
 
 def bank_tables(model: PrismeModel) -> dict[str, torch.Tensor]:
-    """{"KV", "S", "P"}: the tables of the embedding term (those it has; "KV" is K_tab and V_tab side by side,
-    `[V, 2w]`: one lookup writes a bank entry), cached on the model until a weight they read changes."""
+    """{"KV", "S", "S2", "P"}: the tables of the embedding term (those it has; "KV" is K_tab and V_tab side by side,
+    `[V, 2w]`, and "S2" is S_tab beside zeros, `[V + 1, 2w]`: two lookups and one sum write a bank entry), cached on
+    the model until a weight they read changes."""
     mods = _modules(model)
     params = [p for m in mods.values() for p in m._parameters.values() if p is not None]  # leaf modules
     key = tuple((id(p), version_counter(p), p.data_ptr(), p.dtype) for p in params)
@@ -73,32 +74,40 @@ def bank_tables(model: PrismeModel) -> dict[str, torch.Tensor]:
             out["KV"] = torch.cat([mods["K"](h), mods["V"](h)], -1)  # [V, 2w]
         if "S" in mods:
             out["S"] = torch.cat([mods["S"](h), h.new_zeros(1, model.cfg.w)])  # [V + 1, w]: row V, no position
+            out["S2"] = torch.cat([out["S"], torch.zeros_like(out["S"])], -1)  # [V + 1, 2w]: added to KV rows
     object.__setattr__(model, "_bank_table_cache", (key, out))  # not a module attribute: never in a state dict
     return out
 
 
-def bank_step(model: PrismeModel, st: Streams, tokens: torch.Tensor, prev: list[torch.Tensor] | None
-              ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def bank_step(model: PrismeModel, st: Streams, tokens: torch.Tensor, prev: list[torch.Tensor] | None,
+              out: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Bank keys and values side by side `[B, C, 2w]` (K, then V) of the new positions of `st` (its tokens `[B, C]`),
     and what each bank term's shift memory keeps of them (the normed stream `[B, C, d]`, or the token ids `[B, C]`
     of a table term).
 
     `prev`: each term's memory of the position before the chunk (`DecodeState.prev`), None at position 0 or without
-    a shift. Without `cfg.bank_tables` this is `bank_inputs` + `bank_from_inputs`, unchanged."""
+    a shift. `out` `[B, C, 2w]` (e.g. the bank's own slice for these positions): the entries are written there and it
+    is returned (a bank served by one table term writes it in the call that sums its two lookups). Without
+    `cfg.bank_tables` this is `bank_inputs` + `bank_from_inputs`, unchanged."""
     cfg = model.cfg
     served = table_terms(cfg)
     if not served.intersection(cfg.bank_terms):
         hs = model.bank_inputs(st)
-        return torch.cat(model.bank_from_inputs(hs, prev), -1), hs
+        KV = torch.cat(model.bank_from_inputs(hs, prev), -1)
+        return (KV, hs) if out is None else (out.copy_(KV), hs)
     tabs = bank_tables(model)
     KV = None
     keep: list[torch.Tensor] = []
+    alone = out is not None and len(cfg.bank_terms) == 1 and out.dtype == tabs["KV"].dtype
     for i, t in enumerate(cfg.bank_terms):
         if t in served:
             kv = F.embedding(tokens, tabs["KV"])  # [B, C, 2w]
             if cfg.bank_shift:
                 before = tokens.new_full(tokens[:, :1].shape, cfg.vocab_size) if prev is None else prev[i].view(-1, 1)
                 shifted = before if tokens.shape[1] == 1 else torch.cat([before, tokens[:, :-1]], 1)  # [B, C]
+                if alone:  # K + shifted K, V + 0, straight into the bank (the same sums)
+                    keep.append(tokens)
+                    return torch.add(kv, F.embedding(shifted, tabs["S2"]), out=out), keep
                 kv.narrow(-1, 0, cfg.w).add_(F.embedding(shifted, tabs["S"]))  # the key's shifted part (row V: none)
             keep.append(tokens)
         else:
@@ -111,7 +120,7 @@ def bank_step(model: PrismeModel, st: Streams, tokens: torch.Tensor, prev: list[
             kv = torch.cat([k, v], -1)
             keep.append(h)
         KV = kv if KV is None else KV + kv
-    return KV, keep
+    return (KV, keep) if out is None else (out.copy_(KV), keep)
 
 
 def query_state(model: PrismeModel, st: Streams) -> tuple[torch.Tensor, torch.Tensor]:
