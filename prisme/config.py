@@ -17,6 +17,7 @@ from prisme.checks import check_fields
 from prisme.io import loads_config
 
 FAMILIES = ("llama", "gpt2")
+BANK_STORES = ("entries", "ids")  # `PrismeConfig.bank_store`
 
 
 def round_up(x: float, multiple: int) -> int:
@@ -127,6 +128,9 @@ class PrismeConfig:
     bank_tables: bool = False  # decoding serves the bank's and the query's projections of the token embeddings
     #   (K, V, the shift's K', z of each "embedding" term) from per-vocabulary tables [V, w] (exact: that stream is a
     #   function of the token), and the cost model prices them as lookups (llama family: gpt2 adds positions)
+    bank_store: str = "entries"  # what a decode state keeps of the bank: "entries" (K and V of every position) or
+    #   "ids" (bank_tables with an "embedding" bank: its token ids only; K and V are looked up where the workspace
+    #   runs, and the cost model prices those lookups there instead of one entry at every position)
     extra: dict[str, Any] = field(default_factory=dict)  # free-form metadata carried in checkpoints
 
     def __post_init__(self) -> None:
@@ -266,6 +270,11 @@ class PrismeConfig:
         if self.bank_tables:
             need(self.use_workspace and self.family == "llama" and "embedding" in self.bank_terms + self.query_terms,
                  "bank_tables=True needs a llama workspace model whose bank_source or query_source reads 'embedding'")
+        need(self.bank_store in BANK_STORES, f"bank_store must be one of {BANK_STORES}, got {self.bank_store!r}")
+        if self.bank_store == "ids":
+            need(self.bank_tables and set(self.bank_terms) == {"embedding"},
+                 f"bank_store='ids' keeps token ids only: it needs bank_tables=True and bank_source='embedding', got "
+                 f"bank_tables={self.bank_tables}, bank_source={self.bank_source!r}")
         need(self.lambda_cost >= 0, f"lambda_cost must be >= 0, got {self.lambda_cost}")
         need(self.kappa_risk >= 0, f"kappa_risk must be >= 0, got {self.kappa_risk}")
         return self
@@ -367,7 +376,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 # without them computed (the migration table): any other field missing from a config.json is an error, never a
 # silent default (a missing `bank_source` would rebuild another model).
 ADDED_CONFIG_FIELDS: dict[str, Any] = {"slot_kv_cache": False, "router": False, "router_ngram": 1, "key_shift": False,
-                                       "attn_window": None, "bank_tables": False}
+                                       "attn_window": None, "bank_tables": False, "bank_store": "entries"}
 
 
 def complete_config(d: dict[str, Any], where: Path | str = "config.json") -> dict[str, Any]:

@@ -129,7 +129,7 @@ def test_bench_decode_json_on_the_tiny_preset(tmp_path, capsys):
 
     out = tmp_path / "decode.json"
     args = argparse.Namespace(shapes="tiny", batches="1,2", prompt_len=4, new_tokens=4, repeats=1, edit_rate=0.25,
-                              threads=1, no_tables=False, seed=0, json=str(out))
+                              threads=1, no_tables=False, bank_store="entries", seed=0, json=str(out))
     assert main(args) == 0
     doc = json.loads(out.read_text())
     assert doc["bench"] == "decode" and {"torch", "threads", "mode"} <= set(doc["environment"])
@@ -156,6 +156,8 @@ def test_bench_decode_times_the_recall_winners_of_each_length():
     assert (p1k.cfg.d_model, p1k.cfg.w, p1k.cfg.attn_window, p1k.cfg.max_seq_len) == (16, 32, 64, 1024)
     assert (d1k.cfg.n_layer, d1k.cfg.d_model, d1k.cfg.key_shift, d1k.cfg.attn_window) == (1, 16, True, None)
     assert p1k.cfg.bank_tables and prompt_length(n1k, None) == LONG_PROMPT < 1024 - 3 and prompt_length(n32, None) == 8
-    assert prompt_length(n1k, 5) == 5
+    assert prompt_length(n1k, 5) == 5 and p1k.cfg.bank_store == "entries"
+    (_, ids, _), = shapes(["recall_T1024"], True, 0, "ids")
+    assert ids.cfg.bank_store == "ids" and ids.new_decode_state(1).KV is None  # the ids alone
     with pytest.raises(ValueError, match="unknown shape"):
         shapes(["recall_T64"], True, 0)

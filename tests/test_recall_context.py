@@ -197,12 +197,15 @@ def test_the_winners_decode_side_by_side_with_their_decode_state_bytes(tmp_path)
         picks[f"{k}_best"] = {"checkpoints": [str(path)], "lambda": [0.05]}
     got = decode_speed({"verdict": picks}, r.mqar, batches=(1, 2), repeats=1)
     for B in (1, 2):
-        assert set(got[f"batch{B}"]) == {"dense", "prisme"} and min(got[f"batch{B}"].values()) > 0
+        assert set(got[f"batch{B}"]) == {"dense", "prisme", "prisme_ids"} and min(got[f"batch{B}"].values()) > 0
         d = models["dense"]
-        assert got[f"memory_batch{B}"]["dense"] == 2 * d.n_layer * B * d.n_kv_head * 96 * d.head_dim * 4
+        mem = got[f"memory_batch{B}"]
+        assert mem["dense"] == 2 * d.n_layer * B * d.n_kv_head * 96 * d.head_dim * 4
         p = models["prisme"]
         twin = DecodeState(PrismeModel(p.replace(attn_window=None)), B, 96).nbytes
-        assert twin - got[f"memory_batch{B}"]["prisme"] == 2 * p.n_layer * B * p.n_kv_head * (96 - 16) * p.head_dim * 4
+        assert twin - mem["prisme"] == 2 * p.n_layer * B * p.n_kv_head * (96 - 16) * p.head_dim * 4
+        ring = 2 * p.n_layer * B * p.n_kv_head * 16 * p.head_dim * 4
+        assert mem["prisme_ids"] == ring + B * 96 * 8  # the window's ring and the ids: no bank entries
 
 
 @pytest.mark.parametrize("argv, msg", [

@@ -102,4 +102,7 @@ def add_bench_parser(sub) -> None:
     dc.add_argument("--threads", type=int, default=1, help="torch CPU threads (-1 = leave as is)")
     dc.add_argument("--no-tables", action="store_true", help="project the recall shape's embedding bank per step "
                     "instead of serving it from per-vocabulary tables (bank_tables=False)")
+    dc.add_argument("--bank-store", default="entries", choices=["entries", "ids"],
+                    help="what the recall shapes' decode state keeps of their embedding bank: every entry, or the "
+                         "token ids alone, K and V looked up where the router fires (bank_store)")
     s.set_defaults(func=run_bench)

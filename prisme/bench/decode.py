@@ -47,7 +47,8 @@ SHAPES = (*RECALL_SHAPES, "demo", "tiny")
 LONG_PROMPT = 1000  # recall_T1024's default prompt: the steps timed decode at contexts 1,001..1,023
 
 
-def shapes(names: list[str], tables: bool, seed: int) -> list[tuple[str, PrismeModel, PrismeModel | None]]:
+def shapes(names: list[str], tables: bool, seed: int, store: str = "entries"
+           ) -> list[tuple[str, PrismeModel, PrismeModel | None]]:
     """(name, PRISME model with a router, dense rival or None) per shape name: recall_T32 (the recall frontier's
     winners at T = 32: PRISME d=16/w=32, dense 1 layer d=8 with the key shift), recall_T1024 (the long-context winners
     at T = 1,024: PRISME d=16/w=32 on a 64-position-window backbone, dense 1 layer d=16 with the key shift and global
@@ -70,7 +71,7 @@ def shapes(names: list[str], tables: bool, seed: int) -> list[tuple[str, PrismeM
             else:
                 r = recipe_at(study, recipe, 1024)
                 cfg, dense_cfg = family_config(r, 16, 32, 64), dense_config(r, 1, 16, True)
-            cfg = cfg.replace(bank_tables=tables)
+            cfg = cfg.replace(bank_tables=tables, bank_store=store)
             dense = _seeded(dense_cfg, seed)
         elif name in ("demo", "tiny"):
             cfg = PrismeConfig.from_name(name, router=True)
@@ -201,7 +202,7 @@ def measure(name: str, model: PrismeModel, dense: PrismeModel | None, batch: int
         row["ops_ratio"] = row["ops_per_token"] / base["ops_per_token"]
         row["t_over_ops"] = row["time_ratio"] / row["ops_ratio"]
     return {"shape": name, "batch": batch, "deployed_price": price, "model": model_facts(model),
-            "bank_tables": bool(cfg.bank_tables), "rows": rows}
+            "bank_tables": bool(cfg.bank_tables), "bank_store": cfg.bank_store, "rows": rows}
 
 
 # ------------------------------------------------------------------------------------------------------------ output
@@ -227,7 +228,9 @@ def main(args: argparse.Namespace) -> int:
     if not 0 < args.edit_rate < 1:
         raise ValueError(f"--edit-rate must lie in (0, 1), got {args.edit_rate}")
     results = []
-    models = shapes(names, not args.no_tables, args.seed)
+    if args.no_tables and args.bank_store == "ids":
+        raise ValueError("--bank-store ids looks the bank up from its tables: it cannot go with --no-tables")
+    models = shapes(names, not args.no_tables, args.seed, args.bank_store)
     with torch_threads(args.threads), torch.inference_mode():
         for name, model, dense in models:
             prompt = prompt_length(name, args.prompt_len)
@@ -247,7 +250,7 @@ def main(args: argparse.Namespace) -> int:
            "settings": {"shapes": names, "batches": list(batches),
                         "prompt_len": {n: prompt_length(n, args.prompt_len) for n in names},
                         "new_tokens": args.new_tokens, "repeats": args.repeats, "edit_rate": args.edit_rate,
-                        "bank_tables": not args.no_tables, "seed": args.seed},
+                        "bank_tables": not args.no_tables, "bank_store": args.bank_store, "seed": args.seed},
            "results": results,
            "targets": {"routed_off_t_over_ops": 1.25, "routed_t_over_ops": 1.5, "met": all(t_ok)},
            "checks": {"passed": True}}  # a measurement: the targets are reported, not enforced

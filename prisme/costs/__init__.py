@@ -23,6 +23,7 @@ from prisme.costs.analytic import (
     bank_lookup_ops,
     bank_ops,
     bank_projection_ops,
+    bank_reads,
     bank_shift_ops,
     components,
     controller_bank_ops,
@@ -51,5 +52,5 @@ __all__ = [
     "controller_step_ops", "readout_ops", "bank_projection_ops", "bank_shift_ops", "bank_ops", "backbone_ops",
     "token_ops", "seed_rows", "action_cost_proxy", "cost_table", "cost_document", "TraceCost", "trace_cost",
     "OpsCounter", "format_table", "costs_cli", "router_ops", "router_match_ops", "router_share_of_layer",
-    "BACKBONE_TERMS", "attended_keys", "key_shift_params", "bank_lookup_ops"
+    "BACKBONE_TERMS", "attended_keys", "key_shift_params", "bank_lookup_ops", "bank_reads"
 ]

@@ -272,36 +272,51 @@ def _served(terms: tuple[str, ...], cfg: PrismeConfig) -> int:
     return terms.count("embedding") if cfg.bank_tables else 0
 
 
-def bank_projection_ops(cfg: PrismeConfig) -> int:
+def bank_projection_ops(cfg: PrismeConfig, entries: int = 1, query: bool = True) -> int:
     """K, V and z of the new position: three d -> w projections (seed 000), one K and one V per bank source term
     and one z projection per query source term; with `cfg.bank_tables`, each of an embedding term's is a lookup of
-    a w-row of its table (`prisme.model.tables`), w ops (one per element read)."""
+    a w-row of its table (`prisme.model.tables`), w ops (one per element read). `entries`: bank entries computed
+    (`bank_reads`), `query`: whether z is."""
     nb, nq = _served(cfg.bank_terms, cfg), _served(cfg.query_terms, cfg)
-    projected = 2 * (len(cfg.bank_terms) - nb) + len(cfg.query_terms) - nq
-    return projected * 2 * cfg.d_model * cfg.w + (2 * nb + nq) * cfg.w
+    projected = 2 * (len(cfg.bank_terms) - nb) * entries + (len(cfg.query_terms) - nq) * query
+    return projected * 2 * cfg.d_model * cfg.w + (2 * nb * entries + nq * query) * cfg.w
 
 
-def bank_shift_ops(cfg: PrismeConfig) -> int:
-    """The token shift's key projection W_K' n(X_{j-1}) of the new position, per bank source term (0 without it); a
-    lookup (w ops) for a term served from its table."""
+def bank_shift_ops(cfg: PrismeConfig, entries: int = 1) -> int:
+    """The token shift's key projection W_K' n(X_{j-1}) of each computed entry, per bank source term (0 without it);
+    a lookup (w ops) for a term served from its table."""
     if not cfg.bank_shift:
         return 0
     nb = _served(cfg.bank_terms, cfg)
-    return (len(cfg.bank_terms) - nb) * 2 * cfg.d_model * cfg.w + nb * cfg.w
+    return ((len(cfg.bank_terms) - nb) * 2 * cfg.d_model * cfg.w + nb * cfg.w) * entries
 
 
-def bank_lookup_ops(cfg: PrismeConfig) -> int:
+def bank_lookup_ops(cfg: PrismeConfig, entries: int = 1, query: bool = True) -> int:
     """The part of `bank_ops` that is table lookups (`cfg.bank_tables`), not matmuls: a named allowance in the tie
     to counted FLOPs (0 without tables)."""
     nb, nq = _served(cfg.bank_terms, cfg), _served(cfg.query_terms, cfg)
-    return (2 * nb + nq + (nb if cfg.bank_shift else 0)) * cfg.w
+    return ((2 * nb + (nb if cfg.bank_shift else 0)) * entries + nq * query) * cfg.w
 
 
-def bank_ops(cfg: PrismeConfig) -> dict[str, int]:
-    """The source bank's terms for one new position: `bank_projection` (and `bank_shift` where the bank has one)."""
-    out = {"bank_projection": bank_projection_ops(cfg)}
+def bank_reads(cfg: PrismeConfig, T: int | None, reads: bool) -> tuple[int, bool]:
+    """(bank entries a position computes, whether it computes its query's z). Kept entries (`bank_store`
+    "entries"): its own, and z (at every position a policy prices). Kept ids ("ids"): nothing where its workspace
+    does not run; where it runs (`reads`), the lookups of every entry of its context (T) and z."""
+    if cfg.bank_store == "entries":
+        return 1, True
+    if not reads:
+        return 0, False
+    return _check_T(cfg, T), True
+
+
+def bank_ops(cfg: PrismeConfig, T: int | None = None, reads: bool = True) -> dict[str, int]:
+    """The source bank's terms for one position at context T whose workspace runs (`reads`) or not:
+    `bank_projection` (and `bank_shift` where the bank has one), as `bank_reads` counts them (T matters only with
+    `bank_store="ids"`)."""
+    entries, query = bank_reads(cfg, T, reads)
+    out = {"bank_projection": bank_projection_ops(cfg, entries, query)}
     if cfg.bank_shift:
-        out["bank_shift"] = bank_shift_ops(cfg)
+        out["bank_shift"] = bank_shift_ops(cfg, entries)
     return out
 
 
@@ -362,7 +377,7 @@ def token_ops(cfg: PrismeConfig, T: int, ks: Sequence[int] = (), controller_step
         raise ValueError(f"router=True prices a router, but {cfg.name!r} has none (cfg.router=False)")
     if n == 0 and steps == 0 and not router:
         return finish_row(row, cfg)
-    row.update(bank_ops(cfg))
+    row.update(bank_ops(cfg, T, reads=n > 0 or steps > 0))
     if router:
         row["router"] = router_ops(cfg, T)
     ready = False  # optimised path: does the position hold its slot K/V cache?

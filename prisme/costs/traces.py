@@ -79,8 +79,8 @@ def trace_cost(cfg: PrismeConfig, actions: Any, contexts: Any, controller_steps:
         ks = [cfg.n_slots if k == -1 else k for k in kinds]
         row = token_ops(cfg, T, ks, controller_steps=n_steps, optimised=optimised, dense=[k == -1 for k in kinds],
                         router=router and kinds_t is not None)
-        if kinds_t is not None and not ks and n_steps == 0:  # forced, all STOP: the bank entry still runs
-            row = finish_row({**row, **bank_ops(cfg)}, cfg)
+        if kinds_t is not None and not ks and n_steps == 0 and not router:  # forced, all STOP: the bank still runs
+            row = finish_row({**row, **bank_ops(cfg, T)}, cfg)
         for c in comps:
             comp[c] += row[c] * count
         base += row["backbone"] * count
@@ -138,8 +138,8 @@ def position_ops(cfg: PrismeConfig, context: int, actions: list[int] | None, con
     traced = bool(actions)
     row = token_ops(cfg, context, ks, controller_steps=controller_steps, optimised=optimised, dense=dense,
                     router=router and traced)
-    if traced and not ks and controller_steps == 0:  # forced, all STOP: the bank entry still runs
-        row = finish_row({**row, **bank_ops(cfg)}, cfg)
+    if traced and not ks and controller_steps == 0 and not router:  # forced, all STOP: the bank still runs
+        row = finish_row({**row, **bank_ops(cfg, context)}, cfg)
     return int(row["total"])
 
 

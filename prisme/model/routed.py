@@ -83,7 +83,7 @@ def routed_workspace(state: DecodeState, st: Streams, pos: torch.Tensor, valid: 
             put = lambda x, new: x.index_put((b, t), new[:, 0])  # noqa: E731
         st_n = Streams(one(H), {k: one(v) for k, v in st.src.items()}, None if st.ids is None else one(st.ids))
         pos_n = one(pos)  # [N, 1]
-        K, V = state.KV.narrow(1, 0, Tb)[b].split(cfg.w, -1)  # [N, Tb, w] each
+        K, V = state.bank(Tb, b)  # [N, Tb, w] each
         z, S0 = query_state(model, st_n)  # [N, 1, w], [N, 1, M, w]
         mask = model.bank_mask(N, 1, Tb, pos_n, state.cache.lengths_tensor(dev)[b], dev)  # [N, 1, Tb]
         ctx = EncodedContext(H=st_n.H, K=K, V=V, z=z, bank_mask=mask, S0=S0, ctrl_in=model.controller_stream(st_n),

@@ -33,7 +33,7 @@ from prisme.checks import check_max_budget, is_int
 from prisme.model.backbone import check_tokens
 from prisme.model.outputs import EncodedContext, Streams
 from prisme.model.routed import routed_workspace
-from prisme.model.tables import bank_step, clear_shift_memory, query_state, shift_memory
+from prisme.model.tables import bank_from_ids, bank_step, clear_shift_memory, query_state, shift_memory
 from prisme.model.workspace import check_cost, check_forced
 
 if TYPE_CHECKING:
@@ -114,14 +114,15 @@ class DecodeState:
         self.batch_size = batch_size
         self.max_len = self.cache.max_len
         self.has_bank = bank
-        self.KV = param.new_zeros(batch_size, self.max_len, 2 * cfg.w) if bank else None  # [B, T_max, 2w]
-        self.K, self.V = self.KV.split(cfg.w, -1) if bank else (None, None)  # [B, T_max, w] views each
+        entries = bank and cfg.bank_store == "entries"  # "ids": the bank is its token ids (`bank`)
+        self.KV = param.new_zeros(batch_size, self.max_len, 2 * cfg.w) if entries else None  # [B, T_max, 2w]
+        self.K, self.V = self.KV.split(cfg.w, -1) if entries else (None, None)  # [B, T_max, w] views each
         # bank_shift: each bank term's normed stream at each row's last position, read by the next key ([B, d]; a
-        # table term's token id, [B], V before position 0: `prisme.model.tables`)
-        self.prev = shift_memory(cfg, batch_size, param) if bank else []
-        # the token ids, for the router's n-gram feature (cfg.router with router_ngram > 0)
-        routed = bank and cfg.router and cfg.router_ngram > 0
-        self.ids = torch.zeros(batch_size, self.max_len, dtype=torch.long, device=param.device) if routed else None
+        # table term's token id, [B], V before position 0: `prisme.model.tables`); ids kept: the previous id itself
+        self.prev = shift_memory(cfg, batch_size, param) if entries else []
+        # the token ids, for the router's n-gram feature (cfg.router with router_ngram > 0) or as the bank itself
+        keep_ids = bank and (cfg.router and cfg.router_ngram > 0 or not entries)
+        self.ids = torch.zeros(batch_size, self.max_len, dtype=torch.long, device=param.device) if keep_ids else None
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -137,6 +138,13 @@ class DecodeState:
         if self.ids is not None:
             bank += self.ids.numel() * self.ids.element_size()
         return self.cache.nbytes + bank
+
+    def bank(self, Tb: int, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The source bank's keys and values `[b, Tb, w]` each at positions 0..Tb-1 of `rows` `[b]` (None: every
+        row): the kept entries, or with `bank_store="ids"` their lookups from the kept ids (`tables.bank_from_ids`)."""
+        kept = self.KV if self.KV is not None else self.ids  # [B, T_max, 2w] or [B, T_max]
+        kept = kept.narrow(1, 0, Tb) if rows is None else kept.narrow(1, 0, Tb).index_select(0, rows)
+        return (kept if self.KV is not None else bank_from_ids(self.model, kept)).split(self.cfg.w, -1)
 
     def rewind(self, length: int) -> DecodeState:
         """Roll every row back to its first `length` positions, in place; returns the state.
@@ -270,11 +278,14 @@ class DecodeState:
         start_t = None if len(set(start)) == 1 and full else self.cache.lengths_tensor(tokens.device)
         st = self.model.streams(tokens, self.cache, n_new)  # H [B, C, d]
         H = st.H
+        if not self.has_bank:
+            return st
+        entries = [(self.ids, tokens)] if self.ids is not None else []  # (buffer, what the new positions write)
         if self.KV is not None:
             # only the new positions are projected (or looked up); hs: what each term's shift memory keeps
             at = self.KV.narrow(1, start[0], C) if start_t is None else None  # written in place where it can be
             KV, hs = bank_step(self.model, st, tokens, self.prev if self.prev else None, at)  # [B, C, 2w]
-            entries = ([(self.KV, KV)] if at is None else []) + ([(self.ids, tokens)] if self.ids is not None else [])
+            entries += [(self.KV, KV)] if at is None else []
             if self.prev and full:  # the shift's memory: each row's last position
                 for p, h in zip(self.prev, hs):
                     p.copy_(h[:, -1])  # (copy_ casts)
@@ -286,19 +297,19 @@ class DecodeState:
                     at = last.view(B, 1, *[1] * (h.dim() - 2)).expand(B, 1, *h.shape[2:])
                     p.copy_(torch.where(moved.view(B, *[1] * (p.dim() - 1)), h.gather(1, at).squeeze(1).to(p.dtype),
                                         p))
-            if start_t is None:  # every row at the same offset, all full
-                for buf, new in entries:
-                    buf.narrow(1, start[0], C).copy_(new)
+        if start_t is None:  # every row at the same offset, all full
+            for buf, new in entries:
+                buf.narrow(1, start[0], C).copy_(new)
+        else:
+            if full:  # rows at different offsets, all full (decoding): no host read
+                rows = torch.arange(B, device=H.device).repeat_interleave(C)
+                cols = torch.arange(C, device=H.device).repeat(B)
             else:
-                if full:  # rows at different offsets, all full (decoding): no host read
-                    rows = torch.arange(B, device=H.device).repeat_interleave(C)
-                    cols = torch.arange(C, device=H.device).repeat(B)
-                else:
-                    valid = torch.arange(C, device=H.device) < torch.tensor(n_new, device=H.device)[:, None]
-                    rows, cols = valid.nonzero(as_tuple=True)  # [N]: real tokens only, padding is never written
-                at = cols + start_t[rows]  # their absolute positions
-                for buf, new in entries:
-                    buf[rows, at] = new[rows, cols].to(buf.dtype)
+                valid = torch.arange(C, device=H.device) < torch.tensor(n_new, device=H.device)[:, None]
+                rows, cols = valid.nonzero(as_tuple=True)  # [N]: real tokens only, padding is never written
+            at = cols + start_t[rows]  # their absolute positions
+            for buf, new in entries:
+                buf[rows, at] = new[rows, cols].to(buf.dtype)
         return st
 
     def _workspace(self, st: Streams, pos: torch.Tensor, valid: torch.Tensor | None, keep: list[int] | None,
@@ -329,14 +340,14 @@ class DecodeState:
         Tb = max(lengths) if keep is None else max(lengths[b] for b in keep)
         compiled = getattr(model.editor, "compiled", None)
         if Q == 1 and compiled is not None and compiled.static_decode:  # fixed shapes: the bank at its capacity
-            Tb = self.K.shape[1]  # (the mask hides every key past a row's length)
+            Tb = self.max_len  # (the mask hides every key past a row's length)
         keep = None if keep is None or len(keep) == B else torch.tensor(keep, dtype=torch.long, device=dev)
         sub = (lambda x: x) if keep is None else (lambda x: x[keep])
         st_q = st if keep is None else Streams(H[keep], {k: v[keep] for k, v in st.src.items()},
                                                None if st.ids is None else st.ids[keep])
         H_q, pos_q, valid_q = st_q.H, sub(pos), sub(valid_t)
         bank_len = sub(self.cache.lengths_tensor(dev))  # [b]
-        K, V = sub(self.K.narrow(1, 0, Tb)), sub(self.V.narrow(1, 0, Tb))  # [b, Tb, w]
+        K, V = self.bank(Tb, keep)  # [b, Tb, w] each
         z, S0 = query_state(model, st_q)  # [b, Q, w], [b, Q, M, w]
         mask = model.bank_mask(H_q.shape[0], Q, Tb, pos_q, bank_len, dev)  # [b, Q, Tb]
         seen = None if self.ids is None else model.router_seen(sub(self.ids.narrow(1, 0, Tb)), pos_q)  # [b, Q]

@@ -123,6 +123,18 @@ def bank_step(model: PrismeModel, st: Streams, tokens: torch.Tensor, prev: list[
     return (KV, keep) if out is None else (out.copy_(KV), keep)
 
 
+def bank_from_ids(model: PrismeModel, ids: torch.Tensor) -> torch.Tensor:
+    """The bank entries `[b, Tb, 2w]` (K, then V) of positions 0..Tb-1 from their token ids `[b, Tb]` alone
+    (`cfg.bank_store == "ids"`: an "embedding" bank served by its tables): the same sums `bank_step` writes,
+    K_tab + shifted K_tab' of the previous id (none before position 0), V_tab + 0."""
+    tabs = bank_tables(model)
+    kv = F.embedding(ids, tabs["KV"])  # [b, Tb, 2w]
+    if not model.cfg.bank_shift:
+        return kv
+    before = torch.cat([ids.new_full(ids[:, :1].shape, model.cfg.vocab_size), ids[:, :-1]], 1)  # [b, Tb]
+    return kv.add_(F.embedding(before, tabs["S2"]))
+
+
 def query_state(model: PrismeModel, st: Streams) -> tuple[torch.Tensor, torch.Tensor]:
     """`PrismeModel.query_state` of decoded queries (`st.ids` `[B, Q]` set), the embedding term from its table."""
     cfg = model.cfg

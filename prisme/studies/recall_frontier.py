@@ -296,9 +296,12 @@ def decode_speed(frontier: dict[str, Any], mcfg: MQARConfig, batches: tuple[int,
     side: held-out MQAR prompts (the pairs and the first query slot), then the rest of the sequence; the PRISME
     model with its router at budget 1 and its calibrated price. Median over `repeats`, the two models alternating.
     `memory_batch{B}`: each model's decode state at the whole sequence, exact payload bytes (the backbone's K/V cache,
-    a ring of W slots under a window, and PRISME's source bank)."""
+    a ring of W slots under a window, and PRISME's source bank). A PRISME winner whose bank reads the embeddings also
+    decodes as `prisme_ids`: the same weights, its bank served from tables and kept as token ids (`bank_store="ids"`:
+    the same numbers, K and V looked up where the router fires)."""
     from prisme.checkpoint import load_model
     from prisme.decoding.generate import generate
+    from prisme.model.prisme import PrismeModel
     from prisme.model.state import DecodeState
 
     v = frontier["verdict"]
@@ -306,6 +309,11 @@ def decode_speed(frontier: dict[str, Any], mcfg: MQARConfig, batches: tuple[int,
     if not picks:
         return {}
     models = {k: load_model(e["checkpoints"][0])[0].eval() for k, e in picks.items()}
+    if "prisme" in models and set(models["prisme"].cfg.bank_terms) == {"embedding"}:
+        m = models["prisme"]
+        ids = PrismeModel(m.cfg.replace(bank_tables=True, bank_store="ids")).to(m.backbone.tok_emb.weight.dtype)
+        ids.load_state_dict(m.state_dict())
+        models["prisme_ids"], picks["prisme_ids"] = ids.eval(), picks["prisme"]
     P = mcfg.query_start + 1
     new = mcfg.seq_len - P
     out: dict[str, Any] = {"prompt_tokens": P, "new_tokens": new, "repeats": repeats,
@@ -315,7 +323,7 @@ def decode_speed(frontier: dict[str, Any], mcfg: MQARConfig, batches: tuple[int,
         times: dict[str, list[float]] = {k: [] for k in models}
         for _ in range(repeats + 1):  # the first round warms up
             for k, m in models.items():
-                kw = dict(max_budget=1, lambda_cost=picks[k]["lambda"][0]) if k == "prisme" else {}
+                kw = dict(max_budget=1, lambda_cost=picks[k]["lambda"][0]) if k != "dense" else {}
                 t0 = time.perf_counter()
                 generate(m, x[:, :P], new, **kw)
                 times[k].append(time.perf_counter() - t0)

@@ -1,0 +1,140 @@
+"""A decode state that keeps the bank as token ids (`cfg.bank_store = "ids"`, `prisme.model.tables.bank_from_ids`).
+
+* decoding equals teacher-forced `forward_policy` in float64 and the state that keeps every entry, at prices where
+  the router never fires, fires sometimes and always (negative control: a lookup whose shift reads the position's
+  own id instead of the previous one is caught);
+* the state holds the ids alone (no entries, no shift memory), so it rewinds to any length its rows share;
+* the cost model charges nothing for a position's own entry and, where its workspace runs, the lookups of its whole
+  context: tied to the counted FLOPs of the lookups (none: they are the named allowance) and to generation's
+  per-token ops;
+* a config that cannot serve its bank from ids is a ValueError naming the fields.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import tiny_model
+
+import prisme.model.state as state_mod
+from prisme import costs
+from prisme.costs.counting import OpsCounter
+from prisme.costs.traces import position_ops, trace_cost
+from prisme.decoding.generate import generate
+from prisme.model.outputs import Streams
+from prisme.model.tables import bank_tables, query_state
+
+EMBED = dict(bank_source="embedding", query_source="embedding", bank_shift=True, router=True, bank_tables=True)
+
+
+def trio():
+    """(no tables, kept entries, kept ids) float64 router models with the same weights."""
+    ref = tiny_model(0, **{**EMBED, "bank_tables": False})
+    entries = tiny_model(0, **EMBED)
+    ids = tiny_model(0, **EMBED, bank_store="ids")
+    entries.load_state_dict(ref.state_dict())
+    ids.load_state_dict(ref.state_dict())
+    return ref, entries, ids
+
+
+def decode(m, toks, budget, lam):
+    st = m.new_decode_state(toks.shape[0], 24)
+    outs = [st.prefill(toks[:, :5], logits="all", max_budget=budget, lambda_cost=lam)]
+    outs += [st.decode_step(toks[:, i:i + 1], max_budget=budget, lambda_cost=lam) for i in range(5, toks.shape[1])]
+    return torch.cat([o.logits for o in outs], 1), torch.cat([o.actions for o in outs], 1)
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.05, 1e9], ids=["always", "sometimes", "never"])
+@pytest.mark.parametrize("budget", [1, 2])
+def test_decoding_with_kept_ids_equals_forward_policy_and_kept_entries(budget, lam):
+    ref, entries, ids = trio()
+    toks = torch.randint(0, 64, (3, 20), generator=torch.Generator().manual_seed(3))
+    full = ref.forward_policy(toks, budget, lambda_cost=lam)
+    logits, actions = decode(ids, toks, budget, lam)
+    torch.testing.assert_close(logits, full.logits, rtol=0, atol=1e-12)
+    assert torch.equal(actions, full.actions)
+    kept_logits, kept_actions = decode(entries, toks, budget, lam)
+    assert torch.equal(logits, kept_logits) and torch.equal(actions, kept_actions)  # the same sums, bitwise
+    if lam == 0.05:
+        assert 0 < float((full.n_edits > 0).double().mean()) < 1  # some positions fire, some do not
+
+
+def test_negative_control_a_lookup_shifted_onto_its_own_id_is_caught(monkeypatch):
+    ref, _, ids = trio()
+    toks = torch.randint(0, 64, (3, 20), generator=torch.Generator().manual_seed(3))
+    full = ref.forward_policy(toks, 1, lambda_cost=0.0)
+
+    def own_id(model, rows_ids):  # K' of the position's own token instead of the previous one
+        tabs = bank_tables(model)
+        return F.embedding(rows_ids, tabs["KV"]) + F.embedding(rows_ids, tabs["S2"])
+
+    monkeypatch.setattr(state_mod, "bank_from_ids", own_id)
+    logits, _ = decode(ids, toks, 1, 0.0)
+    assert not torch.allclose(logits, full.logits, rtol=0, atol=1e-6)
+
+
+def test_kept_ids_state_holds_the_ids_alone_and_rewinds_to_any_shared_length():
+    _, entries, ids = trio()
+    toks = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(5))
+    st = ids.new_decode_state(2, 24)
+    assert st.KV is None and st.prev == [] and st.ids is not None
+    assert st.nbytes == st.cache.nbytes + 2 * 24 * 8  # int64 ids, nothing per entry
+    kept = entries.new_decode_state(2, 24)
+    assert kept.nbytes - st.nbytes == 2 * 24 * 2 * ids.cfg.w * 8 + 2 * 8  # its entries and its shift's ids
+    st.prefill(toks[:, :12], logits="none")
+    st.rewind(7)  # mid-sequence: no shift memory to lose
+    again = st.prefill(toks[:, 7:12], logits="all", max_budget=1, lambda_cost=0.0)
+    fresh = ids.new_decode_state(2, 24).prefill(toks[:, :12], logits="all", max_budget=1, lambda_cost=0.0)
+    torch.testing.assert_close(again.logits, fresh.logits[:, 7:], rtol=0, atol=1e-12)
+    kept.prefill(toks[:, :12], logits="none")
+    with pytest.raises(ValueError, match="bank shift"):  # the kept entries' shift memory cannot
+        kept.rewind(7)
+
+
+def test_kept_ids_price_the_lookups_of_the_whole_context_where_the_workspace_runs():
+    _, entries, ids = trio()
+    cfg, w, T = ids.cfg, ids.cfg.w, 9
+    assert costs.bank_ops(cfg, T, reads=False) == {"bank_projection": 0, "bank_shift": 0}
+    read = costs.bank_ops(cfg, T, reads=True)
+    assert read == {"bank_projection": T * 2 * w + w, "bank_shift": T * w}
+    assert costs.bank_lookup_ops(cfg, *costs.bank_reads(cfg, T, True)) == sum(read.values())  # lookups only
+    assert costs.bank_ops(entries.cfg, T, reads=False) == {"bank_projection": 3 * w, "bank_shift": w}
+    stop = cfg.stop_action
+    # a router STOP pays the router alone; a fired position its whole context's lookups (entries: one entry each)
+    stopped = costs.token_ops(cfg, T, [], controller_steps=0, router=True)
+    fired = costs.token_ops(cfg, T, [1], controller_steps=0, router=True)
+    base = costs.token_ops(entries.cfg, T, [1], controller_steps=0, router=True)
+    assert stopped["bank_projection"] == stopped["bank_shift"] == 0 and stopped["router"] > 0
+    assert fired["total"] - base["total"] == sum(read.values()) - 4 * w
+    # a position the router stopped is priced the same by every path (not as a forced all-STOP trace, which reads)
+    assert position_ops(cfg, T, [stop], 0, cfg.optimised, router=True) == stopped["total"]
+    assert trace_cost(cfg, [[stop]], [T], [0], cfg.optimised, router=True).total_ops == stopped["total"]
+    assert position_ops(cfg, T, [stop], 0, cfg.optimised) == stopped["total"] - stopped["router"] + sum(read.values())
+    toks = torch.randint(0, 64, (1, T), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        st = ids.new_decode_state(1, 16)
+        st.prefill(toks, logits="none")
+        s = ids.streams(toks)
+        last = s.index(torch.zeros(1, 1, dtype=torch.long), torch.tensor([[T - 1]]))
+        bank_tables(ids)  # built outside the counted step
+        with OpsCounter(ids) as oc:
+            st.bank(T, torch.zeros(1, dtype=torch.long))
+            query_state(ids, Streams(last.H, last.src, last.ids))
+    assert oc.total == sum(read.values()) - costs.bank_lookup_ops(cfg, *costs.bank_reads(cfg, T, True)) == 0
+    out = generate(ids, [[3, 1, 4, 1, 5]], 8, max_budget=1, lambda_cost=0.02)
+    acts = out.actions[0]
+    assert (acts[:, 0] == stop).any() and (acts[:, 0] != stop).any()  # both kinds of position
+    ctx = torch.arange(5, 13)
+    want = trace_cost(cfg, acts, ctx, torch.tensor(out.controller_steps[0]), cfg.optimised, router=True)
+    assert sum(out.ops[0]) == want.total_ops
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(bank_store="ids"), "bank_store"),
+    (dict(bank_store="ids", bank_source="residual", bank_tables=True, query_source="embedding"), "bank_source"),
+    (dict(bank_store="tables"), "bank_store must be one of"),
+])
+def test_a_bank_that_ids_cannot_serve_is_refused(fields, match):
+    with pytest.raises(ValueError, match=match):
+        tiny_model(0, **fields)
