@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from prisme.checkpoint import load_model
+from prisme.config import ADDED_CONFIG_FIELDS
 from prisme.evaluation.policies import standard_policies
 from prisme.evaluation.run import EvalOptions, evaluate_policies
 from prisme.model.prisme import PrismeModel
@@ -35,8 +36,9 @@ def differences(old, new, path: str = "") -> list[str]:
         for k in sorted(set(old) | set(new)):
             if k in UNRECORDED:
                 continue
-            if k not in old and path.endswith("/config") and new[k] in (False, None):
-                continue  # a model option added since, off
+            if k not in old and path.endswith("/config") and (new[k] in (False, None)
+                                                              or new[k] == ADDED_CONFIG_FIELDS.get(k, ...)):
+                continue  # a model option added since, off (or at the value that reproduces the record)
             if k not in old or k not in new:
                 out.append(f"{path}/{k}: only in {'the record' if k in old else 'the new rows'}")
             else:
