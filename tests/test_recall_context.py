@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import time
 from contextlib import redirect_stdout
 from io import StringIO
 
@@ -21,6 +22,7 @@ from prisme.studies.recall import plan_tasks
 from prisme.studies.recall_context import (
     context_mqar,
     costlier_than_passing,
+    decided_by_running,
     largest_window,
     planned_ops,
     recipe_at,
@@ -145,6 +147,35 @@ def test_the_cheapest_search_trains_in_increasing_ops_and_finds_the_grids_cheape
 
     _, found, best = searched(tasks, both, order=grid_order, rule=first_pass)
     assert best == third and found == sixth  # the sixth ran first and passed: the third was never trained
+
+
+def test_the_cheapest_search_defers_the_seeds_its_running_ones_may_decide(tmp_path):
+    """`decided_by_running`: a configuration's seeds wait while its running ones, should they fail, would decide it
+    (with 5 seeds, two below 95% do): none with one running and none failed; all the others with two running, or one
+    failed and one running; a passed seed does not count. Negative control: without the rule the two-worker search
+    trains a third seed of a configuration that fails its first two; with it, that worker trains the next one."""
+    cfg = study(contexts=[96], out_dir=str(tmp_path), seeds=[0, 1, 2, 3, 4])
+    recipe, _ = load_recipe(cfg)
+    dense = [t for t in plan_tasks(cfg, recipe) if getattr(t, "context", None) == 96 and isinstance(t, DenseTask)]
+    folders = [t.folder for t in dense]
+    defer = decided_by_running(cfg, dense, folders)
+    first = [t.folder for t in dense if t.key == dense[0].key]  # its five seeds, in seed order
+    assert defer({}, {first[0]}) == set()
+    assert defer({}, set(first[:2])) == set(first[2:])
+    assert defer({first[0]: entry(0.5)}, {first[1]}) == set(first[2:])
+    assert defer({first[0]: entry(0.99)}, {first[1]}) == set()
+    second = [t.folder for t in dense if t.key == dense[5].key]
+    slow = {f: 1.0 if f in second or f == first[1] else 0.2 if f == first[0] else 0.0 for f in folders}
+    jobs = [Task(t.folder, result_after, (slow[t.folder],)) for t in dense[:12]]
+    rule = costlier_than_passing(cfg, dense[:12], folders[:12])
+    without = run_tasks(jobs, jobs=2, prune=rule)
+    with_rule = run_tasks(jobs, jobs=2, prune=rule, defer=decided_by_running(cfg, dense[:12], folders[:12]))
+    assert first[2] in without and first[2] not in with_rule and set(first[:2]) <= set(with_rule)
+
+
+def result_after(seconds: float) -> dict:
+    time.sleep(seconds)
+    return entry(0.0)
 
 
 def test_the_cheapest_search_stops_a_configuration_once_it_can_no_longer_pass(tmp_path):

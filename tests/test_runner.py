@@ -122,6 +122,25 @@ def result(name: str, value: float, seconds: float = 0.0) -> dict:
     return {"name": name, "value": value}
 
 
+def test_a_deferred_task_waits_for_the_running_ones_and_a_free_worker_takes_the_next():
+    """`defer(results so far, running)`: with two workers, "a2" (whose need the running "a0" and "a1" decide) is
+    started after "b0", and once both fail (while "b0" still runs), `prune` drops it: it never runs. It still runs
+    when it is all that is left. Negative control: without `defer` the free worker starts "a2" as soon as "a0"
+    ends."""
+    tasks = [Task("a0", result, ("a0", 0.0, 0.1)), Task("a1", result, ("a1", 0.0, 1.0)),
+             Task("a2", result, ("a2", 0.0)), Task("b0", result, ("b0", 0.0, 1.5))]  # b0 outlasts a1
+
+    def prune(done):
+        return {"a2"} if all(n in done and done[n]["value"] < 1 for n in ("a0", "a1")) else set()
+
+    def defer(done, running):
+        return {"a2"} if running & {"a0", "a1"} else set()
+
+    assert set(run_tasks(tasks, jobs=2, prune=prune, defer=defer)) == {"a0", "a1", "b0"}
+    assert set(run_tasks(tasks, jobs=2, prune=prune)) == {"a0", "a1", "a2", "b0"}  # started speculatively
+    assert set(run_tasks(tasks[:3], jobs=2, defer=defer)) == {"a0", "a1", "a2"}  # nothing else ready: it runs
+
+
 @pytest.mark.parametrize("jobs", [1, 2])
 def test_a_pruned_task_is_not_started_and_neither_is_what_needs_it(jobs):
     """`prune(results so far)` names tasks no longer needed: once "cheap" returns a value over 1, "costly" (listed

@@ -41,6 +41,7 @@ from prisme.io import write_text_atomic
 from prisme.studies.recall_context import (
     assemble_contexts,
     costlier_than_passing,
+    decided_by_running,
     parse_contexts,
     plan_contexts,
     plot_ratio,
@@ -307,11 +308,12 @@ def run_study(cfg: RecallStudyConfig, progress: bool = True, resume: bool = Fals
         resumed = open_study(cfg.out_dir, settings := study_settings(cfg, [study_task(t) for t in tasks]))
         store = record_study(cfg.out_dir, settings)
     t0 = time.perf_counter()
-    prune = None
+    prune = defer = None
     if cfg.contexts is not None and cfg.context_search == "cheapest":
-        prune = costlier_than_passing(cfg, [study_task(t) for t in tasks], [t.name for t in tasks])
+        planned, names = [study_task(t) for t in tasks], [t.name for t in tasks]
+        prune, defer = costlier_than_passing(cfg, planned, names), decided_by_running(cfg, planned, names)
     results = run_tasks(tasks, cfg.jobs, on_done=progress_printer(progress, len(tasks)), store=store,
-                        resumed=resumed, prune=prune)
+                        resumed=resumed, prune=prune, defer=defer)
     return finish_study(cfg, recipe, results, tasks, time.perf_counter() - t0, worker_count(cfg.jobs, len(tasks)))
 
 

@@ -149,6 +149,25 @@ def costlier_than_passing(cfg: RecallStudyConfig, planned: list[RecallTask], fol
     return prune
 
 
+def decided_by_running(cfg: RecallStudyConfig, planned: list[RecallTask], folders: list[str]
+                       ) -> Callable[[dict[str, Any], set[str]], set[str]]:
+    """The "cheapest" search's rule for `runner.run_tasks(defer=...)`: the dense runs not started of a configuration
+    whose running seeds, should they all fail, would decide it (with the seeds already below 95%, more than
+    `len(seeds) - seeds_needed`): started after the other ready runs, so that a free worker trains the next
+    configuration instead of a seed the running ones may make unnecessary."""
+    spare = len(cfg.seeds) - seeds_needed(len(cfg.seeds))
+    members = [(f, (t.context, t.key)) for f, t in zip(folders, planned) if isinstance(t, DenseTask)]
+
+    def defer(done: dict[str, Any], running: set[str]) -> set[str]:
+        at_risk: dict[tuple[int, str], int] = {}  # seeds failed or still running, per configuration
+        for f, k in members:
+            if f in running or (f in done and done[f]["entry"]["accuracy"] < TARGET_ACCURACY):
+                at_risk[k] = at_risk.get(k, 0) + 1
+        return {f for f, k in members if f not in done and f not in running and at_risk.get(k, 0) > spare}
+
+    return defer
+
+
 def not_trained(cfg: RecallStudyConfig, recipe: Recipe, done: list[tuple[RecallTask, dict[str, Any]]],
                 T: int) -> list[dict[str, Any]]:
     """The dense configurations of length T that the search did not train (costlier than the cheapest passing one);

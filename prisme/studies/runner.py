@@ -268,7 +268,8 @@ def worker_count(jobs: int, n_tasks: int) -> int:
 
 def run_tasks(tasks: Sequence[Task], jobs: int = 0,
               on_done: Callable[[Task, Any, float], None] | None = None, store: str | Path | None = None,
-              resumed: bool = False, prune: Callable[[dict[str, Any]], Iterable[str]] | None = None) -> dict[str, Any]:
+              resumed: bool = False, prune: Callable[[dict[str, Any]], Iterable[str]] | None = None,
+              defer: Callable[[dict[str, Any], set[str]], Iterable[str]] | None = None) -> dict[str, Any]:
     """Run every task (`jobs` worker processes, 0 = one per core); returns {name: result}. `on_done(task, result,
     seconds since the start)` runs in this process as each task finishes. A task that raises stops the run: the tasks
     not started are cancelled, and its exception is raised once the running ones have finished. SIGINT or SIGTERM
@@ -276,7 +277,9 @@ def run_tasks(tasks: Sequence[Task], jobs: int = 0,
     ended. `store` (`record_study`): each result is kept there, and the tasks kept by an earlier run are not run;
     `resumed`: the study is continued (a note on stderr says what is kept). `prune(results so far)`: the names of tasks
     no longer needed, asked after each result: those not started are not run (and have no result); tasks are started
-    in list order, so a search orders its tasks cheapest first."""
+    in list order, so a search orders its tasks cheapest first. `defer(results so far, names running)`: ready tasks to
+    start after the other ready ones (work the running tasks' results may make unnecessary); they still start when
+    nothing else is ready."""
     check_tasks(tasks)
     t0 = time.perf_counter()
     store = Path(store) if store is not None else None
@@ -302,8 +305,10 @@ def run_tasks(tasks: Sequence[Task], jobs: int = 0,
                 dropped.update(more)
 
     def ready() -> list[Task]:
-        return [t for t in tasks if t.name not in done and t.name not in running.values() and t.name not in dropped
-                and all(n in done for n in t.needs)]
+        out = [t for t in tasks if t.name not in done and t.name not in running.values() and t.name not in dropped
+               and all(n in done for n in t.needs)]
+        later = set(defer(done, set(running.values()))) if defer is not None and len(out) > 1 else set()
+        return [t for t in out if t.name not in later] + [t for t in out if t.name in later]
 
     def left_to_run() -> bool:
         return len(done) + len(dropped) < len(tasks)
