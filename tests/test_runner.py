@@ -139,6 +139,11 @@ def test_a_deferred_task_waits_for_the_running_ones_and_a_free_worker_takes_the_
     assert set(run_tasks(tasks, jobs=2, prune=prune, defer=defer)) == {"a0", "a1", "b0"}
     assert set(run_tasks(tasks, jobs=2, prune=prune)) == {"a0", "a1", "a2", "b0"}  # started speculatively
     assert set(run_tasks(tasks[:3], jobs=2, defer=defer)) == {"a0", "a1", "a2"}  # nothing else ready: it runs
+    # the workers are filled one task at a time: "a2" waits for a running "a0" even when both slots are free at once
+    first = [Task("a0", result, ("a0", 0.0, 1.0)), Task("a2", result, ("a2", 0.0)),
+             Task("b0", result, ("b0", 0.0, 1.5))]
+    assert set(run_tasks(first, jobs=2, prune=lambda done: {"a2"} if "a0" in done else set(),
+                         defer=lambda done, running: {"a2"} if "a0" in running else set())) == {"a0", "b0"}
 
 
 @pytest.mark.parametrize("jobs", [1, 2])

@@ -338,8 +338,8 @@ def run_tasks(tasks: Sequence[Task], jobs: int = 0,
             _POOLS.append(pool)
             try:
                 while left_to_run():
-                    for task in ready()[:jobs - len(running)]:
-                        running[pool.submit(_call, task.fn, task.args)] = task.name
+                    while len(running) < jobs and (now := ready()):  # one at a time: `defer` sees each start
+                        running[pool.submit(_call, now[0].fn, now[0].args)] = now[0].name
                     finished, _ = cf.wait(list(running), return_when=cf.FIRST_COMPLETED)
                     for f in finished:
                         name = running.pop(f)
