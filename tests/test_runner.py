@@ -162,3 +162,21 @@ def test_a_pruned_task_is_not_started_and_neither_is_what_needs_it(jobs):
     asked = []
     run_tasks(tasks, jobs=1, prune=lambda done: asked.append(set(done)) or set())
     assert asked[0] == set() and asked[-1] == {"cheap", "costly", "after_costly", "other"}  # before and after each
+
+
+def test_a_study_recorded_before_a_config_field_existed_continues(tmp_path):
+    """`open_study` compares the recorded settings with every model config completed by the fields added since
+    (`config.ADDED_CONFIG_FIELDS`, at the values that reproduce the record): a record without `bank_store` continues.
+    Negative controls: a record whose field differs (or whose added field is set to another value) is refused, naming
+    it."""
+    from prisme.config import PrismeConfig
+    from prisme.studies.runner import open_study, record_study
+
+    model = PrismeConfig.from_name("tiny").to_dict()
+    now = {"runs": {"a": {"model": model, "steps": 10}}}
+    old = {"runs": {"a": {"model": {k: v for k, v in model.items() if k != "bank_store"}, "steps": 10}}}
+    record_study(tmp_path / "s", old)
+    assert open_study(tmp_path / "s", now, resume=True)
+    for changed in ({**model, "d_model": 64}, {**model, "bank_store": "ids"}):
+        with pytest.raises(ValueError, match="other settings .*runs.a"):
+            open_study(tmp_path / "s", {"runs": {"a": {"model": changed, "steps": 10}}}, resume=True)

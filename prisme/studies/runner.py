@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prisme.config import ADDED_CONFIG_FIELDS
 from prisme.io import write_text_atomic
 
 
@@ -208,11 +209,26 @@ def open_study(out: str | Path, settings: dict[str, Any], resume: bool = False, 
             raise ValueError(f"--resume: {out} holds no {label} to continue ({out / STUDY_DIR / 'settings.json'} is "
                              f"missing); start it without --resume")
         return False
-    changed = differences(before, json.loads(json.dumps(settings, default=str)))
+    changed = differences(migrated(before), json.loads(json.dumps(settings, default=str)))
     if changed:
         raise ValueError(f"{out} holds a {label} run with other settings ({'; '.join(changed[:3])}); rerun it with "
                          f"the settings it was run with to continue it, or pass another --out")
     return True
+
+
+def migrated(settings: Any) -> Any:
+    """Recorded settings with every model config (a "model" entry) given the fields added to `PrismeConfig` since, at
+    the values that reproduce what it ran (`config.ADDED_CONFIG_FIELDS`): a study started before a field existed
+    continues."""
+    if isinstance(settings, list):
+        return [migrated(v) for v in settings]
+    if not isinstance(settings, dict):
+        return settings
+    out = {k: migrated(v) for k, v in settings.items()}
+    model = out.get("model")
+    if isinstance(model, dict) and "d_model" in model:
+        out["model"] = {**{k: v for k, v in ADDED_CONFIG_FIELDS.items() if k not in model}, **model}
+    return out
 
 
 def recorded_study(out: str | Path) -> dict[str, Any] | None:
