@@ -274,3 +274,20 @@ def test_a_quick_long_context_study_writes_each_length_and_the_ratio(tmp_path):
     assert "T = 96" in text and "T = 128" in text and (out / "recall_context_ratio.png").stat().st_size > 0
     assert all((out / f"recall_frontier_T{T}.png").stat().st_size > 0 for T in (96, 128))
     assert all(c["search"] == "cheapest" and isinstance(c["not_trained"], list) for c in doc["contexts"])
+
+
+def test_the_frontier_prints_each_decode_speed_as_time_per_token_over_the_dense_winners_beside_the_ops_ratio():
+    """The printed verdict puts the measured time next to the ops it claims: per batch, each PRISME path's time per
+    token over the dense winner's (dense tokens/s over its tokens/s) and the ops ratio."""
+    from prisme.studies.recall_frontier import format_frontier
+
+    verdict = {"dense_best": None, "prisme_best": None, "ops_ratio_prisme_over_dense": 0.45}
+    doc = {"frontier": {"reference": {"ops_per_token": 1000.0}, "seeds_needed": 4, "dense": [], "prisme": [],
+                        "verdict": verdict, "router": None},
+           "decode_speed": {"batch1": {"dense": 2000.0, "prisme": 1000.0, "prisme_ids": 1600.0},
+                            "memory_batch1": {"dense": 131072, "prisme": 278528, "prisme_ids": 16384}}}
+    text = format_frontier(doc)
+    assert "decode tokens/s, batch 1: dense 2,000, prisme 1,000, prisme_ids 1,600" in text
+    assert "decode state dense 128 KiB, prisme 272 KiB, prisme_ids 16 KiB" in text
+    assert "time per token over the dense winner's: prisme 2.00, prisme_ids 1.25 (ops 0.450)" in text
+    assert "batch 8" not in text

@@ -380,4 +380,8 @@ def format_frontier(doc: dict[str, Any]) -> str:
             speeds = ", ".join(f"{k} {v:,.0f}" for k, v in sp[f"batch{B}"].items())
             memory = ", ".join(f"{k} {v / 1024:,.0f} KiB" for k, v in sp.get(f"memory_batch{B}", {}).items())
             lines.append(f"decode tokens/s, batch {B}: {speeds}" + (f"; decode state {memory}" if memory else ""))
+            r, got = v["ops_ratio_prisme_over_dense"], sp[f"batch{B}"]
+            if r is not None and "dense" in got:
+                times = ", ".join(f"{k} {got['dense'] / got[k]:.2f}" for k in got if k != "dense")
+                lines.append(f"  time per token over the dense winner's: {times} (ops {r:.3f})")
     return "\n".join(lines)
