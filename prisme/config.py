@@ -386,6 +386,11 @@ def complete_config(d: dict[str, Any], where: Path | str = "config.json") -> dic
     if missing:
         raise ValueError(f"{where} lacks the field(s) {missing}: the checkpoint's config is incomplete (a default "
                          f"could rebuild another model); restore the file")
+    return with_added_fields(d)
+
+
+def with_added_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """A config dict with the fields of `ADDED_CONFIG_FIELDS` it lacks, at the values that reproduce what it ran."""
     return {**{k: v for k, v in ADDED_CONFIG_FIELDS.items() if k not in d}, **d}
 
 

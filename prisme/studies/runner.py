@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prisme.config import ADDED_CONFIG_FIELDS
+from prisme.config import with_added_fields
 from prisme.io import write_text_atomic
 
 
@@ -227,7 +227,7 @@ def migrated(settings: Any) -> Any:
     out = {k: migrated(v) for k, v in settings.items()}
     model = out.get("model")
     if isinstance(model, dict) and "d_model" in model:
-        out["model"] = {**{k: v for k, v in ADDED_CONFIG_FIELDS.items() if k not in model}, **model}
+        out["model"] = with_added_fields(model)
     return out
 
 
