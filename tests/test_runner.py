@@ -180,3 +180,47 @@ def test_a_study_recorded_before_a_config_field_existed_continues(tmp_path):
     for changed in ({**model, "d_model": 64}, {**model, "bank_store": "ids"}):
         with pytest.raises(ValueError, match="other settings .*runs.a"):
             open_study(tmp_path / "s", {"runs": {"a": {"model": changed, "steps": 10}}}, resume=True)
+
+
+def make_run(folder: str) -> str:
+    """A finished run's folder, as a study task leaves it."""
+    from pathlib import Path
+
+    Path(folder, "1_stage").mkdir(parents=True)
+    Path(folder, "1_stage", "latest").write_text("ckpt_000010\n")
+    return folder
+
+
+def test_reuse_copies_exactly_the_finished_runs_that_trained_as_the_new_settings_would(tmp_path):
+    """`reuse_runs`: a run of the source study is copied when its recorded entry equals the new one (paths read
+    relative to each study folder) and its result was kept; the copy is the source's folder. Negative controls: a run
+    whose stage config changed, one that never finished (no kept result) and one already in the new folder are not
+    copied; a folder holding no study, or the study folder itself, is a ValueError."""
+    from prisme.studies.runner import STUDY_DIR, record_study, reuse_runs, reused_runs
+
+    src, dst = tmp_path / "old", tmp_path / "new"
+
+    def entry(root, name, steps=10):
+        return {"model": {"d_model": 16}, "stages": [{"steps": steps, "out_dir": f"{root}/{name}/1_stage"}]}
+
+    names = ["same", "changed", "unfinished", "present"]
+    record_study(src, {"runs": {n: entry(src, n) for n in names}})
+    tasks = [Task(str(src / n), make_run, (str(src / n),)) for n in names if n != "unfinished"]
+    run_tasks(tasks, jobs=1, store=src / STUDY_DIR / "done")
+    make_run(str(src / "unfinished"))  # its folder exists, its result was never kept
+    (src / "same" / "1_stage" / "metrics.jsonl").write_text("{}\n")
+    new = {"runs": {**{n: entry(dst, n) for n in names}, "changed": entry(dst, "changed", steps=20)}}
+    record_study(dst, new)
+    (dst / "present").mkdir(parents=True)
+    copied = reuse_runs(src, dst, new, [str(dst / n) for n in names])
+    assert copied == [str(dst / "same")]
+    assert (dst / "same" / "1_stage" / "metrics.jsonl").read_text() == "{}\n"
+    assert not (dst / "changed").exists() and not (dst / "unfinished").exists()
+    assert not (dst / "present" / "1_stage").exists()
+    assert reused_runs(dst) == {str(dst / "same"): str(src)}
+    assert reuse_runs(src, dst, new, [str(dst / n) for n in names]) == []  # a second call copies nothing more
+    assert reused_runs(dst) == {str(dst / "same"): str(src)}
+    with pytest.raises(ValueError, match="holds no study"):
+        reuse_runs(tmp_path / "nothing", dst, new, [])
+    with pytest.raises(ValueError, match="separate folders"):
+        reuse_runs(dst, dst, new, [])

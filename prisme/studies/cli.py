@@ -33,6 +33,9 @@ def add_study_parsers(sub: Any, add_compile: Callable[[argparse.ArgumentParser],
                         "context_lengths, 256,512,1024), every query's pair beyond the largest attention window")
     r.add_argument("--evaluate-only", action="store_true",
                    help="train nothing: score the checkpoints an earlier run with the same settings left in --out")
+    r.add_argument("--reuse", default=None, metavar="FOLDER",
+                   help="copy the finished runs of the study in FOLDER that trained exactly as these settings would "
+                        "(same model and stage configs) instead of training them again; every run is scored again")
     r.add_argument("--no-progress", action="store_true", help="no per-run progress lines on stderr")
     r.add_argument("--resume", action="store_true", help="continue the study an interrupted run left in --out (a "
                    "rerun with the same settings does so too): finished runs are kept, interrupted stages resume")

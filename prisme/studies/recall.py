@@ -58,12 +58,22 @@ from prisme.studies.recall_setup import (
     RecallTask,
     Recipe,
     _quick,
+    check_document_kind,
     load_recipe,
     own_settings,
     parse_seeds,
     study_config,
 )
-from prisme.studies.runner import Task, open_study, record_study, run_tasks, train_stage_once, worker_count
+from prisme.studies.runner import (
+    Task,
+    open_study,
+    record_study,
+    reuse_runs,
+    reused_runs,
+    run_tasks,
+    train_stage_once,
+    worker_count,
+)
 
 
 # ------------------------------------------------------------------------------------------------------------ tasks
@@ -177,7 +187,7 @@ def run_task(task: RecallTask) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------------------ report
-UNRECORDED = ("out_dir", "jobs", "threads", "config_dir", "evaluate_only", "compile")  # change no run or score
+UNRECORDED = ("out_dir", "jobs", "threads", "config_dir", "evaluate_only", "compile", "reuse")  # change no run/score
 
 
 def study_settings(cfg: RecallStudyConfig, planned: list[RecallTask]) -> dict[str, Any]:
@@ -229,23 +239,6 @@ def searched(cfg: RecallStudyConfig, t: RecallTask) -> bool:
     return cfg.contexts is not None and cfg.context_search == "cheapest" and isinstance(t, DenseTask)
 
 
-def check_document_kind(cfg: RecallStudyConfig) -> None:
-    """A study never replaces a recall.json of another kind (quick or full, controllers or frontier) in its folder."""
-    path = Path(cfg.out_dir) / "recall.json"
-    if not path.is_file():
-        return
-    try:
-        study = json.loads(path.read_text()).get("study", {})
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-        return
-    old = {"quick": bool(study.get("quick")), "frontier": bool(study.get("frontier"))}
-    new = {"quick": cfg.quick, "frontier": cfg.frontier}
-    if old != new:
-        shown = ", ".join(f"{k} {old[k]} (asked {new[k]})" for k in old if old[k] != new[k])
-        raise ValueError(f"{path} is a study document of another kind ({shown}); it is not replaced: pass the "
-                         f"options it was made with, or another --out")
-
-
 def prepare_study(cfg: RecallStudyConfig, resume: bool = False) -> tuple[RecallStudyConfig, Recipe, list[Task]]:
     """Validate, plan and check every run folder before anything trains; returns (the effective settings, the recipe,
     the tasks for `runner.run_tasks`, each named by its folder). A folder where this study was started with the same
@@ -279,7 +272,8 @@ def finish_study(cfg: RecallStudyConfig, recipe: Recipe, results: dict[str, Any]
     check_document_kind(cfg)
     scored = study_settings(cfg, [d[0] for d in done])
     scored = {"kind": scored["kind"], "quick": cfg.quick, "seeds": cfg.seeds, "eval_sequences": cfg.eval_sequences,
-              "calibration_sequences": cfg.calibration_sequences, "steps": scored["steps"]}
+              "calibration_sequences": cfg.calibration_sequences, "steps": scored["steps"],
+              "reused": reused_runs(cfg.out_dir)}
     if cfg.frontier:
         doc = {**assemble_frontier_study(cfg, recipe, done, total_s, jobs), "scored": scored}
         write_text_atomic(out / "recall.json", json.dumps(doc, indent=2, allow_nan=False) + "\n")
@@ -307,6 +301,10 @@ def run_study(cfg: RecallStudyConfig, progress: bool = True, resume: bool = Fals
     if not cfg.evaluate_only:
         resumed = open_study(cfg.out_dir, settings := study_settings(cfg, [study_task(t) for t in tasks]))
         store = record_study(cfg.out_dir, settings)
+        if cfg.reuse:
+            copied = reuse_runs(cfg.reuse, cfg.out_dir, settings, [t.name for t in tasks])
+            print(f"--reuse: {len(copied)} runs copied from {cfg.reuse} (trained as these settings train them; scored "
+                  f"again)", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     prune = defer = None
     if cfg.contexts is not None and cfg.context_search == "cheapest":
@@ -441,7 +439,7 @@ def main(args: Any) -> int:
         given = {**own_settings(args.out or RecallStudyConfig.out_dir, given), **{k: v for k, v in given.items()
                                                                                  if v is not None}}
     cfg = study_config({**given, "out_dir": args.out, "jobs": args.jobs, "threads": args.threads,
-                        "evaluate_only": evaluate_only or None,
+                        "evaluate_only": evaluate_only or None, "reuse": getattr(args, "reuse", None),
                         "compile": getattr(args, "compile", None) or "off"}, args.configs)
     from prisme.io import check_output_file
 

@@ -51,6 +51,7 @@ class RecallStudyConfig:
     # --- the dense frontier (`--frontier`): backbones alone over depths x widths, and the PRISME family
     frontier: bool = False  # run the frontier study instead of the controller runs (the controls run as always)
     evaluate_only: bool = False  # train nothing: score the checkpoints an earlier run of the same study left in out_dir
+    reuse: str | None = None  # a study folder whose runs trained as this study's would are copied, not trained again
     frontier_dense: list[dict[str, Any]] = field(default_factory=lambda: [
         {"depths": [1, 2], "widths": [16, 24, 32, 64]},
         {"depths": [1, 2], "widths": [4, 8, 12, 16, 24], "key_shift": True}])
@@ -80,6 +81,12 @@ class RecallStudyConfig:
     # every model of a long-context study, dense or PRISME, first trains as the recipe's stage 1 at its own short task
     # (T = 32, batch 128, 200 steps): PRISME's backbone is that stage, and each dense model continues at T from it
     context_warmup: bool = True
+    # PRISME's workspace stage at a long context trains its backbone too (`train_backbone_in_workspace_stage`, the
+    # workspace's loss reaching the embeddings): a one-layer backbone without the key shift cannot look keys up in
+    # its warm-up, so nothing there tells the keys apart and their embeddings leave it nearly parallel; a frozen
+    # stage 2 then fails on the seeds whose keys collide (`docs/recall.md`). Every dense model trains all its weights
+    # at every step already
+    context_backbone_learns: bool = True
     router_lambdas: list[float] = field(default_factory=lambda: [0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
                                                                  0.06, 0.07, 0.08, 0.1, 0.12, 0.15, 0.2])
 
@@ -116,14 +123,16 @@ class RecallStudyConfig:
         for f in ("frontier_steps", "family_workspace_steps", "context_queries", "context_batch_size",
                   "context_frontier_steps", "context_workspace_steps"):
             need(positive(getattr(self, f)), f"{f} must be an int >= 1, got {getattr(self, f)!r}")
-        need(isinstance(self.context_warmup, bool), f"context_warmup must be true or false, got "
-                                                     f"{self.context_warmup!r}")
+        for f in ("context_warmup", "context_backbone_learns"):
+            need(isinstance(getattr(self, f), bool), f"{f} must be true or false, got {getattr(self, f)!r}")
         need(self.context_search in CONTEXT_SEARCHES,
              f"context_search must be one of {list(CONTEXT_SEARCHES)}, got {self.context_search!r}")
         for f, v in (("context_lengths", self.context_lengths), ("--context", self.contexts)):
             need(v is None and f == "--context" or isinstance(v, list) and len(v) > 0
                  and all(positive(x) for x in v) and len(set(v)) == len(v),
                  f"{f} must be a non-empty list of distinct ints >= 1 (no length twice), got {v!r}")
+        need(not (self.reuse and self.evaluate_only), "--reuse trains what it does not copy: it does not go with "
+                                                        "--evaluate-only")
         need(self.contexts is None or self.frontier, "--context needs --frontier (the long-context study is a frontier "
                                                      "study)")
         need(len(self.router_lambdas) > 0 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
@@ -312,3 +321,20 @@ def own_settings(out: str, given: dict[str, Any]) -> dict[str, Any]:
         print(f"--evaluate-only: re-scoring with the settings the study in {out} was run with ("
               f"{', '.join(f'{k}={v}' for k, v in own.items())})", file=sys.stderr, flush=True)
     return own
+
+
+def check_document_kind(cfg: RecallStudyConfig) -> None:
+    """A study never replaces a recall.json of another kind (quick or full, controllers or frontier) in its folder."""
+    path = Path(cfg.out_dir) / "recall.json"
+    if not path.is_file():
+        return
+    try:
+        study = json.loads(path.read_text()).get("study", {})
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return
+    old = {"quick": bool(study.get("quick")), "frontier": bool(study.get("frontier"))}
+    new = {"quick": cfg.quick, "frontier": cfg.frontier}
+    if old != new:
+        shown = ", ".join(f"{k} {old[k]} (asked {new[k]})" for k in old if old[k] != new[k])
+        raise ValueError(f"{path} is a study document of another kind ({shown}); it is not replaced: pass the "
+                         f"options it was made with, or another --out")

@@ -23,6 +23,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -229,6 +230,46 @@ def migrated(settings: Any) -> Any:
     if isinstance(model, dict) and "d_model" in model:
         out["model"] = with_added_fields(model)
     return out
+
+
+def reuse_runs(source: str | Path, out: str | Path, settings: dict[str, Any], folders: Iterable[str]) -> list[str]:
+    """Copy into the study folder `out` each run (of `folders`, under `out`) that the study in `source` trained
+    exactly as `settings` would train it: the same entry in `settings["runs"]` (model and stage configs, each path
+    read relative to its study folder) and a result kept there (the run finished). A copied run's finished stages are
+    not trained again (`train_stage_once`), and the study scores it anew with its own settings. Returns the folders
+    copied (a run already in `out` is left alone), also listed in `out`'s record (reused.json)."""
+    src, dst = Path(source), Path(out)
+    before = recorded_study(src)
+    if before is None:
+        raise ValueError(f"--reuse: {src} holds no study to take runs from ({src / STUDY_DIR / 'settings.json'} is "
+                         f"missing)")
+    if src.resolve() in (dst.resolve(), *dst.resolve().parents) or dst.resolve() in src.resolve().parents:
+        raise ValueError(f"--reuse: {src} and --out {dst} must be separate folders (to continue a study, rerun it "
+                         f"with its settings and --resume)")
+
+    def relative(entry: Any, root: Path) -> Any:
+        return json.loads(json.dumps(migrated(entry), default=str).replace(json.dumps(f"{root}/")[1:-1], "<study>/"))
+
+    old_runs, new_runs = before.get("runs", {}), settings.get("runs", {})
+    copied = []
+    for folder in folders:
+        rel = Path(folder).relative_to(dst)
+        name, there = rel.name, src / rel
+        if (dst / rel).exists() or name not in old_runs or name not in new_runs \
+                or not _store_path(src / STUDY_DIR / "done", str(there)).is_file() \
+                or relative(old_runs[name], src) != relative(new_runs[name], dst):
+            continue
+        shutil.copytree(there, dst / rel, ignore=shutil.ignore_patterns(".prisme-run.lock"))
+        copied.append(str(folder))
+    runs = {**reused_runs(dst), **{f: str(src) for f in copied}}
+    write_text_atomic(dst / STUDY_DIR / "reused.json", json.dumps({"runs": runs}, indent=1) + "\n")
+    return copied
+
+
+def reused_runs(out: str | Path) -> dict[str, str]:
+    """The runs `reuse_runs` copied into the study folder `out`: {folder: the study it came from}."""
+    record = Path(out) / STUDY_DIR / "reused.json"
+    return json.loads(record.read_text())["runs"] if record.is_file() else {}
 
 
 def recorded_study(out: str | Path) -> dict[str, Any] | None:
