@@ -293,9 +293,10 @@ def test_the_frontier_prints_each_decode_speed_as_time_per_token_over_the_dense_
     assert "batch 8" not in text
 
 
-def test_at_a_long_context_the_workspace_stage_trains_the_backbone_and_reuse_keeps_every_dense_run(tmp_path):
-    """`context_backbone_learns` (default on): the family's workspace stage at a long context trains its backbone
-    too, while at T = 32 the recipe's frozen stage 2 stays. Turning it off changes the family's runs alone, so a study
+def test_at_a_long_context_the_workspace_stage_trains_the_embedding_and_reuse_keeps_every_dense_run(tmp_path):
+    """`context_backbone_trains` (default "embedding"): the family's workspace stage at a long context trains its
+    backbone's token embedding too, while at T = 32 the recipe's frozen stage 2 stays. Freezing it ("none") changes
+    the family's runs alone, so a study
     rerun with `--reuse` copies every dense run and the controls and trains the family again. Negative control: a
     study whose long-context batch size changed copies only the controls (at T = 32)."""
     from prisme.studies.recall import study_settings
@@ -307,13 +308,14 @@ def test_at_a_long_context_the_workspace_stage_trains_the_backbone_and_reuse_kee
         tasks = plan_tasks(cfg, recipe)
         return tasks, study_settings(cfg, tasks)
 
-    tasks, old = planned(tmp_path / "old", context_backbone_learns=False)
+    tasks, old = planned(tmp_path / "old", context_backbone_trains="none")
     fam = [t for t in tasks if isinstance(t, FamilyTask)]
     assert [s.train_backbone_in_workspace_stage for s in fam[0].stages] == [False, False, False]
     new_tasks, new = planned(tmp_path / "new")
     fam = [t for t in new_tasks if isinstance(t, FamilyTask)]
     assert [s.stage for s in fam[0].stages] == ["backbone", "workspace", "router"]
     assert [s.train_backbone_in_workspace_stage for s in fam[0].stages] == [False, True, False]
+    assert fam[0].stages[1].backbone_trains == "embedding"
     t32 = plan_tasks(study(out_dir=str(tmp_path / "t32")), load_recipe(study())[0])
     assert not any(s.train_backbone_in_workspace_stage for t in t32 if isinstance(t, FamilyTask) for s in t.stages)
 
@@ -323,7 +325,7 @@ def test_at_a_long_context_the_workspace_stage_trains_the_backbone_and_reuse_kee
     record_study(tmp_path / "new", new)
     copied = set(reuse_runs(tmp_path / "old", tmp_path / "new", new, [t.folder for t in new_tasks]))
     assert copied == {t.folder for t in new_tasks if not isinstance(t, FamilyTask)} and len(copied) > 0
-    other_tasks, other = planned(tmp_path / "other", context_batch_size=8, context_backbone_learns=False)
+    other_tasks, other = planned(tmp_path / "other", context_batch_size=8, context_backbone_trains="none")
     record_study(tmp_path / "other", other)
     copied = set(reuse_runs(tmp_path / "old", tmp_path / "other", other, [t.folder for t in other_tasks]))
     assert copied == {t.folder for t in other_tasks if not isinstance(t, (DenseTask, FamilyTask))} and copied

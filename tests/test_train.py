@@ -112,6 +112,29 @@ def test_backbone_keeps_learning_option_moves_the_backbone(pipeline, data, tmp_p
     assert not moved & group_names(model, "controller")
 
 
+def test_a_backbone_trained_for_its_embedding_alone_moves_the_embedding_and_the_workspace_only(pipeline, data,
+                                                                                               tmp_path):
+    """`backbone_trains="embedding"`: stage 2 moves the token embedding (what an embedding bank reads) and the
+    workspace; every other backbone tensor is bitwise unchanged. Negative control: the default ("all") moves them
+    too; the option without the backbone joining is a ValueError naming it."""
+    init = pipeline["tmp"] / "backbone"
+    before = pipeline["weights"]["backbone"]
+    model = ckpt.load_model(init)[0]
+    emb = {"backbone.tok_emb.weight"} & set(before)
+    blocks = group_names(model, "backbone") - emb
+    assert emb and blocks
+    moved = {}
+    for trains in ("embedding", "all"):
+        train_stage(None, stage_cfg(tmp_path / trains, "workspace", steps=2, init_from=str(init),
+                                    train_backbone_in_workspace_stage=True, backbone_trains=trains), dataset=data)
+        after = snapshot(ckpt.load_model(tmp_path / trains / "workspace")[0])
+        moved[trains] = {k for k in after if not torch.equal(before[k], after[k])}
+    assert moved["embedding"] == emb | group_names(model, "workspace")
+    assert blocks <= moved["all"]
+    with pytest.raises(ValueError, match="backbone_trains='embedding' needs train_backbone_in_workspace_stage"):
+        StageConfig(stage="workspace", backbone_trains="embedding").validate()
+
+
 def test_joint_training_from_scratch_starts_fresh_and_trains_backbone_and_workspace(data, tmp_path):
     """A workspace stage with train_backbone_in_workspace_stage and a model but no init_from starts from a fresh
     model seeded like a fresh stage 1 (joint training from scratch): both groups move, the controller does not, and

@@ -81,7 +81,7 @@ def context_mqar(cfg: RecallStudyConfig, recipe: Recipe, T: int) -> MQARConfig:
 
 def recipe_at(cfg: RecallStudyConfig, recipe: Recipe, T: int) -> Recipe:
     """The recipe at length T: the model's T_max, every stage's task and batch size, the workspace stage training
-    the backbone too with `context_backbone_learns`."""
+    what `context_backbone_trains` says of the backbone."""
     mcfg = context_mqar(cfg, recipe, T)
     task = dataclasses.asdict(mcfg)
 
@@ -89,7 +89,9 @@ def recipe_at(cfg: RecallStudyConfig, recipe: Recipe, T: int) -> Recipe:
         return None if s is None else s.replace(mqar=task, batch_size=cfg.context_batch_size, **kw)
 
     warmup = recipe.backbone if cfg.context_warmup else None
-    workspace = at(recipe.workspace, train_backbone_in_workspace_stage=cfg.context_backbone_learns)
+    learns = cfg.context_backbone_trains != "none"
+    workspace = at(recipe.workspace, train_backbone_in_workspace_stage=learns,
+                   backbone_trains=cfg.context_backbone_trains if learns else "all")
     return Recipe(recipe.model.replace(max_seq_len=T), at(recipe.backbone), workspace,
                   at(recipe.controller), mcfg, at(recipe.router), warmup)
 

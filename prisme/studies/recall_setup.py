@@ -18,6 +18,7 @@ from prisme.data.mqar import MQARConfig
 from prisme.io import CONFIG_DIR, loads_config
 from prisme.training.config import StageConfig, load_run_config
 
+BACKBONE_TRAINS_AT_T = ("none", "embedding", "all")  # `context_backbone_trains`
 CONTEXT_SEARCHES = ("cheapest", "grid")  # `context_search`: how much of each length's dense grid trains
 EVAL_SEED, CALIBRATION_SEED, RANDOM_POLICY_SEED = 100_003, 200_003, 300_007  # + the run's seed
 
@@ -81,12 +82,13 @@ class RecallStudyConfig:
     # every model of a long-context study, dense or PRISME, first trains as the recipe's stage 1 at its own short task
     # (T = 32, batch 128, 200 steps): PRISME's backbone is that stage, and each dense model continues at T from it
     context_warmup: bool = True
-    # PRISME's workspace stage at a long context trains its backbone too (`train_backbone_in_workspace_stage`, the
-    # workspace's loss reaching the embeddings): a one-layer backbone without the key shift cannot look keys up in
-    # its warm-up, so nothing there tells the keys apart and their embeddings leave it nearly parallel; a frozen
-    # stage 2 then fails on the seeds whose keys collide (`docs/recall.md`). Every dense model trains all its weights
-    # at every step already
-    context_backbone_learns: bool = True
+    # what of PRISME's backbone learns in its workspace stage at a long context: "embedding" (the default) its token
+    # embedding, what the bank reads; "all" every weight; "none" frozen. A one-layer backbone without the key shift
+    # cannot look keys up in its warm-up, so nothing there tells the keys apart and their embeddings leave it nearly
+    # parallel; frozen, stage 2 fails on the seeds whose keys it cannot separate, and with every weight learning the
+    # residual stream grows along one direction and the router cannot read it (`docs/recall.md`). Every dense model
+    # trains all its weights at every step
+    context_backbone_trains: str = "embedding"
     router_lambdas: list[float] = field(default_factory=lambda: [0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
                                                                  0.06, 0.07, 0.08, 0.1, 0.12, 0.15, 0.2])
 
@@ -123,8 +125,10 @@ class RecallStudyConfig:
         for f in ("frontier_steps", "family_workspace_steps", "context_queries", "context_batch_size",
                   "context_frontier_steps", "context_workspace_steps"):
             need(positive(getattr(self, f)), f"{f} must be an int >= 1, got {getattr(self, f)!r}")
-        for f in ("context_warmup", "context_backbone_learns"):
-            need(isinstance(getattr(self, f), bool), f"{f} must be true or false, got {getattr(self, f)!r}")
+        need(isinstance(self.context_warmup, bool), f"context_warmup must be true or false, got "
+                                                     f"{self.context_warmup!r}")
+        need(self.context_backbone_trains in BACKBONE_TRAINS_AT_T, f"context_backbone_trains must be one of "
+             f"{list(BACKBONE_TRAINS_AT_T)}, got {self.context_backbone_trains!r}")
         need(self.context_search in CONTEXT_SEARCHES,
              f"context_search must be one of {list(CONTEXT_SEARCHES)}, got {self.context_search!r}")
         for f, v in (("context_lengths", self.context_lengths), ("--context", self.contexts)):

@@ -22,6 +22,7 @@ from prisme.training.stages import STAGE_SPECS, STAGES, StageSpec
 RESUME_FREE = ("steps", "resume", "reschedule", "overwrite", "out_dir", "init_from", "progress", "log_every",
                "eval_every", "eval_batches", "ckpt_every", "keep_last", "log_tensorboard", "tensorboard_dir", "device",
                "cache_dir", "compile", "tf32")  # what a resumed run may change without changing the run it continues
+BACKBONE_TRAINS = ("all", "embedding")  # `backbone_trains`: what of the backbone learns when it joins stage 2
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.float32}
 
 
@@ -66,6 +67,8 @@ class StageConfig:
     aux_prev_token: float = 0.0  # with the option above: weight of a linear probe's CE predicting token t-1 from H[t]
     workspace_grad_to_backbone: bool = True  # with the option above; False: the backbone learns from its own LM loss
     #   alone (the workspace's loss does not reach it, gradients clipped per group), i.e. as the matched baseline does
+    backbone_trains: str = "all"  # with the option above: every backbone weight learns, or ("embedding") its token
+    #   embedding alone, what an embedding bank reads (the blocks stay as the backbone stage left them)
     backbone_lr: float | None = None  # with the option above: the backbone's peak lr (default: lr)
     backbone_min_lr: float | None = None  # with the option above: its final lr (default: min_lr, at most backbone_lr)
     deep_supervision: float = 0.0  # weight of the CE after every intermediate forced step (0 = final state only)
@@ -161,6 +164,10 @@ class StageConfig:
         own_loss = self.train_backbone_in_workspace_stage and self.backbone_aux_weight > 0
         need(self.workspace_grad_to_backbone or own_loss, "workspace_grad_to_backbone=False needs "
              "train_backbone_in_workspace_stage=True and backbone_aux_weight > 0 (it learns from its own loss)")
+        need(self.backbone_trains in BACKBONE_TRAINS, f"backbone_trains must be one of {list(BACKBONE_TRAINS)}, got "
+                                                      f"{self.backbone_trains!r}")
+        need(self.backbone_trains == "all" or self.train_backbone_in_workspace_stage,
+             f"backbone_trains={self.backbone_trains!r} needs train_backbone_in_workspace_stage=True")
         need(self.aux_prev_token == 0 or self.train_backbone_in_workspace_stage,
              f"aux_prev_token={self.aux_prev_token} needs train_backbone_in_workspace_stage=True (it trains H)")
         need(self.dtype in DTYPES, f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")

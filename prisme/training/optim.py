@@ -33,10 +33,16 @@ def group_lrs(scfg: StageConfig) -> dict[str, tuple[float, float]]:
 
 def stage_parameters(model: nn.Module, scfg: StageConfig) -> list[nn.Parameter]:
     """The parameters of the stage's groups (`StageConfig.trained_groups`: its spec's group, after the backbone's
-    when the backbone joins), once the model's groups are checked to partition its parameters; every other
-    parameter gets `requires_grad=False`."""
+    when the backbone joins: only its token embedding with `backbone_trains="embedding"`), once the model's groups are
+    checked to partition its parameters; every other parameter gets `requires_grad=False`."""
     model.check_parameter_groups()
     params = [p for group in scfg.trained_groups for p in model.parameter_group(group)]
+    if scfg.backbone_joins and scfg.backbone_trains == "embedding":  # the blocks stay frozen
+        if not hasattr(model.backbone, "tok_emb"):
+            raise ValueError("backbone_trains='embedding' needs a backbone with a token embedding (tok_emb)")
+        emb = {id(p) for p in model.backbone.tok_emb.parameters()}
+        backbone = {id(p) for p in model.parameter_group("backbone")}
+        params = [p for p in params if id(p) in emb or id(p) not in backbone]
     ids = {id(p) for p in params}
     for p in model.parameters():
         p.requires_grad_(id(p) in ids)
