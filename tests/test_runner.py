@@ -224,3 +224,25 @@ def test_reuse_copies_exactly_the_finished_runs_that_trained_as_the_new_settings
         reuse_runs(tmp_path / "nothing", dst, new, [])
     with pytest.raises(ValueError, match="separate folders"):
         reuse_runs(dst, dst, new, [])
+
+
+def test_a_study_recorded_before_a_stage_config_field_existed_continues(tmp_path):
+    """`migrated` completes each recorded stage config with `ADDED_STAGE_FIELDS` at the values that reproduce it: a
+    record without `backbone_trains` continues, and `reuse_runs` copies its runs. Negative control: a new stage that
+    sets the added field to another value is refused (and not copied)."""
+    from prisme.studies.runner import STUDY_DIR, open_study, record_study, reuse_runs
+    from prisme.training.config import StageConfig
+
+    stage = StageConfig(stage="workspace", steps=10).to_dict()
+    old_stage = {k: v for k, v in stage.items() if k != "backbone_trains"}
+    record_study(tmp_path / "s", {"runs": {"a": {"stages": [old_stage]}}})
+    run_tasks([Task(str(tmp_path / "s" / "a"), make_run, (str(tmp_path / "s" / "a"),))], jobs=1,
+              store=tmp_path / "s" / STUDY_DIR / "done")
+    assert open_study(tmp_path / "s", {"runs": {"a": {"stages": [stage]}}}, resume=True)
+    changed = {"runs": {"a": {"stages": [{**stage, "backbone_trains": "embedding"}]}}}
+    with pytest.raises(ValueError, match="other settings .*runs.a"):
+        open_study(tmp_path / "s", changed, resume=True)
+    for name, now in (("same", {"runs": {"a": {"stages": [stage]}}}), ("other", changed)):
+        record_study(tmp_path / name, now)
+        copied = reuse_runs(tmp_path / "s", tmp_path / name, now, [str(tmp_path / name / "a")])
+        assert copied == ([str(tmp_path / name / "a")] if name == "same" else [])

@@ -35,6 +35,7 @@ from typing import Any
 
 from prisme.config import with_added_fields
 from prisme.io import write_text_atomic
+from prisme.training.config import stage_with_added_fields
 
 
 @dataclass(frozen=True)
@@ -218,8 +219,9 @@ def open_study(out: str | Path, settings: dict[str, Any], resume: bool = False, 
 
 
 def migrated(settings: Any) -> Any:
-    """Recorded settings with every model config (a "model" entry) given the fields added to `PrismeConfig` since, at
-    the values that reproduce what it ran (`config.ADDED_CONFIG_FIELDS`): a study started before a field existed
+    """Recorded settings with every model config (a "model" entry) given the fields added to `PrismeConfig` since, and
+    every stage config (a "stages" entry) those added to `StageConfig`, at the values that reproduce what it ran
+    (`config.ADDED_CONFIG_FIELDS`, `training.config.ADDED_STAGE_FIELDS`): a study started before a field existed
     continues."""
     if isinstance(settings, list):
         return [migrated(v) for v in settings]
@@ -229,6 +231,9 @@ def migrated(settings: Any) -> Any:
     model = out.get("model")
     if isinstance(model, dict) and "d_model" in model:
         out["model"] = with_added_fields(model)
+    if isinstance(out.get("stages"), list):
+        out["stages"] = [stage_with_added_fields(s) if isinstance(s, dict) and "stage" in s else s
+                         for s in out["stages"]]
     return out
 
 

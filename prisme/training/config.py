@@ -22,6 +22,9 @@ from prisme.training.stages import STAGE_SPECS, STAGES, StageSpec
 RESUME_FREE = ("steps", "resume", "reschedule", "overwrite", "out_dir", "init_from", "progress", "log_every",
                "eval_every", "eval_batches", "ckpt_every", "keep_last", "log_tensorboard", "tensorboard_dir", "device",
                "cache_dir", "compile", "tf32")  # what a resumed run may change without changing the run it continues
+# StageConfig fields added since stage configs were first recorded, at the values that reproduce what a run recorded
+# before them did (a study's record of its stages is completed with them: `stage_with_added_fields`)
+ADDED_STAGE_FIELDS: dict[str, Any] = {"backbone_trains": "all"}
 BACKBONE_TRAINS = ("all", "embedding")  # `backbone_trains`: what of the backbone learns when it joins stage 2
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.float32}
 
@@ -365,3 +368,9 @@ def demo_stage_configs(run: Path, scale: float = 1.0, seed: int = 1337, backbone
     tokens_ws = s2.steps * s2.batch_size * s2.seq_len
     out["matched"] = m.replace(steps=max(2, math.ceil(tokens_ws / (m.batch_size * m.seq_len))))
     return out
+
+
+def stage_with_added_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """A recorded stage config dict with the fields of `ADDED_STAGE_FIELDS` it lacks, at the values that reproduce
+    what it ran."""
+    return {**{k: v for k, v in ADDED_STAGE_FIELDS.items() if k not in d}, **d}
