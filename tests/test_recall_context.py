@@ -293,12 +293,11 @@ def test_the_frontier_prints_each_decode_speed_as_time_per_token_over_the_dense_
     assert "batch 8" not in text
 
 
-def test_at_a_long_context_the_workspace_stage_trains_the_embedding_and_reuse_keeps_every_dense_run(tmp_path):
-    """`context_backbone_trains` (default "embedding"): the family's workspace stage at a long context trains its
-    backbone's token embedding too, while at T = 32 the recipe's frozen stage 2 stays. Freezing it ("none") changes
-    the family's runs alone, so a study
-    rerun with `--reuse` copies every dense run and the controls and trains the family again. Negative control: a
-    study whose long-context batch size changed copies only the controls (at T = 32)."""
+def test_at_a_long_context_the_workspace_stage_trains_what_the_study_says_and_reuse_keeps_every_dense_run(tmp_path):
+    """`context_backbone_trains`: the family's workspace stage at a long context keeps the backbone frozen by default
+    (as at T = 32), or trains its token embedding ("embedding"). Changing it changes the family's runs alone, so a
+    study rerun with `--reuse` copies every dense run and the controls and trains the family again. Negative control:
+    a study whose long-context batch size changed copies only the controls (at T = 32)."""
     from prisme.studies.recall import study_settings
     from prisme.studies.runner import STUDY_DIR, record_study, reuse_runs
 
@@ -308,15 +307,16 @@ def test_at_a_long_context_the_workspace_stage_trains_the_embedding_and_reuse_ke
         tasks = plan_tasks(cfg, recipe)
         return tasks, study_settings(cfg, tasks)
 
-    tasks, old = planned(tmp_path / "old", context_backbone_trains="none")
+    tasks, old = planned(tmp_path / "old")
     fam = [t for t in tasks if isinstance(t, FamilyTask)]
     assert [s.train_backbone_in_workspace_stage for s in fam[0].stages] == [False, False, False]
-    new_tasks, new = planned(tmp_path / "new")
+    new_tasks, new = planned(tmp_path / "new", context_backbone_trains="embedding")
     fam = [t for t in new_tasks if isinstance(t, FamilyTask)]
     assert [s.stage for s in fam[0].stages] == ["backbone", "workspace", "router"]
     assert [s.train_backbone_in_workspace_stage for s in fam[0].stages] == [False, True, False]
     assert fam[0].stages[1].backbone_trains == "embedding"
-    t32 = plan_tasks(study(out_dir=str(tmp_path / "t32")), load_recipe(study())[0])
+    t32 = plan_tasks(study(out_dir=str(tmp_path / "t32"), context_backbone_trains="embedding"),
+                     load_recipe(study())[0])
     assert not any(s.train_backbone_in_workspace_stage for t in t32 if isinstance(t, FamilyTask) for s in t.stages)
 
     record_study(tmp_path / "old", old)
@@ -325,7 +325,7 @@ def test_at_a_long_context_the_workspace_stage_trains_the_embedding_and_reuse_ke
     record_study(tmp_path / "new", new)
     copied = set(reuse_runs(tmp_path / "old", tmp_path / "new", new, [t.folder for t in new_tasks]))
     assert copied == {t.folder for t in new_tasks if not isinstance(t, FamilyTask)} and len(copied) > 0
-    other_tasks, other = planned(tmp_path / "other", context_batch_size=8, context_backbone_trains="none")
+    other_tasks, other = planned(tmp_path / "other", context_batch_size=8)
     record_study(tmp_path / "other", other)
     copied = set(reuse_runs(tmp_path / "old", tmp_path / "other", other, [t.folder for t in other_tasks]))
     assert copied == {t.folder for t in other_tasks if not isinstance(t, (DenseTask, FamilyTask))} and copied

@@ -82,13 +82,12 @@ class RecallStudyConfig:
     # every model of a long-context study, dense or PRISME, first trains as the recipe's stage 1 at its own short task
     # (T = 32, batch 128, 200 steps): PRISME's backbone is that stage, and each dense model continues at T from it
     context_warmup: bool = True
-    # what of PRISME's backbone learns in its workspace stage at a long context: "embedding" (the default) its token
-    # embedding, what the bank reads; "all" every weight; "none" frozen. A one-layer backbone without the key shift
-    # cannot look keys up in its warm-up, so nothing there tells the keys apart and their embeddings leave it nearly
-    # parallel; frozen, stage 2 fails on the seeds whose keys it cannot separate, and with every weight learning the
-    # residual stream grows along one direction and the router cannot read it (`docs/recall.md`). Every dense model
-    # trains all its weights at every step
-    context_backbone_trains: str = "embedding"
+    # what of PRISME's backbone learns in its workspace stage at a long context: "none" (the default: frozen, as at
+    # T = 32), "embedding" its token embedding (what the bank reads), "all" every weight. None of the three passes
+    # on two sets of seeds (`docs/recall.md`): frozen, the keys' embeddings stay parallel and some seeds learn the
+    # lookup only in part; with every weight the router cannot read the residual stream; with the embedding alone
+    # more seeds never leave the stage-2 plateau
+    context_backbone_trains: str = "none"
     router_lambdas: list[float] = field(default_factory=lambda: [0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
                                                                  0.06, 0.07, 0.08, 0.1, 0.12, 0.15, 0.2])
 
