@@ -389,9 +389,10 @@ def complete_config(d: dict[str, Any], where: Path | str = "config.json") -> dic
     return with_added_fields(d)
 
 
-def with_added_fields(d: dict[str, Any]) -> dict[str, Any]:
-    """A config dict with the fields of `ADDED_CONFIG_FIELDS` it lacks, at the values that reproduce what it ran."""
-    return {**{k: v for k, v in ADDED_CONFIG_FIELDS.items() if k not in d}, **d}
+def with_added_fields(d: dict[str, Any], added: dict[str, Any] = ADDED_CONFIG_FIELDS) -> dict[str, Any]:
+    """A config dict with the fields of `added` (default `ADDED_CONFIG_FIELDS`) it lacks, at the values that
+    reproduce what it ran."""
+    return {**{k: v for k, v in added.items() if k not in d}, **d}
 
 
 def untrained_for_policy(cfg: PrismeConfig, groups: set[str], max_budget: int) -> list[str]:

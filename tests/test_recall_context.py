@@ -255,6 +255,23 @@ def test_a_bad_context_is_a_one_line_error_before_anything_trains(tmp_path, caps
     assert not out.exists()
 
 
+@pytest.mark.parametrize("source, msg", [("missing", "holds no study"), ("around", "separate folders")])
+def test_a_bad_reuse_is_a_one_line_error_before_the_study_is_recorded(tmp_path, capsys, source, msg):
+    """`--reuse` of a folder holding no study, or of a study whose folder holds --out: exit 2 naming it, and nothing
+    recorded or trained in --out; with --evaluate-only it is refused too."""
+    from prisme.studies.runner import record_study
+
+    record_study(tmp_path / "other", {"runs": {}})
+    src = {"missing": tmp_path / "none", "around": tmp_path / "other"}[source]
+    out = tmp_path / "other" / "s"
+    argv = ["study", "recall", "--quick", "--frontier", "--out", str(out), "--no-progress", "--reuse", str(src)]
+    assert cli.main(argv) == 2
+    assert msg in capsys.readouterr().err
+    assert not out.exists()
+    assert cli.main([*argv, "--evaluate-only"]) == 2
+    assert "--evaluate-only" in capsys.readouterr().err
+
+
 @pytest.mark.slow  # about 40 s: `make test-slow` (and CI) run it
 def test_a_quick_long_context_study_writes_each_length_and_the_ratio(tmp_path):
     """`--frontier --quick --context 96,128`: the document holds each length's task and frontier (its longest as

@@ -212,7 +212,10 @@ def test_reuse_copies_exactly_the_finished_runs_that_trained_as_the_new_settings
     new = {"runs": {**{n: entry(dst, n) for n in names}, "changed": entry(dst, "changed", steps=20)}}
     record_study(dst, new)
     (dst / "present").mkdir(parents=True)
+    (dst / ".same.copying" / "1_stage").mkdir(parents=True)  # an interrupted copy: replaced, never taken as a run
+    (dst / ".same.copying" / "1_stage" / "metrics.jsonl").write_text("half\n")
     copied = reuse_runs(src, dst, new, [str(dst / n) for n in names])
+    assert not (dst / ".same.copying").exists()
     assert copied == [str(dst / "same")]
     assert (dst / "same" / "1_stage" / "metrics.jsonl").read_text() == "{}\n"
     assert not (dst / "changed").exists() and not (dst / "unfinished").exists()

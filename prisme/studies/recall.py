@@ -300,11 +300,11 @@ def run_study(cfg: RecallStudyConfig, progress: bool = True, resume: bool = Fals
     store, resumed = None, False
     if not cfg.evaluate_only:
         resumed = open_study(cfg.out_dir, settings := study_settings(cfg, [study_task(t) for t in tasks]))
-        store = record_study(cfg.out_dir, settings)
-        if cfg.reuse:
+        if cfg.reuse:  # a bad --reuse is an error before the study is recorded
             copied = reuse_runs(cfg.reuse, cfg.out_dir, settings, [t.name for t in tasks])
             print(f"--reuse: {len(copied)} runs copied from {cfg.reuse} (trained as these settings train them; scored "
                   f"again)", file=sys.stderr, flush=True)
+        store = record_study(cfg.out_dir, settings)
     t0 = time.perf_counter()
     prune = defer = None
     if cfg.contexts is not None and cfg.context_search == "cheapest":

@@ -241,8 +241,9 @@ def reuse_runs(source: str | Path, out: str | Path, settings: dict[str, Any], fo
     """Copy into the study folder `out` each run (of `folders`, under `out`) that the study in `source` trained
     exactly as `settings` would train it: the same entry in `settings["runs"]` (model and stage configs, each path
     read relative to its study folder) and a result kept there (the run finished). A copied run's finished stages are
-    not trained again (`train_stage_once`), and the study scores it anew with its own settings. Returns the folders
-    copied (a run already in `out` is left alone), also listed in `out`'s record (reused.json)."""
+    not trained again (`train_stage_once`), and the study scores it anew with its own settings. Each copy lands
+    whole (copied beside its place, then renamed) and is listed in `out`'s record (reused.json) as it lands. Returns
+    the folders copied (a run already in `out` is left alone)."""
     src, dst = Path(source), Path(out)
     before = recorded_study(src)
     if before is None:
@@ -264,10 +265,13 @@ def reuse_runs(source: str | Path, out: str | Path, settings: dict[str, Any], fo
                 or not _store_path(src / STUDY_DIR / "done", str(there)).is_file() \
                 or relative(old_runs[name], src) != relative(new_runs[name], dst):
             continue
-        shutil.copytree(there, dst / rel, ignore=shutil.ignore_patterns(".prisme-run.lock"))
+        partial = (dst / rel).with_name(f".{name}.copying")  # an interrupted copy never looks like a finished run
+        shutil.rmtree(partial, ignore_errors=True)
+        shutil.copytree(there, partial, ignore=shutil.ignore_patterns(".prisme-run.lock"))
+        partial.rename(dst / rel)
         copied.append(str(folder))
-    runs = {**reused_runs(dst), **{f: str(src) for f in copied}}
-    write_text_atomic(dst / STUDY_DIR / "reused.json", json.dumps({"runs": runs}, indent=1) + "\n")
+        runs = {**reused_runs(dst), str(folder): str(src)}
+        write_text_atomic(dst / STUDY_DIR / "reused.json", json.dumps({"runs": runs}, indent=1) + "\n")
     return copied
 
 

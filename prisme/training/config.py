@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from prisme.checks import COMPILE_SETTINGS, check_choice, check_fields
-from prisme.config import PrismeConfig, reject_unknown_fields
+from prisme.config import PrismeConfig, reject_unknown_fields, with_added_fields
 from prisme.data.mqar import MQARConfig, MQARDataset
 from prisme.data.text import TokenDataset
 from prisme.io import CONFIG_DIR, loads_config
@@ -373,4 +373,4 @@ def demo_stage_configs(run: Path, scale: float = 1.0, seed: int = 1337, backbone
 def stage_with_added_fields(d: dict[str, Any]) -> dict[str, Any]:
     """A recorded stage config dict with the fields of `ADDED_STAGE_FIELDS` it lacks, at the values that reproduce
     what it ran."""
-    return {**{k: v for k, v in ADDED_STAGE_FIELDS.items() if k not in d}, **d}
+    return with_added_fields(d, ADDED_STAGE_FIELDS)
