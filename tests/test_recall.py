@@ -294,6 +294,8 @@ def test_frontier_quick_run_writes_both_families_the_verdict_and_the_router_cost
                                              ({"family": [[16, -32]]}, "family"),
                                              ({"family": [[18, 32]]}, "family"),
                                              ({"family": [[16, 33]]}, "family"),
+                                             ({"context_family": [[16, 32, 64, 1]]}, "context_family"),
+                                             ({"context_family": [[16, 32, 64, True, 2]]}, "context_family"),
                                              ({"frontier_steps": 1000}, "frontier_steps")])
 def test_a_bad_frontier_grid_is_a_value_error_naming_the_field_before_anything_trains(tmp_path, override, field):
     """A width the head count does not divide (or an odd head dim), an empty or non-positive entry, a workspace width

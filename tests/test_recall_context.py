@@ -84,6 +84,10 @@ def test_each_length_plans_the_grid_in_its_own_folder_at_its_length(tmp_path):
         if getattr(t, "context", None) == 96:
             assert all(s.mqar["seq_len"] == 96 for s in t.stages) and len(t.stages) == (1 if t.kind == "dense" else 3)
     assert recipe_at(cfg, recipe, 96).router.mqar["query_min_pos"] == 2 * recipe.mqar.n_pairs + 64
+    shifted = study(contexts=[96], out_dir=str(tmp_path), context_family=[[16, 32, 64, True]])  # a key-shift backbone
+    family = [t for t in plan_tasks(shifted, recipe) if isinstance(t, FamilyTask)]
+    assert [(t.model.key_shift, t.model.attn_window, t.name) for t in family] == [(True, 64, "T96_d16_w32_ks_win64")]
+    assert family[0].folder.endswith("prisme_d16_w32_ks_win64_seed0")
 
 
 def entry(accuracy: float) -> dict:

@@ -65,21 +65,29 @@ def dense_config(recipe: Recipe, n_layer: int, d: int, key_shift: bool = False,
                          f"make a model: {e}") from None
 
 
-def family_name(d: int, w: int, attn_window: int | None = None) -> str:
-    """`d{d}_w{w}`, `_win{W}` on a local-window backbone."""
-    return f"d{d}_w{w}" + (f"_win{attn_window}" if attn_window else "")
+def family_name(d: int, w: int, attn_window: int | None = None, key_shift: bool = False) -> str:
+    """`d{d}_w{w}`, `_ks` on a key-shift backbone, `_win{W}` on a local-window backbone."""
+    return f"d{d}_w{w}" + ("_ks" if key_shift else "") + (f"_win{attn_window}" if attn_window else "")
 
 
-def family_config(recipe: Recipe, d: int, w: int, attn_window: int | None = None) -> PrismeConfig:
+def family_entry(e: list[Any]) -> tuple[int, int, int | None, bool]:
+    """A family entry, [d, w], [d, w, window] or [d, w, window, key shift], as (d, w, window or None, key shift)."""
+    d, w, *opts = e
+    return d, w, (opts[0] if opts else None), (opts[1] if len(opts) > 1 else False)
+
+
+def family_config(recipe: Recipe, d: int, w: int, attn_window: int | None = None,
+                  key_shift: bool = False) -> PrismeConfig:
     """The recipe's model at backbone width d and workspace width w, with the router (and a local-window backbone
-    whose workspace still reads the whole bank); ValueError naming `family`."""
-    window = {} if attn_window is None else {"attn_window": attn_window}
+    whose workspace still reads the whole bank; a backbone whose attention keys read the previous position too);
+    ValueError naming `family`."""
+    options = {k: v for k, v in (("key_shift", key_shift), ("attn_window", attn_window)) if v != DENSE_OPTIONS[k]}
     try:
         return recipe.model.replace(d_model=d, w=w, ws_head_dim=min(recipe.model.ws_head_dim, w), router=True,
-                                    name=f"prisme_{family_name(d, w, attn_window)}", **window)
+                                    name=f"prisme_{family_name(d, w, attn_window, key_shift)}", **options)
     except ValueError as e:
-        raise ValueError(f"recall study: family entry [{d}, {w}{', ' + str(attn_window) if attn_window else ''}] "
-                         f"does not make a model: {e}") from None
+        raise ValueError(f"recall study: family entry [{d}, {w}{', ' + str(attn_window) if attn_window else ''}"
+                         f"{', true' if key_shift else ''}] does not make a model: {e}") from None
 
 
 def frontier_stages(cfg: RecallStudyConfig, recipe: Recipe) -> tuple[tuple[Any, ...], Any, Any, Any]:
@@ -103,8 +111,8 @@ def frontier_stages(cfg: RecallStudyConfig, recipe: Recipe) -> tuple[tuple[Any, 
 def plan_frontier(cfg: RecallStudyConfig, recipe: Recipe, out, grid: list[dict[str, Any]] | None = None,
                   family: list[list[int]] | None = None, context: int | None = None) -> list[FrontierMember]:
     """The frontier's runs: every dense configuration (`grid`, default `frontier_dense`) and every family size
-    (`family`: [d, w] or [d, w, window], default the study's), on every seed; `context`: the sequence length a
-    long-context study (`recall_context`) runs them at, in `frontier/T{context}/`."""
+    (`family`: [d, w], [d, w, window] or [d, w, window, key shift], default the study's), on every seed; `context`:
+    the sequence length a long-context study (`recall_context`) runs them at, in `frontier/T{context}/`."""
     dense, s1, s2, s3 = frontier_stages(cfg, recipe)
     family = cfg.family if family is None else family
     family = family[:1] if cfg.quick else family
@@ -120,12 +128,11 @@ def plan_frontier(cfg: RecallStudyConfig, recipe: Recipe, out, grid: list[dict[s
                     tasks.append(DenseTask(n_layer=L, d_model=d, **options, seed=seed, model=model, stages=dense,
                                            folder=str(out / f"dense_{dense_name(L, d, **options)}_seed{seed}"),
                                            mqar=recipe.mqar, study=cfg, **at))
-    for d, w, *win in family:
-        window = win[0] if win else None
-        model = family_config(recipe, d, w, window)
+    for d, w, window, ks in map(family_entry, family):
+        model, name = family_config(recipe, d, w, window, ks), family_name(d, w, window, ks)
         for seed in cfg.seeds:
-            tasks.append(FamilyTask(d_model=d, w=w, attn_window=window, seed=seed, model=model, stages=(s1, s2, s3),
-                                    folder=str(out / f"prisme_{family_name(d, w, window)}_seed{seed}"),
+            tasks.append(FamilyTask(d_model=d, w=w, attn_window=window, key_shift=ks, seed=seed, model=model,
+                                    stages=(s1, s2, s3), folder=str(out / f"prisme_{name}_seed{seed}"),
                                     mqar=recipe.mqar, study=cfg, **at))
     return tasks
 
@@ -228,10 +235,11 @@ class FamilyTask(FrontierMember):
     d_model: int
     w: int
     attn_window: int | None = None  # a local-window backbone (the workspace reads the whole bank)
+    key_shift: bool = False  # its attention keys read the previous position too
 
     @property
     def key(self) -> str:
-        return family_name(self.d_model, self.w, self.attn_window)
+        return family_name(self.d_model, self.w, self.attn_window, self.key_shift)
 
     def score(self, model: torch.nn.Module) -> dict[str, Any]:
         return evaluate_family(model, self.mqar, self.seed, self.study)
@@ -239,7 +247,7 @@ class FamilyTask(FrontierMember):
     def frontier_entry(self, cfg_model: dict[str, Any], runs: list[dict[str, Any]], ref: float,
                        need: int) -> dict[str, Any]:
         return super().frontier_entry(cfg_model, runs, ref, need) | {
-            "w": cfg_model["w"], "attn_window": self.attn_window,
+            "w": cfg_model["w"], "attn_window": self.attn_window, "key_shift": self.key_shift,
             "budget1_accuracy": [r["budget1_accuracy"] for r in runs],
             "lambda": [r["router"]["lambda"] for r in runs],
             "edits_per_token": [r["router"]["edits_per_token"] for r in runs],

@@ -69,7 +69,8 @@ class RecallStudyConfig:
         {"depths": [1, 2], "widths": [8, 12, 16, 24, 32], "key_shift": True},
         {"depths": [1, 2], "widths": [16, 32], "attn_window": 64},
         {"depths": [1, 2], "widths": [16, 32], "attn_window": 64, "key_shift": True}])
-    context_family: list[list[int]] = field(default_factory=lambda: [[16, 32, 64], [24, 32, 64]])  # [d, w, window]
+    context_family: list[list[Any]] = field(default_factory=lambda: [[16, 32, 64], [24, 32, 64]])  # [d, w, window]
+    #   or [d, w, window, key shift]
     #   (a 16-window backbone fails: in its T = 32 warm-up the values lie beyond its window, `docs/recall.md`)
     context_queries: int = 4  # queries per sequence, every one after the largest window (its pair out of reach)
     context_batch_size: int = 16  # sequences per step of every stage at a long context
@@ -117,10 +118,10 @@ class RecallStudyConfig:
              f"family must be a non-empty list of [backbone width, workspace width] pairs of ints >= 1, got "
              f"{self.family!r}")
         need(isinstance(self.context_family, list) and len(self.context_family) > 0
-             and all(isinstance(e, (list, tuple)) and len(e) == 3 and all(positive(x) for x in e)
-                     for e in self.context_family),
+             and all(isinstance(e, (list, tuple)) and len(e) in (3, 4) and all(positive(x) for x in e[:3])
+                     and (len(e) == 3 or isinstance(e[3], bool)) for e in self.context_family),
              f"context_family must be a non-empty list of [backbone width, workspace width, window] of ints >= 1, "
-             f"got {self.context_family!r}")
+             f"each optionally followed by its key shift (true or false), got {self.context_family!r}")
         for f in ("frontier_steps", "family_workspace_steps", "context_queries", "context_batch_size",
                   "context_frontier_steps", "context_workspace_steps"):
             need(positive(getattr(self, f)), f"{f} must be an int >= 1, got {getattr(self, f)!r}")
