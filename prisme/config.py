@@ -125,6 +125,8 @@ class PrismeConfig:
     #   on norm(H) and whether the current n-gram was seen before); the controller runs only where it fired
     router_ngram: int = 1  # the router also reads whether the last n tokens occurred earlier in the context (n token
     #   comparisons per earlier position, no weights); 0 = its head reads norm(H) only
+    router_token: bool = False  # the router also adds a learned value per action of the current token (a [V, A]
+    #   table: one lookup and A adds per position): what is at the position, beside what the stream says of it
     bank_tables: bool = False  # decoding serves the bank's and the query's projections of the token embeddings
     #   (K, V, the shift's K', z of each "embedding" term) from per-vocabulary tables [V, w] (exact: that stream is a
     #   function of the token), and the cost model prices them as lookups (llama family: gpt2 adds positions)
@@ -266,6 +268,8 @@ class PrismeConfig:
         need(isinstance(self.router_ngram, int) and not isinstance(self.router_ngram, bool) and self.router_ngram >= 0,
              f"router_ngram must be an int >= 0, got {self.router_ngram!r}")
         need(not self.router or self.use_workspace, "router=True needs a workspace (use_workspace=True)")
+        need(isinstance(self.router_token, bool), f"router_token must be a bool, got {self.router_token!r}")
+        need(not self.router_token or self.router, "router_token=True needs a router (router=True)")
         need(isinstance(self.bank_tables, bool), f"bank_tables must be a bool, got {self.bank_tables!r}")
         if self.bank_tables:
             need(self.use_workspace and self.family == "llama" and "embedding" in self.bank_terms + self.query_terms,
@@ -376,7 +380,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 # without them computed (the migration table): any other field missing from a config.json is an error, never a
 # silent default (a missing `bank_source` would rebuild another model).
 ADDED_CONFIG_FIELDS: dict[str, Any] = {"slot_kv_cache": False, "router": False, "router_ngram": 1, "key_shift": False,
-                                       "attn_window": None, "bank_tables": False, "bank_store": "entries"}
+                                       "attn_window": None, "bank_tables": False, "bank_store": "entries",
+                                       "router_token": False}
 
 
 def complete_config(d: dict[str, Any], where: Path | str = "config.json") -> dict[str, Any]:

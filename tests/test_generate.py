@@ -182,6 +182,7 @@ SOURCES = {  # the source-bank options beside the seed's inputs (tests/test_cont
     "two_sources": dict(bank_source="residual+embedding", query_source="layer1", bank_shift=True),
     # the router decides step 0 (from norm(H) and whether the current bigram was seen), the controller the rest
     "router": dict(router=True, router_ngram=2, bank_shift=True),
+    "router_token": dict(router=True, router_ngram=1, router_token=True, bank_shift=True),  # + a value per token
 }
 
 

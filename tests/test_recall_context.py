@@ -87,7 +87,11 @@ def test_each_length_plans_the_grid_in_its_own_folder_at_its_length(tmp_path):
     shifted = study(contexts=[96], out_dir=str(tmp_path), context_family=[[16, 32, 64, True]])  # a key-shift backbone
     family = [t for t in plan_tasks(shifted, recipe) if isinstance(t, FamilyTask)]
     assert [(t.model.key_shift, t.model.attn_window, t.name) for t in family] == [(True, 64, "T96_d16_w32_ks_win64")]
-    assert family[0].folder.endswith("prisme_d16_w32_ks_win64_seed0")
+    assert family[0].folder.endswith("prisme_d16_w32_ks_win64_seed0") and not family[0].model.router_token
+    tok = study(contexts=[96], out_dir=str(tmp_path), context_family=[[16, 32, 64, True]], family_router_token=True)
+    family = [t for t in plan_tasks(tok, recipe) if isinstance(t, FamilyTask)]
+    assert family[0].model.router_token and family[0].folder.endswith("prisme_d16_w32_ks_win64_tok_seed0")
+    assert all(not t.model.router_token for t in plan_tasks(tok, recipe) if isinstance(t, DenseTask))
 
 
 def entry(accuracy: float) -> dict:

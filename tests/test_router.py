@@ -136,6 +136,31 @@ def test_router_decide_equals_select_of_its_values_and_follows_the_price_and_the
     assert not torch.equal(new, want) and torch.equal(decided(seen), new)
 
 
+def test_router_token_adds_the_current_tokens_row_in_the_values_and_the_decode_rule():
+    """With `router_token` the value at each position is the head's plus row x_t of the token table (float64, exact),
+    the encoded context carries the token at each query, and `decide` picks what `select` of those values picks.
+    Negative controls: the previous token's row, and the decision without the table, each disagree somewhere."""
+    model = tiny_model(0, router_token=True, **ROUTER)
+    router, cost, stop = model.router, model.action_cost, model.cfg.stop_action
+    tokens = torch.randint(0, model.cfg.vocab_size, (3, 24), generator=torch.Generator().manual_seed(4))
+    ctx = model.encode(tokens)
+    assert torch.equal(ctx.router_tok, tokens)
+    plain = router.head(torch.cat([torch.nn.functional.rms_norm(ctx.H, (ctx.H.shape[-1],), eps=model.cfg.norm_eps),
+                                   ctx.router_seen.unsqueeze(-1).to(ctx.H.dtype)], -1))
+    U = router.token_value.weight
+    assert torch.equal(model.router_values(ctx), plain + U[tokens])
+    previous = plain + U[torch.cat([tokens[:, :1], tokens[:, :-1]], 1)]
+    assert not torch.allclose(model.router_values(ctx), previous)
+    for lam in (0.0, 0.01, 1e9):
+        want = router.select(model.router_values(ctx), cost, lam)
+        best, fires = router.decide(ctx.H, ctx.router_seen, cost, lam, tok=ctx.router_tok)
+        assert torch.equal(torch.where(fires, best, stop), want)
+    want = router.select(model.router_values(ctx), cost, 0.0)
+    assert not torch.equal(router.select(plain, cost, 0.0), want)  # the table moves decisions
+    with pytest.raises(ValueError, match="router_token"):
+        router.decide(ctx.H, ctx.router_seen, cost, 0.0)  # without the tokens: a clear error
+
+
 def test_router_decide_reading_the_final_norm_equals_its_own_norm_and_falls_back_where_it_cannot():
     """With the backbone's final norm h = g * norm(H) given (what the decode step computes for its logits), `decide`
     divides the head's columns by g and reads h: in float64 the same decisions as norming H itself, across prices and
@@ -191,9 +216,11 @@ def test_router_model_keeps_every_other_weight_of_the_same_seed():
     assert set(theirs) - set(plain.state_dict()) == {"router.head.weight", "router.head.bias"}
 
 
-def test_parameter_groups_partition_the_model_and_the_router_group_is_the_router():
-    """Every parameter is in exactly one group, the router group holds the router's and nothing else."""
-    model = tiny_model(0, **ROUTER)
+@pytest.mark.parametrize("token", [False, True], ids=["plain", "token_table"])
+def test_parameter_groups_partition_the_model_and_the_router_group_is_the_router(token):
+    """Every parameter is in exactly one group, the router group holds the router's (its token table too) and nothing
+    else, and the cost model counts them."""
+    model = tiny_model(0, router_token=token, **ROUTER)
     groups = dict(model.parameter_groups())
     ids = [id(p) for ps in groups.values() for p in ps]
     assert len(ids) == len(set(ids)) == len(list(model.parameters()))
@@ -223,25 +250,28 @@ def decode_one_token(model: PrismeModel, script: int, budget: int):
             ctx = EncodedContext(H=st.H, K=torch.cat([K_prev, K], 1), V=torch.cat([V_prev, V], 1), z=z,
                                  bank_mask=torch.ones(1, 1, T_CTX, dtype=torch.bool), S0=S0,
                                  ctrl_in=model.controller_stream(st),
-                                 router_seen=model.router_seen(tokens, torch.tensor([[T_CTX - 1]])))
+                                 router_seen=model.router_seen(tokens, torch.tensor([[T_CTX - 1]])),
+                                 router_tok=model.router_tok(tokens, torch.tensor([[T_CTX - 1]])))
             roll = model.rollout_policy(ctx, budget, model.action_cost, lambda_cost=0.0)
             model.logits_from_state(roll.S, ctx, roll.n_edits > 0)
     del model.router.select
     return oc, roll
 
 
+@pytest.mark.parametrize("token", [False, True], ids=["plain", "token_table"])
 @pytest.mark.parametrize("script, budget", [("stop", 2), ("k1", 1), ("k2", 2)], ids=["stops", "edits_b1", "pair_b2"])
-def test_router_policy_ops_of_a_decoded_token_tie_to_trace_cost(script, budget):
+def test_router_policy_ops_of_a_decoded_token_tie_to_trace_cost(script, budget, token):
     """A decoded position under the router: counted matmul FLOPs equal `trace_cost(..., router=True)` term by term
-    (the n-gram comparisons are the named allowance); a position the router stopped pays the backbone, the bank and
-    the router only."""
-    model = tiny_model(0, optimised=True, **ROUTER)
+    (the n-gram comparisons and the token table's adds are the named allowances); a position the router stopped pays
+    the backbone, the bank and the router only."""
+    model = tiny_model(0, optimised=True, router_token=token, **ROUTER)
     cfg = model.cfg
     a = {"stop": cfg.stop_action, "k1": 1, "k2": cfg.n_slots}[script]
     oc, roll = decode_one_token(model, a, budget)
     expected = costs.trace_cost(cfg, roll.actions[0], [T_CTX], roll.controller_steps[0], optimised=True, router=True)
     measured = dict(oc.by_component)
-    measured["router"] += costs.router_match_ops(cfg, T_CTX)
+    measured["router"] += costs.router_match_ops(cfg, T_CTX) + costs.router_lookup_ops(cfg)
+    assert costs.router_lookup_ops(cfg) == (cfg.n_actions if token else 0)
     measured["backbone_linear"] += costs.backbone_linear_allowance(cfg)
     assert measured.pop("untagged") == 0
     assert {k: v for k, v in measured.items() if v != expected.by_component[k]} == {}
@@ -308,7 +338,9 @@ def test_a_bad_router_price_is_a_value_error_naming_lambda_cost(lam):
 
 
 @pytest.mark.parametrize("bad, field", [(dict(router=1), "router"), (dict(router_ngram=-1), "router_ngram"),
-                                        (dict(router=True, use_workspace=False), "router")])
+                                        (dict(router=True, use_workspace=False), "router"),
+                                        (dict(router_token=True), "router_token"),
+                                        (dict(router=True, router_token=1), "router_token")])
 def test_bad_router_config_names_the_field(bad, field):
     with pytest.raises(ValueError, match=field):
         PrismeConfig.from_name("tiny", **bad)
@@ -324,11 +356,12 @@ def stage(tmp_path, name: str, **kw) -> StageConfig:
     return StageConfig(**{**base, **kw})
 
 
-def test_router_stage_trains_the_router_alone_and_generate_and_eval_run_it(tmp_path):
-    """backbone -> workspace -> router on MQAR: the router stage moves the router's weights and nothing else; its
-    checkpoint generates with the router (budget 1) and `prisme eval` scores its deployed policy with the router's
-    term in the ops."""
-    cfg = PrismeConfig.from_name("tiny", **ROUTER)
+@pytest.mark.parametrize("token", [False, True], ids=["plain", "token_table"])
+def test_router_stage_trains_the_router_alone_and_generate_and_eval_run_it(tmp_path, token):
+    """backbone -> workspace -> router on MQAR: the router stage moves the router's weights (its token table too) and
+    nothing else; its checkpoint generates with the router (budget 1) and `prisme eval` scores its deployed policy
+    with the router's term in the ops."""
+    cfg = PrismeConfig.from_name("tiny", router_token=token, **ROUTER)
     r1 = train_stage(cfg, stage(tmp_path, "backbone"))
     r2 = train_stage(None, stage(tmp_path, "workspace", init_from=str(r1.checkpoint)))
     r3 = train_stage(None, stage(tmp_path, "router", init_from=str(r2.checkpoint), steps=6, max_budget=1,
@@ -337,7 +370,7 @@ def test_router_stage_trains_the_router_alone_and_generate_and_eval_run_it(tmp_p
     after, _ = load_model(r3.checkpoint)
     a = after.state_dict()
     changed = {k for k, v in before.state_dict().items() if not torch.equal(v, a[k])}
-    assert changed == {"router.head.weight", "router.head.bias"}
+    assert changed == {"router.head.weight", "router.head.bias"} | ({"router.token_value.weight"} if token else set())
     assert {"value_mse", "top1_agree", "oracle_best_dl"} <= set(r3.train)
     buf = io.StringIO()
     with redirect_stdout(buf):

@@ -15,7 +15,7 @@ def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float64, controller: bo
     readout's U ~ N(0, 0.5) (U starts at zero, which would hide every edit) and, if `controller`, every controller
     parameter ~ N(0, 0.3) (decisions that vary from position to position); with a router, its head ~ N(0, 0.5), the
     weight of its n-gram feature 1 and its bias -1.2 (it fires where the n-gram was seen before, and elsewhere at
-    some positions only)."""
+    some positions only), and its token table (`router_token`) ~ N(0, 0.5)."""
     torch.manual_seed(seed)
     model = PrismeModel(PrismeConfig.from_name("tiny", **overrides)).to(dtype).eval()
     if model.cfg.use_workspace:
@@ -31,6 +31,8 @@ def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float64, controller: bo
                 head.bias.fill_(-1.2)
                 if model.cfg.router_ngram:
                     head.weight[:, -1] = 1.0
+                if model.cfg.router_token:  # a value per token that moves decisions (zero at init otherwise)
+                    torch.nn.init.normal_(model.router.token_value.weight, std=0.5)
     return model
 
 

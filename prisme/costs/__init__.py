@@ -34,6 +34,7 @@ from prisme.costs.analytic import (
     cost_table,
     key_shift_params,
     readout_ops,
+    router_lookup_ops,
     router_match_ops,
     router_ops,
     router_share_of_layer,
@@ -51,6 +52,7 @@ __all__ = [
     "SLOT_KV_ASSUMPTIONS", "backbone_params", "backbone_linear_allowance", "workspace_params", "action_editor_ops",
     "controller_step_ops", "readout_ops", "bank_projection_ops", "bank_shift_ops", "bank_ops", "backbone_ops",
     "token_ops", "seed_rows", "action_cost_proxy", "cost_table", "cost_document", "TraceCost", "trace_cost",
-    "OpsCounter", "format_table", "costs_cli", "router_ops", "router_match_ops", "router_share_of_layer",
+    "OpsCounter", "format_table", "costs_cli", "router_ops", "router_lookup_ops", "router_match_ops",
+    "router_share_of_layer",
     "BACKBONE_TERMS", "attended_keys", "key_shift_params", "bank_lookup_ops", "bank_reads"
 ]

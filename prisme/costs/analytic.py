@@ -67,11 +67,18 @@ def components(cfg: PrismeConfig) -> tuple[str, ...]:
 def router_ops(cfg: PrismeConfig, T: int) -> int:
     """The router (`cfg.router`, prisme.model.router) at one position of context T: the linear value head over
     [norm(H), seen] (2 (d + 1) A; 2 d A with router_ngram = 0) plus its n-gram feature, n token comparisons against
-    each of the T - 1 earlier positions, counted as one op each (`router_match_ops`). 0 without a router."""
+    each of the T - 1 earlier positions, counted as one op each (`router_match_ops`), and with `router_token` A adds
+    of the current token's row of its value table. 0 without a router."""
     if not cfg.router:
         return 0
     n = cfg.router_ngram
-    return 2 * (cfg.d_model + (1 if n > 0 else 0)) * cfg.n_actions + router_match_ops(cfg, T)
+    return 2 * (cfg.d_model + (1 if n > 0 else 0)) * cfg.n_actions + router_lookup_ops(cfg) + router_match_ops(cfg, T)
+
+
+def router_lookup_ops(cfg: PrismeConfig) -> int:
+    """The router's token table (`cfg.router_token`) at one position: one row lookup and A adds (no matmul: a named
+    allowance in the tie to counted FLOPs); 0 without it."""
+    return cfg.n_actions if cfg.router and cfg.router_token else 0
 
 
 def router_match_ops(cfg: PrismeConfig, T: int) -> int:
@@ -212,8 +219,9 @@ def workspace_params(cfg: PrismeConfig) -> dict[str, int]:
     controller += d * w if cfg.controller_source is not None else 0  # P_ctrl
     controller += w * w if cfg.controller_bank else 0  # BankMatch.W_bank
     out = {"workspace": bank + cfg.n_edit_blocks * block + readout, "controller": controller}
-    if cfg.router:  # the head (d [+ 1] -> A, with bias)
-        out["router"] = (d + (1 if cfg.router_ngram > 0 else 0) + 1) * cfg.n_actions
+    if cfg.router:  # the head (d [+ 1] -> A, with bias), and the token table [V, A] with router_token
+        out["router"] = ((d + (1 if cfg.router_ngram > 0 else 0) + 1) * cfg.n_actions
+                         + (cfg.vocab_size * cfg.n_actions if cfg.router_token else 0))
     return out
 
 

@@ -35,7 +35,8 @@ def repeat_queries(ctx: EncodedContext, A: int) -> EncodedContext:
         return x.repeat_interleave(A, dim=1)
 
     return dataclasses.replace(ctx, H=rep(ctx.H), z=rep(ctx.z), S0=rep(ctx.S0), bank_mask=rep(ctx.bank_mask),
-                               ctrl_in=None, router_seen=None if ctx.router_seen is None else rep(ctx.router_seen))
+                               ctrl_in=None, router_seen=None if ctx.router_seen is None else rep(ctx.router_seen),
+                               router_tok=None if ctx.router_tok is None else rep(ctx.router_tok))
 
 
 def candidate_losses(model: torch.nn.Module, S: torch.Tensor, ctx_c: EncodedContext, actions: torch.Tensor,

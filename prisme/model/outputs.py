@@ -39,6 +39,7 @@ class EncodedContext:
     S0: torch.Tensor  # [B, Tq, M, w] initial workspace
     ctrl_in: torch.Tensor | None = None  # [B, Tq, d] normed stream the controller projects (cfg.controller_source)
     router_seen: torch.Tensor | None = None  # [B, Tq] bool: the query's n-gram occurred earlier (cfg.router)
+    router_tok: torch.Tensor | None = None  # [B, Tq] long: the token at the query (cfg.router_token)
 
 
 @dataclass

@@ -215,7 +215,7 @@ class PrismeModel(ParameterGroups, nn.Module):
         mask = self.bank_mask(B, Tq, Tb, query_pos, bank_len, bank.H.device)
         pos = torch.arange(Tq, device=bank.H.device).expand(B, Tq) if query_pos is None else query_pos
         return EncodedContext(H=query.H, K=K, V=V, z=z, bank_mask=mask, S0=S0, ctrl_in=self.controller_stream(query),
-                              router_seen=self.router_seen(bank.ids, pos))
+                              router_seen=self.router_seen(bank.ids, pos), router_tok=self.router_tok(bank.ids, pos))
 
     def router_seen(self, ids: torch.Tensor | None, pos: torch.Tensor | int) -> torch.Tensor | None:
         """The router's n-gram feature `[B, Q]` (`prisme.model.router.ngram_seen`) of queries at positions `pos`
@@ -229,9 +229,18 @@ class PrismeModel(ParameterGroups, nn.Module):
             return ngram_seen_at(ids, pos, self.cfg.router_ngram)
         return ngram_seen(ids, pos, self.cfg.router_ngram)
 
+    def router_tok(self, ids: torch.Tensor | None, pos: torch.Tensor | int) -> torch.Tensor | None:
+        """The token at each query `[B, Q]` (positions `pos` `[B, Q]` in `ids` `[B, Tb]`; an int: one position shared
+        by every row, `[B, 1]`) for a router that reads it (`cfg.router_token`); None otherwise."""
+        if not self.cfg.router or not self.cfg.router_token:
+            return None
+        if ids is None:
+            raise ValueError("this model's router reads the token ids: pass model.streams(tokens), not a tensor")
+        return ids.narrow(1, pos, 1) if isinstance(pos, int) else ids.gather(1, pos)
+
     def router_values(self, ctx: EncodedContext) -> torch.Tensor:
         """The router's predicted loss drop of each action at step 0, `[B, Tq, A]`."""
-        return self.router(ctx.H, ctx.router_seen)
+        return self.router(ctx.H, ctx.router_seen, ctx.router_tok)
 
     def controller_stream(self, st: Streams | torch.Tensor) -> torch.Tensor | None:
         """The normed stream `[B, Tq, d]` the controller projects (`cfg.controller_source`), or None (it reads z)."""

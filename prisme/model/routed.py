@@ -30,25 +30,27 @@ if TYPE_CHECKING:
 
 def router_decision(state: DecodeState, st: Streams, pos: torch.Tensor, valid: torch.Tensor | None,
                     ws: _Workspace, normed: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The router's best action at every query, whether it beats STOP (False at padding), each `[B, Q]`, and its
-    n-gram feature `[B, Q]` (`Router.decide`: the step-0 action is `where(fires, best, STOP)`); `normed` is the
-    backbone's final norm of `st.H` where the step has it (the decision reads it instead of norming H again)."""
+    n-gram feature and the token it read `[B, Q]` (None where it reads none) (`Router.decide`: the step-0 action is
+    `where(fires, best, STOP)`); `normed` is the backbone's final norm of `st.H` where the step has it (the decision
+    reads it instead of norming H again)."""
     model, cfg = state.model, state.cfg
-    seen = None
+    seen = tok = None
     if state.ids is not None:
         lengths = state.lengths
         if pos.shape[1] == 1 and valid is None and min(lengths) == max(lengths):  # one new position, rows aligned
-            seen = model.router_seen(state.ids, lengths[0] - 1)  # [B, 1]
+            ids, at = state.ids, lengths[0] - 1  # [B, 1] each below
         else:
             Tb = max(lengths)
-            seen = model.router_seen(state.ids.narrow(1, 0, Tb), pos.clamp(max=Tb - 1))  # [B, Q] (padding: dropped)
+            ids, at = state.ids.narrow(1, 0, Tb), pos.clamp(max=Tb - 1)  # [B, Q] each below (padding: dropped)
+        seen, tok = model.router_seen(ids, at), model.router_tok(ids, at)
     lam = check_number("lambda_cost", cfg.lambda_cost if ws.lambda_cost is None else ws.lambda_cost, lo=0)
     shared = None if normed is None else (normed, model.backbone.norm)
-    best, fires = model.router.decide(st.H, seen, ws.cost, lam, shared)  # [B, Q] each
+    best, fires = model.router.decide(st.H, seen, ws.cost, lam, shared, tok)  # [B, Q] each
     if valid is not None:
         fires = fires & valid
-    return best, fires, seen
+    return best, fires, seen, tok
 
 
 def fired_positions(fires: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,7 +68,7 @@ def routed_workspace(state: DecodeState, st: Streams, pos: torch.Tensor, valid: 
     B, Q = pos.shape
     dev, R, stop = H.device, ws.n_steps, cfg.stop_action
     h = model.backbone.final_norm(H)  # [B, Q, d]: the head's input, which the router's decision reads too
-    best, fires, seen = router_decision(state, st, pos, valid, ws, h)
+    best, fires, seen, tok = router_decision(state, st, pos, valid, ws, h)
     b, t = fired_positions(fires)  # [N]
     logits = model.backbone.logits(h)  # [B, Q, V]: every position that does not edit, bitwise head(H)
     trace = torch.full((B, Q, R), stop, dtype=torch.long, device=dev)
@@ -87,7 +89,8 @@ def routed_workspace(state: DecodeState, st: Streams, pos: torch.Tensor, valid: 
         z, S0 = query_state(model, st_n)  # [N, 1, w], [N, 1, M, w]
         mask = model.bank_mask(N, 1, Tb, pos_n, state.cache.lengths_tensor(dev)[b], dev)  # [N, 1, Tb]
         ctx = EncodedContext(H=st_n.H, K=K, V=V, z=z, bank_mask=mask, S0=S0, ctrl_in=model.controller_stream(st_n),
-                             router_seen=None if seen is None else one(seen))
+                             router_seen=None if seen is None else one(seen),
+                             router_tok=None if tok is None else one(tok))
         roll = model.rollout_policy(ctx, ws.max_budget, ws.cost, ws.lambda_cost, ws.kappa_risk,
                                     first=one(best))  # every one of them fires: its best action is step 0
         lg, _ = model.logits_from_state(roll.S, ctx)  # [N, 1, V]: each of them edited (its step 0 is an edit)

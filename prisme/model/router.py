@@ -8,7 +8,11 @@ token). Its features are target-free and causal:
 
     f_t = [norm(H_t), seen_t]                                    (d + 1; d with router_ngram = 0)
     seen_t = 1 if the n tokens ending at t occurred earlier in the context (ending at some i < t), else 0
-    value_a = W_v f_t + b_v                                      (A: the predicted drop of the position's loss)
+    value_a = W_v f_t + b_v (+ U[x_t, a] with router_token)      (A: the predicted drop of the position's loss)
+
+`router_token` adds a learned value per action of the current token x_t (a [V, A] table, zero at init: one lookup
+and A adds), for a stream that says little of which token it is at (a backbone whose residual stream is dominated by
+one direction: the linear head on norm(H) cannot tell a filler from a key there, `docs/recall.md`).
 
 `seen` is the training-free cue of an induction head, of prompt-lookup decoding and of the associative-recall slices
 of Zoology: the current n-gram was seen before, followed by something the workspace can read in the bank. It costs
@@ -77,26 +81,38 @@ class Router(nn.Module):
         self.cfg = cfg
         self.ngram = cfg.router_ngram
         self.head = nn.Linear(cfg.d_model + (1 if self.ngram > 0 else 0), cfg.n_actions)
+        if cfg.router_token:
+            self.token_value = nn.Embedding(cfg.vocab_size, cfg.n_actions)  # U [V, A]
+            nn.init.zeros_(self.token_value.weight)
 
-    def forward(self, H: torch.Tensor, seen: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, H: torch.Tensor, seen: torch.Tensor | None, tok: torch.Tensor | None = None) -> torch.Tensor:
         """Predicted loss drop of each action at step 0, `[B, Tq, A]`.
 
         Args:
             H: `[B, Tq, d]` residual stream at the queries.
             seen: `[B, Tq]` bool (`ngram_seen`), None with router_ngram = 0.
+            tok: `[B, Tq]` the token at each query (`PrismeModel.router_tok`), None without router_token.
         """
         f = F.rms_norm(H, (H.shape[-1],), eps=self.cfg.norm_eps)  # [B, Tq, d]
         if self.ngram > 0:
             self._check_seen(seen)
             f = torch.cat([f, seen.unsqueeze(-1).to(f.dtype)], dim=-1)  # [B, Tq, d + 1]
-        return self.head(f)
+        value = self.head(f)
+        return value if not self.cfg.router_token else value + self._token_value(tok)  # [B, Tq, A]
+
+    def _token_value(self, tok: torch.Tensor | None) -> torch.Tensor:
+        if tok is None:
+            raise ValueError("this router reads the token at each position (router_token): pass the token ids "
+                             "(model.streams keeps them)")
+        return self.token_value(tok)  # [B, Tq, A]
 
     def select(self, value: torch.Tensor, cost: torch.Tensor, lambda_cost: float) -> torch.Tensor:
         """argmax_a value_a - lambda cost_a `[...]`, or STOP (A) where no score beats 0 (ties go to STOP)."""
         return argmax_or_stop(value - float(lambda_cost) * cost, self.cfg.stop_action)  # score [..., A]
 
     def decide(self, H: torch.Tensor, seen: torch.Tensor | None, cost: torch.Tensor, lambda_cost: float,
-               normed: tuple[torch.Tensor, nn.Module] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               normed: tuple[torch.Tensor, nn.Module] | None = None, tok: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """`select(forward(H, seen), cost, lambda_cost)` in fewer calls, for a decode step: (the best action, whether
         it beats STOP) `[B, Tq]` each, the rule's `where` left to the positions that fire. The price is folded into
         the bias (b - lambda cost, kept per price and weights) and the n-gram column is added where seen: the same
@@ -113,6 +129,8 @@ class Router(nn.Module):
         if u is not None:
             self._check_seen(seen)
             score = torch.where(seen.unsqueeze(-1), score + u, score)
+        if self.cfg.router_token:
+            score = score + self._token_value(tok)
         best, action = score.max(dim=-1)
         return action, best > 0
 

@@ -120,8 +120,8 @@ class DecodeState:
         # bank_shift: each bank term's normed stream at each row's last position, read by the next key ([B, d]; a
         # table term's token id, [B], V before position 0: `prisme.model.tables`); ids kept: the previous id itself
         self.prev = shift_memory(cfg, batch_size, param) if entries else []
-        # the token ids, for the router's n-gram feature (cfg.router with router_ngram > 0) or as the bank itself
-        keep_ids = bank and (cfg.router and cfg.router_ngram > 0 or not entries)
+        # the token ids, for the router's features (cfg.router with router_ngram > 0 or router_token) or as the bank
+        keep_ids = bank and (cfg.router and (cfg.router_ngram > 0 or cfg.router_token) or not entries)
         self.ids = torch.zeros(batch_size, self.max_len, dtype=torch.long, device=param.device) if keep_ids else None
 
     # ------------------------------------------------------------------ bookkeeping
@@ -350,9 +350,11 @@ class DecodeState:
         K, V = self.bank(Tb, keep)  # [b, Tb, w] each
         z, S0 = query_state(model, st_q)  # [b, Q, w], [b, Q, M, w]
         mask = model.bank_mask(H_q.shape[0], Q, Tb, pos_q, bank_len, dev)  # [b, Q, Tb]
-        seen = None if self.ids is None else model.router_seen(sub(self.ids.narrow(1, 0, Tb)), pos_q)  # [b, Q]
+        ids_q = None if self.ids is None else sub(self.ids.narrow(1, 0, Tb))  # [b, Tb]
+        seen = None if ids_q is None else model.router_seen(ids_q, pos_q)  # [b, Q]
+        tok = None if ids_q is None else model.router_tok(ids_q, pos_q)  # [b, Q]
         ctx = EncodedContext(H=H_q, K=K, V=V, z=z, bank_mask=mask, S0=S0, ctrl_in=model.controller_stream(st_q),
-                             router_seen=seen)
+                             router_seen=seen, router_tok=tok)
         if ws.actions is not None:
             w_sub = ws.rows(keep) if keep is not None else ws
             roll = model.rollout_forced(ctx, w_sub.actions, w_sub.budget)

@@ -65,9 +65,12 @@ def dense_config(recipe: Recipe, n_layer: int, d: int, key_shift: bool = False,
                          f"make a model: {e}") from None
 
 
-def family_name(d: int, w: int, attn_window: int | None = None, key_shift: bool = False) -> str:
-    """`d{d}_w{w}`, `_ks` on a key-shift backbone, `_win{W}` on a local-window backbone."""
-    return f"d{d}_w{w}" + ("_ks" if key_shift else "") + (f"_win{attn_window}" if attn_window else "")
+def family_name(d: int, w: int, attn_window: int | None = None, key_shift: bool = False,
+                router_token: bool = False) -> str:
+    """`d{d}_w{w}`, `_ks` on a key-shift backbone, `_win{W}` on a local-window backbone, `_tok` with a router that
+    reads the token too."""
+    return (f"d{d}_w{w}" + ("_ks" if key_shift else "") + (f"_win{attn_window}" if attn_window else "")
+            + ("_tok" if router_token else ""))
 
 
 def family_entry(e: list[Any]) -> tuple[int, int, int | None, bool]:
@@ -77,14 +80,16 @@ def family_entry(e: list[Any]) -> tuple[int, int, int | None, bool]:
 
 
 def family_config(recipe: Recipe, d: int, w: int, attn_window: int | None = None,
-                  key_shift: bool = False) -> PrismeConfig:
+                  key_shift: bool = False, router_token: bool = False) -> PrismeConfig:
     """The recipe's model at backbone width d and workspace width w, with the router (and a local-window backbone
-    whose workspace still reads the whole bank; a backbone whose attention keys read the previous position too);
-    ValueError naming `family`."""
+    whose workspace still reads the whole bank; a backbone whose attention keys read the previous position too; a
+    router that reads the token's own value too, `family_router_token`); ValueError naming `family`."""
     options = {k: v for k, v in (("key_shift", key_shift), ("attn_window", attn_window)) if v != DENSE_OPTIONS[k]}
+    options |= {"router_token": True} if router_token else {}
     try:
         return recipe.model.replace(d_model=d, w=w, ws_head_dim=min(recipe.model.ws_head_dim, w), router=True,
-                                    name=f"prisme_{family_name(d, w, attn_window, key_shift)}", **options)
+                                    name=f"prisme_{family_name(d, w, attn_window, key_shift, router_token)}",
+                                    **options)
     except ValueError as e:
         raise ValueError(f"recall study: family entry [{d}, {w}{', ' + str(attn_window) if attn_window else ''}"
                          f"{', true' if key_shift else ''}] does not make a model: {e}") from None
@@ -129,7 +134,8 @@ def plan_frontier(cfg: RecallStudyConfig, recipe: Recipe, out, grid: list[dict[s
                                            folder=str(out / f"dense_{dense_name(L, d, **options)}_seed{seed}"),
                                            mqar=recipe.mqar, study=cfg, **at))
     for d, w, window, ks in map(family_entry, family):
-        model, name = family_config(recipe, d, w, window, ks), family_name(d, w, window, ks)
+        tok = cfg.family_router_token
+        model, name = family_config(recipe, d, w, window, ks, tok), family_name(d, w, window, ks, tok)
         for seed in cfg.seeds:
             tasks.append(FamilyTask(d_model=d, w=w, attn_window=window, key_shift=ks, seed=seed, model=model,
                                     stages=(s1, s2, s3), folder=str(out / f"prisme_{name}_seed{seed}"),
@@ -239,7 +245,7 @@ class FamilyTask(FrontierMember):
 
     @property
     def key(self) -> str:
-        return family_name(self.d_model, self.w, self.attn_window, self.key_shift)
+        return family_name(self.d_model, self.w, self.attn_window, self.key_shift, self.model.router_token)
 
     def score(self, model: torch.nn.Module) -> dict[str, Any]:
         return evaluate_family(model, self.mqar, self.seed, self.study)
@@ -248,6 +254,7 @@ class FamilyTask(FrontierMember):
                        need: int) -> dict[str, Any]:
         return super().frontier_entry(cfg_model, runs, ref, need) | {
             "w": cfg_model["w"], "attn_window": self.attn_window, "key_shift": self.key_shift,
+            "router_token": self.model.router_token,
             "budget1_accuracy": [r["budget1_accuracy"] for r in runs],
             "lambda": [r["router"]["lambda"] for r in runs],
             "edits_per_token": [r["router"]["edits_per_token"] for r in runs],
@@ -341,8 +348,10 @@ def decode_speed(frontier: dict[str, Any], mcfg: MQARConfig, batches: tuple[int,
 
 
 def _options(e: dict[str, Any]) -> str:
-    """An entry's backbone options in the table's family column: "+ks" (key shift), "+winW" (window W)."""
-    return ("+ks" if e.get("key_shift") else "") + (f"+win{e['attn_window']}" if e.get("attn_window") else "")
+    """An entry's options in the table's family column: "+ks" (key shift), "+winW" (window W), "+tok" (a router that
+    reads the token too)."""
+    return (("+ks" if e.get("key_shift") else "") + (f"+win{e['attn_window']}" if e.get("attn_window") else "")
+            + ("+tok" if e.get("router_token") else ""))
 
 
 def format_frontier(doc: dict[str, Any]) -> str:

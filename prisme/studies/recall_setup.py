@@ -61,6 +61,7 @@ class RecallStudyConfig:
     frontier_steps: int = 1500  # every dense model's steps: >= 1500 and >= the PRISME family's three stages together
     family: list[list[int]] = field(default_factory=lambda: [[16, 32], [24, 32], [32, 32]])  # [backbone d, w]
     family_workspace_steps: int = 1000  # the family's workspace stage (the recipe's 300 is too short below d = 64)
+    family_router_token: bool = False  # every family member's router also reads a value per token (`router_token`)
     # --- long contexts (`--frontier --context`): the frontier at several sequence lengths, queries beyond every window
     contexts: list[int] | None = None  # the lengths of this run (None: the recipe's T = 32 alone)
     context_lengths: list[int] = field(default_factory=lambda: [256, 512, 1024])  # `--context` without a list
@@ -125,6 +126,8 @@ class RecallStudyConfig:
         for f in ("frontier_steps", "family_workspace_steps", "context_queries", "context_batch_size",
                   "context_frontier_steps", "context_workspace_steps"):
             need(positive(getattr(self, f)), f"{f} must be an int >= 1, got {getattr(self, f)!r}")
+        need(isinstance(self.family_router_token, bool), f"family_router_token must be true or false, got "
+                                                           f"{self.family_router_token!r}")
         need(isinstance(self.context_warmup, bool), f"context_warmup must be true or false, got "
                                                      f"{self.context_warmup!r}")
         need(self.context_backbone_trains in BACKBONE_TRAINS_AT_T, f"context_backbone_trains must be one of "
