@@ -100,7 +100,7 @@ class DecodeState:
         param = model.backbone.tok_emb.weight
         if not is_int(batch_size) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        if max_len is not None and (not is_int(max_len)):
+        if max_len is not None and not is_int(max_len):
             raise ValueError(f"max_len must be an int or None, got {max_len!r}")
         if dtype is not None and dtype != param.dtype:
             raise ValueError(f"DecodeState dtype {dtype} differs from the model's {param.dtype}: convert the model "
@@ -351,8 +351,7 @@ class DecodeState:
         z, S0 = query_state(model, st_q)  # [b, Q, w], [b, Q, M, w]
         mask = model.bank_mask(H_q.shape[0], Q, Tb, pos_q, bank_len, dev)  # [b, Q, Tb]
         ids_q = None if self.ids is None else sub(self.ids.narrow(1, 0, Tb))  # [b, Tb]
-        seen = None if ids_q is None else model.router_seen(ids_q, pos_q)  # [b, Q]
-        tok = None if ids_q is None else model.router_tok(ids_q, pos_q)  # [b, Q]
+        seen, tok = (None, None) if ids_q is None else (model.router_seen(ids_q, pos_q), model.router_tok(ids_q, pos_q))
         ctx = EncodedContext(H=H_q, K=K, V=V, z=z, bank_mask=mask, S0=S0, ctrl_in=model.controller_stream(st_q),
                              router_seen=seen, router_tok=tok)
         if ws.actions is not None:
