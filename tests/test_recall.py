@@ -296,6 +296,15 @@ def test_frontier_quick_run_writes_both_families_the_verdict_and_the_router_cost
                                              ({"family": [[16, 33]]}, "family"),
                                              ({"context_family": [[16, 32, 64, 1]]}, "context_family"),
                                              ({"context_family": [[16, 32, 64, True, 2]]}, "context_family"),
+                                             ({"context_family": [{"d": 16, "w": 32, "window": 64}]},
+                                              "context_family"),
+                                             ({"context_family": [{"d": 16, "attn_window": 64}]}, "context_family"),
+                                             ({"context_family": [{"d": 16, "w": 32, "router_token": 1}]},
+                                              "context_family"),
+                                             ({"context_family": []}, "context_family"),
+                                             ({"context_workspace_warmup": -1}, "context_workspace_warmup"),
+                                             ({"context_workspace_warmup": 10, "context_warmup": False},
+                                              "context_workspace_warmup"),
                                              ({"frontier_steps": 1000}, "frontier_steps")])
 def test_a_bad_frontier_grid_is_a_value_error_naming_the_field_before_anything_trains(tmp_path, override, field):
     """A width the head count does not divide (or an odd head dim), an empty or non-positive entry, a workspace width

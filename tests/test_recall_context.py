@@ -72,19 +72,32 @@ def test_each_length_plans_the_grid_in_its_own_folder_at_its_length(tmp_path):
         assert all(t.model.max_seq_len == T and t.mqar.seq_len == T for t in mine)
         first = {t.stages[0].to_dict()["mqar"]["seq_len"] for t in mine} | {t.stages[0].batch_size for t in mine}
         assert first == {recipe.mqar.seq_len, recipe.backbone.batch_size}  # the warm-up: the recipe's stage 1
-        assert all(len(t.stages) == 2 for t in dense) and all(t.stages[0] == family[0].stages[0] for t in dense)
-        assert all(s.mqar["seq_len"] == T and s.batch_size == cfg.context_batch_size for t in mine
+        s1, s2_short, *at_T = family[0].stages  # the warm-ups at the short task, then the stages at T
+        assert (s1.stage, s2_short.stage, s2_short.mqar["seq_len"]) == ("backbone", "workspace", recipe.mqar.seq_len)
+        assert s2_short.batch_size == recipe.workspace.batch_size and [s.stage for s in at_T] == ["workspace", "router"]
+        # every dense model trains as long at the short task as PRISME's stages there together, then at T
+        assert all(len(t.stages) == 2 for t in dense)
+        assert all(t.stages[0] == s1.replace(steps=s1.steps + s2_short.steps) for t in dense)
+        assert all(s.mqar["seq_len"] == T and s.batch_size == cfg.context_batch_size for t in dense
                    for s in t.stages[1:])
+        assert all(s.mqar["seq_len"] == T and s.batch_size == cfg.context_batch_size for s in at_T)
         assert {(t.model.key_shift, t.model.attn_window) for t in dense} == {(False, None), (True, None),
                                                                             (False, 64), (True, 64)}
-        assert family[0].model.attn_window == 64 and family[0].model.router and family[0].name == f"T{T}_d16_w32_win64"
+        assert family[0].model.attn_window == 64 and family[0].model.router and family[0].model.key_shift
+        assert family[0].model.router_token and family[0].name == f"T{T}_d16_w32_ks_win64_tok"
     assert sum(t.kind == "control" for t in tasks) == 2
-    cold = study(contexts=[96], out_dir=str(tmp_path), context_warmup=False)  # every stage at T, dense in one
+    alone = study(contexts=[96], out_dir=str(tmp_path), context_workspace_warmup=0)  # no workspace warm-up: the
+    mine = [t for t in plan_tasks(alone, recipe) if getattr(t, "context", None) == 96]  # dense warm-up is the
+    s1 = next(t for t in mine if t.kind == "family").stages[0]  # family's stage 1 itself, its stage 2 at T alone
+    assert all(t.stages[0] == s1 and [s.mqar["seq_len"] for s in t.stages[1:]] == [96] * (
+        1 if t.kind == "dense" else 2) for t in mine)
+    cold = study(contexts=[96], out_dir=str(tmp_path), context_warmup=False,
+                 context_workspace_warmup=0)  # every stage at T, dense in one
     for t in plan_tasks(cold, recipe):
         if getattr(t, "context", None) == 96:
             assert all(s.mqar["seq_len"] == 96 for s in t.stages) and len(t.stages) == (1 if t.kind == "dense" else 3)
     assert recipe_at(cfg, recipe, 96).router.mqar["query_min_pos"] == 2 * recipe.mqar.n_pairs + 64
-    shifted = study(contexts=[96], out_dir=str(tmp_path), context_family=[[16, 32, 64, True]])  # a key-shift backbone
+    shifted = study(contexts=[96], out_dir=str(tmp_path), context_family=[[16, 32, 64, True]])  # a list entry
     family = [t for t in plan_tasks(shifted, recipe) if isinstance(t, FamilyTask)]
     assert [(t.model.key_shift, t.model.attn_window, t.name) for t in family] == [(True, 64, "T96_d16_w32_ks_win64")]
     assert family[0].folder.endswith("prisme_d16_w32_ks_win64_seed0") and not family[0].model.router_token
@@ -92,6 +105,11 @@ def test_each_length_plans_the_grid_in_its_own_folder_at_its_length(tmp_path):
     family = [t for t in plan_tasks(tok, recipe) if isinstance(t, FamilyTask)]
     assert family[0].model.router_token and family[0].folder.endswith("prisme_d16_w32_ks_win64_tok_seed0")
     assert all(not t.model.router_token for t in plan_tasks(tok, recipe) if isinstance(t, DenseTask))
+    named = study(contexts=[96], out_dir=str(tmp_path), family_router_token=True,  # an object entry: its own
+                  context_family=[{"d": 8, "w": 32, "attn_window": 32, "router_token": False}])  # value wins
+    family = [t for t in plan_tasks(named, recipe) if isinstance(t, FamilyTask)]
+    assert [(t.model.d_model, t.model.attn_window, t.model.key_shift, t.model.router_token, t.name) for t in family] \
+        == [(8, 32, False, False, "T96_d8_w32_win32")]
 
 
 def entry(accuracy: float) -> dict:
@@ -334,12 +352,12 @@ def test_at_a_long_context_the_workspace_stage_trains_what_the_study_says_and_re
 
     tasks, old = planned(tmp_path / "old")
     fam = [t for t in tasks if isinstance(t, FamilyTask)]
-    assert [s.train_backbone_in_workspace_stage for s in fam[0].stages] == [False, False, False]
+    assert [s.train_backbone_in_workspace_stage for s in fam[0].stages] == [False, False, False, False]
     new_tasks, new = planned(tmp_path / "new", context_backbone_trains="embedding")
     fam = [t for t in new_tasks if isinstance(t, FamilyTask)]
-    assert [s.stage for s in fam[0].stages] == ["backbone", "workspace", "router"]
-    assert [s.train_backbone_in_workspace_stage for s in fam[0].stages] == [False, True, False]
-    assert fam[0].stages[1].backbone_trains == "embedding"
+    assert [s.stage for s in fam[0].stages] == ["backbone", "workspace", "workspace", "router"]  # short task, then T
+    assert [s.train_backbone_in_workspace_stage for s in fam[0].stages] == [False, True, True, False]
+    assert fam[0].stages[1].backbone_trains == fam[0].stages[2].backbone_trains == "embedding"
     t32 = plan_tasks(study(out_dir=str(tmp_path / "t32"), context_backbone_trains="embedding"),
                      load_recipe(study())[0])
     assert not any(s.train_backbone_in_workspace_stage for t in t32 if isinstance(t, FamilyTask) for s in t.stages)

@@ -6,11 +6,12 @@ Per length T: MQAR with `context_queries` queries, every one after position 2N +
 attention window of the grid (`context_dense` blocks, `context_family` entries), so that no query's pair lies inside
 any local model's window; the dense frontier over `context_dense` (global attention with and without a key shift at
 widths down to where it fails, and local-window backbones, to show what a local model cannot do), and PRISME on a
-local-window backbone (`context_family`: [d, w, window]) whose workspace reads the whole bank, with its router. Every
-stage runs at `context_batch_size` sequences per step; the dense models train for `context_frontier_steps` (at least
-the family's stages together), the family's workspace stage for `context_workspace_steps`. Ops per token come from
-the same cost model for every model, each position at its own context, over the same reference (the recipe's
-one-layer d = 64 backbone alone at that T). Runs live in `frontier/T{T}/`.
+local-window backbone (`context_family`: `FamilyEntry`) whose workspace reads the whole bank, with its router. Every
+stage at T runs at `context_batch_size` sequences per step; the dense models train for `context_frontier_steps` (at
+least the family's stages together), the family's workspace stage for `context_workspace_steps`, after
+`context_workspace_warmup` steps at the recipe's short task (each dense model's warm-up there as many steps
+longer). Ops per token come from the same cost model for every model, each position at its own context, over the
+same reference (the recipe's one-layer d = 64 backbone alone at that T). Runs live in `frontier/T{T}/`.
 
 The search (`context_search`): with "cheapest" (the default) each length's dense configurations are trained in
 increasing ops (their ops per token are the cost model's before anything trains: a backbone alone runs the same at
@@ -41,7 +42,7 @@ from prisme.studies.recall_frontier import (
     reference_ops,
     seeds_needed,
 )
-from prisme.studies.recall_setup import TARGET_ACCURACY, RecallStudyConfig, RecallTask, Recipe
+from prisme.studies.recall_setup import TARGET_ACCURACY, RecallStudyConfig, RecallTask, Recipe, family_entry
 
 LONG_PRESET = "recall_long"  # the preset whose T_max bounds `--context`
 
@@ -60,7 +61,8 @@ def parse_contexts(text: str | None, cfg_lengths: list[int]) -> list[int] | None
 
 def largest_window(cfg: RecallStudyConfig) -> int:
     """The largest attention window of the long-context grid (0 if every model attends globally)."""
-    windows = [b.get("attn_window") or 0 for b in cfg.context_dense] + [e[2] for e in cfg.context_family]
+    windows = [b.get("attn_window") or 0 for b in cfg.context_dense] + [
+        family_entry(e, "context_family").attn_window or 0 for e in cfg.context_family]
     return max(windows, default=0)
 
 
@@ -81,7 +83,8 @@ def context_mqar(cfg: RecallStudyConfig, recipe: Recipe, T: int) -> MQARConfig:
 
 def recipe_at(cfg: RecallStudyConfig, recipe: Recipe, T: int) -> Recipe:
     """The recipe at length T: the model's T_max, every stage's task and batch size, the workspace stage training
-    what `context_backbone_trains` says of the backbone."""
+    what `context_backbone_trains` says of the backbone; the warm-ups at the recipe's short task (`context_warmup`:
+    its stage 1; `context_workspace_warmup`: its stage 2, for as many steps)."""
     mcfg = context_mqar(cfg, recipe, T)
     task = dataclasses.asdict(mcfg)
 
@@ -90,10 +93,12 @@ def recipe_at(cfg: RecallStudyConfig, recipe: Recipe, T: int) -> Recipe:
 
     warmup = recipe.backbone if cfg.context_warmup else None
     learns = cfg.context_backbone_trains != "none"
-    workspace = at(recipe.workspace, train_backbone_in_workspace_stage=learns,
-                   backbone_trains=cfg.context_backbone_trains if learns else "all")
-    return Recipe(recipe.model.replace(max_seq_len=T), at(recipe.backbone), workspace,
-                  at(recipe.controller), mcfg, at(recipe.router), warmup)
+    trains = dict(train_backbone_in_workspace_stage=learns,
+                  backbone_trains=cfg.context_backbone_trains if learns else "all")
+    n = cfg.context_workspace_warmup
+    ws_warmup = recipe.workspace.replace(steps=n, warmup=min(recipe.workspace.warmup, n), **trains) if n else None
+    return Recipe(recipe.model.replace(max_seq_len=T), at(recipe.backbone), at(recipe.workspace, **trains),
+                  at(recipe.controller), mcfg, at(recipe.router), warmup, ws_warmup)
 
 
 def context_study(cfg: RecallStudyConfig) -> RecallStudyConfig:

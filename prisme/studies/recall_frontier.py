@@ -18,6 +18,7 @@ seeds (`seeds_needed`: all but one when fewer than five).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,7 @@ from prisme.studies.recall_setup import (
     RecallTask,
     Recipe,
     _quick,
+    family_entry,
 )
 
 
@@ -73,12 +75,6 @@ def family_name(d: int, w: int, attn_window: int | None = None, key_shift: bool 
             + ("_tok" if router_token else ""))
 
 
-def family_entry(e: list[Any]) -> tuple[int, int, int | None, bool]:
-    """A family entry, [d, w], [d, w, window] or [d, w, window, key shift], as (d, w, window or None, key shift)."""
-    d, w, *opts = e
-    return d, w, (opts[0] if opts else None), (opts[1] if len(opts) > 1 else False)
-
-
 def family_config(recipe: Recipe, d: int, w: int, attn_window: int | None = None,
                   key_shift: bool = False, router_token: bool = False) -> PrismeConfig:
     """The recipe's model at backbone width d and workspace width w, with the router (and a local-window backbone
@@ -95,14 +91,17 @@ def family_config(recipe: Recipe, d: int, w: int, attn_window: int | None = None
                          f"{', true' if key_shift else ''}] does not make a model: {e}") from None
 
 
-def frontier_stages(cfg: RecallStudyConfig, recipe: Recipe) -> tuple[tuple[Any, ...], Any, Any, Any]:
-    """(the dense models' stages, family stages 1, 2, 3) with the study's step counts; ValueError if the dense frontier
+def frontier_stages(cfg: RecallStudyConfig, recipe: Recipe) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """(the dense models' stages, the family's stages) with the study's step counts; ValueError if the dense frontier
     would be trained for fewer steps than 1,500 or than the family's stages together. With a warm-up stage (the
     recipe's stage 1 at its short task, `Recipe.warmup`) every model starts with it: it is the family's stage 1, and
-    each dense model's first stage before its `frontier_steps` at the recipe's length."""
+    each dense model's first stage before its `frontier_steps` at the recipe's length. With a workspace warm-up (the
+    recipe's stage 2 at its short task, `Recipe.workspace_warmup`) the family trains it before its workspace stage,
+    and every dense model's warm-up trains as many steps more: each model trains as long at the short task."""
     s1, s2, s3 = recipe.warmup or recipe.backbone, recipe.workspace.replace(steps=cfg.family_workspace_steps), \
         recipe.router
-    family_steps = s1.steps + s2.steps + s3.steps
+    s2w = recipe.workspace_warmup if recipe.warmup else None
+    family_steps = s1.steps + s2.steps + s3.steps + (s2w.steps if s2w else 0)
     if not cfg.quick and cfg.frontier_steps < max(1500, family_steps):
         raise ValueError(f"recall study: frontier_steps={cfg.frontier_steps} must be >= 1500 and >= the PRISME "
                          f"family's stages together ({family_steps}): the dense frontier is trained to what it can do")
@@ -110,15 +109,19 @@ def frontier_stages(cfg: RecallStudyConfig, recipe: Recipe) -> tuple[tuple[Any, 
     dense = b.replace(steps=cfg.frontier_steps, warmup=min(b.warmup, cfg.frontier_steps))
     if cfg.quick:
         dense, s1, s2, s3 = _quick(dense, 12), _quick(s1, 12), _quick(s2, 12), _quick(s3, 6)
-    return ((s1, dense) if recipe.warmup else (dense,)), s1, s2, s3
+        s2w = s2w and _quick(s2w, 6)
+    if not recipe.warmup:
+        return (dense,), (s1, s2, s3)
+    dense_warmup = s1.replace(steps=s1.steps + (s2w.steps if s2w else 0))  # the recipe's lr is constant after warm-up
+    return (dense_warmup, dense), ((s1, s2w, s2, s3) if s2w else (s1, s2, s3))
 
 
 def plan_frontier(cfg: RecallStudyConfig, recipe: Recipe, out, grid: list[dict[str, Any]] | None = None,
                   family: list[list[int]] | None = None, context: int | None = None) -> list[FrontierMember]:
     """The frontier's runs: every dense configuration (`grid`, default `frontier_dense`) and every family size
-    (`family`: [d, w], [d, w, window] or [d, w, window, key shift], default the study's), on every seed; `context`:
+    (`family`: `FamilyEntry` as written in the study file, default the study's), on every seed; `context`:
     the sequence length a long-context study (`recall_context`) runs them at, in `frontier/T{context}/`."""
-    dense, s1, s2, s3 = frontier_stages(cfg, recipe)
+    dense, stages = frontier_stages(cfg, recipe)
     family = cfg.family if family is None else family
     family = family[:1] if cfg.quick else family
     at = {} if context is None else {"context": context}
@@ -133,12 +136,13 @@ def plan_frontier(cfg: RecallStudyConfig, recipe: Recipe, out, grid: list[dict[s
                     tasks.append(DenseTask(n_layer=L, d_model=d, **options, seed=seed, model=model, stages=dense,
                                            folder=str(out / f"dense_{dense_name(L, d, **options)}_seed{seed}"),
                                            mqar=recipe.mqar, study=cfg, **at))
-    for d, w, window, ks in map(family_entry, family):
-        tok = cfg.family_router_token
+    for e in family:
+        d, w, window, ks, tok = dataclasses.astuple(family_entry(e, "family" if context is None else "context_family"))
+        tok = cfg.family_router_token if tok is None else tok
         model, name = family_config(recipe, d, w, window, ks, tok), family_name(d, w, window, ks, tok)
         for seed in cfg.seeds:
             tasks.append(FamilyTask(d_model=d, w=w, attn_window=window, key_shift=ks, seed=seed, model=model,
-                                    stages=(s1, s2, s3), folder=str(out / f"prisme_{name}_seed{seed}"),
+                                    stages=stages, folder=str(out / f"prisme_{name}_seed{seed}"),
                                     mqar=recipe.mqar, study=cfg, **at))
     return tasks
 

@@ -70,9 +70,10 @@ class RecallStudyConfig:
         {"depths": [1, 2], "widths": [8, 12, 16, 24, 32], "key_shift": True},
         {"depths": [1, 2], "widths": [16, 32], "attn_window": 64},
         {"depths": [1, 2], "widths": [16, 32], "attn_window": 64, "key_shift": True}])
-    context_family: list[list[Any]] = field(default_factory=lambda: [[16, 32, 64], [24, 32, 64]])  # [d, w, window]
-    #   or [d, w, window, key shift]
-    #   (a 16-window backbone fails: in its T = 32 warm-up the values lie beyond its window, `docs/recall.md`)
+    # PRISME's members there (`FamilyEntry`: [d, w, window], or an object naming the backbone's and router's options);
+    # a 16-window backbone fails (in its T = 32 warm-up the values lie beyond its window, `docs/recall.md`)
+    context_family: list[Any] = field(default_factory=lambda: [
+        {"d": 16, "w": 32, "attn_window": 64, "key_shift": True, "router_token": True}])
     context_queries: int = 4  # queries per sequence, every one after the largest window (its pair out of reach)
     context_batch_size: int = 16  # sequences per step of every stage at a long context
     context_frontier_steps: int = 3000  # the dense models' steps there (>= the family's stages together)
@@ -84,6 +85,10 @@ class RecallStudyConfig:
     # every model of a long-context study, dense or PRISME, first trains as the recipe's stage 1 at its own short task
     # (T = 32, batch 128, 200 steps): PRISME's backbone is that stage, and each dense model continues at T from it
     context_warmup: bool = True
+    # PRISME's workspace stage first trains this many steps at the recipe's short task (T = 32, its stage-2 batch),
+    # where the lookup forms over a short bank, then at T; every dense model's warm-up trains as many steps more (so
+    # every model trains as long at T = 32 as PRISME's stages there together). 0: the workspace trains at T alone
+    context_workspace_warmup: int = 300
     # what of PRISME's backbone learns in its workspace stage at a long context: "none" (the default: frozen, as at
     # T = 32), "embedding" its token embedding (what the bank reads), "all" every weight. None of the three passes
     # on two sets of seeds (`docs/recall.md`): frozen, the keys' embeddings stay parallel and some seeds learn the
@@ -114,15 +119,11 @@ class RecallStudyConfig:
         positive = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1  # noqa: E731
         check_grid("frontier_dense", self.frontier_dense, need)
         check_grid("context_dense", self.context_dense, need)
-        need(isinstance(self.family, list) and len(self.family) > 0
-             and all(isinstance(e, (list, tuple)) and len(e) == 2 and all(positive(x) for x in e) for e in self.family),
-             f"family must be a non-empty list of [backbone width, workspace width] pairs of ints >= 1, got "
-             f"{self.family!r}")
-        need(isinstance(self.context_family, list) and len(self.context_family) > 0
-             and all(isinstance(e, (list, tuple)) and len(e) in (3, 4) and all(positive(x) for x in e[:3])
-                     and (len(e) == 3 or isinstance(e[3], bool)) for e in self.context_family),
-             f"context_family must be a non-empty list of [backbone width, workspace width, window] of ints >= 1, "
-             f"each optionally followed by its key shift (true or false), got {self.context_family!r}")
+        for f in ("family", "context_family"):
+            v = getattr(self, f)
+            need(isinstance(v, list) and len(v) > 0, f"{f} must be a non-empty list of members, got {v!r}")
+            for e in v:
+                family_entry(e, f)
         for f in ("frontier_steps", "family_workspace_steps", "context_queries", "context_batch_size",
                   "context_frontier_steps", "context_workspace_steps"):
             need(positive(getattr(self, f)), f"{f} must be an int >= 1, got {getattr(self, f)!r}")
@@ -130,6 +131,10 @@ class RecallStudyConfig:
                                                            f"{self.family_router_token!r}")
         need(isinstance(self.context_warmup, bool), f"context_warmup must be true or false, got "
                                                      f"{self.context_warmup!r}")
+        need(is_int(self.context_workspace_warmup) and self.context_workspace_warmup >= 0,
+             f"context_workspace_warmup must be an int >= 0, got {self.context_workspace_warmup!r}")
+        need(self.context_warmup or not self.context_workspace_warmup, "context_workspace_warmup needs "
+             "context_warmup (the dense models' matching steps at the short task are their warm-up's)")
         need(self.context_backbone_trains in BACKBONE_TRAINS_AT_T, f"context_backbone_trains must be one of "
              f"{list(BACKBONE_TRAINS_AT_T)}, got {self.context_backbone_trains!r}")
         need(self.context_search in CONTEXT_SEARCHES,
@@ -146,6 +151,41 @@ class RecallStudyConfig:
                                                   and math.isfinite(x) and x >= 0 for x in self.router_lambdas),
              f"router_lambdas must be a non-empty list of finite numbers >= 0, got {self.router_lambdas!r}")
         return self
+
+
+@dataclass(frozen=True)
+class FamilyEntry:
+    """One PRISME family member: backbone width `d`, workspace width `w`, the backbone's options (`attn_window`: a
+    local window, the workspace still reading the whole bank; `key_shift`) and the router's (`router_token`; None:
+    the study's `family_router_token`). In a study file: a list, [d, w], [d, w, window] or [d, w, window, key shift],
+    or an object with these names, e.g. {"d": 16, "w": 32, "attn_window": 64, "key_shift": true}."""
+
+    d: int
+    w: int
+    attn_window: int | None = None
+    key_shift: bool = False
+    router_token: bool | None = None
+
+
+def family_entry(e: Any, name: str = "family") -> FamilyEntry:
+    """A family member as written in the study file, checked; ValueError naming `name` (the field)."""
+    fields = [f.name for f in dataclasses.fields(FamilyEntry)]
+    shape = (f"{name} entries must be [d, w], [d, w, window], [d, w, window, key shift] or an object with "
+             f"{fields} (d and w required)")
+    if isinstance(e, (list, tuple)) and 2 <= len(e) <= 4:
+        e = dict(zip(fields, e))
+    if not isinstance(e, dict) or not {"d", "w"} <= set(e) or not set(e) <= set(fields):
+        raise ValueError(f"recall study: {shape}, got {e!r}")
+    entry = FamilyEntry(**e)
+    bad = [f for f in ("d", "w") if not (is_int(getattr(entry, f)) and getattr(entry, f) >= 1)]
+    bad += ["attn_window"] if entry.attn_window is not None and not (is_int(entry.attn_window)
+                                                                      and entry.attn_window >= 1) else []
+    bad += ["key_shift"] if not isinstance(entry.key_shift, bool) else []
+    bad += ["router_token"] if entry.router_token is not None and not isinstance(entry.router_token, bool) else []
+    if bad:
+        raise ValueError(f"recall study: {name} entry {e!r}: {', '.join(bad)} must be ints >= 1 (d, w, attn_window) "
+                         f"or true / false (key_shift, router_token)")
+    return entry
 
 
 def check_grid(name: str, grid: Any, need: Any) -> None:
@@ -201,6 +241,8 @@ class Recipe:
     router: StageConfig | None = None  # the PRISME family's third stage (`--frontier`)
     warmup: StageConfig | None = None  # at a long context: the recipe's own stage 1 at its short task, every model's
     #   first stage (`context_warmup`)
+    workspace_warmup: StageConfig | None = None  # at a long context: the recipe's stage 2 at its short task, PRISME's
+    #   before its workspace stage at T (`context_workspace_warmup`)
 
 
 def load_recipe(cfg: RecallStudyConfig) -> tuple[Recipe, dict[str, Any]]:
