@@ -106,6 +106,45 @@ def test_router_decides_step_0_and_the_controller_runs_only_where_it_fired():
     assert seen_calls[0] == int((~stopped).sum())  # step 1: the fired positions only
 
 
+@pytest.mark.parametrize("tables", [False, True], ids=["projections", "tables"])
+def test_deployed_decode_step_equals_forward_policy_with_several_action_groups_firing_at_once(monkeypatch, tables):
+    """The deployed step (budget 1: the router's action, then nothing; `routed.budget1_step` and
+    `SparseEditor.edit_rows`) decodes what forward_policy computes, in float64 to 1e-12 and with the same traces,
+    in steps where rows fire single-slot and pair actions at once and steps where none fires; the general rollout
+    path gives the same numbers. Negative control: an edit at the wrong remaining budget differs."""
+    import prisme.model.routed as routed
+
+    extra = dict(bank_source="embedding", query_source="embedding", bank_tables=True) if tables else {}
+    model = tiny_model(0, **ROUTER, **extra)
+    cfg = model.cfg
+    tokens = torch.randint(0, cfg.vocab_size, (3, 18), generator=torch.Generator().manual_seed(2))
+    lam = 1.0
+    full = model.forward_policy(tokens, max_budget=1, lambda_cost=lam)
+    spans_seen = []
+    orig = model.editor.edit_rows
+    monkeypatch.setattr(model.editor, "edit_rows", lambda *a, **k: (spans_seen.append(a[5]), orig(*a, **k))[1])
+
+    def decode(m):
+        st = m.new_decode_state(3, 18)
+        outs = [st.prefill(tokens[:, :4], logits="all", max_budget=1, lambda_cost=lam)]
+        outs += [st.decode_step(tokens[:, i:i + 1], max_budget=1, lambda_cost=lam) for i in range(4, 18)]
+        return torch.cat([o.logits for o in outs], 1), torch.cat([o.actions for o in outs], 1)
+
+    logits, actions = decode(model)
+    torch.testing.assert_close(logits, full.logits, rtol=0, atol=1e-12)
+    assert torch.equal(actions, full.actions)
+    fired = full.actions[:, 4:, 0] != cfg.stop_action  # the decode steps' positions
+    assert fired.any(0).any() and not fired.any(0).all()  # steps with edits and steps without
+    assert len(spans_seen) == int(fired.any(0).sum()) and any(len(s) > 1 for s in spans_seen)  # groups at once
+    monkeypatch.setattr(routed, "one_edit_step", lambda m, ws: False)  # the general path
+    general, _ = decode(model)
+    torch.testing.assert_close(general, logits, rtol=0, atol=1e-12)
+    monkeypatch.setattr(routed, "one_edit_step", lambda m, ws: True)
+    monkeypatch.setattr(model.editor, "edit_rows", lambda *a, **k: orig(*a[:7], step=0, remaining=1))
+    wrong, _ = decode(model)
+    assert (wrong - full.logits).abs().max() > 1e-3
+
+
 def test_router_decide_equals_select_of_its_values_and_follows_the_price_and_the_weights():
     """`Router.decide` (the decode step's rule: price folded into the bias, n-gram column added where seen) picks, in
     float64, what `select(forward(H, seen))` picks at every position, across prices, a price it cached and a weight

@@ -292,6 +292,39 @@ class SparseEditor(nn.Module):
             out_kv = SlotKV(kv_new, slot_kv.ready & (group != dense_group) if counts[-1] else slot_kv.ready)
         return S_new, EditInfo(sum(counts[1:]), gates, out_kv)
 
+    def edit_rows(self, S: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch.Tensor, action: torch.Tensor,
+                  spans: list[tuple[int, int, int]], step: int, remaining: int) -> torch.Tensor:
+        """One action per row, each row one query (a decode step's fired positions): what `forward` computes for
+        them, without its bookkeeping (no group count or search, no bank packing, no gate record). Eager, seed
+        accounting (no slot K/V cache).
+
+        Args:
+            S: `[N, M, w]` each row's workspace; K, V: `[N, Tb, w]` its bank; mask: `[N, Tb]` the keys it may read.
+            action: `[N]` non-STOP action ids, rows sorted by action group; spans: (group, first row, end row) of
+                each group present.
+            step, remaining: the step and remaining-budget embeddings' indices (the same for every row).
+        Returns:
+            S_new `[N, M, w]` (S is not modified).
+        """
+        N, M, w = S.shape
+        nh = self.cfg.n_ws_heads
+        Kh = K.view(N, -1, nh, w // nh).transpose(1, 2)  # [N, nh, Tb, hd]
+        Vh = V.view(N, -1, nh, w // nh).transpose(1, 2)
+        st = torch.full((N,), step, dtype=torch.long, device=S.device)  # [N]
+        rem = st if remaining == step else torch.full((N,), remaining, dtype=torch.long, device=S.device)
+        out = []
+        for g_id, i, j in spans:
+            k = self.group_sizes[g_id]
+            n = j - i
+            slots = self.act_slots[action[i:j], :k]  # [n, k]
+            rows = torch.arange(n, device=S.device).unsqueeze(1)  # [n, 1]
+            S_g = S[i:j]  # [n, M, w]
+            m = mask[i:j].view(n, 1, 1, -1).expand(n, 1, k, mask.shape[-1])  # [n, 1, k, Tb]
+            x, _ = blocks_pass(self.blocks, S_g[rows, slots], st[i:j], rem[i:j], S_g, slots,
+                               (Kh[i:j], Vh[i:j], m, None, None), True)  # full: every row one query, in order
+            out.append(S_g.index_put((rows, slots), x.to(S.dtype)))
+        return out[0] if len(out) == 1 else torch.cat(out)
+
     def _padded_forward(self, S: torch.Tensor, K: torch.Tensor, V: torch.Tensor, bank_mask: torch.Tensor,
                         action: torch.Tensor, step: torch.Tensor, remaining: torch.Tensor, group: torch.Tensor,
                         counts: list[int]) -> tuple[torch.Tensor, EditInfo]:

@@ -58,6 +58,54 @@ def fired_positions(fires: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.nonzero(fires, as_tuple=True)
 
 
+def fired_groups(fires: torch.Tensor, best: torch.Tensor, act_group: torch.Tensor) -> list[tuple[int, list[int]]]:
+    """(action group, its rows) for each group of the actions the router fired with, in a step with one query per
+    row (`fires`, `best` `[B, 1]`): one host read of where it fired, and one of their groups where some did."""
+    rows = [r for r, f in enumerate(fires.view(-1).tolist()) if f]
+    if not rows:
+        return []
+    by: dict[int, list[int]] = {}
+    for r, g in zip(rows, act_group[best.view(-1)[rows]].tolist()):
+        by.setdefault(g, []).append(r)
+    return sorted(by.items())
+
+
+def one_edit_step(model, ws: _Workspace) -> bool:
+    """Whether a decode step takes `budget1_step`: the deployed policy (budget 1: the router's action and nothing
+    after it) on the eager editor without a slot K/V cache."""
+    return ws.max_budget == 1 and model.editor.compiled is None and not model.cfg.uses_slot_kv_cache
+
+
+def budget1_step(state: DecodeState, st: Streams, best: torch.Tensor, fires: torch.Tensor, logits: torch.Tensor,
+                 trace: torch.Tensor, n_edits: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The rows of a decode step (one query each) where the router fired at budget 1: each edits with its best
+    action at step 0 with no budget left, then reads out; what `rollout_policy` (its step 0 taken) and
+    `logits_from_state` compute for them, in few calls (`SparseEditor.edit_rows`). Returns (logits, trace,
+    n_edits) with the fired rows written (`n_edits` `[B, 1]` zeros)."""
+    model = state.model
+    groups = fired_groups(fires, best, model.editor.act_group)
+    if not groups:
+        return logits, trace, n_edits
+    rows = [r for _, rs in groups for r in rs]
+    b = torch.tensor(rows, dtype=torch.long, device=fires.device)  # [N], sorted by action group
+    spans, at = [], 0
+    for g, rs in groups:
+        spans.append((g, at, at + len(rs)))
+        at += len(rs)
+    one = lambda x: x.index_select(0, b)  # noqa: E731  [B, 1, ...] -> [N, 1, ...]
+    st_n = Streams(one(st.H), {k: one(v) for k, v in st.src.items()}, None if st.ids is None else one(st.ids))
+    K, V = state.bank(max(state.lengths), b)  # [N, Tb, w] each
+    z, S0 = query_state(model, st_n)  # [N, 1, w], [N, 1, M, w]
+    Tb = K.shape[1]
+    mask = torch.arange(Tb, device=b.device) < state.cache.lengths_tensor(b.device)[b].unsqueeze(1)  # [N, Tb]
+    a = one(best).view(-1)  # [N]
+    S = model.editor.edit_rows(S0[:, 0], K, V, mask, a, spans, step=0, remaining=0)  # [N, M, w]
+    delta = model.readout(S, S0[:, 0], z[:, 0]).to(st_n.H.dtype)  # [N, d]
+    lg = model.backbone.head(st_n.H + delta.unsqueeze(1))  # [N, 1, V]
+    n_edits = n_edits.index_fill(0, b, 1)
+    return logits.index_copy(0, b, lg), trace.index_copy(0, b, a.view(-1, 1, 1)), n_edits
+
+
 def routed_workspace(state: DecodeState, st: Streams, pos: torch.Tensor, valid: torch.Tensor | None,
                      ws: _Workspace, valid_t: torch.Tensor) -> dict[str, torch.Tensor]:
     """`DecodeState._workspace` for a router model's policy (see the module docstring); valid `[B, Q]` marks real
@@ -69,10 +117,14 @@ def routed_workspace(state: DecodeState, st: Streams, pos: torch.Tensor, valid: 
     dev, R, stop = H.device, ws.n_steps, cfg.stop_action
     h = model.backbone.final_norm(H)  # [B, Q, d]: the head's input, which the router's decision reads too
     best, fires, seen, tok = router_decision(state, st, pos, valid, ws, h)
-    b, t = fired_positions(fires)  # [N]
     logits = model.backbone.logits(h)  # [B, Q, V]: every position that does not edit, bitwise head(H)
     trace = torch.full((B, Q, R), stop, dtype=torch.long, device=dev)
     n_edits = steps = torch.zeros(B, Q, dtype=torch.long, device=dev)  # replaced, never written, where some fire
+    if Q == 1 and one_edit_step(model, ws):  # the deployed decode step
+        logits, trace, n_edits = budget1_step(state, st, best, fires, logits, trace, n_edits)
+        return dict(logits=logits, actions=trace, n_edits=n_edits, controller_steps=steps, positions=pos,
+                    valid=valid_t)
+    b, t = fired_positions(fires)  # [N]
     N = b.numel()
     if N > 0:
         lengths = state.lengths
