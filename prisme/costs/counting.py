@@ -29,9 +29,10 @@ class OpsCounter:
     the component of the innermost tagged module running it: backbone blocks -> `backbone_linear` (their SDPA ->
     `backbone_attention`, the key shift's `wk_shift` -> `backbone_key_shift`); `backbone.logits` (the head's matmul)
     -> `lm_head`; W_K, W_V, P (and their `_more` terms) -> `bank_projection`, W_K_shift -> `bank_shift`, P_ctrl ->
-    `controller_input`; the router -> `router`; editor linears by name (src_q/src_o, slot_q/slot_kv/slot_o, w13/w2,
-    gate); an SDPA inside an editor block -> `editor_source_attn` if it carries a mask (the causal bank) else
-    `editor_slot_attn` (the M slots); controller; readout. Anything else lands in `untagged`. Not counted, by the
+    `controller_input`; the router -> `router`; editor linears by the leaf whose weight they multiply (src_q/src_o,
+    slot_q/slot_kv/slot_o, w13/w2, gate: the editor applies them in functional form); an SDPA inside an editor block
+    -> `editor_source_attn` if it carries a mask (the causal bank) else `editor_slot_attn` (the M slots); controller;
+    readout. Anything else lands in `untagged`. Not counted, by the
     convention: norms, softmax, activations, embeddings, biases.
     Made for CPU runs: on CUDA torch's own SDPA formulas apply, but the bank/slot split of the editor's attention
     reads the CPU kernel's `attn_mask` keyword.
@@ -53,6 +54,7 @@ class OpsCounter:
         self._stack: list[str] = []
         self._handles: list[Any] = []
         self._mode: Any = None
+        self._leaf_of: dict[int, str] = {}  # an editor leaf's weight (its data pointer) -> its component
 
     @property
     def total(self) -> int:
@@ -78,7 +80,7 @@ class OpsCounter:
             for blk in m.editor.blocks:
                 tags[blk] = "editor_block"
                 for name, comp in self._EDITOR_LEAVES.items():
-                    tags[getattr(blk, name)] = comp
+                    self._leaf_of[getattr(blk, name).weight.data_ptr()] = comp
             tags[m.controller] = "controller"
             if getattr(m.controller, "bank_match", None) is not None:
                 tags[m.controller.bank_match] = "controller_bank"
@@ -89,10 +91,14 @@ class OpsCounter:
                 tags[m.router] = "router"
         return tags
 
-    def _add(self, packet: Any, ops: int, kwargs: dict[str, Any]) -> None:
+    def _add(self, packet: Any, ops: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         tag = self._stack[-1] if self._stack else "untagged"
         sdpa = "scaled_dot_product" in str(packet)
-        if tag == "backbone_block":
+        leaf = next((self._leaf_of[a.data_ptr()] for a in args if isinstance(a, torch.Tensor)
+                     and a.data_ptr() in self._leaf_of), None)  # an editor leaf (run in functional form) by its weight
+        if leaf is not None:
+            tag = leaf
+        elif tag == "backbone_block":
             tag = "backbone_attention" if sdpa else "backbone_linear"
         elif tag == "editor_block":
             tag = ("editor_source_attn" if kwargs.get("attn_mask") is not None else "editor_slot_attn") if sdpa \
@@ -102,7 +108,7 @@ class OpsCounter:
     def _wrap(self, packet: Any, formula: Callable[..., int]) -> Callable[..., int]:
         def counted(*args: Any, out_val: Any = None, **kwargs: Any) -> int:
             ops = formula(*args, out_val=out_val, **kwargs)
-            self._add(packet, ops, kwargs)
+            self._add(packet, ops, args, kwargs)
             return ops
 
         counted._get_raw = True  # FlopCounterMode passes tensors; `formula` is already shape-wrapped or raw

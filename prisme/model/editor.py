@@ -28,7 +28,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from prisme.config import PrismeConfig
-from prisme.model.attention import RMSNorm
+from prisme.model.attention import RMSNorm, linear
+from prisme.model.backbone import apply_norm
 from prisme.model.workspace import action_groups, group_first_actions
 
 
@@ -138,8 +139,8 @@ def blocks_pass(blocks: nn.ModuleList, x: torch.Tensor, st: torch.Tensor, rem: t
     rows = torch.arange(x.shape[0], device=x.device).unsqueeze(1)  # [N, 1]
     bank = _Bank(bank_parts, full)
     gates = []
-    for blk in blocks:
-        kv = blk.slot_keys_values(S_pos.index_put((rows, slots), x.to(S_pos.dtype)))  # [N, M, 2w]
+    for i, blk in enumerate(blocks):  # block 0's input is S_pos itself (x holds its slots)
+        kv = blk.slot_keys_values(S_pos if i == 0 else S_pos.index_put((rows, slots), x.to(S_pos.dtype)))  # [N, M, 2w]
         x, g = blk(x, st, rem, bank, kv)
         gates.append(g)
     return x, gates
@@ -186,7 +187,8 @@ class EditorBlock(nn.Module):
 
     def slot_keys_values(self, X: torch.Tensor) -> torch.Tensor:
         """Keys | values `[..., 2w]` of slot states X `[..., w]` (no step conditioning: cacheable)."""
-        return self.slot_kv(self.norm_slot(X))
+        c = self._modules
+        return linear(apply_norm(c["norm_slot"], X), c["slot_kv"])
 
     def bank_attention(self, x: torch.Tensor, step: torch.Tensor, remaining: torch.Tensor, K: torch.Tensor,
                        bank_mask: torch.Tensor) -> torch.Tensor:
@@ -202,14 +204,20 @@ class EditorBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, step: torch.Tensor, remaining: torch.Tensor, bank: BankView,
                 slot_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x `[N, k, w]` chosen slots; step, remaining `[N]`; slot_kv `[N, M, 2w]` -> (x_out, gate `[N, k, 1]`)."""
-        e = (self.step_emb(step) + self.rem_emb(remaining)).unsqueeze(1)  # [N, 1, w]
-        hx = self.norm_src(x)  # [N, k, w]
-        h = x + self.src_o(bank.attend(self.src_q(hx + e)))
-        h = h + self.slot_o(_slot_attention(self.slot_q(self.norm_slot(h) + e), slot_kv, self.n_heads))
-        a, b = self.w13(self.norm_ffn(h) + e).chunk(2, dim=-1)
-        h = h + self.w2(F.silu(a) * b)
-        g = torch.sigmoid(self.gate(hx))  # [N, k, 1]
+        """x `[N, k, w]` chosen slots; step, remaining `[N]`; slot_kv `[N, M, 2w]` -> (x_out, gate `[N, k, 1]`).
+
+        Leaf layers in functional form with registry reads, as the backbone's (a decode step's edit is bound by
+        per-call overhead: `prisme.model.attention`)."""
+        c = self._modules
+        e = (F.embedding(step, c["step_emb"]._parameters["weight"])
+             + F.embedding(remaining, c["rem_emb"]._parameters["weight"])).unsqueeze(1)  # [N, 1, w]
+        hx = apply_norm(c["norm_src"], x)  # [N, k, w]
+        h = x + linear(bank.attend(linear(hx + e, c["src_q"])), c["src_o"])
+        q = linear(apply_norm(c["norm_slot"], h) + e, c["slot_q"])
+        h = h + linear(_slot_attention(q, slot_kv, self.n_heads), c["slot_o"])
+        a, b = linear(apply_norm(c["norm_ffn"], h) + e, c["w13"]).chunk(2, dim=-1)
+        h = h + linear(F.silu(a) * b, c["w2"])
+        g = torch.sigmoid(linear(hx, c["gate"]))  # [N, k, 1]
         return torch.lerp(x, h.to(x.dtype), g.to(x.dtype)), g  # x + g (h - x); casts only under autocast
 
 

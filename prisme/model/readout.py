@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from prisme.config import PrismeConfig
+from prisme.model.attention import linear
 
 
 class DifferentialReadout(nn.Module):
@@ -31,13 +32,15 @@ class DifferentialReadout(nn.Module):
 
     def read(self, q: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
         """Attention read r(S) `[N, w]` of slots S `[N, M, w]`; q `[N, w]` is W_q z, or W_r^T W_q z if optimised."""
-        keys = S if self.optimised else self.W_r(S)  # [N, M, w]
+        keys = S if self.optimised else linear(S, self._modules["W_r"])  # [N, M, w]
         att = torch.softmax((keys @ q.unsqueeze(-1)).squeeze(-1) * self.scale, dim=-1)  # [N, M]
         return (att.unsqueeze(1) @ S).squeeze(1)  # [N, w]
 
     def forward(self, S: torch.Tensor, S0: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """S, S0 `[N, M, w]`, z `[N, w]` -> delta `[N, d]`."""
-        q = self.W_q(z)  # [N, w]
+        """S, S0 `[N, M, w]`, z `[N, w]` -> delta `[N, d]` (leaf layers in functional form: `prisme.model.attention`)
+        """
+        c = self._modules
+        q = linear(z, c["W_q"])  # [N, w]
         if self.optimised:
-            q = q @ self.W_r.weight  # [N, w]: scores q . W_r s = (W_r^T q) . s
-        return self.U(self.read(q, S) - self.read(q, S0))
+            q = q @ c["W_r"]._parameters["weight"]  # [N, w]: scores q . W_r s = (W_r^T q) . s
+        return linear(self.read(q, S) - self.read(q, S0), c["U"])
