@@ -161,3 +161,6 @@ def test_bench_decode_times_the_recall_winners_of_each_length():
     assert ids.cfg.bank_store == "ids" and ids.new_decode_state(1).KV is None  # the ids alone
     with pytest.raises(ValueError, match="unknown shape"):
         shapes(["recall_T64"], True, 0)
+    from prisme.bench.decode import edit_rate  # each shape's deployed edit rate, unless --edit-rate is given
+    assert (edit_rate("recall_T1024", None), edit_rate("recall_T32", None), edit_rate("demo", 0.3)) == (0.0076, 0.125,
+                                                                                                      0.3)
