@@ -129,7 +129,7 @@ def test_bench_decode_json_on_the_tiny_preset(tmp_path, capsys):
 
     out = tmp_path / "decode.json"
     args = argparse.Namespace(shapes="tiny", batches="1,2", prompt_len=4, new_tokens=4, repeats=1, edit_rate=0.25,
-                              threads=1, no_tables=False, bank_store="entries", seed=0, json=str(out))
+                              threads=1, no_tables=False, bank_store="entries", seed=0, json=str(out), compile=False)
     assert main(args) == 0
     doc = json.loads(out.read_text())
     assert doc["bench"] == "decode" and {"torch", "threads", "mode"} <= set(doc["environment"])
@@ -141,6 +141,25 @@ def test_bench_decode_json_on_the_tiny_preset(tmp_path, capsys):
             assert abs(sum(p["share_of_time"] for p in row["parts"].values()) - 1) < 1e-9
         assert res["rows"]["routed_off"]["edits_per_token"] == 0 and res["rows"]["backbone"]["ops_ratio"] == 1
     assert "routed_off" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_bench_decode_compiled_paths_take_the_same_traces_as_the_eager_ones(tmp_path):
+    """`--compile` adds the two router policies with the editor under torch.compile, in the same rotation: the router
+    decides eagerly, so they take the eager paths' traces and ops exactly."""
+    from prisme.bench.decode import main
+
+    out = tmp_path / "decode.json"
+    args = argparse.Namespace(shapes="tiny", batches="2", prompt_len=4, new_tokens=6, repeats=1, edit_rate=0.25,
+                              threads=1, no_tables=False, bank_store="entries", seed=0, json=str(out), compile=True)
+    assert main(args) == 0
+    doc = json.loads(out.read_text())
+    rows = doc["results"][0]["rows"]
+    assert set(rows) == {"backbone", "routed_off", "routed", "off_compiled", "routed_compiled"}
+    routed, base = rows["routed"]["ops_per_token"], rows["backbone"]["ops_per_token"]
+    assert rows["routed_compiled"]["ops_per_token"] == routed > base
+    assert rows["off_compiled"]["ops_per_token"] == rows["routed_off"]["ops_per_token"]
+    assert "compiled" in doc["environment"]["mode"]
 
 
 def test_bench_decode_times_the_recall_winners_of_each_length():

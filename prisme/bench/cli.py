@@ -101,6 +101,8 @@ def add_bench_parser(sub) -> None:
     dc.add_argument("--edit-rate", type=float, default=None, help="share of positions the deployed price edits "
                     "(default: each shape's study winner's, 12.5%% at T = 32, 0.76%% for recall_T1024)")
     dc.add_argument("--threads", type=int, default=1, help="torch CPU threads (-1 = leave as is)")
+    dc.add_argument("--compile", action="store_true", help="also time both router policies with the editor under "
+                    "torch.compile (paths off_compiled, routed_compiled; compiles first, minutes on a CPU)")
     dc.add_argument("--no-tables", action="store_true", help="project the recall shape's embedding bank per step "
                     "instead of serving it from per-vocabulary tables (bank_tables=False)")
     dc.add_argument("--bank-store", default="entries", choices=["entries", "ids"],

@@ -8,7 +8,9 @@ its dense rival, `shapes`; the `demo` preset with a router; untrained weights) a
   * `routed`: budget 1, at the price where `--edit-rate` of the positions edit (the deployed price of the study's
     winners: 12.5 % at T = 32, 0.76 % at T = 1,024; `DEPLOYED_EDIT_RATE`), read from the router's own scores on
     the backbone's greedy continuation of the prompts;
-  * `dense` (recall shapes): the dense winner alone.
+  * `dense` (recall shapes): the dense winner alone;
+  * with `--compile`, `off_compiled` and `routed_compiled`: the same two policies with the editor under
+    `torch.compile` (its fixed-shape decode graphs; `compiled_copy`), the backbone and the router eager.
 Per path: ms per generated step (the first, which holds the prefill, is not counted), ops per token (`prisme.costs`,
 each position at its own context, the traces the run took), and the summary figure: time over the backbone's step
 divided by ops over the backbone's (`t_over_ops`; 1.0 = time follows ops). One instrumented run per path splits
@@ -166,9 +168,21 @@ def _steps_ms(model: PrismeModel, prompts: torch.Tensor, n_new: int, policy: dic
     return (marks[-1] - marks[2]) / 1e6 / (len(marks) - 3)
 
 
+def compiled_copy(model: PrismeModel) -> PrismeModel:
+    """The same weights with the editor under `torch.compile` (`prisme.model.compiled.compile_editor`: fixed-shape
+    decode graphs, every action group present run on all rows; the router's decision and the backbone stay eager)."""
+    from prisme.model.compiled import compile_editor
+
+    twin = PrismeModel(model.cfg).to(model.backbone.tok_emb.weight.dtype).eval()
+    twin.load_state_dict(model.state_dict())
+    compile_editor(twin)
+    return twin
+
+
 def measure(name: str, model: PrismeModel, dense: PrismeModel | None, batch: int, prompt_len: int, n_new: int,
-            repeats: int, edit_rate: float, seed: int) -> dict[str, Any]:
-    """Every path of one shape at one batch size: time, ops, parts (module docstring)."""
+            repeats: int, edit_rate: float, seed: int, compiled: PrismeModel | None = None) -> dict[str, Any]:
+    """Every path of one shape at one batch size: time, ops, parts (module docstring); with `compiled` (the same
+    weights, `compiled_copy`) also `off_compiled` and `routed_compiled`, in the same rotation."""
     cfg = model.cfg
     prompts = make_tokens(cfg.vocab_size, batch, prompt_len, seed)
     # the price is read on the trajectory decoded: the backbone's greedy tokens, at the positions that generate
@@ -176,6 +190,9 @@ def measure(name: str, model: PrismeModel, dense: PrismeModel | None, batch: int
     price = deployed_price(model, seq[:, :-1], edit_rate, start=prompt_len - 1)
     paths = {"backbone": (model, {}), "routed_off": (model, dict(max_budget=1, lambda_cost=OFF_PRICE)),
              "routed": (model, dict(max_budget=1, lambda_cost=price))}
+    if compiled is not None:
+        paths["off_compiled"], paths["routed_compiled"] = (compiled, paths["routed_off"][1]), (compiled,
+                                                                                             paths["routed"][1])
     if dense is not None:
         paths["dense"] = (dense, {})
     names = list(paths)
@@ -220,7 +237,7 @@ def measure(name: str, model: PrismeModel, dense: PrismeModel | None, batch: int
 
 # ------------------------------------------------------------------------------------------------------------ output
 def format_table(results: list[dict[str, Any]]) -> str:
-    lines = [f"{'shape':<15}{'B':>3}  {'path':<11}{'ms/step':>8}{'ops/tok':>9}{'edits':>6}{'t x':>6}{'ops x':>6}"
+    lines = [f"{'shape':<15}{'B':>3}  {'path':<16}{'ms/step':>8}{'ops/tok':>9}{'edits':>6}{'t x':>6}{'ops x':>6}"
              f"{'t/ops':>6}  share of time by part (ops x of the backbone step)"]
     lines.append("-" * 130)
     for res in results:
@@ -229,7 +246,7 @@ def format_table(results: list[dict[str, Any]]) -> str:
             parts = "  ".join(f"{p} {v['share_of_time']:.0%}" + (f" ({v['ops_per_token'] / base:.2f})"
                                                                  if v["ops_per_token"] else "")
                               for p, v in row["parts"].items() if v["share_of_time"] > 0.005 or v["ops_per_token"])
-            lines.append(f"{res['shape']:<15}{res['batch']:>3}  {k:<11}{row['ms_per_step']:>8.3f}"
+            lines.append(f"{res['shape']:<15}{res['batch']:>3}  {k:<16}{row['ms_per_step']:>8.3f}"
                          f"{row['ops_per_token']:>9.0f}{row['edits_per_token']:>6.2f}{row['time_ratio']:>6.2f}"
                          f"{row['ops_ratio']:>6.2f}{row['t_over_ops']:>6.2f}  {parts}")
     return "\n".join(lines)
@@ -253,13 +270,15 @@ def main(args: argparse.Namespace) -> int:
                                  f"{model.cfg.max_seq_len} positions")
             for B in batches:
                 results.append(measure(name, model, dense, B, prompt, n_new, args.repeats,
-                                       edit_rate(name, args.edit_rate), args.seed))
+                                       edit_rate(name, args.edit_rate), args.seed,
+                                       compiled_copy(model) if args.compile else None))
     t_ok = [r["rows"]["routed_off"]["t_over_ops"] <= 1.25 and r["rows"]["routed"]["t_over_ops"] <= 1.5
             for r in results]
     doc = {"bench": "decode", "environment": {"torch": torch.__version__, "python": platform.python_version(),
                                               "machine": platform.machine(), "processor": platform.processor(),
                                               "threads": torch.get_num_threads() if args.threads < 1 else args.threads,
-                                              "device": "cpu", "mode": "eager"},
+                                              "device": "cpu",
+                                              "mode": "eager" + (" and compiled editor" if args.compile else "")},
            "settings": {"shapes": names, "batches": list(batches),
                         "prompt_len": {n: prompt_length(n, args.prompt_len) for n in names},
                         "new_tokens": args.new_tokens, "repeats": args.repeats,
