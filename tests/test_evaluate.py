@@ -718,6 +718,43 @@ def test_ar_slice_labels_equal_a_plain_search(vocab):
         ar_slice_labels(x, y, 0)
 
 
+def _window_slices_by_hand(x: list[int], y: list[int], n: int, W: int, sloppy: bool = False) -> list[int]:
+    """`ar_slice_labels(..., window=W)` by a plain search: a hit within the window when an earlier occurrence followed
+    by the target has its whole n-gram inside positions t - W + 1 .. t (`sloppy`: only its continuation)."""
+    out = []
+    for t, v in enumerate(_slices_by_hand(x, y, n)):
+        if v != 0:
+            out.append(v if v < 0 else v + 1)
+            continue
+        gram = x[t - n + 1:t + 1]
+        near = [j for j in range(n - 1, t)
+                if x[j - n + 1:j + 1] == gram and x[j + 1] == y[t] and (j + 1 if sloppy else j - n + 1) >= t - W + 1]
+        out.append(0 if near else 1)
+    return out
+
+
+@pytest.mark.parametrize("n, W", [(1, 4), (2, 6), (3, 12)])
+def test_window_slices_split_the_ar_hits_by_where_their_occurrence_lies(n, W):
+    """With a window, an AR hit is "in the window" when some earlier occurrence followed by the target lies whole in
+    t - W + 1 .. t, else "beyond"; seen misses and others keep their labels; against a plain search. Negative control:
+    a window one position wider labels some hits differently."""
+    from prisme.evaluation.slices import WINDOW_SLICES, ar_slice_labels, slice_names
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 4, (8, 64), generator=g)
+    y = torch.cat([x[:, 1:], torch.randint(0, 4, (8, 1), generator=g)], 1)
+    got = ar_slice_labels(x, y, n, window=W)
+    for b in range(8):
+        assert got[b].tolist() == _window_slices_by_hand(x[b].tolist(), y[b].tolist(), n, W)
+    assert set(got.flatten().tolist()) >= {0, 1, 2} and slice_names(W) == WINDOW_SLICES
+    plain = ar_slice_labels(x, y, n)
+    assert torch.equal((got <= 1) & (got >= 0), plain == 0)  # the hits, split; nothing else moves
+    assert any(got[b].tolist() != _window_slices_by_hand(x[b].tolist(), y[b].tolist(), n, W, sloppy=True)
+               for b in range(8))  # only the continuation inside the window: a local model could not copy those
+    with pytest.raises(ValueError, match="window"):
+        ar_slice_labels(x, y, n, window=0)
+
+
 def test_every_row_reports_its_slices_and_they_add_up(run):
     """With `slices=2`: per slice the loss, its gain over the backbone and that gain's share, and edits per
     position; the slices' target shares sum to 1, their losses weighted by those shares give the row's loss, their

@@ -44,7 +44,7 @@ from prisme.evaluation.policies import (
     standard_policies,
 )
 from prisme.evaluation.report import EvalReport, EvalRow
-from prisme.evaluation.slices import SliceSums, ar_slice_labels
+from prisme.evaluation.slices import SliceSums, ar_slice_labels, slice_names
 from prisme.io import environment
 from prisme.model.oracle import token_ce
 from prisme.model.prisme import PrismeModel
@@ -74,6 +74,7 @@ class EvalOptions:
     bootstrap_seed: int = 0
     frontier: Sequence[str] | None = None  # backbone-only rows that make the dense frontier (their lower envelope)
     slices: int | None = None  # n-gram length of the AR-hit / seen-miss / other slices (`evaluation.slices`)
+    slices_window: int | None = None  # split AR hits into within / beyond an attention window of this many positions
     scorer: NextTokenLoss = field(default_factory=NextTokenLoss)  # `NextTokenLoss()` or `QueryAccuracy()`
 
     def replace(self, **changes: Any) -> EvalOptions:
@@ -171,6 +172,10 @@ def _check_options(model: PrismeModel, data: Any, options: EvalOptions) -> int:
     if options.slices is not None and (not is_int(options.slices) or not 1 <= options.slices <= seq_len):
         raise ValueError(f"slices must be an n-gram length in [1, seq_len={seq_len}] (a longer one matches nothing "
                          f"in a window), got {options.slices!r}")
+    if options.slices_window is not None and (options.slices is None or not is_int(options.slices_window)
+                                              or options.slices_window < 1):
+        raise ValueError(f"slices_window must be an int >= 1 and goes with slices (an n-gram length), got "
+                         f"{options.slices_window!r} with slices={options.slices!r}")
     if not isinstance(options.scorer, NextTokenLoss):
         raise ValueError(f"scorer must be NextTokenLoss() or QueryAccuracy(), got {options.scorer!r}")
     return seq_len
@@ -220,7 +225,9 @@ def evaluate_policies(model: PrismeModel, data: Any, policies: Sequence[Policy |
             unknown = sorted(set(options.frontier or ()) - dense_rows)
             if unknown:
                 raise ValueError(f"frontier rows {unknown} are not backbone-only rows of this evaluation")
-            accs = {r.name: _Acc(slices=None if options.slices is None else SliceSums(cfg.stop_action)) for r in plan}
+            names = slice_names(options.slices_window)
+            accs = {r.name: _Acc(slices=None if options.slices is None else SliceSums(cfg.stop_action, names))
+                    for r in plan}
             _run_batches(model, plan, accs, batches, device, options)
     finally:
         for m, was in modes:
@@ -295,7 +302,7 @@ def _run_batches(model: PrismeModel, plan: list[Row], accs: dict[str, _Acc],
         B, T = x.shape
         batch = Batch(model, x, y, bi, options.seed, options.scorer, shared)
         if options.slices is not None:
-            labels = ar_slice_labels(x, y, options.slices)
+            labels = ar_slice_labels(x, y, options.slices, options.slices_window)
             for acc in accs.values():
                 acc.slice_labels = labels
         contexts = torch.arange(1, T + 1).expand(B, T)  # [B, T] each position's own context t + 1
