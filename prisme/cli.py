@@ -200,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "the router's price, over routed shares of the positions (can any router reach the frontier?)")
     s.add_argument("--slices", type=int, default=None, metavar="N",
                    help="split every row into AR-hit / seen-miss / other positions by N-grams (e.g. 4)")
+    s.add_argument("--slices-window", type=int, default=None, metavar="W",
+                   help="with --slices: split the AR hits into those within an attention window of W positions and "
+                        "those beyond it (what only a model that reads farther back can copy)")
     _add_compile(s)
     s.set_defaults(func=_cmd_eval)
 

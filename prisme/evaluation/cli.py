@@ -237,7 +237,8 @@ def main(args: argparse.Namespace) -> int:
                                 kappa_risk=getattr(args, "kappa_risk", None), matched=matched, references=refs or None)
     options = EvalOptions(batch_size=args.batch_size, seq_len=seq_len, max_batches=max_batches, seed=args.seed,
                           progress=sys.stderr.isatty(), bootstrap_samples=args.bootstrap,
-                          bootstrap_seed=args.bootstrap_seed, frontier=frontier, slices=slices)
+                          bootstrap_seed=args.bootstrap_seed, frontier=frontier, slices=slices,
+                          slices_window=getattr(args, "slices_window", None))
     report = evaluate_policies(model, dataset, planned, options)
     from prisme.checkpoint import trained_groups
 
