@@ -303,6 +303,7 @@ def test_frontier_quick_run_writes_both_families_the_verdict_and_the_router_cost
                                               "context_family"),
                                              ({"context_family": []}, "context_family"),
                                              ({"context_workspace_warmup": -1}, "context_workspace_warmup"),
+                                             ({"context_warmup_steps": 0}, "context_warmup_steps"),
                                              ({"context_workspace_warmup": 10, "context_warmup": False},
                                               "context_workspace_warmup"),
                                              ({"frontier_steps": 1000}, "frontier_steps")])

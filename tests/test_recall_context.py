@@ -84,8 +84,14 @@ def test_each_length_plans_the_grid_in_its_own_folder_at_its_length(tmp_path):
         assert {(t.model.key_shift, t.model.attn_window) for t in dense} == {(False, None), (True, None),
                                                                             (False, 64), (True, 64)}
         assert family[0].model.attn_window == 64 and family[0].model.router and family[0].model.key_shift
-        assert family[0].model.router_token and family[0].name == f"T{T}_d16_w32_ks_win64_tok"
+        assert family[0].model.router_token and family[0].name == f"T{T}_d12_w32_ks_win64_tok"
     assert sum(t.kind == "control" for t in tasks) == 2
+    full = RecallStudyConfig(frontier=True, seeds=[0], contexts=[96], out_dir=str(tmp_path)).validate()
+    steps = {t.kind: [s.steps for s in t.stages] for t in plan_tasks(full, recipe) if getattr(t, "context", None)}
+    w, w2 = full.context_warmup_steps, full.context_workspace_warmup  # the study's own step counts, not the quick ones
+    assert steps == {"family": [w, w2, full.context_workspace_steps, recipe.router.steps],
+                     "dense": [w + w2, full.context_frontier_steps]}
+    assert full.context_frontier_steps >= full.context_workspace_steps + recipe.router.steps  # as long at T too
     alone = study(contexts=[96], out_dir=str(tmp_path), context_workspace_warmup=0)  # no workspace warm-up: the
     mine = [t for t in plan_tasks(alone, recipe) if getattr(t, "context", None) == 96]  # dense warm-up is the
     s1 = next(t for t in mine if t.kind == "family").stages[0]  # family's stage 1 itself, its stage 2 at T alone
@@ -317,6 +323,37 @@ def test_a_quick_long_context_study_writes_each_length_and_the_ratio(tmp_path):
     assert "T = 96" in text and "T = 128" in text and (out / "recall_context_ratio.png").stat().st_size > 0
     assert all((out / f"recall_frontier_T{T}.png").stat().st_size > 0 for T in (96, 128))
     assert all(c["search"] == "cheapest" and isinstance(c["not_trained"], list) for c in doc["contexts"])
+
+
+def test_the_recorded_frontier_keeps_every_entry_the_cheapest_passing_of_each_family_and_their_ratio():
+    """`frontier_reference` (what `prisme demo` reads): per length every entry in words with its accuracy per seed and
+    ops, sorted by ops, the verdict's cheapest passing configuration of each family and the ratio, and how it was
+    made."""
+    from prisme.studies.recall_context import frontier_reference
+
+    def e(L, d, ops, acc, ks=False, win=None, w=None):
+        return {"n_layer": L, "d_model": d, "w": w, "key_shift": ks, "attn_window": win, "ops_ratio": ops,
+                "accuracy": acc, "seeds": list(range(len(acc))), "seeds_at_95": sum(a >= 0.95 for a in acc),
+                "passes": sum(a >= 0.95 for a in acc) >= 4}
+
+    window = e(1, 16, 0.058, [0.03, 0.03], win=64)
+    winner = e(1, 16, 0.177, [0.97] * 5, ks=True)
+    prisme = e(1, 16, 0.082, [1.0, 0.97, 1.0, 0.99, 0.99], ks=True, win=64, w=32)
+    frontier = {"dense": [window, winner], "prisme": [prisme],
+                "verdict": {"dense_best": winner, "prisme_best": prisme, "ops_ratio_prisme_over_dense": 0.082 / 0.177}}
+    doc = {"scored": {"seeds": [0, 1, 2, 3, 4]}, "contexts": [{"T": 1024, "frontier": frontier}]}
+    ref = frontier_reference(doc, "prisme study recall --frontier --context 1024", "a CPU")
+    (c,) = ref["contexts"]
+    assert (ref["command"], ref["cpu"], ref["seeds"], c["T"]) == ("prisme study recall --frontier --context 1024",
+                                                                  "a CPU", [0, 1, 2, 3, 4], 1024)
+    assert [x["ops_ratio"] for x in c["entries"]] == [0.058, 0.082, 0.177]  # sorted by ops, both families
+    assert [x["name"] for x in c["entries"]] == ["1 layer d=16, 64-window",
+                                                  "d=16 w=32, 64-window backbone + key shift, router",
+                                                  "1 layer d=16 + key shift, global attention"]
+    assert c["dense_best"]["ops_ratio"] == 0.177 and c["prisme_best"]["family"] == "PRISME"
+    assert c["ratio"] == 0.082 / 0.177 and c["entries"][0]["accuracy"] == [0.03, 0.03]
+    assert c["prisme_best"]["member"] == {"d": 16, "w": 32, "attn_window": 64, "key_shift": True,
+                                          "router_token": False} and "member" not in c["dense_best"]
 
 
 def test_the_frontier_prints_each_decode_speed_as_time_per_token_over_the_dense_winners_beside_the_ops_ratio():

@@ -84,14 +84,14 @@ def context_mqar(cfg: RecallStudyConfig, recipe: Recipe, T: int) -> MQARConfig:
 def recipe_at(cfg: RecallStudyConfig, recipe: Recipe, T: int) -> Recipe:
     """The recipe at length T: the model's T_max, every stage's task and batch size, the workspace stage training
     what `context_backbone_trains` says of the backbone; the warm-ups at the recipe's short task (`context_warmup`:
-    its stage 1; `context_workspace_warmup`: its stage 2, for as many steps)."""
+    its stage 1 for `context_warmup_steps`; `context_workspace_warmup`: its stage 2, for as many steps)."""
     mcfg = context_mqar(cfg, recipe, T)
     task = dataclasses.asdict(mcfg)
 
     def at(s, **kw):
         return None if s is None else s.replace(mqar=task, batch_size=cfg.context_batch_size, **kw)
 
-    warmup = recipe.backbone if cfg.context_warmup else None
+    warmup = recipe.backbone.replace(steps=cfg.context_warmup_steps) if cfg.context_warmup else None
     learns = cfg.context_backbone_trains != "none"
     trains = dict(train_backbone_in_workspace_stage=learns,
                   backbone_trains=cfg.context_backbone_trains if learns else "all")
@@ -214,6 +214,42 @@ def ratio_by_context(contexts: list[dict[str, Any]]) -> list[dict[str, Any]]:
                      "prisme_ops": v["prisme_best"] and v["prisme_best"]["ops_ratio"],
                      "ratio": v["ops_ratio_prisme_over_dense"]})
     return rows
+
+
+def _label(e: dict[str, Any]) -> str:
+    """A frontier entry in words: "1 layer d=16 + key shift, global attention" (PRISME: its backbone and w)."""
+    if e.get("w"):
+        window = f", {e['attn_window']}-window backbone" if e.get("attn_window") else ""
+        return f"d={e['d_model']} w={e['w']}{window}" + (" + key shift" if e.get("key_shift") else "") + ", router"
+    return (f"{e['n_layer']} layer{'s' if e['n_layer'] > 1 else ''} d={e['d_model']}"
+            + (" + key shift" if e.get("key_shift") else "")
+            + (f", {e['attn_window']}-window" if e.get("attn_window") else ", global attention"))
+
+
+def frontier_reference(doc: dict[str, Any], command: str, cpu: str) -> dict[str, Any]:
+    """A long-context study's frontier as `prisme demo` reads it (`prisme/reference/recall_context_frontier.json`):
+    per length every trained configuration (accuracy per seed, ops over the reference, whether it passes), the
+    cheapest passing one of each family and PRISME's ops over the dense one's; `command` and `cpu` say how it was
+    made."""
+    def entry(e: dict[str, Any] | None, family: str) -> dict[str, Any] | None:
+        if e is None:
+            return None
+        out = {"family": family, "name": _label(e), "ops_ratio": e["ops_ratio"], "accuracy": e["accuracy"],
+               "seeds": e["seeds"], "seeds_at_95": e["seeds_at_95"], "passes": e["passes"]}
+        if family == "PRISME":  # the member as a `context_family` entry: what `prisme demo` trains again
+            out["member"] = {"d": e["d_model"], "w": e["w"], "attn_window": e["attn_window"],
+                             "key_shift": e["key_shift"], "router_token": e.get("router_token", False)}
+        return out
+
+    out: dict[str, Any] = {"command": command, "cpu": cpu, "seeds": doc["scored"]["seeds"], "contexts": []}
+    for c in doc["contexts"]:
+        f, v = c["frontier"], c["frontier"]["verdict"]
+        rows = [entry(e, "dense") for e in f["dense"]] + [entry(e, "PRISME") for e in f["prisme"]]
+        out["contexts"].append({"T": c["T"], "entries": sorted(rows, key=lambda e: e["ops_ratio"]),
+                                "dense_best": entry(v["dense_best"], "dense"),
+                                "prisme_best": entry(v["prisme_best"], "PRISME"),
+                                "ratio": v["ops_ratio_prisme_over_dense"]})
+    return out
 
 
 def format_contexts(doc: dict[str, Any]) -> str:

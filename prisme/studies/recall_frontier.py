@@ -101,10 +101,13 @@ def frontier_stages(cfg: RecallStudyConfig, recipe: Recipe) -> tuple[tuple[Any, 
     s1, s2, s3 = recipe.warmup or recipe.backbone, recipe.workspace.replace(steps=cfg.family_workspace_steps), \
         recipe.router
     s2w = recipe.workspace_warmup if recipe.warmup else None
-    family_steps = s1.steps + s2.steps + s3.steps + (s2w.steps if s2w else 0)
+    # the dense models' steps at the study's length against the family's there (with a warm-up, both train as long at
+    # the short task: the dense warm-up is the family's stage 1 plus its workspace warm-up)
+    family_steps = s2.steps + s3.steps + (0 if recipe.warmup else s1.steps)
     if not cfg.quick and cfg.frontier_steps < max(1500, family_steps):
         raise ValueError(f"recall study: frontier_steps={cfg.frontier_steps} must be >= 1500 and >= the PRISME "
-                         f"family's stages together ({family_steps}): the dense frontier is trained to what it can do")
+                         f"family's stages at the same length together ({family_steps}): the dense frontier is "
+                         f"trained to what it can do")
     b = recipe.backbone
     dense = b.replace(steps=cfg.frontier_steps, warmup=min(b.warmup, cfg.frontier_steps))
     if cfg.quick:
