@@ -102,11 +102,12 @@ def runs(tmp_path_factory) -> dict[str, dict]:
 def test_every_stage_trains_on_a_device_like_on_the_cpu(runs, stage):
     """Backbone; workspace with the aux_prev_token probe (built after the model moved: finding 2); controller with
     the controller bank, whose calibration batch must follow the model (finding 1); router. The weights after 3
-    steps equal the CPU run's."""
+    steps equal the CPU run's, to 1e-5 relative to each tensor's scale (the controller's calibrated biases sit near
+    -4.7, where one float32 ulp is 4.8e-7 and the attention kernel's rounding reaches 1.0e-5 after 3 Adam steps)."""
     cpu = ckpt.load_model(runs["cpu"][stage])[0].state_dict()
     dev = ckpt.load_model(runs["fake"][stage])[0].state_dict()
     for k in cpu:
-        assert_close(dev[k], cpu[k], 1e-5, k)
+        assert_close(dev[k], cpu[k], 1e-5 * max(1.0, float(cpu[k].abs().max())), k)
 
 
 @pytest.mark.parametrize("stage", [s for s, _ in STAGES])
