@@ -164,8 +164,9 @@ def test_bench_decode_compiled_paths_take_the_same_traces_as_the_eager_ones(tmp_
 
 def test_bench_decode_times_the_recall_winners_of_each_length():
     """`recall_T32` and `recall_T1024` are the frontier's winners at their lengths: PRISME d=16/w=32 with its router
-    (a 64-position window at T = 1,024) beside one key-shift layer (d=8 at T = 32, d=16 with global attention at
-    1,024); the long shape's default prompt leaves room for its new tokens, and an unknown shape is a ValueError."""
+    (a 64-position-window key-shift backbone whose router reads the token at T = 1,024) beside one key-shift layer (d=8
+    at T = 32, d=16 with global attention at 1,024); the long shape's default prompt leaves room for its new tokens, and
+    an unknown shape is a ValueError."""
     from prisme.bench.decode import LONG_PROMPT, prompt_length, shapes
 
     (n32, p32, d32), (n1k, p1k, d1k) = shapes(["recall_T32", "recall_T1024"], True, 0)
@@ -173,6 +174,7 @@ def test_bench_decode_times_the_recall_winners_of_each_length():
                                                                                                         None, 32)
     assert (d32.cfg.n_layer, d32.cfg.d_model, d32.cfg.key_shift, d32.cfg.use_workspace) == (1, 8, True, False)
     assert (p1k.cfg.d_model, p1k.cfg.w, p1k.cfg.attn_window, p1k.cfg.max_seq_len) == (16, 32, 64, 1024)
+    assert p1k.cfg.key_shift and p1k.cfg.router_token  # the long-context study's member, not the T = 32 one
     assert (d1k.cfg.n_layer, d1k.cfg.d_model, d1k.cfg.key_shift, d1k.cfg.attn_window) == (1, 16, True, None)
     assert p1k.cfg.bank_tables and prompt_length(n1k, None) == LONG_PROMPT < 1024 - 3 and prompt_length(n32, None) == 8
     assert prompt_length(n1k, 5) == 5 and p1k.cfg.bank_store == "entries"

@@ -54,16 +54,16 @@ def shapes(names: list[str], tables: bool, seed: int, store: str = "entries"
            ) -> list[tuple[str, PrismeModel, PrismeModel | None]]:
     """(name, PRISME model with a router, dense rival or None) per shape name: recall_T32 (the recall frontier's
     winners at T = 32: PRISME d=16/w=32, dense 1 layer d=8 with the key shift), recall_T1024 (the long-context winners
-    at T = 1,024: PRISME d=16/w=32 on a 64-position-window backbone, dense 1 layer d=16 with the key shift and global
-    attention), recall_d24_w32 (the winners before the key shift: PRISME d=24/w=32, dense 2 layers d=24), demo,
-    tiny."""
+    at T = 1,024: PRISME d=16/w=32 on a 64-position-window key-shift backbone with a router that reads the token, the
+    study's member; dense 1 layer d=16 with the key shift and global attention), recall_d24_w32 (the winners before the
+    key shift: PRISME d=24/w=32, dense 2 layers d=24), demo, tiny."""
     out = []
     for name in names:
         dense = None
         if name in RECALL_SHAPES:
             from prisme.studies.recall_context import recipe_at
             from prisme.studies.recall_frontier import dense_config, family_config
-            from prisme.studies.recall_setup import RecallStudyConfig, load_recipe
+            from prisme.studies.recall_setup import RecallStudyConfig, family_entry, load_recipe
 
             study = RecallStudyConfig(frontier=True, contexts=[1024])
             recipe, _ = load_recipe(study)
@@ -72,8 +72,11 @@ def shapes(names: list[str], tables: bool, seed: int, store: str = "entries"
             elif name == "recall_T32":
                 cfg, dense_cfg = family_config(recipe, 16, 32), dense_config(recipe, 1, 8, True)
             else:
-                r = recipe_at(study, recipe, 1024)
-                cfg, dense_cfg = family_config(r, 16, 32, 64), dense_config(r, 1, 16, True)
+                r = recipe_at(study, recipe, 1024)  # the study's d = 16 member, as its family lists it
+                m = next(family_entry(e, "context_family") for e in study.context_family
+                         if family_entry(e, "context_family").d == 16)
+                cfg = family_config(r, m.d, m.w, m.attn_window, m.key_shift, m.router_token)
+                dense_cfg = dense_config(r, 1, 16, True)
             cfg = cfg.replace(bank_tables=tables, bank_store=store)
             dense = _seeded(dense_cfg, seed)
         elif name in ("demo", "tiny"):
