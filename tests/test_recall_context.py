@@ -84,7 +84,7 @@ def test_each_length_plans_the_grid_in_its_own_folder_at_its_length(tmp_path):
         assert {(t.model.key_shift, t.model.attn_window) for t in dense} == {(False, None), (True, None),
                                                                             (False, 64), (True, 64)}
         assert family[0].model.attn_window == 64 and family[0].model.router and family[0].model.key_shift
-        assert family[0].model.router_token and family[0].name == f"T{T}_d12_w32_ks_win64_tok"
+        assert family[0].model.router_token and family[0].name == f"T{T}_d8_w32_ks_win64_tok"
     assert sum(t.kind == "control" for t in tasks) == 2
     full = RecallStudyConfig(frontier=True, seeds=[0], contexts=[96], out_dir=str(tmp_path)).validate()
     steps = {t.kind: [s.steps for s in t.stages] for t in plan_tasks(full, recipe) if getattr(t, "context", None)}
