@@ -140,6 +140,12 @@ def test_bench_decode_json_on_the_tiny_preset(tmp_path, capsys):
             assert set(row["parts"]) == set(PARTS) and row["t_over_ops"] > 0
             assert abs(sum(p["share_of_time"] for p in row["parts"].values()) - 1) < 1e-9
         assert res["rows"]["routed_off"]["edits_per_token"] == 0 and res["rows"]["backbone"]["ops_ratio"] == 1
+        for row in res["rows"].values():  # tokens/s from the step's time; the state is the model's at T_max
+            assert row["tokens_per_s"] == pytest.approx(res["batch"] * 1000 / row["ms_per_step"])
+        from prisme.bench.decode import shapes
+        from prisme.model.state import DecodeState
+        (_, tiny, _), = shapes(["tiny"], True, 0)
+        assert res["rows"]["routed"]["state_bytes"] == DecodeState(tiny, res["batch"], tiny.cfg.max_seq_len).nbytes > 0
     assert "routed_off" in capsys.readouterr().out
 
 
@@ -178,6 +184,10 @@ def test_bench_decode_times_the_recall_winners_of_each_length():
     assert (d1k.cfg.n_layer, d1k.cfg.d_model, d1k.cfg.key_shift, d1k.cfg.attn_window) == (1, 16, True, None)
     assert p1k.cfg.bank_tables and prompt_length(n1k, None) == LONG_PROMPT < 1024 - 3 and prompt_length(n32, None) == 8
     assert prompt_length(n1k, 5) == 5 and p1k.cfg.bank_store == "entries"
+    (n8, p8, d8), = shapes(["recall_T1024_d8"], True, 0)  # the study's cheapest passing member, same rival
+    assert (p8.cfg.d_model, p8.cfg.w, p8.cfg.attn_window, p8.cfg.key_shift, p8.cfg.router_token) == (8, 32, 64, True,
+                                                                                                       True)
+    assert d8.cfg == d1k.cfg and prompt_length(n8, None) == LONG_PROMPT
     (_, ids, _), = shapes(["recall_T1024"], True, 0, "ids")
     assert ids.cfg.bank_store == "ids" and ids.new_decode_state(1).KV is None  # the ids alone
     with pytest.raises(ValueError, match="unknown shape"):

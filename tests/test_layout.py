@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "prisme"
+LAYOUT_DOC = PACKAGE.parent / "docs" / "layout.md"  # the layout section the README links
 
 # Lowest first. A module may import its own layer and the layers below it, never one above.
 LAYERS = (
@@ -145,7 +146,7 @@ def test_no_module_of_the_package_is_over_450_lines():
 
 
 def readme_layout(readme: Path) -> set[str]:
-    """The modules the README's layout section lists, as paths relative to prisme/."""
+    """The modules the layout section of `readme` (docs/layout.md) lists, as paths relative to prisme/."""
     import re
 
     text = readme.read_text()
@@ -160,11 +161,11 @@ def readme_layout(readme: Path) -> set[str]:
     return listed
 
 
-def test_the_readme_layout_lists_every_module():
-    """The README's layout section names every module of the package (packages' __init__ and __main__ aside)."""
+def test_the_layout_page_lists_every_module():
+    """docs/layout.md's layout section names every module of the package (packages' __init__ and __main__ aside)."""
     want = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
             if p.name != "__main__.py" and (p.name != "__init__.py" or p.parent == PACKAGE)}
-    assert readme_layout(PACKAGE.parent / "README.md") == want
+    assert readme_layout(LAYOUT_DOC) == want
 
 
 @pytest.fixture
@@ -196,11 +197,11 @@ def test_type_checking_imports_do_not_count(package_copy: Path):
     assert graph(package_copy)["prisme.model.hint"] == set()
 
 
-def test_negative_control_a_module_missing_from_the_readme_layout_is_caught(tmp_path: Path):
-    """Dropping one module's line from the README's layout makes the listed set differ from the package's."""
-    text = (PACKAGE.parent / "README.md").read_text()
+def test_negative_control_a_module_missing_from_the_layout_page_is_caught(tmp_path: Path):
+    """Dropping one module's line from docs/layout.md makes the listed set differ from the package's."""
+    text = LAYOUT_DOC.read_text()
     lines = text.splitlines(keepends=True)
     drop = next(i for i, line in enumerate(lines) if line.startswith("    oracle.py"))
     (tmp_path / "README.md").write_text("".join(lines[:drop] + lines[drop + 1:]))
-    full, cut = readme_layout(PACKAGE.parent / "README.md"), readme_layout(tmp_path / "README.md")
+    full, cut = readme_layout(LAYOUT_DOC), readme_layout(tmp_path / "README.md")
     assert full - cut == {"model/oracle.py"}

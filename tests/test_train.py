@@ -466,23 +466,35 @@ def test_demo_rejects_bad_settings_before_training(tmp_path):
 
 
 def test_demo_pipeline_writes_every_output(tmp_path):
-    """The demo's glue on a byte-level tiny model (both studies' tasks in one process: the quick recall study without
-    its converged case; stage 1, the deeper and matched backbones, each bank source's stages 2-3 and evaluation on
-    validation and the held-out text; then a sample) writes the reports, plots and summary, and its verdict lines
-    follow from the intervals."""
-    from prisme.studies.demo import run_demo
+    """The demo's glue on a byte-level tiny model (both parts' tasks in one process: the reference's PRISME member on
+    a short long-context task, quick; stage 1, the deeper and matched backbones, each bank source's stages 2-3 and
+    evaluation on validation and the held-out text; then a sample) writes the reports, plots and summary; its recall
+    lines follow from this run and the reference, its text verdicts from the intervals."""
+    from prisme.studies.demo import load_reference, run_demo
 
     cfg = PrismeConfig.from_name("tiny", vocab_size=256)
     held = tmp_path / "held_out.txt"
     held.write_text("Abasement, n. A decent and customary mental attitude in the presence of wealth. " * 6)
-    summary = run_demo(tmp_path / "demo", scale=0.01, eval_batches=1, progress=False, model_cfg=cfg, jobs=1,
-                       sources=["residual", "embedding"], held_out=str(held), recall_seeds=[0])
+    kw = dict(scale=0.01, eval_batches=1, progress=False, model_cfg=cfg, jobs=1, sources=["residual", "embedding"],
+              held_out=str(held), recall_seeds=[0], recall_context=96)
+    summary = run_demo(tmp_path / "demo", **kw)
     run = tmp_path / "demo"
-    assert {p.name for p in run.iterdir()} >= {"recall", "text", "sample.txt", "summary.json"}
+    assert {p.name for p in run.iterdir()} >= {"recall", "text", "sample.txt", "summary.json", "report.txt"}
     recall = json.loads((run / "recall" / "recall.json").read_text())
-    assert recall["converged"] is None and [e["seed"] for e in recall["seeds"]] == [0]
-    assert set(recall["controls"]) == {"one_layer", "two_layer"} and summary["recall"]["summary"] == recall["summary"]
-    assert not (run / "recall" / "converged_seed0").exists()
+    ref = load_reference()
+    (r,) = recall["runs"]
+    assert recall["T"] == 96 and r["seed"] == 0 and r["study_accuracy"] is None  # another length: no seed to repeat
+    assert r["ops_ratio"] == r["ops_ratio"] > 0 and 0 <= r["accuracy"] <= 1 and r["passes"] == (r["accuracy"] >= 0.95)
+    trained = list((run / "recall" / "frontier" / "T96").iterdir())
+    assert [p.name for p in trained] == ["prisme_d8_w32_ks_win64_tok_seed0"]  # the reference's member, nothing else
+    assert ref["member"] == {"d": 8, "w": 32, "attn_window": 64, "key_shift": True, "router_token": True}
+    lines = summary["lines"]
+    assert len(lines) <= 25 and lines == summary["recall"]["lines"] + lines[len(summary["recall"]["lines"]):]
+    assert f"accuracy {r['accuracy']:.3f} at {r['ops_ratio']:.3f}x ops" in lines[1]
+    bound = ref["context"]["dense_bound"]["ratio_at_most"]
+    assert any(f"PRISME needs at most {bound:.2f}x the dense frontier's ops" in v for v in lines)
+    report = (run / "report.txt").read_text()
+    assert all(e["name"] in report for e in ref["context"]["entries"]) and "== over the training seeds" in report
     text = run / "text" / "seed1337"
     deeper = f"L2_d{cfg.d_model}"  # the demo's one frontier model: one layer deeper
     assert {"1_backbone", "3_backbone_matched", "frontier", "residual", "embedding"} <= {p.name for p in text.iterdir()}
@@ -498,19 +510,35 @@ def test_demo_pipeline_writes_every_output(tmp_path):
             assert all(r["delta_vs_matched"] is not None for r in rows)
             assert all(r["frontier_gap"] for r in rows if r["family"] in ("fixed", "controller"))
         assert (text / src / "pareto_held_out.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert str(text / src / "pareto_held_out.png") in summary["plots"]
+    assert [v for v in doc["verdicts"] if "closest to the dense frontier" in v] == [
+        v.strip() for v in lines if "closest to the dense frontier" in v]
     held = one["sources"]["residual"]["held_out"]
     assert held["n_sequences"] == held["n_tokens"] // doc["stages"]["workspace"]["seq_len"]  # all of the text
     steps = one["training"]
     assert steps[f"frontier:{deeper}"]["tokens"] >= steps["backbone"]["tokens"] + sum(  # PRISME's stages together
         steps["source:residual"][k]["tokens"] for k in ("workspace", "controller"))
-    assert any(e["policy"] == "fixed_1xk1" and len(e["frontier_gap"]) == 1 for e in doc["summary"])
-    assert summary["text"]["verdicts"] and summary["wall_s"]["total"] > 0
+    assert summary["sample"]["temperature"] == 0.8 and "--temperature 0.8 --top-k 20" in summary["sample"]["command"]
+    assert (run / "sample.txt").read_text().startswith(summary["sample"]["prompt"] + summary["sample"]["text"])
     with pytest.raises(ValueError, match="holds a demo run with other settings"):
         run_demo(run, scale=0.01, model_cfg=cfg)
-    again = run_demo(run, scale=0.01, eval_batches=1, progress=False, model_cfg=cfg, jobs=1,  # the same: continued
-                     sources=["residual", "embedding"], held_out=str(tmp_path / "held_out.txt"), recall_seeds=[0])
-    assert again["text"]["verdicts"] == summary["text"]["verdicts"] and again["recall"]["summary"] == recall["summary"]
-    assert again["wall_s"]["total"] < summary["wall_s"]["total"]  # nothing was trained again
+    again = run_demo(run, **kw)  # the same settings: continued, nothing trained again
+    assert again["text"]["verdicts"] == summary["text"]["verdicts"] and again["recall"]["runs"] == recall["runs"]
+    assert again["sample"]["text"] == summary["sample"]["text"]  # the sample is seeded
+    assert again["wall_s"]["total"] < summary["wall_s"]["total"]
+
+
+def test_the_demo_names_a_missing_or_malformed_frontier_reference_before_training(tmp_path):
+    """The recall part reads the recorded frontier first: a missing or malformed file is a ValueError naming it, and
+    no run folder is written."""
+    from prisme.studies.demo import run_demo
+
+    bad = tmp_path / "ref.json"
+    bad.write_text(json.dumps({"contexts": [{"T": 1024}]}))
+    for path in (bad, tmp_path / "absent.json"):
+        with pytest.raises(ValueError, match=f"frontier reference {path}"):
+            run_demo(tmp_path / "run", reference=path, progress=False)
+    assert not (tmp_path / "run").exists()
 
 
 def test_aux_prev_token_adds_the_probe_ce_on_the_previous_token(data):

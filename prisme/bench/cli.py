@@ -92,10 +92,10 @@ def add_bench_parser(sub) -> None:
     dc = bench_parser(bsub, "decode", help="one decode step of a router model by part: time and ops per part, and "
                          "time over its backbone's step / ops over its backbone's (routed off, at a deployed price)")
     dc.add_argument("--shapes", default="recall_T32,recall_T1024,demo",
-                    help="comma-separated: recall_T32, recall_T1024, recall_d24_w32, demo, tiny")
+                    help="comma-separated: recall_T32, recall_T1024, recall_T1024_d8, recall_d24_w32, demo, tiny")
     dc.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
     dc.add_argument("--prompt-len", type=int, default=None,
-                    help="prompt tokens per row (default: 8; 1,000 for recall_T1024)")
+                    help="prompt tokens per row (default: 8; 1,000 for recall_T1024 and recall_T1024_d8)")
     dc.add_argument("--new-tokens", type=int, default=23, help="generated tokens per row (at most T_max - prompt)")
     dc.add_argument("--repeats", type=int, default=7, help="timed rounds (paths rotated each round; one warm-up)")
     dc.add_argument("--edit-rate", type=float, default=None, help="share of positions the deployed price edits "

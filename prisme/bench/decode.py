@@ -6,16 +6,17 @@ its dense rival, `shapes`; the `demo` preset with a router; untrained weights) a
   * `backbone`: the PRISME model at budget 0 (its backbone alone: the reference step);
   * `routed_off`: budget 1, the router at a price where it never fires;
   * `routed`: budget 1, at the price where `--edit-rate` of the positions edit (the deployed price of the study's
-    winners: 12.5 % at T = 32, 0.76 % at T = 1,024; `DEPLOYED_EDIT_RATE`), read from the router's own scores on
-    the backbone's greedy continuation of the prompts;
+    winners: 12.5 % at T = 32, 0.76 % (d = 16) and 0.47 % (d = 8) at T = 1,024; `DEPLOYED_EDIT_RATE`), read from
+    the router's own scores on the backbone's greedy continuation of the prompts;
   * `dense` (recall shapes): the dense winner alone;
   * with `--compile`, `off_compiled` and `routed_compiled`: the same two policies with the editor under
     `torch.compile` (its fixed-shape decode graphs; `compiled_copy`), the backbone and the router eager.
-Per path: ms per generated step (the first, which holds the prefill, is not counted), ops per token (`prisme.costs`,
-each position at its own context, the traces the run took), and the summary figure: time over the backbone's step
-divided by ops over the backbone's (`t_over_ops`; 1.0 = time follows ops). One instrumented run per path splits
-the step by part (backbone, bank, router, decision, editor, readout; `loop` is the rest: generate's own loop and
-the state's bookkeeping), with the ops of each part beside it.
+Per path: ms per generated step and tokens/s (the first, which holds the prefill, is not counted), ops per token
+(`prisme.costs`, each position at its own context, the traces the run took), the decode state at the whole
+sequence (bytes: the K/V cache, a ring of W slots under a window, and the source bank), and the summary figure: time
+over the backbone's step divided by ops over the backbone's (`t_over_ops`; 1.0 = time follows ops). One
+instrumented run per path splits the step by part (backbone, bank, router, decision, editor, readout; `loop` is the
+rest: generate's own loop and the state's bookkeeping), with the ops of each part beside it.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from prisme.config import PrismeConfig
 from prisme.costs import trace_cost
 from prisme.decoding.generate import generate, generate_stream
 from prisme.model.prisme import PrismeModel
+from prisme.model.state import DecodeState
 
 PARTS = ("backbone", "bank", "router", "decision", "editor", "readout", "loop")
 PART_TERMS = {"backbone": ("backbone_linear", "backbone_attention", "backbone_key_shift"),
@@ -45,7 +47,8 @@ OFF_PRICE = 1e9  # no score beats it: the router never fires
 
 
 # ------------------------------------------------------------------------------------------------------------ shapes
-RECALL_SHAPES = ("recall_T32", "recall_T1024", "recall_d24_w32")
+RECALL_SHAPES = ("recall_T32", "recall_T1024", "recall_T1024_d8", "recall_d24_w32")
+LONG_MEMBER = {"recall_T1024": 16, "recall_T1024_d8": 8}  # the long-context study's member (its backbone width)
 SHAPES = (*RECALL_SHAPES, "demo", "tiny")
 LONG_PROMPT = 1000  # recall_T1024's default prompt: the steps timed decode at contexts 1,001..1,023
 
@@ -55,8 +58,9 @@ def shapes(names: list[str], tables: bool, seed: int, store: str = "entries"
     """(name, PRISME model with a router, dense rival or None) per shape name: recall_T32 (the recall frontier's
     winners at T = 32: PRISME d=16/w=32, dense 1 layer d=8 with the key shift), recall_T1024 (the long-context winners
     at T = 1,024: PRISME d=16/w=32 on a 64-position-window key-shift backbone with a router that reads the token, the
-    study's member; dense 1 layer d=16 with the key shift and global attention), recall_d24_w32 (the winners before the
-    key shift: PRISME d=24/w=32, dense 2 layers d=24), demo, tiny."""
+    study's member; dense 1 layer d=16 with the key shift and global attention), recall_T1024_d8 (the same with the
+    study's cheapest passing member, d=8), recall_d24_w32 (the winners before the key shift: PRISME d=24/w=32, dense 2
+    layers d=24), demo, tiny."""
     out = []
     for name in names:
         dense = None
@@ -72,9 +76,9 @@ def shapes(names: list[str], tables: bool, seed: int, store: str = "entries"
             elif name == "recall_T32":
                 cfg, dense_cfg = family_config(recipe, 16, 32), dense_config(recipe, 1, 8, True)
             else:
-                r = recipe_at(study, recipe, 1024)  # the study's d = 16 member, as its family lists it
+                r = recipe_at(study, recipe, 1024)  # the study's member, as its family lists it
                 m = next(family_entry(e, "context_family") for e in study.context_family
-                         if family_entry(e, "context_family").d == 16)
+                         if family_entry(e, "context_family").d == LONG_MEMBER[name])
                 cfg = family_config(r, m.d, m.w, m.attn_window, m.key_shift, m.router_token)
                 dense_cfg = dense_config(r, 1, 16, True)
             cfg = cfg.replace(bank_tables=tables, bank_store=store)
@@ -87,9 +91,9 @@ def shapes(names: list[str], tables: bool, seed: int, store: str = "entries"
     return out
 
 
-DEPLOYED_EDIT_RATE = {"recall_T1024": 0.0076}  # the share of positions the study's winner edits at its price
-#   (0.0076 at T = 1,024: its four queries and about as many others); 12.5 % for every other shape (T = 32: four
-#   queries in 32 positions)
+DEPLOYED_EDIT_RATE = {"recall_T1024": 0.0076, "recall_T1024_d8": 0.0047}  # the share of positions the study's
+#   members edit at their prices on seeds 30-34 (d = 16: 0.62-0.92 %, d = 8: 0.39-0.54 %; their four queries and a
+#   few others); 12.5 % for every other shape (T = 32: four queries in 32 positions)
 
 
 def edit_rate(name: str, given: float | None) -> float:
@@ -99,7 +103,7 @@ def edit_rate(name: str, given: float | None) -> float:
 
 def prompt_length(name: str, given: int | None) -> int:
     """The prompt of shape `name`: `given` (--prompt-len), else 8 (LONG_PROMPT for recall_T1024)."""
-    return given if given is not None else LONG_PROMPT if name == "recall_T1024" else 8
+    return given if given is not None else LONG_PROMPT if name in LONG_MEMBER else 8
 
 
 def _seeded(cfg: PrismeConfig, seed: int) -> PrismeModel:
@@ -225,6 +229,8 @@ def measure(name: str, model: PrismeModel, dense: PrismeModel | None, batch: int
         ns = timer.ns if timer is not None else dict.fromkeys(PARTS, 0)
         ns["loop"] = total - sum(ns.values())
         rows[k] = {"ms_per_step": float(np.median(samples[k])), "samples_ms": samples[k],
+                   "tokens_per_s": batch * 1000.0 / float(np.median(samples[k])),
+                   "state_bytes": DecodeState(m, batch, m.cfg.max_seq_len).nbytes,  # K/V cache + bank, whole sequence
                    "ops_per_token": tc.ops_per_token,
                    "edits_per_token": float(np.mean([e > 0 for row in out.n_edits for e in row])),
                    "parts": {p: {"share_of_time": ns[p] / max(total, 1),
@@ -240,17 +246,18 @@ def measure(name: str, model: PrismeModel, dense: PrismeModel | None, batch: int
 
 # ------------------------------------------------------------------------------------------------------------ output
 def format_table(results: list[dict[str, Any]]) -> str:
-    lines = [f"{'shape':<15}{'B':>3}  {'path':<16}{'ms/step':>8}{'ops/tok':>9}{'edits':>6}{'t x':>6}{'ops x':>6}"
-             f"{'t/ops':>6}  share of time by part (ops x of the backbone step)"]
-    lines.append("-" * 130)
+    lines = [f"{'shape':<16}{'B':>3}  {'path':<16}{'ms/step':>8}{'tok/s':>8}{'KiB':>6}{'ops/tok':>9}{'edits':>6}"
+             f"{'t x':>6}{'ops x':>6}{'t/ops':>6}  share of time by part (ops x of the backbone step)"]
+    lines.append("-" * 146)
     for res in results:
         for k, row in res["rows"].items():
             base = res["rows"]["backbone"]["ops_per_token"]
             parts = "  ".join(f"{p} {v['share_of_time']:.0%}" + (f" ({v['ops_per_token'] / base:.2f})"
                                                                  if v["ops_per_token"] else "")
                               for p, v in row["parts"].items() if v["share_of_time"] > 0.005 or v["ops_per_token"])
-            lines.append(f"{res['shape']:<15}{res['batch']:>3}  {k:<16}{row['ms_per_step']:>8.3f}"
-                         f"{row['ops_per_token']:>9.0f}{row['edits_per_token']:>6.2f}{row['time_ratio']:>6.2f}"
+            lines.append(f"{res['shape']:<16}{res['batch']:>3}  {k:<16}{row['ms_per_step']:>8.3f}"
+                         f"{row['tokens_per_s']:>8.0f}{row['state_bytes'] / 1024:>6.0f}{row['ops_per_token']:>9.0f}"
+                         f"{row['edits_per_token']:>6.2f}{row['time_ratio']:>6.2f}"
                          f"{row['ops_ratio']:>6.2f}{row['t_over_ops']:>6.2f}  {parts}")
     return "\n".join(lines)
 

@@ -72,8 +72,9 @@ def add_study_parsers(sub: Any, add_compile: Callable[[argparse.ArgumentParser],
     s.add_argument("--threads", type=int, default=-1, help="torch CPU threads (-1 = leave as is)")
     s.add_argument("--seed", type=int, default=1337, help="seed for init, data order and random actions")
     s.add_argument("--eval-batches", type=int, default=8, help="validation batches (64 x 128 tokens) per policy")
-    s.add_argument("--recall-seeds", default="0",
-                   help="seeds of the recall study run first (comma-separated; 'none' skips it)")
+    s.add_argument("--recall-seeds", default=None,
+                   help="seeds of the long-context recall run (comma-separated; default 30, the study's first; "
+                        "'none' skips it)")
     s.add_argument("--jobs", type=int, default=0, help="worker processes (default 0 = one per CPU core)")
     s.add_argument("--sources", default=None, help="bank sources of the text study (default: residual; "
                    "residual,embedding = the full `prisme study text`)")
@@ -82,5 +83,6 @@ def add_study_parsers(sub: Any, add_compile: Callable[[argparse.ArgumentParser],
                         "steps (default: frozen, as SPEC stage 2)")
     s.add_argument("--resume", action="store_true", help="continue the demo an interrupted run left in --out (a "
                    "rerun with the same settings does so too)")
+    s.add_argument("--verbose", action="store_true", help="print every table too (they are in report.txt)")
     add_compile(s)
     s.set_defaults(func=run_demo)
