@@ -228,8 +228,8 @@ def measure(name: str, model: PrismeModel, dense: PrismeModel | None, batch: int
                 timer.close()
         ns = timer.ns if timer is not None else dict.fromkeys(PARTS, 0)
         ns["loop"] = total - sum(ns.values())
-        rows[k] = {"ms_per_step": float(np.median(samples[k])), "samples_ms": samples[k],
-                   "tokens_per_s": batch * 1000.0 / float(np.median(samples[k])),
+        ms = float(np.median(samples[k]))
+        rows[k] = {"ms_per_step": ms, "samples_ms": samples[k], "tokens_per_s": batch * 1000.0 / ms,
                    "state_bytes": DecodeState(m, batch, m.cfg.max_seq_len).nbytes,  # K/V cache + bank, whole sequence
                    "ops_per_token": tc.ops_per_token,
                    "edits_per_token": float(np.mean([e > 0 for row in out.n_edits for e in row])),
