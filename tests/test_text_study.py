@@ -109,14 +109,23 @@ def test_bad_text_study_settings_are_value_errors_naming_the_option():
     demo = PrismeConfig.from_name("demo")
     for kw, word in ((dict(seeds=[]), "seeds"), (dict(seeds=[1, 1]), "distinct"), (dict(seeds=[-1]), "seeds"),
                      (dict(frontier=[[0, None]]), "frontier"), (dict(frontier=[[1, 100]]), "frontier entry"),
-                     (dict(slice_ngram=0), "slice_ngram"), (dict(window=512), "longer than the preset")):
+                     (dict(slice_ngram=0), "slice_ngram"), (dict(window=512), "longer than the preset"),
+                     (dict(frontier=[[1, None, "yes"]]), "frontier"), (dict(frontier=[[1, None, True, 0]]), "frontier"),
+                     (dict(frontier=[]), "frontier"), (dict(context=1), "--context"),
+                     (dict(context=1024, window=512), "--window and --context"),
+                     (dict(context=1024, context_model={"attn_window": 0}), "context_model"),
+                     (dict(context=1024, context_model={"no_such_field": 1}), "context_model"),
+                     (dict(context=1024, context_frontier=[[1, None, True, 2048]]), "frontier entry"),
+                     (dict(context=1024, context_lambdas=[]), "context_lambdas")):
         with pytest.raises(ValueError, match=word):
             TextStudyConfig(**kw).validate(demo)
     assert parse_seeds("3,1") == [3, 1]
     from prisme.studies.text_setup import parse_frontier
 
     assert parse_frontier("1,2,1x96") == [[1, None], [2, None], [1, 96]]
-    for bad in ("", "a", "2x"):
+    assert parse_frontier("2ks,1w64ks,3x96w32,1w64") == [[2, None, True], [1, None, True, 64], [3, 96, False, 32],
+                                                         [1, None, False, 64]]
+    for bad in ("", "a", "2x", "1ksw64", "1w", "x96"):
         with pytest.raises(ValueError, match="--frontier"):
             parse_frontier(bad)
     for bad in ("", "1,1", "a", "-2"):
@@ -153,3 +162,76 @@ def test_text_study_over_two_seeds_reports_each_seed_and_the_frontier_gaps(tmp_p
     assert run_study(cfg, model)["seeds"] == doc["seeds"]  # the same settings again: every task kept, none rerun
     with pytest.raises(ValueError, match="other settings"):
         run_study(TextStudyConfig(**{**cfg.__dict__, "seeds": [3]}), model)
+
+
+def test_frontier_entries_carry_the_key_shift_and_the_window_as_data():
+    """Every help PRISME's bank gets the dense family gets too: a frontier entry names its backbone's key shift and
+    attention window, and the model it makes has exactly those (and never the preset's own, nor a workspace)."""
+    from prisme.studies.text_setup import DEFAULT_FRONTIER, TextStudyConfig, frontier_config, frontier_name
+
+    demo = PrismeConfig.from_name("demo")
+    local = TextStudyConfig(context=1024).study_model(demo)  # a 64-window key-shift backbone with a router
+    assert (local.attn_window, local.key_shift, local.router, local.max_seq_len) == (64, True, True, 1024)
+    assert [1, None, True] in DEFAULT_FRONTIER and [3, None, True] in DEFAULT_FRONTIER
+    for entry, name, ks, win in (([1, None], "L1_d128", False, None), ([2, None, True], "L2_d128_ks", True, None),
+                                 ([1, 96, True, 64], "L1_d96_w64_ks", True, 64), ([3, None, False, 64], "L3_d128_w64",
+                                                                                  False, 64)):
+        for base in (demo, local):
+            m = frontier_config(base, *entry)
+            assert (m.name, m.key_shift, m.attn_window, m.use_workspace, m.router) == (name, ks, win, False, False)
+            assert frontier_name(base, *entry) == name
+
+
+def test_long_context_stages_keep_bytes_per_step_and_train_the_frontier_on_prisme_s_bytes(tmp_path):
+    """`--context T`: every stage reads as many bytes per step as at 128 (batch 16 x 128 -> 2 x 1,024), the third
+    stage is the router's at budget 1, the matched run reads stage 2's bytes and every frontier model PRISME's three
+    stages' bytes together."""
+    from prisme.studies.text_setup import TextStudyConfig, final_folder, stage_configs
+
+    cfg = TextStudyConfig(context=1024, out_dir=str(tmp_path))
+    st = stage_configs(cfg, cfg.study_model(PrismeConfig.from_name("demo")), 1337)
+    nbytes = lambda s: s.steps * s.batch_size * s.seq_len  # noqa: E731
+    for k in ("backbone", "workspace", "matched"):
+        assert st[k].seq_len == 1024 and st[k].batch_size * st[k].seq_len == 2048
+    r = st["controller"]
+    assert (r.stage, r.max_budget, r.batch_size, r.steps, r.oracle_positions) == ("router", 1, 1, 100, 64)
+    assert final_folder(st) == "3_router" and nbytes(st["matched"]) == nbytes(st["workspace"])
+    prisme_bytes = sum(nbytes(st[k]) for k in ("backbone", "workspace", "controller"))
+    names = [k for k in st if k.startswith("frontier:")]
+    assert len(names) == len(cfg.context_frontier) == 8
+    assert all(0 <= nbytes(st[k]) - prisme_bytes < 2048 for k in names)
+    assert final_folder(stage_configs(TextStudyConfig(out_dir=str(tmp_path)), PrismeConfig.from_name("demo"),
+                                      1)) == "4_controller"
+
+
+def test_long_context_text_study_scores_a_local_backbone_with_a_routed_workspace_against_dense_global_attention(
+        tmp_path):
+    """`run_study` with `context` (byte-level tiny at T = 64, PRISME's backbone a 16-window): the frontier is the dense
+    models alone (PRISME's own backbone is a row, not the frontier), the deployed rows are the router's at budget 1
+    with a frontier gap, and every row splits its AR hits by PRISME's window, in the report too."""
+    from prisme.studies.text import TextStudyConfig, format_report, run_study
+
+    held = tmp_path / "held_out.txt"
+    held.write_text("Abasement, n. A decent one. " * 24)  # 28 bytes apart: every repeat beyond a 16-byte window
+    cfg = TextStudyConfig(sources=["embedding"], seeds=[3], scale=0.01, val_batches=1, held_out=str(held), jobs=1,
+                          progress=False, bootstrap_samples=50, out_dir=str(tmp_path / "text"), context=64,
+                          context_model={"attn_window": 16, "key_shift": True, "router": True, "router_ngram": 2},
+                          context_frontier=[[1, None, True], [1, None, True, 16]], context_eval_batch_size=2,
+                          context_lambdas=[0.0, 1e9])
+    doc = run_study(cfg, PrismeConfig.from_name("tiny", vocab_size=256))
+    d = PrismeConfig.from_name("tiny").d_model
+    assert doc["frontier"] == [f"L1_d{d}_ks", f"L1_d{d}_w16_ks"]
+    assert (tmp_path / "text" / "seed3" / "embedding" / "3_router" / "latest").exists()
+    for split in ("val", "held_out"):
+        rep = doc["seeds"]["3"]["sources"]["embedding"][split]
+        assert sorted(rep["frontier"]) == sorted(doc["frontier"]) and rep["seq_len"] == 64
+        rows = {r["policy"]: r for r in rep["rows"]}
+        free, never = rows["controller(lambda=0)"], rows["controller(lambda=1e+09)"]
+        assert free["deployable"] and free["frontier_gap"] and free["budget"] == 1
+        assert never["mean_edits"] == 0 and never["loss"] == rows["backbone"]["loss"]  # routed off: the backbone
+        assert free["mean_edits"] >= never["mean_edits"] and free["relative_ops"] >= never["relative_ops"]
+        for r in rows.values():  # every row but the oracle's (scored on its sampled positions alone)
+            assert r["family"] == "oracle" or set(r["slices"]) == {"ar_hit_in_window", "ar_hit_beyond_window", "seen_miss", "other"}
+    held_rows = {r["policy"]: r for r in doc["seeds"]["3"]["sources"]["embedding"]["held_out"]["rows"]}
+    assert held_rows["backbone"]["slices"]["ar_hit_beyond_window"]["share_of_targets"] > 0.5
+    assert "loss by slice" in format_report(doc) and "AR hit beyond" in format_report(doc)

@@ -48,8 +48,14 @@ def add_study_parsers(sub: Any, add_compile: Callable[[argparse.ArgumentParser],
                    "run per seed, every claim over them")
     t.add_argument("--seed", type=int, default=None, help="one training seed (the same as --seeds N)")
     t.add_argument("--scale", type=float, default=1.0, help="multiply every stage's steps (0.05 = smoke run)")
-    t.add_argument("--frontier", default=None, help="the dense frontier: backbones alone as LAYERS or LAYERSxWIDTH, "
-                   "comma-separated (default 1,2,3,1x96)")
+    t.add_argument("--frontier", default=None,
+                   help="the dense frontier: backbones alone as LAYERS[xWIDTH][wWINDOW][ks] (a width, a causal "
+                        "attention window, the key shift), comma-separated (default 1,2,3,1x96,1ks,2ks,3ks; with "
+                        "--context: 1,1ks,2ks,3ks,1w64,1w64ks,2w64ks,3w64ks)")
+    t.add_argument("--context", type=int, default=None,
+                   help="long contexts: train and score windows of this many bytes (e.g. 1024); PRISME's backbone is "
+                        "local (a 64-byte window with the key shift), its workspace reads the whole window where its "
+                        "router fires; the slices split AR hits by that window")
     t.add_argument("--ngram", type=int, default=4, help="n of the AR-hit / seen-miss / other slices (default 4)")
     t.add_argument("--window", type=int, default=None,
                    help="evaluation window length (default 128, the workspace stage's; at most the preset's 256)")

@@ -44,10 +44,12 @@ from prisme.studies.recall_setup import parse_seeds
 from prisme.studies.runner import Task, open_study, record_study, run_tasks, train_stage_once, worker_count
 from prisme.studies.text_report import format_report, seed_summary, verdicts
 from prisme.studies.text_setup import (
+    CONTEXT_POLICIES,
     HELD_OUT_POLICIES,
     SOURCES,
     VAL_POLICIES,
     TextStudyConfig,
+    final_folder,
     frontier_config,
     frontier_name,
     parse_frontier,
@@ -152,7 +154,7 @@ class SourceTask(TextTask):
                                        stages["backbone"].seed).parent)
         s2 = stages["workspace"].replace(out_dir=str(folder / "2_workspace"), init_from=init)
         r2 = train_stage_once(None, s2, dataset=data)
-        s3 = stages["controller"].replace(out_dir=str(folder / "4_controller"), init_from=s2.out_dir)
+        s3 = stages["controller"].replace(out_dir=str(folder / final_folder(stages)), init_from=s2.out_dir)
         r3 = train_stage_once(None, s3, dataset=data)
         return {"workspace": _summary(r2), "controller": _summary(r3)}
 
@@ -205,12 +207,13 @@ def _evaluate(cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[str, S
     from prisme.model.compiled import maybe_compile
 
     run = Path(cfg.out_dir) / f"seed{seed}"
-    model, _ = load_model(run / source / "4_controller")
+    model, _ = load_model(run / source / final_folder(stages))
     maybe_compile(model, cfg.compile)
     matched, _ = load_model(stages["matched"].out_dir)
-    names = [frontier_name(model_cfg, *f) for f in cfg.frontier]
+    names = [frontier_name(model_cfg, *f) for f in cfg.frontier_entries]
     refs = {n: load_model(stages[f"frontier:{n}"].out_dir)[0] for n in names}
-    T = cfg.window or stages["workspace"].seq_len
+    T = cfg.eval_window or stages["workspace"].seq_len
+    long = cfg.context is not None  # the router's rows at budget 1 (`CONTEXT_POLICIES`), slices by its window
     if split == "val":
         ds, batches, policies, budgets, ks, oracle_pos, lam = (data, cfg.val_batches, VAL_POLICIES, cfg.fixed_budgets,
                                                                (1, 2), cfg.oracle_positions, list(cfg.lambdas))
@@ -219,15 +222,19 @@ def _evaluate(cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[str, S
         batches, policies, budgets, ks, oracle_pos, lam = (cfg.held_out_batches, HELD_OUT_POLICIES,
                                                            cfg.held_out_budgets, (1,), cfg.held_out_oracle_positions,
                                                            list(cfg.held_out_lambdas))
+    if long:
+        policies, budgets, ks, lam = CONTEXT_POLICIES, [1], (1,), list(cfg.context_lambdas)
     t0 = time.perf_counter()
     rows = standard_policies(model, policies, budgets=budgets, ks=ks, lambdas=lam, oracle_lambdas=[0.0],
-                             oracle_positions=oracle_pos, controller_budget=cfg.controller_budget,
+                             oracle_positions=oracle_pos, controller_budget=1 if long else cfg.controller_budget,
                              kappa_risk=cfg.kappa_risk, matched=matched, references=refs)
-    frontier = ["backbone", "backbone+matched", *names]  # every backbone alone: the dense frontier
-    rep = evaluate_policies(model, ds, rows, EvalOptions(batch_size=cfg.eval_batch_size, seq_len=T,
-                                                         max_batches=batches, seed=seed,
-                                                         bootstrap_samples=cfg.bootstrap_samples, frontier=frontier,
-                                                         slices=cfg.slice_ngram))
+    # the dense frontier: every dense model trained on PRISME's bytes (at 128 also PRISME's own backbone, alone and
+    # with the matched bytes: the T = 128 study's frontier); at a long context PRISME's local backbone is a row
+    frontier = names if long else ["backbone", "backbone+matched", *names]
+    rep = evaluate_policies(model, ds, rows, EvalOptions(
+        batch_size=cfg.context_eval_batch_size if long else cfg.eval_batch_size, seq_len=T, max_batches=batches,
+        seed=seed, bootstrap_samples=cfg.bootstrap_samples, frontier=frontier, slices=cfg.slice_ngram,
+        slices_window=model.cfg.attn_window if long else None))
     if split == "held_out":
         rep.split = f"held-out text {Path(cfg.held_out).name} (all of it)"
     rep.plot(run / source / f"pareto_{split}.png")
@@ -254,6 +261,7 @@ def prepare_study(cfg: TextStudyConfig, model_cfg: PrismeConfig | None = None, r
     where this study was started with the same settings is continued (`runner.open_study`); `resume` asks for one."""
     model_cfg = model_cfg if model_cfg is not None else PrismeConfig.from_name("demo")
     cfg.validate(model_cfg)
+    model_cfg = cfg.study_model(model_cfg)
     out = Path(cfg.out_dir)
     load_text(cfg.held_out)  # a missing or empty held-out text fails now, not after training
     stages = {seed: stage_configs(cfg, model_cfg, seed) for seed in cfg.seeds}
@@ -261,7 +269,7 @@ def prepare_study(cfg: TextStudyConfig, model_cfg: PrismeConfig | None = None, r
             and any(out.iterdir()):  # a study started there with these settings continues
         raise ValueError(f"study folder {out} already exists and is not empty; pass another --out")
     models: dict[str, PrismeConfig] = {}  # the frontier's models by name, in the order of `frontier`
-    for f in cfg.frontier:
+    for f in cfg.frontier_entries:
         models.setdefault(frontier_name(model_cfg, *f), frontier_config(model_cfg, *f))
     sources = list(dict.fromkeys(cfg.sources))
     planned: list[tuple[TextTask, list[TextTask]]] = []  # (task, the tasks it needs), in the order they should start
@@ -334,7 +342,7 @@ def assemble(cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[int, di
     first = stages[cfg.seeds[0]]
     doc = {"model": model_cfg.to_dict(), "study": dataclasses.asdict(cfg),
            "stages": {k: v.to_dict() for k, v in first.items()},
-           "frontier": [frontier_name(model_cfg, *f) for f in cfg.frontier], "seeds": seeds,
+           "frontier": [frontier_name(model_cfg, *f) for f in cfg.frontier_entries], "seeds": seeds,
            "wall_s": {"total": total_s, **phases, "jobs": jobs,
                       "note": "phases sum the time of every task in that phase over all workers and seeds"}}
     doc["summary"] = seed_summary(doc)
@@ -354,7 +362,9 @@ def main(args: Any) -> int:
                           val_batches=None if args.val_batches == "all" else int(args.val_batches),
                           held_out=args.held_out, compile=getattr(args, "compile", None) or "off",
                           slice_ngram=getattr(args, "ngram", 4), window=getattr(args, "window", None),
-                          **({"frontier": parse_frontier(args.frontier)} if getattr(args, "frontier", None) else {}))
+                          context=getattr(args, "context", None),
+                          **({"context_frontier" if getattr(args, "context", None) else "frontier":
+                              parse_frontier(args.frontier)} if getattr(args, "frontier", None) else {}))
     from prisme.io import check_output_file
     from prisme.studies.recall_report import emit_study
 

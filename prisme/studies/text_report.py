@@ -115,5 +115,42 @@ def format_report(doc: dict[str, Any]) -> str:
         lines.append(f"{e['source']:<10}{e['split']:<9}{e['policy']:<28}{sum(e['relative_ops']) / len(seeds):>6.2f}"
                      f"  {gaps:<40}{_count(e, 'frontier_gap')}")
     parts.append("\n".join(lines))
+    table = slice_table(doc)
+    if table:
+        parts.append(table)
     parts.append("\n".join(doc["verdicts"]))
     return "\n\n".join(parts)
+
+
+def slice_table(doc: dict[str, Any]) -> str | None:
+    """Where the gains are (a study whose slices split AR hits by a window, `--context`): per source, split and row,
+    the loss on AR hits within PRISME's window, on AR hits beyond it, and on the rest (seen misses and others), mean
+    over the seeds, with each slice's share of the targets (None when the rows carry no window slices)."""
+    summary = doc.get("summary") or seed_summary(doc)
+    rows = [e for e in summary if e.get("slices") and "ar_hit_beyond_window" in e["slices"][0]]
+    if not rows:
+        return None
+
+    def mean_loss(e: dict[str, Any], names: tuple[str, ...]) -> str:
+        per = []
+        for sl in e["slices"]:  # one seed: the slices' losses weighted by their targets
+            n = sum(sl[k]["share_of_targets"] for k in names)
+            if n == 0:
+                return "-"
+            per.append(sum(sl[k]["share_of_targets"] * (sl[k]["loss"] or 0.0) for k in names) / n)
+        return f"{sum(per) / len(per):.4f}"
+
+    groups = (("ar_hit_in_window",), ("ar_hit_beyond_window",), ("seen_miss", "other"))
+    shares = [sum(sum(sl[k]["share_of_targets"] for k in g) for sl in rows[0]["slices"]) / len(rows[0]["slices"])
+              for g in groups]
+    head = (f"{'source':<10}{'split':<9}{'policy':<28}{'ops':>6}  {'AR hit in window':>17}{'AR hit beyond':>15}"
+            f"{'the rest':>10}")
+    lines = [f"== loss by slice (nats/byte, mean over the seeds; the first split's shares of targets: "
+             f"{shares[0]:.1%} / {shares[1]:.1%} / {shares[2]:.1%}) ==", head, "-" * len(head)]
+    for e in rows:
+        if e["family"] in ("equal_edits",):
+            continue
+        n = len(e["relative_ops"])
+        lines.append(f"{e['source']:<10}{e['split']:<9}{e['policy']:<28}{sum(e['relative_ops']) / n:>6.2f}  "
+                     f"{mean_loss(e, groups[0]):>17}{mean_loss(e, groups[1]):>15}{mean_loss(e, groups[2]):>10}")
+    return "\n".join(lines)

@@ -5,8 +5,10 @@ as PRISME's stages together)."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from prisme.checks import COMPILE_SETTINGS, check_choice, check_seeds
 from prisme.config import PrismeConfig
@@ -18,10 +20,16 @@ SOURCES = {  # name -> PrismeConfig overrides of the demo preset
     "embedding": dict(bank_source="embedding", bank_shift=True, controller_source="residual", controller_bank=True),
 }
 VAL_POLICIES = ["backbone", "matched", "fixed", "random", "dense", "controller", "oracle"]
+CONTEXT_POLICIES = ["backbone", "matched", "fixed", "controller", "oracle"]  # `--context`: its deployed rows are the
+#   router's at budget 1 (the "controller" family of a router model), beside one fixed edit everywhere and the oracle
 HELD_OUT_POLICIES = ["backbone", "matched", "fixed", "controller", "oracle"]  # all of the text: the cheaper rows
 DEFAULT_SEEDS = [1337, 1338, 1339]
-# the dense frontier: [n_layer, d_model] backbones alone (None = the preset's width), from scratch on PRISME's tokens
-DEFAULT_FRONTIER: list[list[int | None]] = [[1, None], [2, None], [3, None], [1, 96]]
+# the dense frontier: backbones alone, from scratch on PRISME's tokens; an entry is [n_layer, d_model] (None = the
+# preset's width), optionally [.., key_shift, attn_window] (`FRONTIER_OPTIONS`). Every help PRISME's bank gets the dense
+# family gets too: the key shift (its bank reads the previous token; the shifted key is the cheapest dense induction)
+DEFAULT_FRONTIER: list[list[Any]] = [[1, None], [2, None], [3, None], [1, 96], [1, None, True], [2, None, True],
+                                     [3, None, True]]
+FRONTIER_OPTIONS = {"key_shift": False, "attn_window": None}  # a frontier entry's backbone options after [L, d]
 
 
 @dataclass
@@ -30,7 +38,7 @@ class TextStudyConfig:
 
     sources: list[str] = field(default_factory=lambda: list(SOURCES))
     seeds: list[int] = field(default_factory=lambda: list(DEFAULT_SEEDS))  # training seeds: every run per seed
-    frontier: list[list[int | None]] = field(default_factory=lambda: [list(f) for f in DEFAULT_FRONTIER])
+    frontier: list[list[Any]] = field(default_factory=lambda: [list(f) for f in DEFAULT_FRONTIER])
     scale: float = 1.0  # multiplies every stage's steps (0.05: a smoke run)
     val_batches: int | None = 8  # validation batches of `eval_batch_size` x 128 (None: the whole split)
     held_out_batches: int | None = None  # batches of the held-out text (None: all of it)
@@ -53,6 +61,20 @@ class TextStudyConfig:
     progress: bool = True
     backbone_keeps_learning: bool = False  # stage 2 also trains the backbone (from its own loss, the matched steps)
     compile: str = "off"  # the editor under torch.compile in stages 2-3 and the evaluation ("auto" | "strict")
+    # --- long contexts (`--context T`): windows of T bytes; PRISME's backbone is local (`context_model`: a 64-byte
+    # attention window with the key shift) and its workspace reads the whole context where its router fires
+    context: int | None = None  # None: the T = 128 study above
+    context_model: dict[str, Any] = field(default_factory=lambda: {
+        "attn_window": 64, "key_shift": True, "router": True, "router_ngram": 4, "w": 32, "ws_head_dim": 16})
+    # the dense frontier there: global attention (1-3 layers, with the key shift; one layer without) and local
+    # windows (the same, at PRISME's window): every model trained from scratch on PRISME's bytes
+    context_frontier: list[list[Any]] = field(default_factory=lambda: [
+        [1, None], [1, None, True], [2, None, True], [3, None, True],
+        [1, None, False, 64], [1, None, True, 64], [2, None, True, 64], [3, None, True, 64]])
+    context_router_steps: int = 100  # the router stage (its value head regressed on the oracle's loss drops)
+    context_oracle_positions: int = 64  # positions per training sequence where the router stage runs every action
+    context_eval_batch_size: int = 8  # windows of T per evaluation batch
+    context_lambdas: list[float] = field(default_factory=lambda: [0.003, 0.01, 0.03])  # the router's prices
 
     def validate(self, model_cfg: PrismeConfig | None = None) -> TextStudyConfig:
         """ValueError naming the option for bad settings (the frontier's widths against `model_cfg`'s heads)."""
@@ -66,10 +88,10 @@ class TextStudyConfig:
         need(len(self.sources) > 0 and all(s in SOURCES for s in self.sources),
              f"sources must be a non-empty list from {sorted(SOURCES)}, got {self.sources!r}")
         check_seeds(self.seeds, "text study: ")
-        need(isinstance(self.frontier, list) and all(
-            isinstance(f, (list, tuple)) and len(f) == 2 and is_count(f[0]) and (f[1] is None or is_count(f[1]))
-            for f in self.frontier), f"frontier must be a list of [n_layer >= 1, d_model >= 1 or null], got "
-             f"{self.frontier!r}")
+        need(isinstance(self.frontier, list) and len(self.frontier) > 0 and all(frontier_entry_ok(f)
+                                                                           for f in self.frontier),
+             f"frontier must be a non-empty list of [n_layer >= 1, d_model >= 1 or null(, key_shift true/false(, "
+             f"attn_window >= 1 or null))], got {self.frontier!r}")
         need(self.scale > 0 and math.isfinite(self.scale), f"scale must be > 0, got {self.scale}")
         for f in ("val_batches", "held_out_batches"):
             v = getattr(self, f)
@@ -88,41 +110,106 @@ class TextStudyConfig:
         need(isinstance(self.kappa_risk, (int, float)) and math.isfinite(self.kappa_risk) and self.kappa_risk >= 0,
              f"kappa_risk must be a finite number >= 0, got {self.kappa_risk!r}")
         check_choice("compile", self.compile, COMPILE_SETTINGS, "text study: ")
+        need(self.context is None or is_count(self.context) and self.context >= 2,
+             f"--context must be an int >= 2 (bytes per window), got {self.context!r}")
+        need(self.context is None or self.window is None, "--window and --context are two ways to set the window "
+             "length: give one")
+        need(isinstance(self.context_model, dict), f"context_model must be an object of model fields, got "
+             f"{self.context_model!r}")
+        need(isinstance(self.context_frontier, list) and len(self.context_frontier) > 0
+             and all(frontier_entry_ok(f) for f in self.context_frontier),
+             f"context_frontier must be a non-empty list of frontier entries, got {self.context_frontier!r}")
+        for f in ("context_router_steps", "context_oracle_positions", "context_eval_batch_size"):
+            need(is_count(getattr(self, f)), f"{f} must be an int >= 1, got {getattr(self, f)!r}")
+        need(len(self.context_lambdas) > 0 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                   and math.isfinite(v) and v >= 0 for v in self.context_lambdas),
+             f"context_lambdas must be finite numbers >= 0, got {self.context_lambdas!r}")
         if model_cfg is not None:
             need(self.window is None or self.window <= model_cfg.max_seq_len,
                  f"window={self.window} is longer than the preset's context T_max={model_cfg.max_seq_len}")
-            for n_layer, d in self.frontier:
-                frontier_config(model_cfg, n_layer, d)
+            model_cfg = self.study_model(model_cfg)
+            for f in self.frontier_entries:
+                frontier_config(model_cfg, *f)
         return self
 
+    @property
+    def frontier_entries(self) -> list[list[Any]]:
+        """The dense frontier this study trains: `frontier`, or at a long context `context_frontier`."""
+        return self.frontier if self.context is None else self.context_frontier
 
-def parse_frontier(text: str) -> list[list[int | None]]:
-    """`--frontier 1,2,3,1x96` -> [[1, None], [2, None], [3, None], [1, 96]] (layers, or layers x width)."""
-    out: list[list[int | None]] = []
-    for item in (v.strip() for v in text.split(",") if v.strip()):
-        layers, x, width = item.partition("x")
+    @property
+    def eval_window(self) -> int | None:
+        """The evaluation windows' length (None: the workspace stage's)."""
+        return self.context or self.window
+
+    def study_model(self, preset: PrismeConfig) -> PrismeConfig:
+        """The model the study trains: the preset, or at a long context the preset at T_max >= T with
+        `context_model` (ValueError naming `context_model`)."""
+        if self.context is None:
+            return preset
         try:
-            out.append([int(layers), int(width) if x else None])
-        except ValueError:
-            raise ValueError(f"--frontier entries are LAYERS or LAYERSxWIDTH (e.g. 1,2,3,1x96), got {item!r}") from None
+            return preset.replace(max_seq_len=max(preset.max_seq_len, self.context), **self.context_model)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"text study: context_model {self.context_model!r} does not make a model: {e}") from None
+
+
+def frontier_entry_ok(f: Any) -> bool:
+    """Whether `f` is a frontier entry: [n_layer, d_model] (d None: the preset's), optionally + [key_shift(,
+    attn_window)]."""
+    count = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1  # noqa: E731
+    return (isinstance(f, (list, tuple)) and 2 <= len(f) <= 4 and count(f[0]) and (f[1] is None or count(f[1]))
+            and (len(f) < 3 or isinstance(f[2], bool)) and (len(f) < 4 or f[3] is None or count(f[3])))
+
+
+def frontier_options(f: Any) -> dict[str, Any]:
+    """A frontier entry's backbone options (`FRONTIER_OPTIONS`), defaults filled in."""
+    return {k: (f[2 + i] if len(f) > 2 + i else v) for i, (k, v) in enumerate(FRONTIER_OPTIONS.items())}
+
+
+_FRONTIER_ITEM = re.compile(r"(\d+)(?:x(\d+))?(?:w(\d+))?(ks)?")
+
+
+def parse_frontier(text: str) -> list[list[Any]]:
+    """`--frontier 1,2,1x96,2ks,1w64ks` -> [[1, None], [2, None], [1, 96], [2, None, True], [1, None, True, 64]]:
+    LAYERS[xWIDTH][wWINDOW][ks] (a width, a causal attention window, the key shift)."""
+    out: list[list[Any]] = []
+    for item in (v.strip() for v in text.split(",") if v.strip()):
+        m = _FRONTIER_ITEM.fullmatch(item)
+        if m is None:
+            raise ValueError(f"--frontier entries are LAYERS[xWIDTH][wWINDOW][ks] (e.g. 1,2,1x96,2ks,1w64ks), got "
+                             f"{item!r}")
+        layers, width, window, ks = m.groups()
+        entry: list[Any] = [int(layers), int(width) if width else None]
+        if ks or window:
+            entry.append(bool(ks))
+        if window:
+            entry.append(int(window))
+        out.append(entry)
     if not out:
         raise ValueError("--frontier is empty")
     return out
 
 
-def frontier_name(model_cfg: PrismeConfig, n_layer: int, d_model: int | None) -> str:
-    return f"L{n_layer}_d{d_model or model_cfg.d_model}"
+def frontier_name(model_cfg: PrismeConfig, n_layer: int, d_model: int | None, *options: Any) -> str:
+    """L<layers>_d<width>[_w<window>][_ks]: a frontier entry's folder and row name."""
+    o = frontier_options([n_layer, d_model, *options])
+    return (f"L{n_layer}_d{d_model or model_cfg.d_model}" + (f"_w{o['attn_window']}" if o["attn_window"] else "")
+            + ("_ks" if o["key_shift"] else ""))
 
 
-def frontier_config(model_cfg: PrismeConfig, n_layer: int, d_model: int | None) -> PrismeConfig:
-    """The preset's backbone alone at another depth and width; ValueError naming `frontier`."""
+def frontier_config(model_cfg: PrismeConfig, n_layer: int, d_model: int | None, *options: Any) -> PrismeConfig:
+    """The preset's backbone alone at another depth and width, with the entry's backbone options (a backbone the
+    preset's own options do not set: neither key shift nor window unless the entry says so); ValueError naming
+    `frontier`."""
     try:
-        over = {"n_layer": n_layer, "use_workspace": False}
+        over = {"n_layer": n_layer, "use_workspace": False, "router": False, **frontier_options([n_layer, d_model,
+                                                                                                  *options])}
         if d_model is not None and d_model != model_cfg.d_model:
             over |= {"d_model": d_model, "ffn_hidden": None}
-        return model_cfg.replace(**over, name=frontier_name(model_cfg, n_layer, d_model))
+        return model_cfg.replace(**over, name=frontier_name(model_cfg, n_layer, d_model, *options))
     except ValueError as e:
-        raise ValueError(f"text study: frontier entry [{n_layer}, {d_model}] does not make a model: {e}") from None
+        raise ValueError(f"text study: frontier entry {[n_layer, d_model, *options]} does not make a model: {e}"
+                         ) from None
 
 
 def source_config(base: PrismeConfig, source: str) -> PrismeConfig:
@@ -138,11 +225,34 @@ def stage_configs(cfg: TextStudyConfig, model_cfg: PrismeConfig, seed: int) -> d
     run = Path(cfg.out_dir) / f"seed{seed}"
     st = demo_stage_configs(run, cfg.scale, seed, cfg.backbone_keeps_learning,
                             seq_len=min(128, model_cfg.max_seq_len))
+    if cfg.context is not None:
+        st = context_stages(cfg, st)
     s1 = st["backbone"]
     tokens = sum(st[k].steps * st[k].batch_size * st[k].seq_len for k in ("backbone", "workspace", "controller"))
     steps = math.ceil(tokens / (s1.batch_size * s1.seq_len))
-    for n_layer, d in cfg.frontier:
-        name = frontier_name(model_cfg, n_layer, d)
+    for f in cfg.frontier_entries:
+        name = frontier_name(model_cfg, *f)
         st[f"frontier:{name}"] = s1.replace(steps=steps, out_dir=str(run / "frontier" / name))
     ws_stages = ("workspace", "controller")
     return {k: v.replace(progress=False, compile=cfg.compile if k in ws_stages else "off") for k, v in st.items()}
+
+
+def final_folder(stages: dict[str, StageConfig]) -> str:
+    """The folder of a source's last stage: the controller's (4_controller), or at a long context the router's."""
+    return "4_controller" if stages["controller"].stage == "controller" else "3_router"
+
+
+def context_stages(cfg: TextStudyConfig, st: dict[str, StageConfig]) -> dict[str, StageConfig]:
+    """The demo's stages at windows of T = `cfg.context` bytes, each step as many bytes as at 128 (batch 16 x 128 ->
+    2 x 1,024), and its third stage the router's (`context_router_steps` of one window, the oracle's loss drops at
+    `context_oracle_positions` positions each, budget 1); the matched run as many bytes as stage 2."""
+    T = cfg.context
+    out = {k: s.replace(seq_len=T, batch_size=max(1, s.batch_size * s.seq_len // T)) for k, s in st.items()}
+    c = out["controller"]
+    steps = max(2, round(cfg.context_router_steps * cfg.scale))
+    out["controller"] = c.replace(stage="router", steps=steps, batch_size=1, warmup=min(max(1, steps // 10), steps),
+                                  eval_every=steps, oracle_positions=cfg.context_oracle_positions, max_budget=1,
+                                  lr=3e-3, min_lr=3e-4)
+    s2, m = out["workspace"], out["matched"]
+    out["matched"] = m.replace(steps=max(2, math.ceil(s2.steps * s2.batch_size / m.batch_size)))
+    return out
