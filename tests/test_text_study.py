@@ -167,9 +167,17 @@ def test_text_study_over_two_seeds_reports_each_seed_and_the_frontier_gaps(tmp_p
 def test_frontier_entries_carry_the_key_shift_and_the_window_as_data():
     """Every help PRISME's bank gets the dense family gets too: a frontier entry names its backbone's key shift and
     attention window, and the model it makes has exactly those (and never the preset's own, nor a workspace)."""
-    from prisme.studies.text_setup import DEFAULT_FRONTIER, TextStudyConfig, frontier_config, frontier_name
+    from prisme.studies.text_setup import (
+        DEFAULT_FRONTIER,
+        TextStudyConfig,
+        frontier_config,
+        frontier_name,
+        source_config,
+    )
 
     demo = PrismeConfig.from_name("demo")
+    assert source_config(demo, "residual_shift").bank_shift and not demo.bank_shift  # an induction-style bank
+    TextStudyConfig(sources=["residual_shift"]).validate(demo)
     local = TextStudyConfig(context=1024).study_model(demo)  # a 64-window key-shift backbone with a router
     assert (local.attn_window, local.key_shift, local.router, local.max_seq_len) == (64, True, True, 1024)
     assert [1, None, True] in DEFAULT_FRONTIER and [3, None, True] in DEFAULT_FRONTIER
@@ -231,7 +239,8 @@ def test_long_context_text_study_scores_a_local_backbone_with_a_routed_workspace
         assert never["mean_edits"] == 0 and never["loss"] == rows["backbone"]["loss"]  # routed off: the backbone
         assert free["mean_edits"] >= never["mean_edits"] and free["relative_ops"] >= never["relative_ops"]
         for r in rows.values():  # every row but the oracle's (scored on its sampled positions alone)
-            assert r["family"] == "oracle" or set(r["slices"]) == {"ar_hit_in_window", "ar_hit_beyond_window", "seen_miss", "other"}
+            assert r["family"] == "oracle" or set(r["slices"]) == {"ar_hit_in_window", "ar_hit_beyond_window",
+                                                                   "seen_miss", "other"}
     held_rows = {r["policy"]: r for r in doc["seeds"]["3"]["sources"]["embedding"]["held_out"]["rows"]}
     assert held_rows["backbone"]["slices"]["ar_hit_beyond_window"]["share_of_targets"] > 0.5
     assert "loss by slice" in format_report(doc) and "AR hit beyond" in format_report(doc)

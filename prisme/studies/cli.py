@@ -43,7 +43,8 @@ def add_study_parsers(sub: Any, add_compile: Callable[[argparse.ArgumentParser],
     r.set_defaults(func=run_study)
     t = ssub.add_parser("text", help="Austen + a held-out text over training seeds: every policy vs the backbone, "
                                      "the matched one and the dense frontier, with paired intervals, per bank source")
-    t.add_argument("--sources", default=None, help="comma-separated bank sources (default: residual,embedding)")
+    t.add_argument("--sources", default=None, help="comma-separated bank sources: residual, embedding, residual_shift "
+                   "(default: residual,embedding)")
     t.add_argument("--seeds", default=None, help="training seeds, comma-separated (default 1337,1338,1339): every "
                    "run per seed, every claim over them")
     t.add_argument("--seed", type=int, default=None, help="one training seed (the same as --seeds N)")

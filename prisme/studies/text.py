@@ -1,6 +1,12 @@
 """`prisme study text`: what the workspace buys on text, over training seeds, against the dense frontier, for each
 bank source.
 
+`--context T` (`context`): windows of T bytes (e.g. 1,024), each step as many bytes as at 128; PRISME's backbone is
+local (`context_model`: a 64-byte attention window with the key shift) with a router, its workspace reads the whole
+window where the router fires (stage 3 is the router's, deployed at budget 1); the frontier (`context_frontier`) is
+dense global attention (1-3 layers, with the key shift; one without) and local windows; the slices split AR hits into
+those within PRISME's window and those beyond it (`slice_table`).
+
 On byte-level Austen (the `demo` preset: a one-layer backbone, d = 128), per training seed and scored on the same
 tokens:
 
@@ -17,8 +23,10 @@ seeds: the summary counts the seeds whose interval is below zero (`text_report.s
 
 Bank sources: "residual" is the seed's workspace (bank and z from H, the demo's config); "embedding" is the recall
 study's (bank keys, values and z from the token embeddings with a token shift; the controller reads H and the bank
-match). Stage 1 is trained once per seed: it never touches the workspace, so the other source's stage-1 checkpoint
-is the same backbone under its own workspace config (`rebase.rebase_backbone`, exact).
+match); "residual_shift" reads H with the key shift (entry j's key also reads H_{j-1}: a query that matches a context
+reads the byte that followed it, an induction head). Stage 1 is trained once per seed: it never touches the
+workspace, so the other source's stage-1 checkpoint is the same backbone under its own workspace config
+(`rebase.rebase_backbone`, exact).
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from prisme.studies.runner import Task, open_study, record_study, run_tasks, tra
 from prisme.studies.text_report import format_report, seed_summary, verdicts
 from prisme.studies.text_setup import (
     CONTEXT_POLICIES,
+    DEFAULT_SOURCES,
     HELD_OUT_POLICIES,
     SOURCES,
     VAL_POLICIES,
@@ -353,7 +362,7 @@ def assemble(cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[int, di
 # ---------------------------------------------------------------------------------------------------------------- CLI
 def main(args: Any) -> int:
     """`prisme study text`."""
-    sources = [s.strip() for s in args.sources.split(",") if s.strip()] if args.sources else list(SOURCES)
+    sources = [s.strip() for s in args.sources.split(",") if s.strip()] if args.sources else list(DEFAULT_SOURCES)
     seeds = parse_seeds(args.seeds) if getattr(args, "seeds", None) is not None else (
         [args.seed] if getattr(args, "seed", None) is not None else None)
     cfg = TextStudyConfig(sources=sources, **({"seeds": seeds} if seeds else {}), scale=args.scale,

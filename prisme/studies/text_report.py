@@ -148,7 +148,7 @@ def slice_table(doc: dict[str, Any]) -> str | None:
     lines = [f"== loss by slice (nats/byte, mean over the seeds; the first split's shares of targets: "
              f"{shares[0]:.1%} / {shares[1]:.1%} / {shares[2]:.1%}) ==", head, "-" * len(head)]
     for e in rows:
-        if e["family"] in ("equal_edits",):
+        if ROW_KINDS[e["family"]].baseline:
             continue
         n = len(e["relative_ops"])
         lines.append(f"{e['source']:<10}{e['split']:<9}{e['policy']:<28}{sum(e['relative_ops']) / n:>6.2f}  "

@@ -18,7 +18,11 @@ from prisme.training.config import StageConfig
 SOURCES = {  # name -> PrismeConfig overrides of the demo preset
     "residual": {},
     "embedding": dict(bank_source="embedding", bank_shift=True, controller_source="residual", controller_bank=True),
+    # an induction-style bank: entry j's key also reads H_{j-1} (the context before byte j), its value H_j (byte j),
+    # so a query matching a context reads the byte that followed it
+    "residual_shift": dict(bank_shift=True),
 }
+DEFAULT_SOURCES = ["residual", "embedding"]
 VAL_POLICIES = ["backbone", "matched", "fixed", "random", "dense", "controller", "oracle"]
 CONTEXT_POLICIES = ["backbone", "matched", "fixed", "controller", "oracle"]  # `--context`: its deployed rows are the
 #   router's at budget 1 (the "controller" family of a router model), beside one fixed edit everywhere and the oracle
@@ -36,7 +40,7 @@ FRONTIER_OPTIONS = {"key_shift": False, "attn_window": None}  # a frontier entry
 class TextStudyConfig:
     """Settings of `prisme study text`."""
 
-    sources: list[str] = field(default_factory=lambda: list(SOURCES))
+    sources: list[str] = field(default_factory=lambda: list(DEFAULT_SOURCES))
     seeds: list[int] = field(default_factory=lambda: list(DEFAULT_SEEDS))  # training seeds: every run per seed
     frontier: list[list[Any]] = field(default_factory=lambda: [list(f) for f in DEFAULT_FRONTIER])
     scale: float = 1.0  # multiplies every stage's steps (0.05: a smoke run)
@@ -237,9 +241,12 @@ def stage_configs(cfg: TextStudyConfig, model_cfg: PrismeConfig, seed: int) -> d
     return {k: v.replace(progress=False, compile=cfg.compile if k in ws_stages else "off") for k, v in st.items()}
 
 
+FINAL_FOLDERS = {"controller": "4_controller", "router": "3_router"}
+
+
 def final_folder(stages: dict[str, StageConfig]) -> str:
     """The folder of a source's last stage: the controller's (4_controller), or at a long context the router's."""
-    return "4_controller" if stages["controller"].stage == "controller" else "3_router"
+    return FINAL_FOLDERS[stages["controller"].stage]
 
 
 def context_stages(cfg: TextStudyConfig, st: dict[str, StageConfig]) -> dict[str, StageConfig]:
