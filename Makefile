@@ -4,6 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
+RAY_STAMP := $(VENV)/.installed-ray
 
 .PHONY: demo test test-slow lint bench clean
 
@@ -14,13 +15,17 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+$(RAY_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[dev,ray]'
+	touch $(RAY_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/prisme demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-test-slow: $(STAMP)
+test-slow: $(RAY_STAMP)
 	$(BIN)/python -m pytest -q -m slow
 
 lint: $(STAMP)

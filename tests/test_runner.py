@@ -84,9 +84,9 @@ def test_killing_the_study_process_stops_its_workers(tmp_path, guard):
     from pathlib import Path
 
     tests, pid = str(Path(__file__).parent), str(tmp_path / "pid")
-    off = "" if guard else "runner.die_with_parent = abs; "  # a picklable initializer that does nothing
+    off = "" if guard else "pools.die_with_parent = abs; "  # a picklable initializer that does nothing
     code = (f"import sys; sys.path.insert(0, {tests!r}); from test_runner import record_pid_and_sleep; "
-            f"import prisme.studies.runner as runner; {off}"
+            f"import prisme.studies.runner as runner, prisme.studies.pools as pools; {off}"
             f"runner.run_tasks([runner.Task(str(i), record_pid_and_sleep, ({pid!r} + str(i),)) for i in range(2)], "
             f"jobs=2)")
     parent = subprocess.Popen([sys.executable, "-c", code])

@@ -40,6 +40,7 @@ def add_study_parsers(sub: Any, add_compile: Callable[[argparse.ArgumentParser],
     r.add_argument("--resume", action="store_true", help="continue the study an interrupted run left in --out (a "
                    "rerun with the same settings does so too): finished runs are kept, interrupted stages resume")
     add_compile(r)
+    add_executor(r)
     r.set_defaults(func=run_study)
     t = ssub.add_parser("text", help="Austen + a held-out text over training seeds: every policy vs the backbone, "
                                      "the matched one and the dense frontier, with paired intervals, per bank source")
@@ -71,6 +72,7 @@ def add_study_parsers(sub: Any, add_compile: Callable[[argparse.ArgumentParser],
     t.add_argument("--resume", action="store_true", help="continue the study an interrupted run left in --out (a "
                    "rerun with the same settings does so too): finished tasks are kept, interrupted stages resume")
     add_compile(t)
+    add_executor(t)
     t.set_defaults(func=run_study)
 
     s = sub.add_parser("demo", help="run the main job on the embedded default corpus")
@@ -92,4 +94,16 @@ def add_study_parsers(sub: Any, add_compile: Callable[[argparse.ArgumentParser],
                    "rerun with the same settings does so too)")
     s.add_argument("--verbose", action="store_true", help="print every table too (they are in report.txt)")
     add_compile(s)
+    add_executor(s)
     s.set_defaults(func=run_demo)
+
+
+def add_executor(p: argparse.ArgumentParser) -> None:
+    """--executor / --address: where a study's runs go (this machine's worker processes, or a Ray cluster)."""
+    p.add_argument("--executor", choices=("local", "ray"), default="local",
+                   help="local: worker processes of this machine (--jobs); ray: each run a Ray task on the cluster "
+                        "at --address, asking for --threads CPUs (and a GPU where the cluster has them); the --out "
+                        "folder must be on a filesystem every node mounts at the same path (pip install 'prisme[ray]')")
+    p.add_argument("--address", default=None,
+                   help="with --executor ray: the cluster (e.g. auto, HOST:6379, ray://HOST:10001; default: "
+                        "RAY_ADDRESS, else a new local cluster)")

@@ -125,8 +125,13 @@ def recall_lines(doc: dict[str, Any]) -> tuple[list[str], list[str]]:
                  f"{len(best['seeds'])} at {best['ops_ratio']:.3f}x ({acc})")
     failing = [e for e in study["entries"] if "member" not in e]  # the dense entries (a PRISME one names its member)
     if study.get("dense_best"):
-        lines.append(f"  verdict: the dense frontier passes at {study['dense_best']['ops_ratio']:.3f}x "
-                     f"({study['dense_best']['name']}); PRISME needs {study['ratio']:.2f}x its ops")
+        win = study["dense_best"]
+        cheaper = [e for e in failing if e["ops_ratio"] < win["ops_ratio"] and not e["passes"]]
+        if cheaper:
+            lines.append("  every cheaper dense model of the grid fails ("
+                         + "; ".join(f"{e['name']} {max(e['accuracy']):.2f}" for e in cheaper[-2:]) + "; ...)")
+        lines.append(f"  verdict: the cheapest dense model that passes is {win['name']} at {win['ops_ratio']:.3f}x "
+                     f"({win['seeds_at_95']}/{len(win['seeds'])} seeds); PRISME needs {study['ratio']:.3f}x its ops")
     elif bound:
         lines.append(f"  every dense model of the grid up to {bound['all_fail_up_to']:.3f}x fails ("
                      + "; ".join(f"{e['name']} {max(e['accuracy']):.2f}" for e in failing[:2]) + "; ...)")
@@ -178,7 +183,8 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
              model_cfg: PrismeConfig | None = None, recall_seeds: list[int] | None = None, jobs: int = 0,
              sources: list[str] | None = None, held_out: str | None = None, compile: str = "off",
              resume: bool = False, verbose: bool = False, recall_context: int | None = None,
-             reference: str | Path | None = None) -> dict[str, Any]:
+             reference: str | Path | None = None, executor: str = "local",
+             address: str | None = None) -> dict[str, Any]:
     """Run the demo end to end; returns the summary (also written to <run>/summary.json).
 
     1. the recall claim: the reference's PRISME member at its length on `recall_seeds` (default `RECALL_SEEDS`; []
@@ -189,6 +195,9 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
        bank sources `sources` (default: the seed's, which keeps the demo within its time; `prisme study text` runs
        both);
     3. a sampled continuation from the seed's-bank controller.
+
+    Every run is a task of one pool: this machine's worker processes (`jobs`), or with `executor` "ray" a Ray
+    cluster's tasks (`address`; the run folder on a filesystem every node shares).
 
     The screen shows the summary (every table too with `verbose`); progress goes to stderr. A demo started in `out`
     with the same settings continues from what finished (`resume`: one must have been).
@@ -220,8 +229,8 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
     tcfg = TextStudyConfig(sources=list(sources or DEMO_SOURCES), seeds=[seed], frontier=[list(DEMO_FRONTIER)],
                            scale=scale, val_batches=eval_batches,
                            out_dir=str(run / "text"), jobs=jobs, threads=max(1, threads or 1), progress=progress,
-                           backbone_keeps_learning=backbone_keeps_learning, compile=compile,
-                           **({} if held_out is None else {"held_out": held_out})).validate(cfg)
+                           backbone_keeps_learning=backbone_keeps_learning, compile=compile, executor=executor,
+                           address=address, **({} if held_out is None else {"held_out": held_out})).validate(cfg)
     run.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     walls: dict[str, float] = {}
@@ -254,7 +263,8 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
         if shows[prefix] is not None:
             shows[prefix](task, res, elapsed)
 
-    results = run_tasks(tasks, jobs, on_done=on_done, store=record_study(run, settings), resumed=resumed)
+    results = run_tasks(tasks, jobs, on_done=on_done, store=record_study(run, settings), resumed=resumed,
+                        executor=executor, address=address, cpus=max(1, threads or 1))
     n_workers = worker_count(jobs, len(tasks))
     summary_lines: list[str] = []
     report: list[str] = []
@@ -332,5 +342,6 @@ def main(args: argparse.Namespace) -> int:
              jobs=getattr(args, "jobs", 0) or 0,
              sources=[v.strip() for v in args.sources.split(",") if v.strip()] if getattr(args, "sources", None)
              else None, compile=getattr(args, "compile", None) or "off", resume=getattr(args, "resume", False),
-             verbose=getattr(args, "verbose", False))
+             verbose=getattr(args, "verbose", False), executor=getattr(args, "executor", None) or "local",
+             address=getattr(args, "address", None))
     return 0

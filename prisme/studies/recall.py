@@ -36,8 +36,8 @@ from typing import Any, ClassVar
 import torch
 
 from prisme.checkpoint import load_model
-from prisme.devices import spread
 from prisme.io import write_text_atomic
+from prisme.studies.pools import pool_options, task_device
 from prisme.studies.recall_context import (
     assemble_contexts,
     costlier_than_passing,
@@ -187,7 +187,8 @@ def run_task(task: RecallTask) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------------------ report
-UNRECORDED = ("out_dir", "jobs", "threads", "config_dir", "evaluate_only", "compile", "reuse")  # change no run/score
+# what changes no run and no score
+UNRECORDED = ("out_dir", "jobs", "threads", "config_dir", "evaluate_only", "compile", "reuse", "executor", "address")
 
 
 def study_settings(cfg: RecallStudyConfig, planned: list[RecallTask]) -> dict[str, Any]:
@@ -258,7 +259,7 @@ def prepare_study(cfg: RecallStudyConfig, resume: bool = False) -> tuple[RecallS
             for s in t.stage_folders():
                 if (Path(t.folder) / s / "latest").exists():
                     raise ValueError(f"{Path(t.folder) / s} already holds a run; pass another --out or remove it")
-    tasks = [Task(t.folder, run_task, (dataclasses.replace(t, device=spread(i)),))  # over GPUs
+    tasks = [Task(t.folder, run_task, (dataclasses.replace(t, device=task_device(cfg.executor, i)),))  # over GPUs
              for i, t in enumerate(planned)]
     return cfg, recipe, tasks
 
@@ -311,7 +312,7 @@ def run_study(cfg: RecallStudyConfig, progress: bool = True, resume: bool = Fals
         planned, names = [study_task(t) for t in tasks], [t.name for t in tasks]
         prune, defer = costlier_than_passing(cfg, planned, names), decided_by_running(cfg, planned, names)
     results = run_tasks(tasks, cfg.jobs, on_done=progress_printer(progress, len(tasks)), store=store,
-                        resumed=resumed, prune=prune, defer=defer)
+                        resumed=resumed, prune=prune, defer=defer, **pool_options(cfg))
     return finish_study(cfg, recipe, results, tasks, time.perf_counter() - t0, worker_count(cfg.jobs, len(tasks)))
 
 
@@ -439,6 +440,7 @@ def main(args: Any) -> int:
         given = {**own_settings(args.out or RecallStudyConfig.out_dir, given), **{k: v for k, v in given.items()
                                                                                  if v is not None}}
     cfg = study_config({**given, "out_dir": args.out, "jobs": args.jobs, "threads": args.threads,
+                        "executor": getattr(args, "executor", None), "address": getattr(args, "address", None),
                         "evaluate_only": evaluate_only or None, "reuse": getattr(args, "reuse", None),
                         "compile": getattr(args, "compile", None) or "off"}, args.configs)
     from prisme.io import check_output_file

@@ -16,6 +16,7 @@ from prisme.checks import COMPILE_SETTINGS, check_choice, check_seeds, is_int
 from prisme.config import PrismeConfig
 from prisme.data.mqar import MQARConfig
 from prisme.io import CONFIG_DIR, loads_config
+from prisme.studies.pools import check_executor
 from prisme.training.config import StageConfig, load_run_config
 
 BACKBONE_TRAINS_AT_T = ("none", "embedding", "all")  # `context_backbone_trains`
@@ -45,6 +46,8 @@ class RecallStudyConfig:
     out_dir: str = "runs/recall"
     jobs: int = 0  # worker processes (0 = one per CPU core, at most one per task)
     threads: int = 1  # torch threads per worker
+    executor: str = "local"  # where the tasks run: "local" (worker processes) or "ray" (a Ray cluster, `address`)
+    address: str | None = None  # the Ray cluster's address (None: a local one, or RAY_ADDRESS's)
     quick: bool = False  # one seed, few steps: a smoke run of every phase
     bank_source: str | None = None  # override the recipe's bank source (and query source), e.g. "residual"
     config_dir: str | None = None  # where the recall_*.json recipe lives (default: the project's prisme/configs/)
@@ -112,6 +115,7 @@ class RecallStudyConfig:
             v = getattr(self, f)
             need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{f} must be an int >= 1, got {v!r}")
         need(isinstance(self.jobs, int) and self.jobs >= 0, f"jobs must be an int >= 0, got {self.jobs!r}")
+        check_executor(self.executor, self.address, need)
         need(isinstance(self.control_layers, (tuple, list)) and len(self.control_layers) == 2
              and all(is_int(v) and v >= 1 for v in self.control_layers),
              f"control_layers must be two layer counts [negative, positive] >= 1, got {self.control_layers!r}")

@@ -19,22 +19,20 @@ continues from what finished: the kept tasks are not run again, an interrupted s
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
 import json
-import multiprocessing
 import os
 import shutil
 import signal
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from prisme.config import with_added_fields
 from prisme.io import write_text_atomic
+from prisme.studies.pools import _POOLS, EXECUTORS, RESUME_NOTE, LocalPool, StudyInterrupted, stop_on_signals
 from prisme.training.config import stage_with_added_fields
 
 
@@ -72,104 +70,11 @@ def check_tasks(tasks: Sequence[Task]) -> None:
         left = [t for t in left if t.name not in done]
 
 
-def die_with_parent(parent: int) -> None:
-    """Worker initializer: on Linux the worker gets SIGTERM when the process that started it dies, however it dies
-    (`prctl(PR_SET_PDEATHSIG)`), so a killed study leaves no orphan runs behind (a training run saves a checkpoint on
-    SIGTERM and exits)."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # the parent died before the request took effect
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
-class StudyInterrupted(KeyboardInterrupt):
-    """A study stopped by SIGINT or SIGTERM (`signal` names it) once every running task had saved."""
-
-    def __init__(self, signal_name: str = "SIGINT", message: str = ""):
-        super().__init__(signal_name, message)
-        self.signal = signal_name
-
-    def __str__(self) -> str:
-        return self.args[1] or f"{self.signal}: the study stopped"
-
-
-RESUME_NOTE = ("every running task saved first; nothing was scored from an interrupted stage. Rerun the same command "
-               "(the same settings and --out) with --resume to continue from what finished")
-_POOLS: list[Any] = []  # the worker pools running in this process (a second signal goes on to their workers)
-_WORKER: dict[str, Any] = {"busy": False, "stopped": None, "parent": None}  # in a worker: running a task; the stop
-#   signal it got while idle; the study's pid
-
-
-def _forward(signum: int) -> None:
-    """Pass a signal on to every worker of every running pool."""
-    for pool in _POOLS:
-        for proc in list(getattr(pool, "_processes", {}).values()):
-            with contextlib.suppress(ProcessLookupError, OSError):
-                os.kill(proc.pid, signum)
-
-
-@contextlib.contextmanager
-def stop_on_signals() -> Iterator[None]:
-    """In the study's process: the first SIGINT or SIGTERM raises `StudyInterrupted` where the process is (a training
-    run's own handler, `train_stage`'s, stops it at the step boundary and saves instead); a later one is passed on to
-    the workers, which then stop at once. Nothing changes outside the main thread."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    state: dict[str, str | None] = {"signal": None}
-
-    def handler(signum, frame):
-        if state["signal"] is None:
-            state["signal"] = signal.Signals(signum).name
-            raise StudyInterrupted(state["signal"])
-        _forward(signum)
-
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-
-
-def _worker_init(parent: int, guard: Callable[[int], Any]) -> None:
-    """Worker initializer: `guard` (`die_with_parent`), a process group of its own (a terminal's Ctrl-C reaches the
-    study, which passes it on once), and SIGINT / SIGTERM stopping the task it runs (`StudyInterrupted`; a training
-    run saves first), or, while idle, the next task it is given."""
-    guard(parent)
-    _WORKER["parent"] = parent
-    with contextlib.suppress(OSError):
-        os.setpgid(0, 0)
-
-    def handler(signum, frame):
-        name = signal.Signals(signum).name
-        if _WORKER["busy"]:
-            raise StudyInterrupted(name)
-        if os.getppid() != parent:  # the study is gone (`die_with_parent`): nothing runs, nothing to save
-            os._exit(128 + signum)
-        _WORKER["stopped"] = name
-
-    for s in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(s, handler)
-
-
-def _call(fn: Callable[..., Any], args: tuple) -> Any:
-    """A task in a worker: not started once the worker was told to stop."""
-    if _WORKER["stopped"]:
-        raise StudyInterrupted(_WORKER["stopped"])
-    _WORKER["busy"] = True
-    try:
-        return fn(*args)
-    finally:
-        _WORKER["busy"] = False
-        if _WORKER.get("parent") not in (None, os.getppid()):  # the study died while this task ran (and saved)
-            os._exit(128 + signal.SIGTERM)
+def _named(err: BaseException, name: str) -> None:
+    """Note on a task's exception which task raised it (the traceback's last lines)."""
+    if hasattr(err, "add_note"):
+        err.add_note(f"(raised by the study's task {name!r}; its finished runs are kept: fix it and rerun the same "
+                     f"command to continue)")
 
 
 def train_stage_once(model_cfg: Any, scfg: Any, **kw: Any) -> Any:
@@ -335,7 +240,8 @@ def worker_count(jobs: int, n_tasks: int) -> int:
 def run_tasks(tasks: Sequence[Task], jobs: int = 0,
               on_done: Callable[[Task, Any, float], None] | None = None, store: str | Path | None = None,
               resumed: bool = False, prune: Callable[[dict[str, Any]], Iterable[str]] | None = None,
-              defer: Callable[[dict[str, Any], set[str]], Iterable[str]] | None = None) -> dict[str, Any]:
+              defer: Callable[[dict[str, Any], set[str]], Iterable[str]] | None = None, executor: str = "local",
+              address: str | None = None, cpus: int = 1) -> dict[str, Any]:
     """Run every task (`jobs` worker processes, 0 = one per core); returns {name: result}. `on_done(task, result,
     seconds since the start)` runs in this process as each task finishes. A task that raises stops the run: the tasks
     not started are cancelled, and its exception is raised once the running ones have finished. SIGINT or SIGTERM
@@ -345,7 +251,9 @@ def run_tasks(tasks: Sequence[Task], jobs: int = 0,
     no longer needed, asked after each result: those not started are not run (and have no result); tasks are started
     in list order, so a search orders its tasks cheapest first. `defer(results so far, names running)`: ready tasks to
     start after the other ready ones (work the running tasks' results may make unnecessary); they still start when
-    nothing else is ready."""
+    nothing else is ready. `executor` "ray": the tasks run as Ray tasks (`studies/ray_pool.py`) on the cluster at
+    `address` (None: a local one, or the one `ray.init` already joined), `jobs` at a time (0: as many as the cluster
+    has CPUs for), each asking for `cpus` CPUs; the task's exception raised here names the task that failed."""
     check_tasks(tasks)
     t0 = time.perf_counter()
     store = Path(store) if store is not None else None
@@ -388,43 +296,61 @@ def run_tasks(tasks: Sequence[Task], jobs: int = 0,
     drop()
 
     left = [t for t in tasks if t.name not in done and t.name not in dropped]
-    jobs = worker_count(jobs, len(left))
+    if executor not in EXECUTORS:
+        raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
+    if address is not None and executor != "ray":
+        raise ValueError(f"an address ({address!r}) is for a Ray cluster: pass executor 'ray' with it")
+    pool: Any = None
+    if executor == "ray" and left:  # before our signal handlers: connecting to Ray installs its own
+        from prisme.studies.pools import RayPool
+
+        pool = RayPool(jobs, len(left), address=address, cpus=cpus)
     with stop_on_signals():
-        if jobs == 1 or not left:
+        if pool is None and (worker_count(jobs, len(left)) == 1 or not left):
             try:
                 while left_to_run():
                     task = ready()[0]
-                    finish(task, task.fn(*task.args))
+                    try:
+                        result = task.fn(*task.args)
+                    except Exception as err:
+                        _named(err, task.name)
+                        raise
+                    finish(task, result)
             except StudyInterrupted as e:
                 raise StudyInterrupted(e.signal, f"{e.signal}: the study stopped; {RESUME_NOTE}") from None
             return done
+        pool = pool or LocalPool(worker_count(jobs, len(left)))
         by_name = {t.name: t for t in tasks}
-        with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
-                                    initializer=_worker_init, initargs=(os.getpid(), die_with_parent)) as pool:
-            _POOLS.append(pool)
-            try:
-                while left_to_run():
-                    while len(running) < jobs and (now := ready()):  # one at a time: `defer` sees each start
-                        running[pool.submit(_call, now[0].fn, now[0].args)] = now[0].name
-                    finished, _ = cf.wait(list(running), return_when=cf.FIRST_COMPLETED)
-                    for f in finished:
-                        name = running.pop(f)
-                        finish(by_name[name], f.result())
-            except StudyInterrupted as e:  # this process's signal, or a task a signal stopped: stop them all
-                _forward(getattr(signal, e.signal, signal.SIGINT))
-                for f in cf.as_completed(list(running)):  # every running task saves and ends
-                    if not f.cancelled() and f.exception() is None:
-                        finish(by_name[running[f]], f.result())
-                pool.shutdown(wait=True, cancel_futures=True)
-                raise StudyInterrupted(e.signal, f"{e.signal}: the study stopped; {RESUME_NOTE}") from None
-            except Exception:
-                pool.shutdown(wait=True, cancel_futures=True)
-                raise
-            except BaseException:  # SystemExit, or a KeyboardInterrupt of another kind: stop the workers too
-                for proc in list(getattr(pool, "_processes", {}).values()):
-                    proc.terminate()
-                pool.shutdown(wait=True, cancel_futures=True)
-                raise
-            finally:
-                _POOLS.remove(pool)
+        _POOLS.append(pool)
+        try:
+            while left_to_run():
+                while len(running) < pool.slots and (now := ready()):  # one at a time: `defer` sees each start
+                    running[pool.submit(now[0])] = now[0].name
+                finished, _ = cf.wait(list(running), return_when=cf.FIRST_COMPLETED)
+                for f in finished:
+                    name = running.pop(f)
+                    try:
+                        result = pool.result(f)
+                    except StudyInterrupted:
+                        raise
+                    except Exception as err:
+                        _named(err, name)
+                        raise
+                    finish(by_name[name], result)
+        except StudyInterrupted as e:  # this process's signal, or a task a signal stopped: stop them all
+            pool.interrupt(getattr(signal, e.signal, signal.SIGINT))
+            for f in cf.as_completed(list(running)):  # every running task saves and ends
+                if not f.cancelled() and f.exception() is None:
+                    finish(by_name[running[f]], f.result())
+            pool.shutdown()
+            raise StudyInterrupted(e.signal, f"{e.signal}: the study stopped; {RESUME_NOTE}") from None
+        except Exception:
+            pool.shutdown()
+            raise
+        except BaseException:  # SystemExit, or a KeyboardInterrupt of another kind: stop the workers too
+            pool.kill()
+            raise
+        finally:
+            _POOLS.remove(pool)
+            pool.shutdown()
     return done

@@ -45,9 +45,9 @@ from prisme.checkpoint import load_model
 from prisme.config import PrismeConfig
 from prisme.data.text import TokenDataset, load_text
 from prisme.data.tokenizers import ByteTokenizer
-from prisme.devices import spread
 from prisme.io import write_text_atomic
 from prisme.rebase import rebase_backbone
+from prisme.studies.pools import pool_options, task_device
 from prisme.studies.recall_setup import parse_seeds
 from prisme.studies.runner import Task, open_study, record_study, run_tasks, train_stage_once, worker_count
 from prisme.studies.text_report import format_report, seed_summary, verdicts
@@ -258,7 +258,7 @@ def study_settings(cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[i
                    ) -> dict[str, Any]:
     """What the study trains and scores, as its folder records it (`runner.record_study`)."""
     return {"study": {k: v for k, v in dataclasses.asdict(cfg).items()
-                      if k not in ("out_dir", "jobs", "threads", "progress", "compile")},
+                      if k not in ("out_dir", "jobs", "threads", "progress", "compile", "executor", "address")},
             "model": model_cfg.to_dict(), "stages": {str(seed): {k: v.to_dict() for k, v in st.items()}
                                                      for seed, st in stages.items()}}
 
@@ -295,7 +295,8 @@ def prepare_study(cfg: TextStudyConfig, model_cfg: PrismeConfig | None = None, r
             planned.append((matched, [backbone]))
             for split in ("held_out", "val"):
                 planned += [(EvalTask(seed, r.source, split), [r, matched, *frontier]) for r in runs]
-    tasks = [Task(t.name, _task, (t, cfg, model_cfg, stages[t.seed], spread(i)), tuple(n.name for n in needs))
+    tasks = [Task(t.name, _task, (t, cfg, model_cfg, stages[t.seed], task_device(cfg.executor, i)),
+                  tuple(n.name for n in needs))
              for i, (t, needs) in enumerate(planned)]
     return model_cfg, stages, tasks
 
@@ -329,7 +330,8 @@ def run_study(cfg: TextStudyConfig, model_cfg: PrismeConfig | None = None, resum
     resumed = open_study(cfg.out_dir, settings)
     store = record_study(cfg.out_dir, settings)
     t0 = time.perf_counter()
-    done = run_tasks(tasks, cfg.jobs, on_done=progress_printer(cfg.progress), store=store, resumed=resumed)
+    done = run_tasks(tasks, cfg.jobs, on_done=progress_printer(cfg.progress), store=store, resumed=resumed,
+                     **pool_options(cfg))
     return finish_study(cfg, model_cfg, stages, done, tasks, time.perf_counter() - t0,
                         worker_count(cfg.jobs, len(tasks)))
 
@@ -368,6 +370,7 @@ def main(args: Any) -> int:
     cfg = TextStudyConfig(sources=sources, **({"seeds": seeds} if seeds else {}), scale=args.scale,
                           out_dir=args.out or "runs/text",
                           jobs=args.jobs or 0, threads=args.threads or 1, progress=not args.no_progress,
+                          executor=getattr(args, "executor", None) or "local", address=getattr(args, "address", None),
                           val_batches=None if args.val_batches == "all" else int(args.val_batches),
                           held_out=args.held_out, compile=getattr(args, "compile", None) or "off",
                           slice_ngram=getattr(args, "ngram", 4), window=getattr(args, "window", None),

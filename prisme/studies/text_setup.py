@@ -13,6 +13,7 @@ from typing import Any
 from prisme.checks import COMPILE_SETTINGS, check_choice, check_seeds
 from prisme.config import PrismeConfig
 from prisme.data.text import HELD_OUT_TEXT
+from prisme.studies.pools import check_executor
 from prisme.training.config import StageConfig
 
 SOURCES = {  # name -> PrismeConfig overrides of the demo preset
@@ -62,6 +63,8 @@ class TextStudyConfig:
     out_dir: str = "runs/text"
     jobs: int = 0  # worker processes (0 = one per CPU core)
     threads: int = 1  # torch threads per worker
+    executor: str = "local"  # where the tasks run: "local" (worker processes) or "ray" (a Ray cluster, `address`)
+    address: str | None = None  # the Ray cluster's address (None: a local one, or RAY_ADDRESS's)
     progress: bool = True
     backbone_keeps_learning: bool = False  # stage 2 also trains the backbone (from its own loss, the matched steps)
     compile: str = "off"  # the editor under torch.compile in stages 2-3 and the evaluation ("auto" | "strict")
@@ -105,6 +108,7 @@ class TextStudyConfig:
             v = getattr(self, f)
             need(is_count(v), f"{f} must be an int >= 1, got {v!r}")
         need(isinstance(self.jobs, int) and self.jobs >= 0, f"jobs must be an int >= 0, got {self.jobs!r}")
+        check_executor(self.executor, self.address, need)
         need(all(isinstance(n, int) and n >= 1 for n in self.fixed_budgets), "fixed_budgets must be ints >= 1")
         need(len(self.lambdas) > 0 and all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0
                                            for v in self.lambdas), f"lambdas must be finite numbers >= 0, got "
