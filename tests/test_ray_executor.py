@@ -78,20 +78,6 @@ def test_a_failing_task_on_ray_is_named_and_stops_the_run(tmp_path, cluster):
     assert ran == ["fine"] and sorted(p.name for p in store.iterdir()) == ["fine.json"]
 
 
-def test_bad_executor_settings_are_refused_before_anything_runs(tmp_path):
-    with pytest.raises(ValueError, match="executor must be one of"):
-        run_tasks([Task("a", math.sqrt, (1.0,))], executor="slurm")
-    with pytest.raises(ValueError, match="needs executor 'ray'"):
-        cli_error(["study", "recall", "--quick", "--address", "auto", "--out", str(tmp_path / "x")])
-    assert not (tmp_path / "x").exists()
-
-
-def cli_error(argv: list[str]) -> None:
-    """Run the CLI's study entry without its error printing: the ValueError itself."""
-    args = cli.build_parser().parse_args(argv)
-    args.func(args)
-
-
 DRIVER = """
 import os, pathlib, sys, time
 from prisme.studies.runner import Task, run_tasks

@@ -249,3 +249,42 @@ def test_a_study_recorded_before_a_stage_config_field_existed_continues(tmp_path
         record_study(tmp_path / name, now)
         copied = reuse_runs(tmp_path / "s", tmp_path / name, now, [str(tmp_path / name / "a")])
         assert copied == ([str(tmp_path / name / "a")] if name == "same" else [])
+
+
+def test_nothing_imports_ray_unless_a_study_asks_for_it():
+    """The package, its CLI and the studies' pools import without Ray; only `executor="ray"` imports it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, prisme, prisme.cli, prisme.studies.runner, prisme.studies.pools, prisme.studies.demo, "
+            "prisme.studies.recall, prisme.studies.text; print('ray' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_the_ray_executor_without_ray_installed_says_how_to_install_it(monkeypatch):
+    """`executor="ray"` where Ray cannot be imported: a ValueError naming the extra, before any task runs; a local
+    run of the same tasks does not need it (negative control)."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    ran: list[str] = []
+    tasks = [Task("a", stamp, ("a", 0))]
+    with pytest.raises(ValueError, match=r"pip install 'prisme\[ray\]'"):
+        run_tasks(tasks, jobs=1, executor="ray", on_done=lambda t, r, s: ran.append(t.name))
+    assert ran == []
+    assert set(run_tasks(tasks, jobs=1, on_done=lambda t, r, s: ran.append(t.name))) == {"a"} and ran == ["a"]
+
+
+def test_bad_executor_settings_are_refused_before_anything_runs(tmp_path):
+    """An unknown executor, or a cluster address without `--executor ray`, is a ValueError naming it; nothing is
+    written."""
+    from prisme import cli
+
+    with pytest.raises(ValueError, match="executor must be one of"):
+        run_tasks([Task("a", stamp, ("a", 0))], executor="slurm")
+    for argv in (["study", "recall", "--quick"], ["study", "text", "--scale", "0.01"]):
+        args = cli.build_parser().parse_args([*argv, "--address", "auto", "--out", str(tmp_path / "x")])
+        with pytest.raises(ValueError, match="needs executor 'ray'"):
+            args.func(args)
+    assert not (tmp_path / "x").exists()
