@@ -210,6 +210,7 @@ class RayPool:
         self._options = {"num_cpus": cpus, "num_gpus": gpus, "max_retries": 0}
         self._cwd = os.getcwd()
         self._refs: dict[cf.Future, Any] = {}
+        self._interrupted = False
 
     def submit(self, task: Any) -> cf.Future:
         ref = self._remote.options(name=task.name, **self._options).remote(self._cwd, task.fn, task.args)
@@ -231,15 +232,18 @@ class RayPool:
             raise cause from None
 
     def interrupt(self, signum: int) -> None:
-        """Cancel every running task (a SIGINT in its worker); a second call cancels them at once."""
+        """Cancel every running task: Ray raises KeyboardInterrupt in the task's Python code as SIGINT would (a
+        training run saves at its step boundary and stops; a task inside one long C call notices when the call
+        returns). A second call kills the tasks' workers at once."""
         for future, ref in list(self._refs.items()):
             if not future.done():
                 with contextlib.suppress(Exception):
-                    self._ray.cancel(ref, force=getattr(self, "_interrupted", False))
+                    self._ray.cancel(ref, force=self._interrupted)
         self._interrupted = True
 
     def shutdown(self) -> None:
-        """Cancel what has not finished, wait for it to end, and leave the cluster this pool joined."""
+        """Cancel what has not finished (after a failed task the others stop at their next step and save, where the
+        local pool lets its running tasks finish), wait for it to end, and leave the cluster this pool joined."""
         for future, ref in list(self._refs.items()):
             if not future.done():
                 with contextlib.suppress(Exception):
