@@ -225,7 +225,7 @@ def test_router_decide_reading_the_final_norm_equals_its_own_norm_and_falls_back
     assert router._folded(cost, 0.0, norm.weight)[3]  # the shared path ran
     want = router.select(router(H, seen), cost, 0.0)
     assert (want != stop).any() and (want == stop).any()
-    W, u, b, _ = router._folded(cost, 0.0, None)
+    W, u, b = router._folded(cost, 0.0, None)[:3]
     twice = torch.where(seen.unsqueeze(-1), torch.nn.functional.linear(norm(H), W, b) + u,
                         torch.nn.functional.linear(norm(H), W, b))
     best, action = twice.max(-1)

@@ -136,9 +136,11 @@ class PartTimer:
         self._active = False
         self._undo: list[Callable[[], None]] = []
         for obj, attr, part in ((model, "streams", "backbone"), (state, "bank_step", "bank"),
-                                (routed, "router_decision", "router"), (routed, "fired_positions", "decision"),
+                                (routed, "router_decision", "router"), (routed, "router_scores", "router"),
+                                (routed, "fired_positions", "decision"),
                                 (routed, "fired_groups", "decision"), (model.editor, "edit_rows", "editor"),
-                                (model.readout, "forward", "readout"),
+                                (model.readout, "forward", "readout"), (model.readout, "edited", "readout"),
+                                (state.DecodeState, "bank", "bank"),
                                 (model, "rollout_policy", "editor"), (routed, "query_state", "editor"),
                                 (state, "query_state", "editor"), (model, "logits_from_state", "readout"),
                                 (model.backbone, "head", "readout"), (model.backbone, "final_norm", "readout"),

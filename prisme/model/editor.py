@@ -104,10 +104,11 @@ class BankView:
 
 def bank_attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch.Tensor, b_idx: torch.Tensor,
                 rank: torch.Tensor, full: bool) -> torch.Tensor:
-    """`BankView.attend` from its parts (every size read from a shape, so one compiled graph serves all of them)."""
+    """`BankView.attend` from its parts (every size read from a shape, so one compiled graph serves all of them); a
+    mask of None (with `full`, one query per row) reads every key."""
     N, k, w = q.shape
     B, nh = K.shape[0], K.shape[1]
-    n = mask.shape[2] // k
+    n = 1 if mask is None else mask.shape[2] // k
     if full:
         qp = q.reshape(B, n * k, nh, w // nh)
     else:
@@ -211,6 +212,18 @@ class EditorBlock(nn.Module):
         c = self._modules
         e = (F.embedding(step, c["step_emb"]._parameters["weight"])
              + F.embedding(remaining, c["rem_emb"]._parameters["weight"])).unsqueeze(1)  # [N, 1, w]
+        return self.body(x, e, bank, slot_kv)
+
+    def step_embedding(self, step: int, remaining: int) -> torch.Tensor:
+        """The step and remaining-budget embeddings' sum `[w]` of one (step, remaining) pair: what `forward` adds to
+        each normed input of rows that share it (the same numbers, broadcast)."""
+        c = self._modules
+        return c["step_emb"]._parameters["weight"][step] + c["rem_emb"]._parameters["weight"][remaining]
+
+    def body(self, x: torch.Tensor, e: torch.Tensor, bank: BankView | _Bank, slot_kv: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` with the step embeddings' sum e (`[N, 1, w]`, or `[w]` shared by every row) given."""
+        c = self._modules
         hx = apply_norm(c["norm_src"], x)  # [N, k, w]
         h = x + linear(bank.attend(linear(hx + e, c["src_q"])), c["src_o"])
         q = linear(apply_norm(c["norm_slot"], h) + e, c["slot_q"])
@@ -228,6 +241,8 @@ class SparseEditor(nn.Module):
         self.blocks = nn.ModuleList(EditorBlock(cfg) for _ in range(cfg.n_edit_blocks))
         group, slots, sizes = action_groups(cfg)
         self.register_buffer("act_group", group, persistent=False)  # [A+2]
+        with torch.device("cpu"):  # (also when the model is built on the meta device)
+            self.group_of = action_groups(cfg)[0].tolist()  # the same on the host: a decode step groups there
         self.register_buffer("act_slots", slots, persistent=False)  # [A+2, M]
         self.group_sizes = sizes
         self.group_first = group_first_actions(cfg)
@@ -307,7 +322,8 @@ class SparseEditor(nn.Module):
         accounting (no slot K/V cache).
 
         Args:
-            S: `[N, M, w]` each row's workspace; K, V: `[N, Tb, w]` its bank; mask: `[N, Tb]` the keys it may read.
+            S: `[N, M, w]` each row's workspace; K, V: `[N, Tb, w]` its bank; mask: `[N, Tb]` the keys it may read
+                (None: all of them).
             action: `[N]` non-STOP action ids, rows sorted by action group; spans: (group, first row, end row) of
                 each group present.
             step, remaining: the step and remaining-budget embeddings' indices (the same for every row).
@@ -318,8 +334,7 @@ class SparseEditor(nn.Module):
         nh = self.cfg.n_ws_heads
         Kh = K.view(N, -1, nh, w // nh).transpose(1, 2)  # [N, nh, Tb, hd]
         Vh = V.view(N, -1, nh, w // nh).transpose(1, 2)
-        st = torch.full((N,), step, dtype=torch.long, device=S.device)  # [N]
-        rem = st if remaining == step else torch.full((N,), remaining, dtype=torch.long, device=S.device)
+        e = [blk.step_embedding(step, remaining) for blk in self.blocks]  # [w] per block, shared by the rows
         out = []
         for g_id, i, j in spans:
             k = self.group_sizes[g_id]
@@ -327,9 +342,12 @@ class SparseEditor(nn.Module):
             slots = self.act_slots[action[i:j], :k]  # [n, k]
             rows = torch.arange(n, device=S.device).unsqueeze(1)  # [n, 1]
             S_g = S[i:j]  # [n, M, w]
-            m = mask[i:j].view(n, 1, 1, -1).expand(n, 1, k, mask.shape[-1])  # [n, 1, k, Tb]
-            x, _ = blocks_pass(self.blocks, S_g[rows, slots], st[i:j], rem[i:j], S_g, slots,
-                               (Kh[i:j], Vh[i:j], m, None, None), True)  # full: every row one query, in order
+            m = None if mask is None else mask[i:j].view(n, 1, 1, -1).expand(n, 1, k, mask.shape[-1])  # [n,1,k,Tb]
+            bank = _Bank((Kh[i:j], Vh[i:j], m, None, None), True)  # full: every row one query, in order
+            x = S_g[rows, slots]  # [n, k, w]
+            for b, blk in enumerate(self.blocks):  # `blocks_pass` with the step embeddings summed once
+                kv = blk.slot_keys_values(S_g if b == 0 else S_g.index_put((rows, slots), x.to(S_g.dtype)))
+                x, _ = blk.body(x, e[b], bank, kv)
             out.append(S_g.index_put((rows, slots), x.to(S.dtype)))
         return out[0] if len(out) == 1 else torch.cat(out)
 

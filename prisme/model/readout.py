@@ -44,3 +44,16 @@ class DifferentialReadout(nn.Module):
         if self.optimised:
             q = q @ c["W_r"]._parameters["weight"]  # [N, w]: scores q . W_r s = (W_r^T q) . s
         return linear(self.read(q, S) - self.read(q, S0), c["U"])
+
+    def edited(self, S: torch.Tensor, S0: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """`forward` for a decode step's edited rows (S, S0 `[N, M, w]`, z `[N, w]`): both reads as one batched read
+        of the two states side by side (the same numbers: each row's scores, softmax and sum are computed alone)."""
+        c = self._modules
+        q = linear(z, c["W_q"])  # [N, w]
+        if self.optimised:
+            q = q @ c["W_r"]._parameters["weight"]  # [N, w]
+        X = torch.stack((S, S0), 1)  # [N, 2, M, w]
+        keys = X if self.optimised else linear(X, c["W_r"])
+        att = torch.softmax((keys @ q[:, None, :, None]).squeeze(-1) * self.scale, dim=-1)  # [N, 2, M]
+        r = (att.unsqueeze(2) @ X).squeeze(2)  # [N, 2, w]
+        return linear(r[:, 0] - r[:, 1], c["U"])

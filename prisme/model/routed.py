@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from prisme.checks import check_number
 from prisme.model.outputs import EncodedContext, Streams
 from prisme.model.tables import query_state
 
@@ -35,6 +34,15 @@ def router_decision(state: DecodeState, st: Streams, pos: torch.Tensor, valid: t
     n-gram feature and the token it read `[B, Q]` (None where it reads none) (`Router.decide`: the step-0 action is
     `where(fires, best, STOP)`); `normed` is the backbone's final norm of `st.H` where the step has it (the decision
     reads it instead of norming H again)."""
+    score, best, seen, tok = router_scores(state, st, pos, valid, ws, normed)
+    return best, score > 0, seen, tok
+
+
+def router_scores(state: DecodeState, st: Streams, pos: torch.Tensor, valid: torch.Tensor | None,
+                  ws: _Workspace, normed: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`router_decision` with the best score in place of whether it beats STOP: (score, best action, seen, tok)
+    `[B, Q]` each; a query fires iff its score is > 0 (padding's score is -1: it never fires)."""
     model, cfg = state.model, state.cfg
     seen = tok = None
     if state.ids is not None:
@@ -45,12 +53,13 @@ def router_decision(state: DecodeState, st: Streams, pos: torch.Tensor, valid: t
             Tb = max(lengths)
             ids, at = state.ids.narrow(1, 0, Tb), pos.clamp(max=Tb - 1)  # [B, Q] each below (padding: dropped)
         seen, tok = model.router_seen(ids, at), model.router_tok(ids, at)
-    lam = check_number("lambda_cost", cfg.lambda_cost if ws.lambda_cost is None else ws.lambda_cost, lo=0)
-    shared = None if normed is None else (normed, model.backbone.norm)
-    best, fires = model.router.decide(st.H, seen, ws.cost, lam, shared, tok)  # [B, Q] each
+    lam = cfg.lambda_cost if ws.lambda_cost is None else ws.lambda_cost  # checked with the policy
+    mods = model._modules  # (registry reads: this runs at every decode step)
+    shared = None if normed is None else (normed, mods["backbone"]._modules["norm"])
+    score, best = mods["router"].best_scores(st.H, seen, ws.cost, lam, shared, tok)  # [B, Q] each
     if valid is not None:
-        fires = fires & valid
-    return best, fires, seen, tok
+        score = score.masked_fill(~valid, -1.0)
+    return score, best, seen, tok
 
 
 def fired_positions(fires: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,16 +67,21 @@ def fired_positions(fires: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.nonzero(fires, as_tuple=True)
 
 
-def fired_groups(fires: torch.Tensor, best: torch.Tensor, act_group: torch.Tensor) -> list[tuple[int, list[int]]]:
-    """(action group, its rows) for each group of the actions the router fired with, in a step with one query per
-    row (`fires`, `best` `[B, 1]`): one host read of where it fired, and one of their groups where some did."""
-    rows = [r for r, f in enumerate(fires.view(-1).tolist()) if f]
+def fired_groups(score: torch.Tensor, best: torch.Tensor, group_of: list[int]
+                 ) -> list[tuple[int, list[int], list[int]]]:
+    """(action group, its rows, their actions) for each group of the actions the router fired with, in a step with
+    one query per row (`score`, `best` `[B, 1]`; a row fires iff its score is > 0; `group_of`: each action's group,
+    on the host): one host read of the scores, and one of the actions where some row fired."""
+    rows = [r for r, v in enumerate(score.view(-1).tolist()) if v > 0]
     if not rows:
         return []
-    by: dict[int, list[int]] = {}
-    for r, g in zip(rows, act_group[best.view(-1)[rows]].tolist()):
-        by.setdefault(g, []).append(r)
-    return sorted(by.items())
+    acts = best.view(-1).tolist()
+    by: dict[int, tuple[list[int], list[int]]] = {}
+    for r in rows:
+        rs, a = by.setdefault(group_of[acts[r]], ([], []))
+        rs.append(r)
+        a.append(acts[r])
+    return [(g, rs, a) for g, (rs, a) in sorted(by.items())]
 
 
 def one_edit_step(model, ws: _Workspace) -> bool:
@@ -76,31 +90,33 @@ def one_edit_step(model, ws: _Workspace) -> bool:
     return ws.max_budget == 1 and model.editor.compiled is None and not model.cfg.uses_slot_kv_cache
 
 
-def budget1_step(state: DecodeState, st: Streams, best: torch.Tensor, fires: torch.Tensor, logits: torch.Tensor,
+def budget1_step(state: DecodeState, st: Streams, score: torch.Tensor, best: torch.Tensor, logits: torch.Tensor,
                  trace: torch.Tensor, n_edits: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The rows of a decode step (one query each) where the router fired at budget 1: each edits with its best
     action at step 0 with no budget left, then reads out; what `rollout_policy` (its step 0 taken) and
     `logits_from_state` compute for them, in few calls (`SparseEditor.edit_rows`). Returns (logits, trace,
     n_edits) with the fired rows written (`n_edits` `[B, 1]` zeros)."""
     model = state.model
-    groups = fired_groups(fires, best, model.editor.act_group)
+    groups = fired_groups(score, best, model.editor.group_of)
     if not groups:
         return logits, trace, n_edits
-    rows = [r for _, rs in groups for r in rs]
-    b = torch.tensor(rows, dtype=torch.long, device=fires.device)  # [N], sorted by action group
+    rows = [r for _, rs, _ in groups for r in rs]
+    b, a = torch.tensor([rows, [x for _, _, acts in groups for x in acts]], dtype=torch.long,
+                        device=score.device)  # [N] each: the rows sorted by action group, their actions
     spans, at = [], 0
-    for g, rs in groups:
+    for g, rs, _ in groups:
         spans.append((g, at, at + len(rs)))
         at += len(rs)
     one = lambda x: x.index_select(0, b)  # noqa: E731  [B, 1, ...] -> [N, 1, ...]
     st_n = Streams(one(st.H), {k: one(v) for k, v in st.src.items()}, None if st.ids is None else one(st.ids))
-    K, V = state.bank(max(state.lengths), b)  # [N, Tb, w] each
+    lengths = state.lengths
+    Tb = max(lengths)
+    K, V = state.bank(Tb, b)  # [N, Tb, w] each
     z, S0 = query_state(model, st_n)  # [N, 1, w], [N, 1, M, w]
-    Tb = K.shape[1]
-    mask = torch.arange(Tb, device=b.device) < state.cache.lengths_tensor(b.device)[b].unsqueeze(1)  # [N, Tb]
-    a = one(best).view(-1)  # [N]
+    mask = None if all(lengths[r] == Tb for r in rows) else (  # None: each row reads its whole bank
+        torch.arange(Tb, device=b.device) < state.cache.lengths_tensor(b.device)[b].unsqueeze(1))  # [N, Tb]
     S = model.editor.edit_rows(S0[:, 0], K, V, mask, a, spans, step=0, remaining=0)  # [N, M, w]
-    delta = model.readout(S, S0[:, 0], z[:, 0]).to(st_n.H.dtype)  # [N, d]
+    delta = model.readout.edited(S, S0[:, 0], z[:, 0]).to(st_n.H.dtype)  # [N, d]
     lg = model.backbone.head(st_n.H + delta.unsqueeze(1))  # [N, 1, V]
     n_edits = n_edits.index_fill(0, b, 1)
     return logits.index_copy(0, b, lg), trace.index_copy(0, b, a.view(-1, 1, 1)), n_edits
@@ -116,14 +132,15 @@ def routed_workspace(state: DecodeState, st: Streams, pos: torch.Tensor, valid: 
     B, Q = pos.shape
     dev, R, stop = H.device, ws.n_steps, cfg.stop_action
     h = model.backbone.final_norm(H)  # [B, Q, d]: the head's input, which the router's decision reads too
-    best, fires, seen, tok = router_decision(state, st, pos, valid, ws, h)
+    score, best, seen, tok = router_scores(state, st, pos, valid, ws, h)
     logits = model.backbone.logits(h)  # [B, Q, V]: every position that does not edit, bitwise head(H)
     trace = torch.full((B, Q, R), stop, dtype=torch.long, device=dev)
     n_edits = steps = torch.zeros(B, Q, dtype=torch.long, device=dev)  # replaced, never written, where some fire
     if Q == 1 and one_edit_step(model, ws):  # the deployed decode step
-        logits, trace, n_edits = budget1_step(state, st, best, fires, logits, trace, n_edits)
+        logits, trace, n_edits = budget1_step(state, st, score, best, logits, trace, n_edits)
         return dict(logits=logits, actions=trace, n_edits=n_edits, controller_steps=steps, positions=pos,
                     valid=valid_t)
+    fires = score > 0
     b, t = fired_positions(fires)  # [N]
     N = b.numel()
     if N > 0:

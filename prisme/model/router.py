@@ -101,10 +101,14 @@ class Router(nn.Module):
         return value if not self.cfg.router_token else value + self._token_value(tok)  # [B, Tq, A]
 
     def _token_value(self, tok: torch.Tensor | None) -> torch.Tensor:
+        return self.token_value(self._token_ids(tok))  # [B, Tq, A]
+
+    @staticmethod
+    def _token_ids(tok: torch.Tensor | None) -> torch.Tensor:
         if tok is None:
             raise ValueError("this router reads the token at each position (router_token): pass the token ids "
                              "(model.streams keeps them)")
-        return self.token_value(tok)  # [B, Tq, A]
+        return tok
 
     def select(self, value: torch.Tensor, cost: torch.Tensor, lambda_cost: float) -> torch.Tensor:
         """argmax_a value_a - lambda cost_a `[...]`, or STOP (A) where no score beats 0 (ties go to STOP)."""
@@ -114,37 +118,51 @@ class Router(nn.Module):
                normed: tuple[torch.Tensor, nn.Module] | None = None, tok: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """`select(forward(H, seen), cost, lambda_cost)` in fewer calls, for a decode step: (the best action, whether
-        it beats STOP) `[B, Tq]` each, the rule's `where` left to the positions that fire. The price is folded into
-        the bias (b - lambda cost, kept per price and weights) and the n-gram column is added where seen: the same
-        scores to rounding (the terms are summed in another order).
+        it beats STOP) `[B, Tq]` each, the rule's `where` left to the positions that fire (`best_scores`)."""
+        score, action = self.best_scores(H, seen, cost, lambda_cost, normed, tok)
+        return action, score > 0
+
+    def best_scores(self, H: torch.Tensor, seen: torch.Tensor | None, cost: torch.Tensor, lambda_cost: float,
+                    normed: tuple[torch.Tensor, nn.Module] | None = None, tok: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the best score max_a value_a - lambda cost_a, its action) `[B, Tq]` each: the position fires iff the score
+        is > 0. The price is folded into the bias (b - lambda cost, and b - lambda cost + the n-gram column, kept per
+        price and weights) and each position's bias is picked by its n-gram feature, so the step is a select, one
+        matrix product and a max: the same scores as `forward` to rounding (the terms are summed in another order).
 
         normed: (h, norm), h = norm(H) the backbone's final norm, which the step computes for its logits anyway. Where
         that norm is an RMSNorm of this router's eps whose gain g has no zero entry, norm(H) without gain is h / g:
         the head's columns are divided by g once (kept with the folded bias) and h is read instead of a second norm
         of H. Otherwise (a LayerNorm, another eps, a zero gain) H is normed here, as `forward` does."""
-        gain = normed[1].weight if normed is not None and _plain_rms_norm(normed[1], self.cfg.norm_eps) else None
-        W, u, b, shared = self._folded(cost, float(lambda_cost), gain)
+        gain = (normed[1]._parameters["weight"] if normed is not None and _plain_rms_norm(normed[1], self.cfg.norm_eps)
+                else None)
+        Wt, b0, b1, shared = self._folded(cost, float(lambda_cost), gain)[4]
         f = normed[0] if shared else F.rms_norm(H, (H.shape[-1],), eps=self.cfg.norm_eps)  # [B, Tq, d]
-        score = F.linear(f, W, b)  # [B, Tq, A]
-        if u is not None:
+        lead = f.shape[:-1]
+        if b1 is not None:
             self._check_seen(seen)
-            score = torch.where(seen.unsqueeze(-1), score + u, score)
+            bias = torch.where(seen.reshape(-1, 1), b1, b0)  # [B Tq, A]
+        else:
+            bias = b0  # [A]
         if self.cfg.router_token:
-            score = score + self._token_value(tok)
-        best, action = score.max(dim=-1)
-        return action, best > 0
+            table = self._modules["token_value"]._parameters["weight"]  # [V, A]
+            bias = bias + F.embedding(self._token_ids(tok).reshape(-1), table)  # [B Tq, A]
+        score, action = torch.addmm(bias, f.reshape(-1, f.shape[-1]), Wt).max(dim=-1)  # [B Tq] each
+        return score.view(lead), action.view(lead)
 
     def _check_seen(self, seen: torch.Tensor | None) -> None:
         if seen is None:
             raise ValueError(f"this router reads whether the last {self.ngram} tokens were seen before: pass the "
                              f"token ids (model.streams keeps them)")
 
-    def _folded(self, cost: torch.Tensor, lam: float, gain: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, bool]:
-        """(W `[A, d]`, the n-gram column `[A]` or None, b - lam cost `[A]`, whether W is divided by `gain`), rebuilt
-        when the price, the cost vector or a weight changes (identity, storage and version counter: an in-place
-        update or a move rebuilds). W is divided by a given gain `[d]` unless some entry of it is 0."""
-        w, b = self.head.weight, self.head.bias
+    def _folded(self, cost: torch.Tensor, lam: float, gain: torch.Tensor | None) -> tuple:
+        """(W `[A, d]`, the n-gram column `[A]` or None, b - lam cost `[A]`, whether W is divided by `gain`, and what
+        `best_scores` reads: (W^T `[d, A]` contiguous, b - lam cost, b - lam cost + the n-gram column or None, the
+        same flag)), rebuilt when the price, the cost vector or a weight changes (identity, storage and version
+        counter: an in-place update or a move rebuilds). W is divided by a given gain `[d]` unless some entry of it
+        is 0."""
+        head = self._modules["head"]._parameters  # (registry reads: this runs at every decode step)
+        w, b = head["weight"], head["bias"]
         key = (lam, version_counter(w), version_counter(b), w.data_ptr(), cost.data_ptr(), version_counter(cost),
                None if gain is None else (gain.data_ptr(), version_counter(gain)))
         cached = self.__dict__.get("_folded_cache")
@@ -155,7 +173,10 @@ class Router(nn.Module):
             d = self.cfg.d_model
             W = w[:, :d].contiguous()
             shared = gain is not None and bool((gain != 0).all())  # a host read, once per fold
-            out = (W / gain if shared else W, w[:, d].clone() if self.ngram > 0 else None, b - lam * cost, shared)
+            W = W / gain if shared else W
+            u = w[:, d].clone() if self.ngram > 0 else None
+            b0 = b - lam * cost
+            out = (W, u, b0, shared, (W.t().contiguous(), b0, None if u is None else b0 + u, shared))
         self.__dict__["_folded_cache"] = (w, cost, gain, key, out)  # not a module attribute: never in a state dict
         return out
 

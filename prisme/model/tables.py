@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from prisme.model.outputs import Streams
+from prisme.model.workspace import init_workspace
 
 if TYPE_CHECKING:
     from prisme.model.prisme import PrismeModel
@@ -57,16 +58,22 @@ def version_counter(p: torch.Tensor) -> int:
         return -1
 
 
+def _param_key(params: list[torch.Tensor]) -> tuple:
+    return tuple((version_counter(p), p.data_ptr(), p.dtype) for p in params)
+
+
 def bank_tables(model: PrismeModel) -> dict[str, torch.Tensor]:
     """{"KV", "S", "S2", "P"}: the tables of the embedding term (those it has; "KV" is K_tab and V_tab side by side,
     `[V, 2w]`, and "S2" is S_tab beside zeros, `[V + 1, 2w]`: two lookups and one sum write a bank entry), cached on
-    the model until a weight they read changes."""
+    the model until a weight they read changes: in place (its version counter), moved or retyped (its storage and
+    dtype; `model.to`, `load_state_dict` and optimiser steps all do one of these). A decode step checks the weights
+    it built them from without looking the modules up again, so a submodule replaced by assignment after the first
+    lookup is not seen: call `clear_bank_tables(model)` after such surgery."""
+    cached = model.__dict__.get("_bank_table_cache")
+    if cached is not None and cached[1] == _param_key(cached[0]):
+        return cached[2]
     mods = _modules(model)
     params = [p for m in mods.values() for p in m._parameters.values() if p is not None]  # leaf modules
-    key = tuple((id(p), version_counter(p), p.data_ptr(), p.dtype) for p in params)
-    cached = getattr(model, "_bank_table_cache", None)
-    if cached is not None and cached[0] == key:
-        return cached[1]
     with torch.no_grad():
         h = mods["norm"](mods["tok_emb"].weight)  # [V, d] n(E_v)
         out = {k: mods[k](h) for k in ("P",) if k in mods}  # [V, w]
@@ -75,8 +82,13 @@ def bank_tables(model: PrismeModel) -> dict[str, torch.Tensor]:
         if "S" in mods:
             out["S"] = torch.cat([mods["S"](h), h.new_zeros(1, model.cfg.w)])  # [V + 1, w]: row V, no position
             out["S2"] = torch.cat([out["S"], torch.zeros_like(out["S"])], -1)  # [V + 1, 2w]: added to KV rows
-    object.__setattr__(model, "_bank_table_cache", (key, out))  # not a module attribute: never in a state dict
+    object.__setattr__(model, "_bank_table_cache", (params, _param_key(params), out))  # never in a state dict
     return out
+
+
+def clear_bank_tables(model: PrismeModel) -> None:
+    """Forget the cached tables: the next lookup rebuilds them from the model's modules as they are now."""
+    model.__dict__.pop("_bank_table_cache", None)
 
 
 def bank_step(model: PrismeModel, st: Streams, tokens: torch.Tensor, prev: list[torch.Tensor] | None,
@@ -138,10 +150,8 @@ def bank_from_ids(model: PrismeModel, ids: torch.Tensor) -> torch.Tensor:
 def query_state(model: PrismeModel, st: Streams) -> tuple[torch.Tensor, torch.Tensor]:
     """`PrismeModel.query_state` of decoded queries (`st.ids` `[B, Q]` set), the embedding term from its table."""
     cfg = model.cfg
-    if "embedding" not in table_terms(cfg).intersection(cfg.query_terms):
+    if not cfg.bank_tables or "embedding" not in cfg.query_terms:  # (`table_terms`)
         return model.query_state(st)
-    from prisme.model.workspace import init_workspace
-
     tab = bank_tables(model)["P"]
     z = None
     for i, t in enumerate(cfg.query_terms):
@@ -152,7 +162,7 @@ def query_state(model: PrismeModel, st: Streams) -> tuple[torch.Tensor, torch.Te
         z = part if z is None else z + part
     if cfg.z_norm:
         z = F.rms_norm(z, (cfg.w,), eps=cfg.norm_eps)
-    return z, init_workspace(model.slot_embed, z)
+    return z, init_workspace(model._parameters["slot_embed"], z)
 
 
 def shift_memory(cfg, batch: int, like: torch.Tensor) -> list[torch.Tensor]:
