@@ -143,7 +143,7 @@ def bank_from_ids(model: PrismeModel, ids: torch.Tensor) -> torch.Tensor:
     kv = F.embedding(ids, tabs["KV"])  # [b, Tb, 2w]
     if not model.cfg.bank_shift:
         return kv
-    before = torch.cat([ids.new_full(ids[:, :1].shape, model.cfg.vocab_size), ids[:, :-1]], 1)  # [b, Tb]
+    before = F.pad(ids[:, :-1], (1, 0), value=model.cfg.vocab_size)  # [b, Tb]: the previous ids, V before 0
     return kv.add_(F.embedding(before, tabs["S2"]))
 
 
