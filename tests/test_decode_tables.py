@@ -211,37 +211,35 @@ def test_a_module_replaced_after_the_first_lookup_is_served_once_the_tables_are_
     torch.testing.assert_close(bank_tables(model)["P"], model.P(E), rtol=0, atol=1e-13)
 
 
-def test_the_deployed_step_of_ragged_rows_equals_forward_policy_row_by_row(monkeypatch):
+@pytest.mark.parametrize("store", ["entries", "ids"])
+def test_the_deployed_step_of_ragged_rows_equals_forward_policy_row_by_row(monkeypatch, store):
     """Rows at different lengths decode at budget 1 (`routed.budget1_step`: the bank mask of a fired row shorter than
     the longest; rows of one length read their whole bank without a mask) what `forward_policy` computes on each row
     alone, in float64 to 1e-12 with the same traces, with kept entries and kept ids. Negative control: a fired row
     that reads the bank without its mask (keys past its length) differs."""
-    for store in ("entries", "ids"):
-        model = tiny_model(0, **EMBED, bank_tables=True, bank_store=store)
-        lens, n_steps, lam = [6, 3, 9], 8, 0.02
-        g = torch.Generator().manual_seed(7)
-        seqs = torch.randint(0, 64, (3, 9 + n_steps), generator=g)
+    model = tiny_model(0, **EMBED, bank_tables=True, bank_store=store)
+    lens, n_steps, lam = [6, 3, 9], 8, 0.02
+    seqs = torch.randint(0, 64, (3, 9 + n_steps), generator=torch.Generator().manual_seed(7))
 
-        def decode(m):
-            st = m.new_decode_state(3, 9 + n_steps)
-            st.prefill(seqs[:, :9], lens, logits="none")
-            outs = [st.decode_step(torch.stack([seqs[b, lens[b] + i] for b in range(3)]).view(3, 1), max_budget=1,
-                                   lambda_cost=lam) for i in range(n_steps)]
-            return torch.cat([o.logits for o in outs], 1), torch.cat([o.actions for o in outs], 1)
+    def decode(m):
+        st = m.new_decode_state(3, 9 + n_steps)
+        st.prefill(seqs[:, :9], lens, logits="none")
+        outs = [st.decode_step(torch.stack([seqs[b, lens[b] + i] for b in range(3)]).view(3, 1), max_budget=1,
+                               lambda_cost=lam) for i in range(n_steps)]
+        return torch.cat([o.logits for o in outs], 1), torch.cat([o.actions for o in outs], 1)
 
-        logits, actions = decode(model)
-        fired = 0
-        for b, L in enumerate(lens):
-            full = model.forward_policy(seqs[b:b + 1, :L + n_steps], 1, lambda_cost=lam)
-            torch.testing.assert_close(logits[b], full.logits[0, L:], rtol=0, atol=1e-12)
-            assert torch.equal(actions[b], full.actions[0, L:])
-            fired += int((full.actions[0, L:, 0] != model.cfg.stop_action).sum())
-        assert 0 < fired < 3 * n_steps  # steps where rows fire and steps where they do not
-        orig = model.editor.edit_rows
-        with monkeypatch.context() as mp:
-            mp.setattr(model.editor, "edit_rows", lambda S, K, V, mask, *a, **k: orig(S, K, V, None, *a, **k))
-            unmasked, _ = decode(model)
-        assert (unmasked - logits).abs().max() > 1e-6
+    logits, actions = decode(model)
+    fired = 0
+    for b, L in enumerate(lens):
+        full = model.forward_policy(seqs[b:b + 1, :L + n_steps], 1, lambda_cost=lam)
+        torch.testing.assert_close(logits[b], full.logits[0, L:], rtol=0, atol=1e-12)
+        assert torch.equal(actions[b], full.actions[0, L:])
+        fired += int((full.actions[0, L:, 0] != model.cfg.stop_action).sum())
+    assert 0 < fired < 3 * n_steps  # steps where rows fire and steps where they do not
+    orig = model.editor.edit_rows
+    monkeypatch.setattr(model.editor, "edit_rows", lambda S, K, V, mask, *a, **k: orig(S, K, V, None, *a, **k))
+    unmasked, _ = decode(model)
+    assert (unmasked - logits).abs().max() > 1e-6
 
 
 @pytest.mark.parametrize("optimised", [True, False])

@@ -34,15 +34,16 @@ def router_decision(state: DecodeState, st: Streams, pos: torch.Tensor, valid: t
     n-gram feature and the token it read `[B, Q]` (None where it reads none) (`Router.decide`: the step-0 action is
     `where(fires, best, STOP)`); `normed` is the backbone's final norm of `st.H` where the step has it (the decision
     reads it instead of norming H again)."""
-    score, best, seen, tok = router_scores(state, st, pos, valid, ws, normed)
-    return best, score > 0, seen, tok
+    scores, seen, tok = router_scores(state, st, pos, valid, ws, normed)
+    best, action = scores.max(dim=-1)
+    return action, best > 0, seen, tok
 
 
 def router_scores(state: DecodeState, st: Streams, pos: torch.Tensor, valid: torch.Tensor | None,
                   ws: _Workspace, normed: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """`router_decision` with the best score in place of whether it beats STOP: (score, best action, seen, tok)
-    `[B, Q]` each; a query fires iff its score is > 0 (padding's score is -1: it never fires)."""
+    """`router_decision` before its max: (the scores of every action `[B, Q, A]`, seen, tok `[B, Q]`); a query fires
+    iff its best score is > 0 (padding's scores are -1: it never fires)."""
     model, cfg = state.model, state.cfg
     seen = tok = None
     if state.ids is not None:
@@ -56,10 +57,10 @@ def router_scores(state: DecodeState, st: Streams, pos: torch.Tensor, valid: tor
     lam = cfg.lambda_cost if ws.lambda_cost is None else ws.lambda_cost  # checked with the policy
     mods = model._modules  # (registry reads: this runs at every decode step)
     shared = None if normed is None else (normed, mods["backbone"]._modules["norm"])
-    score, best = mods["router"].best_scores(st.H, seen, ws.cost, lam, shared, tok)  # [B, Q] each
+    scores = mods["router"].scores(st.H, seen, ws.cost, lam, shared, tok)  # [B, Q, A]
     if valid is not None:
-        score = score.masked_fill(~valid, -1.0)
-    return score, best, seen, tok
+        scores = scores.masked_fill(~valid.unsqueeze(-1), -1.0)
+    return scores, seen, tok
 
 
 def fired_positions(fires: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,15 +68,16 @@ def fired_positions(fires: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.nonzero(fires, as_tuple=True)
 
 
-def fired_groups(score: torch.Tensor, best: torch.Tensor, group_of: list[int]
-                 ) -> list[tuple[int, list[int], list[int]]]:
+def fired_groups(scores: torch.Tensor, group_of: list[int]) -> list[tuple[int, list[int], list[int]]]:
     """(action group, its rows, their actions) for each group of the actions the router fired with, in a step with
-    one query per row (`score`, `best` `[B, 1]`; a row fires iff its score is > 0; `group_of`: each action's group,
-    on the host): one host read of the scores, and one of the actions where some row fired."""
-    rows = [r for r, v in enumerate(score.view(-1).tolist()) if v > 0]
+    one query per row (`scores` `[B, 1, A]`; a row fires iff its best score is > 0, with the first best action;
+    `group_of`: each action's group, on the host): one host read of the best scores, and one of the actions where
+    some row fired."""
+    S = scores.view(scores.shape[0], -1)  # [B, A]
+    rows = [r for r, v in enumerate(S.amax(-1).tolist()) if v > 0]
     if not rows:
         return []
-    acts = best.view(-1).tolist()
+    acts = S.argmax(-1).tolist()
     by: dict[int, tuple[list[int], list[int]]] = {}
     for r in rows:
         rs, a = by.setdefault(group_of[acts[r]], ([], []))
@@ -90,19 +92,19 @@ def one_edit_step(model, ws: _Workspace) -> bool:
     return ws.max_budget == 1 and model.editor.compiled is None and not model.cfg.uses_slot_kv_cache
 
 
-def budget1_step(state: DecodeState, st: Streams, score: torch.Tensor, best: torch.Tensor, logits: torch.Tensor,
-                 trace: torch.Tensor, n_edits: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def budget1_step(state: DecodeState, st: Streams, scores: torch.Tensor, logits: torch.Tensor, trace: torch.Tensor,
+                 n_edits: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The rows of a decode step (one query each) where the router fired at budget 1: each edits with its best
     action at step 0 with no budget left, then reads out; what `rollout_policy` (its step 0 taken) and
     `logits_from_state` compute for them, in few calls (`SparseEditor.edit_rows`). Returns (logits, trace,
     n_edits) with the fired rows written (`n_edits` `[B, 1]` zeros)."""
     model = state.model
-    groups = fired_groups(score, best, model.editor.group_of)
+    groups = fired_groups(scores, model.editor.group_of)
     if not groups:
         return logits, trace, n_edits
     rows = [r for _, rs, _ in groups for r in rs]
     b, a = torch.tensor([rows, [x for _, _, acts in groups for x in acts]], dtype=torch.long,
-                        device=score.device)  # [N] each: the rows sorted by action group, their actions
+                        device=scores.device)  # [N] each: the rows sorted by action group, their actions
     spans, at = [], 0
     for g, rs, _ in groups:
         spans.append((g, at, at + len(rs)))
@@ -132,15 +134,16 @@ def routed_workspace(state: DecodeState, st: Streams, pos: torch.Tensor, valid: 
     B, Q = pos.shape
     dev, R, stop = H.device, ws.n_steps, cfg.stop_action
     h = model.backbone.final_norm(H)  # [B, Q, d]: the head's input, which the router's decision reads too
-    score, best, seen, tok = router_scores(state, st, pos, valid, ws, h)
+    scores, seen, tok = router_scores(state, st, pos, valid, ws, h)
     logits = model.backbone.logits(h)  # [B, Q, V]: every position that does not edit, bitwise head(H)
     trace = torch.full((B, Q, R), stop, dtype=torch.long, device=dev)
     n_edits = steps = torch.zeros(B, Q, dtype=torch.long, device=dev)  # replaced, never written, where some fire
     if Q == 1 and one_edit_step(model, ws):  # the deployed decode step
-        logits, trace, n_edits = budget1_step(state, st, score, best, logits, trace, n_edits)
+        logits, trace, n_edits = budget1_step(state, st, scores, logits, trace, n_edits)
         return dict(logits=logits, actions=trace, n_edits=n_edits, controller_steps=steps, positions=pos,
                     valid=valid_t)
-    fires = score > 0
+    top, best = scores.max(dim=-1)  # [B, Q] each
+    fires = top > 0
     b, t = fired_positions(fires)  # [N]
     N = b.numel()
     if N > 0:

@@ -119,16 +119,16 @@ class Router(nn.Module):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """`select(forward(H, seen), cost, lambda_cost)` in fewer calls, for a decode step: (the best action, whether
         it beats STOP) `[B, Tq]` each, the rule's `where` left to the positions that fire (`best_scores`)."""
-        score, action = self.best_scores(H, seen, cost, lambda_cost, normed, tok)
-        return action, score > 0
+        best, action = self.scores(H, seen, cost, lambda_cost, normed, tok).max(dim=-1)
+        return action, best > 0
 
-    def best_scores(self, H: torch.Tensor, seen: torch.Tensor | None, cost: torch.Tensor, lambda_cost: float,
+    def scores(self, H: torch.Tensor, seen: torch.Tensor | None, cost: torch.Tensor, lambda_cost: float,
                     normed: tuple[torch.Tensor, nn.Module] | None = None, tok: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the best score max_a value_a - lambda cost_a, its action) `[B, Tq]` each: the position fires iff the score
-        is > 0. The price is folded into the bias (b - lambda cost, and b - lambda cost + the n-gram column, kept per
-        price and weights) and each position's bias is picked by its n-gram feature, so the step is a select, one
-        matrix product and a max: the same scores as `forward` to rounding (the terms are summed in another order).
+                    ) -> torch.Tensor:
+        """The scores value_a - lambda cost_a `[B, Tq, A]` that `select` reads (a position fires iff its best score is
+        > 0). The price is folded into the bias (b - lambda cost, and b - lambda cost + the n-gram column, kept per
+        price and weights) and each position's bias is picked by its n-gram feature, so the step is a select and one
+        matrix product: the same scores as `forward` to rounding (the terms are summed in another order).
 
         normed: (h, norm), h = norm(H) the backbone's final norm, which the step computes for its logits anyway. Where
         that norm is an RMSNorm of this router's eps whose gain g has no zero entry, norm(H) without gain is h / g:
@@ -138,7 +138,6 @@ class Router(nn.Module):
                 else None)
         Wt, b0, b1, shared = self._folded(cost, float(lambda_cost), gain)[4]
         f = normed[0] if shared else F.rms_norm(H, (H.shape[-1],), eps=self.cfg.norm_eps)  # [B, Tq, d]
-        lead = f.shape[:-1]
         if b1 is not None:
             self._check_seen(seen)
             bias = torch.where(seen.reshape(-1, 1), b1, b0)  # [B Tq, A]
@@ -147,8 +146,7 @@ class Router(nn.Module):
         if self.cfg.router_token:
             table = self._modules["token_value"]._parameters["weight"]  # [V, A]
             bias = bias + F.embedding(self._token_ids(tok).reshape(-1), table)  # [B Tq, A]
-        score, action = torch.addmm(bias, f.reshape(-1, f.shape[-1]), Wt).max(dim=-1)  # [B Tq] each
-        return score.view(lead), action.view(lead)
+        return torch.addmm(bias, f.reshape(-1, f.shape[-1]), Wt).view(*f.shape[:-1], -1)  # [B, Tq, A]
 
     def _check_seen(self, seen: torch.Tensor | None) -> None:
         if seen is None:
