@@ -457,3 +457,41 @@ def test_replace_derives_sizes_from_the_new_inputs_unless_set():
     assert base.replace(max_seq_len=64).cost_context == 64
     explicit = PrismeConfig.from_name("prisme_103m")  # cost_context set to 512 = max_seq_len: derived, follows
     assert explicit.replace(max_seq_len=256).cost_context == 256
+
+
+def test_the_deployed_decode_step_ties_to_trace_cost_term_by_term():
+    """A batched decode step at budget 1 where some rows fire and some do not (`routed.budget1_step`: the fired rows
+    edit without a bank mask, their readout as one batched read): counted matmul FLOPs equal `trace_cost` of the
+    step's traces term by term, with the named allowances per position; the editor's cross-attention to the bank is
+    counted as such without a mask. Negative control: the same counts read as one row fewer firing do not tie."""
+    model = tiny_model(0, optimised=True, **ROUTER)
+    cfg, B, T = model.cfg, 4, 12
+    tokens = torch.randint(0, cfg.vocab_size, (B, T + 1), generator=torch.Generator().manual_seed(8))
+    for lam in (0.0, 1e-3, 1e-2, 0.03, 0.1, 0.3, 1.0):
+        st = model.new_decode_state(B, T + 1)
+        st.prefill(tokens[:, :T], logits="none")
+        with OpsCounter(model) as oc:
+            out = st.decode_step(tokens[:, T], max_budget=1, lambda_cost=lam)
+        fired = int(out.n_edits.sum())
+        if 0 < fired < B:
+            break
+    assert 0 < fired < B
+    ctx = [T + 1] * B
+
+    def expected(actions):
+        return costs.trace_cost(cfg, actions, ctx, out.controller_steps[:, 0], optimised=True, router=True)
+
+    measured = dict(oc.by_component)
+    measured["router"] += B * (costs.router_match_ops(cfg, T + 1) + costs.router_lookup_ops(cfg))
+    measured["backbone_linear"] += B * costs.backbone_linear_allowance(cfg)
+    # what the cost model charges and the step does not compute (conservative): the n-gram column's multiply-add at
+    # every position (folded into a select of the bias), and z at each position the router stopped (kept entries
+    # charge it at every position)
+    measured["router"] += B * 2 * cfg.n_actions
+    measured["bank_projection"] += (B - fired) * costs.bank_projection_ops(cfg, 0, True)
+    assert measured.pop("untagged") == 0 and measured["editor_source_attn"] > 0
+    want = expected(out.actions[:, 0]).by_component
+    assert {k: (v, want[k]) for k, v in measured.items() if v != want[k]} == {}
+    one_less = out.actions[:, 0].clone()
+    one_less[int(torch.nonzero(out.n_edits[:, 0])[0])] = cfg.stop_action
+    assert any(v != expected(one_less).by_component[k] for k, v in measured.items())

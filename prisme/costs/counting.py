@@ -4,6 +4,7 @@ CPU attention kernels the plain counter cannot see. tests/test_costs.py checks e
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -30,12 +31,11 @@ class OpsCounter:
     `backbone_attention`, the key shift's `wk_shift` -> `backbone_key_shift`); `backbone.logits` (the head's matmul)
     -> `lm_head`; W_K, W_V, P (and their `_more` terms) -> `bank_projection`, W_K_shift -> `bank_shift`, P_ctrl ->
     `controller_input`; the router -> `router`; editor linears by the leaf whose weight they multiply (src_q/src_o,
-    slot_q/slot_kv/slot_o, w13/w2, gate: the editor applies them in functional form); an SDPA inside an editor block
-    -> `editor_source_attn` if it carries a mask (the causal bank) else `editor_slot_attn` (the M slots); controller;
-    readout. Anything else lands in `untagged`. Not counted, by the
+    slot_q/slot_kv/slot_o, w13/w2, gate: the editor applies them in functional form); an SDPA inside the editor's
+    `bank_attend` -> `editor_source_attn` (the causal bank, with or without a mask), any other inside an editor block
+    -> `editor_slot_attn` (the M slots); controller; readout. Anything else lands in `untagged`. Not counted, by the
     convention: norms, softmax, activations, embeddings, biases.
-    Made for CPU runs: on CUDA torch's own SDPA formulas apply, but the bank/slot split of the editor's attention
-    reads the CPU kernel's `attn_mask` keyword.
+    Made for CPU runs: on CUDA torch's own SDPA formulas apply.
 
         with OpsCounter(model) as oc:
             ...  # forward work (no backward)
@@ -77,6 +77,7 @@ class OpsCounter:
                 mod = m._modules.get(name)
                 for lin in (mod.values() if isinstance(mod, torch.nn.ModuleDict) else [mod] if mod else []):
                     tags[lin] = comp
+                    self._leaf_of[lin.weight.data_ptr()] = comp  # (the bank runs them in functional form too)
             for blk in m.editor.blocks:
                 tags[blk] = "editor_block"
                 for name, comp in self._EDITOR_LEAVES.items():
@@ -100,10 +101,21 @@ class OpsCounter:
             tag = leaf
         elif tag == "backbone_block":
             tag = "backbone_attention" if sdpa else "backbone_linear"
+        elif tag == "editor_bank":
+            tag = "editor_source_attn" if sdpa else "untagged"
         elif tag == "editor_block":
-            tag = ("editor_source_attn" if kwargs.get("attn_mask") is not None else "editor_slot_attn") if sdpa \
-                else "untagged"
+            tag = "editor_slot_attn" if sdpa else "untagged"
         self.by_component[tag] += int(ops)
+
+    def _tagged(self, fn: Callable[..., Any], tag: str) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            self._stack.append(tag)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._stack.pop()
+
+        return run
 
     def _wrap(self, packet: Any, formula: Callable[..., int]) -> Callable[..., int]:
         def counted(*args: Any, out_val: Any = None, **kwargs: Any) -> int:
@@ -142,6 +154,25 @@ class OpsCounter:
 
         backbone.logits = tagged_head  # instance attribute, removed on exit
         self._backbone = backbone
+        editor = self._editor_module = sys.modules[type(self.model.editor).__module__] if getattr(
+            self.model, "editor", None) is not None else None  # (found from the model: costs sit below the model)
+        attend = self._bank_attend = getattr(editor, "bank_attend", None)
+
+        def tagged_attend(*args: Any, **kwargs: Any) -> Any:  # the editor's cross-attention to the bank
+            self._stack.append("editor_bank")
+            try:
+                return attend(*args, **kwargs)
+            finally:
+                self._stack.pop()
+
+        if attend is not None:
+            editor.bank_attend = tagged_attend  # restored on exit
+        self._methods = []  # what a decode step calls as a method, not through the module (no hook runs)
+        for obj, name, tag in ((getattr(self.model, "router", None), "scores", "router"),
+                               (getattr(self.model, "readout", None), "edited", "readout")):
+            if obj is not None:
+                self._methods.append((obj, name))
+                setattr(obj, name, self._tagged(getattr(obj, name), tag))  # instance attribute, removed on exit
         self._mode = FlopCounterMode(display=False, custom_mapping=mapping)
         self._mode.__enter__()
         return self
@@ -152,3 +183,7 @@ class OpsCounter:
             h.remove()
         self._handles.clear()
         del self._backbone.logits
+        for obj, name in self._methods:
+            delattr(obj, name)
+        if self._bank_attend is not None:
+            self._editor_module.bank_attend = self._bank_attend

@@ -186,6 +186,12 @@ class EditorBlock(nn.Module):
         self.step_emb = nn.Embedding(cfg.r_max, w)
         self.rem_emb = nn.Embedding(cfg.r_max, w)
 
+    def step_embedding(self, step: int, remaining: int) -> torch.Tensor:
+        """The step and remaining-budget embeddings' sum `[w]` of one (step, remaining) pair: what `forward` adds to
+        each normed input of rows that share it (the same numbers, broadcast)."""
+        c = self._modules
+        return c["step_emb"]._parameters["weight"][step] + c["rem_emb"]._parameters["weight"][remaining]
+
     def slot_keys_values(self, X: torch.Tensor) -> torch.Tensor:
         """Keys | values `[..., 2w]` of slot states X `[..., w]` (no step conditioning: cacheable)."""
         c = self._modules
@@ -203,27 +209,19 @@ class EditorBlock(nn.Module):
         scores = (q @ k.transpose(-1, -2)) * hd ** -0.5  # [B, nh, Tq, Tb]
         return scores.masked_fill(~bank_mask.unsqueeze(1), float("-inf")).softmax(-1)
 
-    def forward(self, x: torch.Tensor, step: torch.Tensor, remaining: torch.Tensor, bank: BankView,
-                slot_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, step: torch.Tensor | None, remaining: torch.Tensor | None,
+                bank: BankView | _Bank, slot_kv: torch.Tensor, e: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """x `[N, k, w]` chosen slots; step, remaining `[N]`; slot_kv `[N, M, 2w]` -> (x_out, gate `[N, k, 1]`).
+        `e`: the step embeddings' sum given instead (`step_embedding`: `[w]`, shared by every row; step and
+        remaining are then not read).
 
         Leaf layers in functional form with registry reads, as the backbone's (a decode step's edit is bound by
         per-call overhead: `prisme.model.attention`)."""
         c = self._modules
-        e = (F.embedding(step, c["step_emb"]._parameters["weight"])
-             + F.embedding(remaining, c["rem_emb"]._parameters["weight"])).unsqueeze(1)  # [N, 1, w]
-        return self.body(x, e, bank, slot_kv)
-
-    def step_embedding(self, step: int, remaining: int) -> torch.Tensor:
-        """The step and remaining-budget embeddings' sum `[w]` of one (step, remaining) pair: what `forward` adds to
-        each normed input of rows that share it (the same numbers, broadcast)."""
-        c = self._modules
-        return c["step_emb"]._parameters["weight"][step] + c["rem_emb"]._parameters["weight"][remaining]
-
-    def body(self, x: torch.Tensor, e: torch.Tensor, bank: BankView | _Bank, slot_kv: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward` with the step embeddings' sum e (`[N, 1, w]`, or `[w]` shared by every row) given."""
-        c = self._modules
+        if e is None:
+            e = (F.embedding(step, c["step_emb"]._parameters["weight"])
+                 + F.embedding(remaining, c["rem_emb"]._parameters["weight"])).unsqueeze(1)  # [N, 1, w]
         hx = apply_norm(c["norm_src"], x)  # [N, k, w]
         h = x + linear(bank.attend(linear(hx + e, c["src_q"])), c["src_o"])
         q = linear(apply_norm(c["norm_slot"], h) + e, c["slot_q"])
@@ -347,7 +345,7 @@ class SparseEditor(nn.Module):
             x = S_g[rows, slots]  # [n, k, w]
             for b, blk in enumerate(self.blocks):  # `blocks_pass` with the step embeddings summed once
                 kv = blk.slot_keys_values(S_g if b == 0 else S_g.index_put((rows, slots), x.to(S_g.dtype)))
-                x, _ = blk.body(x, e[b], bank, kv)
+                x, _ = blk(x, None, None, bank, kv, e=e[b])
             out.append(S_g.index_put((rows, slots), x.to(S.dtype)))
         return out[0] if len(out) == 1 else torch.cat(out)
 

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 from prisme.checks import check_max_budget, check_number
 from prisme.config import PrismeConfig, source_layer
-from prisme.model.attention import RMSNorm
-from prisme.model.backbone import Backbone
+from prisme.model.attention import RMSNorm, linear
+from prisme.model.backbone import Backbone, apply_norm
 from prisme.model.controller import ValueController
 from prisme.model.editor import EditInfo, SlotKV, SparseEditor
 from prisme.model.groups import ParameterGroups
@@ -158,7 +158,7 @@ class PrismeModel(ParameterGroups, nn.Module):
     def bank_inputs(self, st: Streams | torch.Tensor) -> list[torch.Tensor]:
         """The normed source stream of each bank term, `[B, T, d]` each."""
         st = self._as_streams(st)
-        return [self._norm_of(t)(st.src[t]) for t in self.cfg.bank_terms]
+        return [apply_norm(self._norm_of(t), st.src[t]) for t in self.cfg.bank_terms]  # (functional: per step)
 
     def bank_from_inputs(self, hs: list[torch.Tensor], prev: list[torch.Tensor] | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,14 +168,14 @@ class PrismeModel(ParameterGroups, nn.Module):
         position before the first of `hs` (None: the first position is position 0, whose shifted part is zero).
         """
         terms = self.cfg.bank_terms
-        K, V = self.W_K(hs[0]), self.W_V(hs[0])
+        K, V = linear(hs[0], self.W_K), linear(hs[0], self.W_V)  # (functional: a decode step runs this)
         for t, h in zip(terms[1:], hs[1:]):
-            K, V = K + self.W_K_more[t](h), V + self.W_V_more[t](h)
+            K, V = K + linear(h, self.W_K_more[t]), V + linear(h, self.W_V_more[t])
         if self.cfg.bank_shift:
             for i, (t, h) in enumerate(zip(terms, hs)):
                 before = h.new_zeros(h[:, :1].shape) if prev is None else prev[i].unsqueeze(1).to(h.dtype)
                 shifted = torch.cat([before, h[:, :-1]], dim=1)  # [B, T, d]: position j holds n(X_{j-1})
-                K = K + (self.W_K_shift if i == 0 else self.W_K_shift_more[t])(shifted)
+                K = K + linear(shifted, self.W_K_shift if i == 0 else self.W_K_shift_more[t])
         return K, V
 
     def bank_entries(self, st: Streams | torch.Tensor,

@@ -4,14 +4,16 @@ Notation: B rows, Q query positions per row, N positions where the router fired,
 
 `DecodeState` calls `routed_workspace` for every controller policy of a router model (not for forced actions, nor
 for a compiled editor's fixed-shape decode). Per step it computes, at every position, only what the decision reads:
-the router's value head on norm(H) and its n-gram feature at the policy's price (`Router.decide`, reading the
-backbone's final norm of H, which the logits need anyway), and one host read of where it fired (the decision is
-data: the work that follows has that shape). A step where no position fires returns the backbone's logits, `head(H)`
+the router's scores on norm(H) and its n-gram feature at the policy's price (`Router.scores`, reading the
+backbone's final norm of H, which the logits need anyway), and one host read of their best (the decision is data:
+the work that follows has that shape). A step where no position fires returns the backbone's logits, `head(H)`
 bitwise, and an all-STOP trace: no query state, bank gather, mask, editor or readout. Where some fire, their N
-positions are gathered as N rows of one query each (their bank rows, their mask, their query state) and run by the
-model's own `rollout_policy` with the router's decision as step 0, then `logits_from_state`; their results are
-scattered back. Every position's workspace is independent of the others', so this is the computation
-`forward_policy` does at those positions (tests/test_generate.py holds decoding to it in float64).
+positions are gathered as N rows of one query each (their bank rows, their mask where a row's bank is shorter than
+the longest, their query state) and edited: at budget 1 (the deployed policy) by `budget1_step` through
+`SparseEditor.edit_rows`, otherwise by the model's own `rollout_policy` with the router's decision as step 0. Their
+corrections are added to H at those positions and the head runs once over every position (an unedited position's
+logits are `head(H)`'s, bitwise). Every position's workspace is independent of the others', so this is the
+computation `forward_policy` does at those positions (tests/test_generate.py holds decoding to it in float64).
 """
 
 from __future__ import annotations
@@ -92,16 +94,17 @@ def one_edit_step(model, ws: _Workspace) -> bool:
     return ws.max_budget == 1 and model.editor.compiled is None and not model.cfg.uses_slot_kv_cache
 
 
-def budget1_step(state: DecodeState, st: Streams, scores: torch.Tensor, logits: torch.Tensor, trace: torch.Tensor,
-                 n_edits: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def budget1_step(state: DecodeState, st: Streams, scores: torch.Tensor, trace: torch.Tensor, n_edits: torch.Tensor
+                 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """The rows of a decode step (one query each) where the router fired at budget 1: each edits with its best
     action at step 0 with no budget left, then reads out; what `rollout_policy` (its step 0 taken) and
-    `logits_from_state` compute for them, in few calls (`SparseEditor.edit_rows`). Returns (logits, trace,
-    n_edits) with the fired rows written (`n_edits` `[B, 1]` zeros)."""
+    `logits_from_state` compute for them, in few calls (`SparseEditor.edit_rows`). Returns (H with the fired rows'
+    corrections added, or None where none fired; trace, n_edits with the fired rows written (`n_edits` `[B, 1]`
+    zeros))."""
     model = state.model
     groups = fired_groups(scores, model.editor.group_of)
     if not groups:
-        return logits, trace, n_edits
+        return None, trace, n_edits
     rows = [r for _, rs, _ in groups for r in rs]
     b, a = torch.tensor([rows, [x for _, _, acts in groups for x in acts]], dtype=torch.long,
                         device=scores.device)  # [N] each: the rows sorted by action group, their actions
@@ -118,10 +121,9 @@ def budget1_step(state: DecodeState, st: Streams, scores: torch.Tensor, logits: 
     mask = None if all(lengths[r] == Tb for r in rows) else (  # None: each row reads its whole bank
         torch.arange(Tb, device=b.device) < state.cache.lengths_tensor(b.device)[b].unsqueeze(1))  # [N, Tb]
     S = model.editor.edit_rows(S0[:, 0], K, V, mask, a, spans, step=0, remaining=0)  # [N, M, w]
-    delta = model.readout.edited(S, S0[:, 0], z[:, 0]).to(st_n.H.dtype)  # [N, d]
-    lg = model.backbone.head(st_n.H + delta.unsqueeze(1))  # [N, 1, V]
+    delta = model.readout.edited(S, S0[:, 0], z[:, 0]).to(st.H.dtype)  # [N, d]
     n_edits = n_edits.index_fill(0, b, 1)
-    return logits.index_copy(0, b, lg), trace.index_copy(0, b, a.view(-1, 1, 1)), n_edits
+    return st.H.index_add(0, b, delta.unsqueeze(1)), trace.index_copy(0, b, a.view(-1, 1, 1)), n_edits
 
 
 def routed_workspace(state: DecodeState, st: Streams, pos: torch.Tensor, valid: torch.Tensor | None,
@@ -135,37 +137,39 @@ def routed_workspace(state: DecodeState, st: Streams, pos: torch.Tensor, valid: 
     dev, R, stop = H.device, ws.n_steps, cfg.stop_action
     h = model.backbone.final_norm(H)  # [B, Q, d]: the head's input, which the router's decision reads too
     scores, seen, tok = router_scores(state, st, pos, valid, ws, h)
-    logits = model.backbone.logits(h)  # [B, Q, V]: every position that does not edit, bitwise head(H)
     trace = torch.full((B, Q, R), stop, dtype=torch.long, device=dev)
     n_edits = steps = torch.zeros(B, Q, dtype=torch.long, device=dev)  # replaced, never written, where some fire
     if Q == 1 and one_edit_step(model, ws):  # the deployed decode step
-        logits, trace, n_edits = budget1_step(state, st, scores, logits, trace, n_edits)
-        return dict(logits=logits, actions=trace, n_edits=n_edits, controller_steps=steps, positions=pos,
-                    valid=valid_t)
+        H_edit, trace, n_edits = budget1_step(state, st, scores, trace, n_edits)
+        return dict(logits=model.backbone.logits(h) if H_edit is None else model.backbone.head(H_edit),
+                    actions=trace, n_edits=n_edits, controller_steps=steps, positions=pos, valid=valid_t)
     top, best = scores.max(dim=-1)  # [B, Q] each
     fires = top > 0
     b, t = fired_positions(fires)  # [N]
     N = b.numel()
-    if N > 0:
-        lengths = state.lengths
-        Tb = max(lengths)
-        if Q == 1:  # a decode step: whole rows, one gather and one scatter per field
-            one = lambda x: x.index_select(0, b)  # noqa: E731  [B, 1, ...] -> [N, 1, ...]
-            put = lambda x, new: x.index_copy(0, b, new)  # noqa: E731
-        else:
-            one = lambda x: x[b, t].unsqueeze(1)  # noqa: E731  [B, Q, ...] -> [N, 1, ...]
-            put = lambda x, new: x.index_put((b, t), new[:, 0])  # noqa: E731
-        st_n = Streams(one(H), {k: one(v) for k, v in st.src.items()}, None if st.ids is None else one(st.ids))
-        pos_n = one(pos)  # [N, 1]
-        K, V = state.bank(Tb, b)  # [N, Tb, w] each
-        z, S0 = query_state(model, st_n)  # [N, 1, w], [N, 1, M, w]
-        mask = model.bank_mask(N, 1, Tb, pos_n, state.cache.lengths_tensor(dev)[b], dev)  # [N, 1, Tb]
-        ctx = EncodedContext(H=st_n.H, K=K, V=V, z=z, bank_mask=mask, S0=S0, ctrl_in=model.controller_stream(st_n),
-                             router_seen=None if seen is None else one(seen),
-                             router_tok=None if tok is None else one(tok))
-        roll = model.rollout_policy(ctx, ws.max_budget, ws.cost, ws.lambda_cost, ws.kappa_risk,
-                                    first=one(best))  # every one of them fires: its best action is step 0
-        lg, _ = model.logits_from_state(roll.S, ctx)  # [N, 1, V]: each of them edited (its step 0 is an edit)
-        logits, trace = put(logits, lg), put(trace, roll.actions)
-        n_edits, steps = put(n_edits, roll.n_edits), put(steps, roll.controller_steps)
-    return dict(logits=logits, actions=trace, n_edits=n_edits, controller_steps=steps, positions=pos, valid=valid_t)
+    if N == 0:  # every position that does not edit: bitwise head(H)
+        return dict(logits=model.backbone.logits(h), actions=trace, n_edits=n_edits, controller_steps=steps,
+                    positions=pos, valid=valid_t)
+    lengths = state.lengths
+    Tb = max(lengths)
+    if Q == 1:  # a decode step: whole rows, one gather and one scatter per field
+        one = lambda x: x.index_select(0, b)  # noqa: E731  [B, 1, ...] -> [N, 1, ...]
+        put = lambda x, new: x.index_copy(0, b, new)  # noqa: E731
+    else:
+        one = lambda x: x[b, t].unsqueeze(1)  # noqa: E731  [B, Q, ...] -> [N, 1, ...]
+        put = lambda x, new: x.index_put((b, t), new[:, 0])  # noqa: E731
+    st_n = Streams(one(H), {k: one(v) for k, v in st.src.items()}, None if st.ids is None else one(st.ids))
+    pos_n = one(pos)  # [N, 1]
+    K, V = state.bank(Tb, b)  # [N, Tb, w] each
+    z, S0 = query_state(model, st_n)  # [N, 1, w], [N, 1, M, w]
+    mask = model.bank_mask(N, 1, Tb, pos_n, state.cache.lengths_tensor(dev)[b], dev)  # [N, 1, Tb]
+    ctx = EncodedContext(H=st_n.H, K=K, V=V, z=z, bank_mask=mask, S0=S0, ctrl_in=model.controller_stream(st_n),
+                         router_seen=None if seen is None else one(seen),
+                         router_tok=None if tok is None else one(tok))
+    roll = model.rollout_policy(ctx, ws.max_budget, ws.cost, ws.lambda_cost, ws.kappa_risk,
+                                first=one(best))  # every one of them fires: its best action is step 0
+    delta = model.readout(roll.S[:, 0], S0[:, 0], z[:, 0]).to(H.dtype)  # [N, d]: each of them edited
+    H_edit = H.index_put((b, t), H[b, t] + delta)  # (its step 0 is an edit); the head runs once per position
+    trace, n_edits, steps = put(trace, roll.actions), put(n_edits, roll.n_edits), put(steps, roll.controller_steps)
+    return dict(logits=model.backbone.head(H_edit), actions=trace, n_edits=n_edits, controller_steps=steps,
+                positions=pos, valid=valid_t)
