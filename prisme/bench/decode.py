@@ -136,7 +136,7 @@ class PartTimer:
         self._active = False
         self._undo: list[Callable[[], None]] = []
         for obj, attr, part in ((model, "streams", "backbone"), (state, "bank_step", "bank"),
-                                (routed, "router_decision", "router"), (routed, "router_scores", "router"),
+                                (routed, "router_scores", "router"),
                                 (routed, "fired_positions", "decision"),
                                 (routed, "fired_groups", "decision"), (model.editor, "edit_rows", "editor"),
                                 (model.readout, "forward", "readout"), (model.readout, "edited", "readout"),

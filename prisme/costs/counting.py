@@ -157,16 +157,8 @@ class OpsCounter:
         editor = self._editor_module = sys.modules[type(self.model.editor).__module__] if getattr(
             self.model, "editor", None) is not None else None  # (found from the model: costs sit below the model)
         attend = self._bank_attend = getattr(editor, "bank_attend", None)
-
-        def tagged_attend(*args: Any, **kwargs: Any) -> Any:  # the editor's cross-attention to the bank
-            self._stack.append("editor_bank")
-            try:
-                return attend(*args, **kwargs)
-            finally:
-                self._stack.pop()
-
-        if attend is not None:
-            editor.bank_attend = tagged_attend  # restored on exit
+        if attend is not None:  # the editor's cross-attention to the bank, restored on exit
+            editor.bank_attend = self._tagged(attend, "editor_bank")
         self._methods = []  # what a decode step calls as a method, not through the module (no hook runs)
         for obj, name, tag in ((getattr(self.model, "router", None), "scores", "router"),
                                (getattr(self.model, "readout", None), "edited", "readout")):

@@ -128,11 +128,12 @@ class _Bank:
         return bank_attend(q, *self._parts, self.full)
 
 
-def blocks_pass(blocks: nn.ModuleList, x: torch.Tensor, st: torch.Tensor, rem: torch.Tensor, S_pos: torch.Tensor,
-                slots: torch.Tensor, bank_parts: tuple[torch.Tensor, ...], full: bool
-                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def blocks_pass(blocks: nn.ModuleList, x: torch.Tensor, st: torch.Tensor | None, rem: torch.Tensor | None,
+                S_pos: torch.Tensor, slots: torch.Tensor, bank_parts: tuple[torch.Tensor, ...], full: bool,
+                e: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One action group through every editor block, seed accounting: each block reads the K/V of all M slots of the
-    position at its input (S_pos `[N, M, w]` with the group's slots `[N, k]` replaced by x `[N, k, w]`).
+    position at its input (S_pos `[N, M, w]` with the group's slots `[N, k]` replaced by x `[N, k, w]`). `e`: each
+    block's step embeddings' sum given instead of st, rem (`EditorBlock.step_embedding`, rows that share a step).
 
     A pure function of tensors (and the bool `full`), so that `prisme.model.compiled.compile_editor` can compile it; the
     eager editor runs the very same function. Returns (x_out `[N, k, w]`, gates: one `[N, k, 1]` per block).
@@ -142,7 +143,7 @@ def blocks_pass(blocks: nn.ModuleList, x: torch.Tensor, st: torch.Tensor, rem: t
     gates = []
     for i, blk in enumerate(blocks):  # block 0's input is S_pos itself (x holds its slots)
         kv = blk.slot_keys_values(S_pos if i == 0 else S_pos.index_put((rows, slots), x.to(S_pos.dtype)))  # [N, M, 2w]
-        x, g = blk(x, st, rem, bank, kv)
+        x, g = blk(x, st, rem, bank, kv, None if e is None else e[i])
         gates.append(g)
     return x, gates
 
@@ -341,11 +342,8 @@ class SparseEditor(nn.Module):
             rows = torch.arange(n, device=S.device).unsqueeze(1)  # [n, 1]
             S_g = S[i:j]  # [n, M, w]
             m = None if mask is None else mask[i:j].view(n, 1, 1, -1).expand(n, 1, k, mask.shape[-1])  # [n,1,k,Tb]
-            bank = _Bank((Kh[i:j], Vh[i:j], m, None, None), True)  # full: every row one query, in order
-            x = S_g[rows, slots]  # [n, k, w]
-            for b, blk in enumerate(self.blocks):  # `blocks_pass` with the step embeddings summed once
-                kv = blk.slot_keys_values(S_g if b == 0 else S_g.index_put((rows, slots), x.to(S_g.dtype)))
-                x, _ = blk(x, None, None, bank, kv, e=e[b])
+            x, _ = blocks_pass(self.blocks, S_g[rows, slots], None, None, S_g, slots,
+                               (Kh[i:j], Vh[i:j], m, None, None), True, e)  # full: every row one query, in order
             out.append(S_g.index_put((rows, slots), x.to(S.dtype)))
         return out[0] if len(out) == 1 else torch.cat(out)
 

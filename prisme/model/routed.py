@@ -29,23 +29,13 @@ if TYPE_CHECKING:
     from prisme.model.state import DecodeState, _Workspace
 
 
-def router_decision(state: DecodeState, st: Streams, pos: torch.Tensor, valid: torch.Tensor | None,
-                    ws: _Workspace, normed: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The router's best action at every query, whether it beats STOP (False at padding), each `[B, Q]`, and its
-    n-gram feature and the token it read `[B, Q]` (None where it reads none) (`Router.decide`: the step-0 action is
-    `where(fires, best, STOP)`); `normed` is the backbone's final norm of `st.H` where the step has it (the decision
-    reads it instead of norming H again)."""
-    scores, seen, tok = router_scores(state, st, pos, valid, ws, normed)
-    best, action = scores.max(dim=-1)
-    return action, best > 0, seen, tok
-
-
 def router_scores(state: DecodeState, st: Streams, pos: torch.Tensor, valid: torch.Tensor | None,
                   ws: _Workspace, normed: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """`router_decision` before its max: (the scores of every action `[B, Q, A]`, seen, tok `[B, Q]`); a query fires
-    iff its best score is > 0 (padding's scores are -1: it never fires)."""
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The router's scores of every action at every query `[B, Q, A]` (`Router.scores`), and its n-gram feature and
+    the token it read `[B, Q]` (None where it reads none). A query fires iff its best score is > 0, with its first
+    best action as step 0 (padding's scores are -1: it never fires); `normed` is the backbone's final norm of `st.H`
+    where the step has it (the decision reads it instead of norming H again)."""
     model, cfg = state.model, state.cfg
     seen = tok = None
     if state.ids is not None:

@@ -118,13 +118,12 @@ class Router(nn.Module):
                normed: tuple[torch.Tensor, nn.Module] | None = None, tok: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """`select(forward(H, seen), cost, lambda_cost)` in fewer calls, for a decode step: (the best action, whether
-        it beats STOP) `[B, Tq]` each, the rule's `where` left to the positions that fire (`best_scores`)."""
+        it beats STOP) `[B, Tq]` each, the rule's `where` left to the positions that fire (the max of `scores`)."""
         best, action = self.scores(H, seen, cost, lambda_cost, normed, tok).max(dim=-1)
         return action, best > 0
 
     def scores(self, H: torch.Tensor, seen: torch.Tensor | None, cost: torch.Tensor, lambda_cost: float,
-                    normed: tuple[torch.Tensor, nn.Module] | None = None, tok: torch.Tensor | None = None
-                    ) -> torch.Tensor:
+               normed: tuple[torch.Tensor, nn.Module] | None = None, tok: torch.Tensor | None = None) -> torch.Tensor:
         """The scores value_a - lambda cost_a `[B, Tq, A]` that `select` reads (a position fires iff its best score is
         > 0). The price is folded into the bias (b - lambda cost, and b - lambda cost + the n-gram column, kept per
         price and weights) and each position's bias is picked by its n-gram feature, so the step is a select and one
@@ -155,7 +154,7 @@ class Router(nn.Module):
 
     def _folded(self, cost: torch.Tensor, lam: float, gain: torch.Tensor | None) -> tuple:
         """(W `[A, d]`, the n-gram column `[A]` or None, b - lam cost `[A]`, whether W is divided by `gain`, and what
-        `best_scores` reads: (W^T `[d, A]` contiguous, b - lam cost, b - lam cost + the n-gram column or None, the
+        `scores` reads: (W^T `[d, A]` contiguous, b - lam cost, b - lam cost + the n-gram column or None, the
         same flag)), rebuilt when the price, the cost vector or a weight changes (identity, storage and version
         counter: an in-place update or a move rebuilds). W is divided by a given gain `[d]` unless some entry of it
         is 0."""
