@@ -222,6 +222,27 @@ class TokenDataset:
         arr = _encode_cached(text, tokenizer, cache_dir, name)
         return cls(arr, val_fraction=val_fraction, vocab_size=tokenizer.vocab_size, tokenizer=tokenizer)
 
+    @classmethod
+    def from_splits(cls, train_text: str, val_text: str, tokenizer: Tokenizer, cache_dir: str | Path | None = None,
+                    name: str = "corpus") -> TokenDataset:
+        """A corpus already split (by whole files, `data.corpora`): `train_text`'s tokens then `val_text`'s, the split
+        exactly between them (each encoded on its own, cached as `<name>-train` / `<name>-val`)."""
+        if not train_text or not val_text:
+            raise ValueError(f"corpus {name!r}: its {'train' if not train_text else 'val'} split is empty")
+        return cls.from_token_splits(_encode_cached(train_text, tokenizer, cache_dir, f"{name}-train"),
+                                     _encode_cached(val_text, tokenizer, cache_dir, f"{name}-val"), tokenizer, name)
+
+    @classmethod
+    def from_token_splits(cls, train: np.ndarray, val: np.ndarray, tokenizer: Tokenizer,
+                          name: str = "corpus") -> TokenDataset:
+        """Train tokens `[N_train]` then validation tokens `[N_val]` as one stream split exactly between them."""
+        ds = cls(np.concatenate([train, val]), val_fraction=0.0, vocab_size=tokenizer.vocab_size, tokenizer=tokenizer)
+        ds.split_index = len(train)
+        ds.train_tokens, ds.val_tokens = ds.tokens[:len(train)], ds.tokens[len(train):]
+        ds.val_fraction = len(val) / ds.tokens.numel()
+        ds.name = name
+        return ds
+
     def split_tokens(self, split: str) -> torch.Tensor:
         """The 1-D int32 token stream of ``split`` (``"train"`` or ``"val"``)."""
         return self.train_tokens if check_split(split) == "train" else self.val_tokens
