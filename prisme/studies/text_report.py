@@ -1,11 +1,15 @@
 """The text study's report: every row over the training seeds (`seed_summary`), the verdicts that follow from the
-per-seed intervals, and the text for humans."""
+per-seed intervals, the loss by slice and each PRISME row's capture of the far-copy gain (`capture_summary`), and the
+text for humans."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from typing import Any
 
 from prisme.evaluation.policies import ROW_KINDS
+from prisme.evaluation.slices import Capture, beyond_window_names, capture, merge_slices
 
 DIFFS = ("delta_vs_backbone", "delta_vs_matched", "frontier_gap", "delta_vs_equal_edits")
 
@@ -115,42 +119,114 @@ def format_report(doc: dict[str, Any]) -> str:
         lines.append(f"{e['source']:<10}{e['split']:<9}{e['policy']:<28}{sum(e['relative_ops']) / len(seeds):>6.2f}"
                      f"  {gaps:<40}{_count(e, 'frontier_gap')}")
     parts.append("\n".join(lines))
-    table = slice_table(doc)
-    if table:
-        parts.append(table)
+    for table in (slice_table(doc), capture_table(doc)):
+        if table:
+            parts.append(table)
     parts.append("\n".join(doc["verdicts"]))
     return "\n\n".join(parts)
 
 
+def _by_slice(e: dict[str, Any], names: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The slices `names` of a summary entry as one, per seed (`merge_slices`)."""
+    return [merge_slices(sl, names) for sl in e["slices"]]
+
+
+def _mean_loss(per_seed: list[dict[str, Any]]) -> float | None:
+    """A merged slice's loss, mean over the seeds (None where a seed's slice holds no target)."""
+    losses = [m["loss"] for m in per_seed]
+    return None if any(v is None for v in losses) else sum(losses) / len(losses)
+
+
 def slice_table(doc: dict[str, Any]) -> str | None:
     """Where the gains are (a study whose slices split AR hits by a window, `--context`): per source, split and row,
-    the loss on AR hits within PRISME's window, on AR hits beyond it, and on the rest (seen misses and others), mean
-    over the seeds, with each slice's share of the targets (None when the rows carry no window slices)."""
+    the loss on AR hits within PRISME's window, in each distance bucket beyond it (slices with bucket edges), on all
+    AR hits beyond it, and on the rest (seen misses and others), mean over the seeds, with each slice's share of the
+    targets (None when the rows carry no window slices)."""
     summary = doc.get("summary") or seed_summary(doc)
-    rows = [e for e in summary if e.get("slices") and "ar_hit_beyond_window" in e["slices"][0]]
+    rows = [e for e in summary if e.get("slices") and beyond_window_names(list(e["slices"][0]))]
     if not rows:
         return None
-
-    def mean_loss(e: dict[str, Any], names: tuple[str, ...]) -> str:
-        per = []
-        for sl in e["slices"]:  # one seed: the slices' losses weighted by their targets
-            n = sum(sl[k]["share_of_targets"] for k in names)
-            if n == 0:
-                return "-"
-            per.append(sum(sl[k]["share_of_targets"] * (sl[k]["loss"] or 0.0) for k in names) / n)
-        return f"{sum(per) / len(per):.4f}"
-
-    groups = (("ar_hit_in_window",), ("ar_hit_beyond_window",), ("seen_miss", "other"))
-    shares = [sum(sum(sl[k]["share_of_targets"] for k in g) for sl in rows[0]["slices"]) / len(rows[0]["slices"])
-              for g in groups]
-    head = (f"{'source':<10}{'split':<9}{'policy':<28}{'ops':>6}  {'AR hit in window':>17}{'AR hit beyond':>15}"
-            f"{'the rest':>10}")
+    names = list(rows[0]["slices"][0])
+    beyond = beyond_window_names(names)
+    groups = [("AR hit in window", ("ar_hit_in_window",))]
+    if len(beyond) > 1:  # distance buckets: each, then all of them
+        groups += [(k.removeprefix("ar_hit_").replace("_", "-").replace("beyond-", "> "), (k,)) for k in beyond]
+    groups += [("AR hit beyond", beyond), ("the rest", ("seen_miss", "other"))]
+    shares = [sum(m["share_of_targets"] for m in _by_slice(rows[0], g)) / len(rows[0]["slices"]) for _, g in groups]
+    head = f"{'source':<10}{'split':<9}{'policy':<28}{'ops':>6}  " + "".join(f"{t:>17}" for t, _ in groups)
     lines = [f"== loss by slice (nats/byte, mean over the seeds; the first split's shares of targets: "
-             f"{shares[0]:.1%} / {shares[1]:.1%} / {shares[2]:.1%}) ==", head, "-" * len(head)]
+             f"{' / '.join(f'{v:.1%}' for v in shares)}) ==", head, "-" * len(head)]
     for e in rows:
         if ROW_KINDS[e["family"]].baseline:
             continue
         n = len(e["relative_ops"])
+        cells = [_mean_loss(_by_slice(e, g)) for _, g in groups]
         lines.append(f"{e['source']:<10}{e['split']:<9}{e['policy']:<28}{sum(e['relative_ops']) / n:>6.2f}  "
-                     f"{mean_loss(e, groups[0]):>17}{mean_loss(e, groups[1]):>15}{mean_loss(e, groups[2]):>10}")
+                     + "".join(f"{'-' if v is None else f'{v:.4f}':>17}" for v in cells))
+    return "\n".join(lines)
+
+
+_FRONTIER_NAME = re.compile(r"L(\d+)_d(\d+)(?:_w(\d+))?(_ks)?")
+
+
+def capture_summary(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each PRISME row's capture (`evaluation.slices.capture`) per seed, per source and split: the loss it removes on
+    the AR hits beyond PRISME's window relative to its own backbone ("backbone"), as a share of what the global-
+    attention frontier model of PRISME's depth removes there relative to its window twin (the same entry with
+    PRISME's window). Of several such models (with and without the key shift) the one with the lowest loss on that
+    slice, mean over the seeds, is the reference. Empty without window slices, a model with a window, or such a pair
+    in the frontier."""
+    summary = doc.get("summary") or seed_summary(doc)
+    model = doc.get("model") or {}
+    W, depth = model.get("attn_window"), model.get("n_layer")
+    out = []
+    for src, split in dict.fromkeys((e["source"], e["split"]) for e in summary):
+        here = {e["policy"]: e for e in summary if e["source"] == src and e["split"] == split and e.get("slices")}
+        beyond = beyond_window_names(list(next(iter(here.values()))["slices"][0])) if here else ()
+        if not beyond or W is None or "backbone" not in here:
+            continue
+        loss = {p: [m["loss"] for m in _by_slice(e, beyond)] for p, e in here.items()}
+        pairs = []  # (global model, its window twin) of PRISME's depth, both scored with slices
+        for p, e in here.items():
+            m = _FRONTIER_NAME.fullmatch(p)
+            if _frontier_model(e) and m and m.group(3) is None and int(m.group(1)) == depth:
+                twin = f"L{m.group(1)}_d{m.group(2)}_w{W}{m.group(4) or ''}"
+                if twin in here and None not in loss[p] + loss[twin]:
+                    pairs.append((p, twin))
+        if not pairs or None in loss["backbone"]:
+            continue
+        best, twin = min(pairs, key=lambda pt: sum(loss[pt[0]]))
+        for p, e in here.items():
+            kind = ROW_KINDS[e["family"]]
+            if kind.workspace and not kind.baseline and None not in loss[p]:
+                caps = [capture(r, b, g, w) for r, b, g, w in zip(loss[p], loss["backbone"], loss[best], loss[twin])]
+                out.append({"source": src, "split": split, "policy": p, "deployable": e["deployable"],
+                            "relative_ops": e["relative_ops"], "global": best, "window_twin": twin,
+                            "capture": [dataclasses.asdict(c) for c in caps]})
+    return out
+
+
+def capture_table(doc: dict[str, Any]) -> str | None:
+    """`capture_summary` for humans: per row the loss removed beyond the window and the capture, per seed, under a
+    line per source and split naming the global model and what it removes (None when there is nothing to show)."""
+    caps = capture_summary(doc)
+    if not caps:
+        return None
+    W = doc["model"]["attn_window"]
+    lines = [f"== capture beyond the {W}-position window (per seed: the loss a row removes on AR hits beyond it, "
+             f"relative to its backbone, as a share of what global attention removes there, relative to its window "
+             f"twin; nats/byte) =="]
+    head = f"{'source':<10}{'split':<9}{'policy':<28}{'ops':>6}  {'removed, per seed':<30}capture, per seed"
+    last = None
+    for c in caps:
+        if (c["source"], c["split"]) != last:
+            last = (c["source"], c["split"])
+            removed = " ".join(f"{d['global_removed']:+.4f}" for d in c["capture"])
+            lines += ["", f"{c['source']}, {c['split']}: {c['global']} removes {removed} relative to "
+                          f"{c['window_twin']}", head, "-" * len(head)]
+        n = len(c["relative_ops"])
+        removed = " ".join(f"{d['removed']:+.4f}" for d in c["capture"])
+        shares = " ".join(Capture(**d).fmt() for d in c["capture"])
+        lines.append(f"{c['source']:<10}{c['split']:<9}{c['policy']:<28}{sum(c['relative_ops']) / n:>6.2f}  "
+                     f"{removed:<30}{shares}")
     return "\n".join(lines)
