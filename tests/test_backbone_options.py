@@ -516,7 +516,7 @@ def test_prisme_decoding_with_a_windowed_shifted_backbone_equals_forward_policy(
     x = tokens(model.cfg.vocab_size, B=len(lengths), n=max(lengths))
     refs = [model.forward_policy(x[b:b + 1, :n], BUDGET, lambda_cost=0.0) for b, n in enumerate(lengths)]
     state = model.new_decode_state(len(lengths), max_len=24)
-    assert state.cache.ring and state.cache.layers[0].k.shape[2] == 8 and state.K.shape[1] == 24
+    assert state.cache.ring and state.cache.layers[0].k.shape[2] == 8 and state.bank.K.shape[1] == 24
     forced = torch.randint(0, model.cfg.dense_action + 1, (len(lengths), max(lengths), 2),
                            generator=torch.Generator().manual_seed(4))
     forced_state = model.new_decode_state(len(lengths), max_len=24)

@@ -1,4 +1,4 @@
-"""A decode state that keeps the bank as token ids (`cfg.bank_store = "ids"`, `prisme.model.tables.bank_from_ids`).
+"""A decode state that keeps the bank as token ids (`cfg.bank_store = "ids"`, `bank.tables.entries_from_ids`).
 
 * decoding equals teacher-forced `forward_policy` in float64 and the state that keeps every entry, at prices where
   the router never fires, fires sometimes and always (negative control: a lookup whose shift reads the position's
@@ -17,13 +17,13 @@ import torch
 import torch.nn.functional as F
 from tiny_models import tiny_model
 
-import prisme.model.state as state_mod
+import prisme.model.bank.cache as cache_mod
 from prisme import costs
 from prisme.costs.counting import OpsCounter
 from prisme.costs.traces import position_ops, trace_cost
 from prisme.decoding.generate import generate
+from prisme.model.bank.tables import bank_tables
 from prisme.model.outputs import Streams
-from prisme.model.tables import bank_tables, query_state
 
 EMBED = dict(bank_source="embedding", query_source="embedding", bank_shift=True, router=True, bank_tables=True)
 
@@ -65,11 +65,11 @@ def test_negative_control_a_lookup_shifted_onto_its_own_id_is_caught(monkeypatch
     toks = torch.randint(0, 64, (3, 20), generator=torch.Generator().manual_seed(3))
     full = ref.forward_policy(toks, 1, lambda_cost=0.0)
 
-    def own_id(model, rows_ids):  # K' of the position's own token instead of the previous one
-        tabs = bank_tables(model)
+    def own_id(bank, rows_ids):  # K' of the position's own token instead of the previous one
+        tabs = bank_tables(bank)
         return F.embedding(rows_ids, tabs["KV"]) + F.embedding(rows_ids, tabs["S2"])
 
-    monkeypatch.setattr(state_mod, "bank_from_ids", own_id)
+    monkeypatch.setattr(cache_mod, "entries_from_ids", own_id)
     logits, _ = decode(ids, toks, 1, 0.0)
     assert not torch.allclose(logits, full.logits, rtol=0, atol=1e-6)
 
@@ -78,7 +78,7 @@ def test_kept_ids_state_holds_the_ids_alone_and_rewinds_to_any_shared_length():
     _, entries, ids = trio()
     toks = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(5))
     st = ids.new_decode_state(2, 24)
-    assert st.KV is None and st.prev == [] and st.ids is not None
+    assert st.bank.KV is None and st.bank.prev == [] and st.bank.ids is not None
     assert st.nbytes == st.cache.nbytes + 2 * 24 * 8  # int64 ids, nothing per entry
     kept = entries.new_decode_state(2, 24)
     assert kept.nbytes - st.nbytes == 2 * 24 * 2 * ids.cfg.w * 8 + 2 * 8  # its entries and its shift's ids
@@ -117,10 +117,10 @@ def test_kept_ids_price_the_lookups_of_the_whole_context_where_the_workspace_run
         st.prefill(toks, logits="none")
         s = ids.streams(toks)
         last = s.index(torch.zeros(1, 1, dtype=torch.long), torch.tensor([[T - 1]]))
-        bank_tables(ids)  # built outside the counted step
+        bank_tables(ids.bank)  # built outside the counted step
         with OpsCounter(ids) as oc:
-            st.bank(T, torch.zeros(1, dtype=torch.long))
-            query_state(ids, Streams(last.H, last.src, last.ids))
+            st.bank.view(T, torch.zeros(1, dtype=torch.long))
+            ids.query_state(Streams(last.H, last.src, last.ids), decoded=True)
     assert oc.total == sum(read.values()) - costs.bank_lookup_ops(cfg, *costs.bank_reads(cfg, T, True)) == 0
     out = generate(ids, [[3, 1, 4, 1, 5]], 8, max_budget=1, lambda_cost=0.02)
     acts = out.actions[0]

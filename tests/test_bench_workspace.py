@@ -111,7 +111,8 @@ def test_split_timer_changes_nothing_sees_the_workspace_and_removes_itself(cfg):
     assert bypass["workspace_modules"] == 0 and bypass["backbone"] > 0
     for m in models.values():
         assert "streams" not in m.backbone.__dict__ and "head" not in m.backbone.__dict__
-        assert not {"bank_inputs", "bank_from_inputs", "rollout_forced", "logits_from_state"} & set(m.__dict__)
+        assert not {"query_state", "rollout_forced", "logits_from_state"} & set(m.__dict__)
+        assert not {"inputs", "from_inputs"} & set(m.bank.__dict__)
 
 
 def test_build_models_share_weights_and_differ_only_in_optimised(cfg):

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from tiny_models import tiny_model
 
 from prisme.config import PrismeConfig
+from prisme.model.bank import SourceBank
 from prisme.model.prisme import PrismeModel
 from prisme.model.workspace import absorb_stop, slots_of_action
 
@@ -199,7 +200,7 @@ def test_causality_negative_control_leaky_bank(monkeypatch):
 def test_causality_negative_control_shift_reads_the_next_position(monkeypatch):
     """A token shift that feeds key j from position j+1 instead of j-1 breaks the causality check."""
     model = make_model(**SOURCES["embedding"])
-    original = PrismeModel.bank_from_inputs
+    original = SourceBank.from_inputs
 
     def ahead(self, hs, prev=None):
         K, V = original(self, hs, prev)
@@ -207,7 +208,7 @@ def test_causality_negative_control_shift_reads_the_next_position(monkeypatch):
         return K + self.W_K_shift(nxt), V
 
     assert causality_gap(model, 7, policy=False)[0] <= 1e-12  # clean first
-    monkeypatch.setattr(PrismeModel, "bank_from_inputs", ahead)
+    monkeypatch.setattr(SourceBank, "from_inputs", ahead)
     dl, ds, _ = causality_gap(model, 7, policy=False)
     assert dl > 1e-3 and ds > 1e-3
 

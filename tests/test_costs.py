@@ -88,8 +88,8 @@ def decode_token(model: PrismeModel, workspace=None, T: int = T_CTX) -> tuple[Op
     with torch.no_grad():
         st_prev = model.streams(tokens[:, :-1], cache)  # H [1, T-1, d] and the source streams
         if cfg.use_workspace:
-            hs_prev = model.bank_inputs(st_prev)
-            K_prev, V_prev = model.bank_from_inputs(hs_prev)
+            hs_prev = model.bank.inputs(st_prev)
+            K_prev, V_prev = model.bank.from_inputs(hs_prev)
             prev = [h[:, -1] for h in hs_prev]  # what a DecodeState keeps for the shift
         roll = None
         with OpsCounter(model) as oc:
@@ -98,7 +98,7 @@ def decode_token(model: PrismeModel, workspace=None, T: int = T_CTX) -> tuple[Op
             if workspace is None:
                 model.backbone.head(H)
             else:
-                K, V = model.bank_from_inputs(model.bank_inputs(st), prev)  # [1, 1, w]
+                K, V = model.bank.from_inputs(model.bank.inputs(st), prev)  # [1, 1, w]
                 z, S0 = model.query_state(st)
                 ctx = EncodedContext(H=H, K=torch.cat([K_prev, K], 1), V=torch.cat([V_prev, V], 1), z=z,
                                      bank_mask=torch.ones(1, 1, T, dtype=torch.bool), S0=S0,
@@ -332,9 +332,9 @@ def test_bank_projection_of_one_position_ties(variant):
     with torch.no_grad():
         st = model.streams(tokens)
         last = st.index(torch.zeros(1, 1, dtype=torch.long), torch.tensor([[4]]))
-        prev = [h[:, -2] for h in model.bank_inputs(st)]
+        prev = [h[:, -2] for h in model.bank.inputs(st)]
         with OpsCounter(model) as oc:
-            model.bank_from_inputs(model.bank_inputs(last), prev)
+            model.bank.from_inputs(model.bank.inputs(last), prev)
             model.query_state(last)
     expected = costs.bank_ops(cfg)
     assert {c: oc.by_component[c] for c in expected} == expected and oc.total == sum(expected.values())

@@ -1,4 +1,4 @@
-"""The decode step of a router model (`prisme.model.routed`), per-vocabulary bank tables (`prisme.model.tables`,
+"""The decode step of a router model (`prisme.model.routed`), per-vocabulary bank tables (`prisme.model.bank.tables`,
 `cfg.bank_tables`), their price in the cost model, generation's per-token ops and `prisme bench decode`'s JSON.
 
 * tables equal the projections of every token's normed embedding in float64, and follow weight changes (negative
@@ -25,8 +25,8 @@ from prisme import costs
 from prisme.costs.counting import OpsCounter
 from prisme.costs.traces import position_ops, trace_cost
 from prisme.decoding.generate import generate
+from prisme.model.bank.tables import bank_tables, step_entries
 from prisme.model.outputs import Streams
-from prisme.model.tables import bank_step, bank_tables, query_state
 
 EMBED = dict(bank_source="embedding", query_source="embedding", bank_shift=True, router=True)
 
@@ -42,18 +42,18 @@ def pair(**extra):
 def test_tables_equal_the_projections_and_follow_the_weights():
     _, model = pair()
     E = model.bank_norm(model.backbone.tok_emb.weight)  # [V, d]
-    tabs = bank_tables(model)
+    tabs = bank_tables(model.bank)
     w = model.cfg.w
     torch.testing.assert_close(tabs["KV"][:, :w], model.W_K(E), rtol=0, atol=1e-13)  # K, then V
     torch.testing.assert_close(tabs["KV"][:, w:], model.W_V(E), rtol=0, atol=1e-13)
     torch.testing.assert_close(tabs["P"], model.P(E), rtol=0, atol=1e-13)
     torch.testing.assert_close(tabs["S"][:-1], model.W_K_shift(E), rtol=0, atol=1e-13)
-    assert bool((tabs["S"][-1] == 0).all()) and bank_tables(model) is tabs  # row V: no previous position; cached
+    assert bool((tabs["S"][-1] == 0).all()) and bank_tables(model.bank) is tabs  # row V: no previous position; cached
     assert torch.equal(tabs["S2"], torch.cat([tabs["S"], torch.zeros_like(tabs["S"])], -1))  # the key part only
     with torch.no_grad():
         model.W_K.weight.add_(0.1)  # negative control: the old table is stale, a new one is built
     assert not torch.allclose(tabs["KV"][:, :w], model.W_K(E))
-    torch.testing.assert_close(bank_tables(model)["KV"][:, :w], model.W_K(E), rtol=0, atol=1e-13)
+    torch.testing.assert_close(bank_tables(model.bank)["KV"][:, :w], model.W_K(E), rtol=0, atol=1e-13)
 
 
 @pytest.mark.parametrize("lam", [0.0, 0.05, 1e9], ids=["always", "sometimes", "never"])
@@ -94,11 +94,11 @@ def test_bank_lookups_tie_to_counted_flops(tables):
     with torch.no_grad():
         st = m.streams(toks)
         last = st.index(torch.zeros(1, 1, dtype=torch.long), torch.tensor([[4]]))
-        prev = [toks[:, 3]] if tables else [m.bank_inputs(st)[0][:, 3]]
-        bank_tables(m) if tables else None  # built outside the counted step
+        prev = [toks[:, 3]] if tables else [m.bank.inputs(st)[0][:, 3]]
+        bank_tables(m.bank) if tables else None  # built outside the counted step
         with OpsCounter(m) as oc:
-            bank_step(m, last, last.ids, prev)
-            query_state(m, Streams(last.H, last.src, last.ids))
+            step_entries(m.bank, last, last.ids, prev)
+            m.query_state(Streams(last.H, last.src, last.ids), decoded=True)
     expected = costs.bank_ops(cfg)
     assert oc.total == sum(expected.values()) - costs.bank_lookup_ops(cfg)
     if tables:
@@ -189,7 +189,7 @@ def test_bench_decode_times_the_recall_winners_of_each_length():
                                                                                                        True)
     assert d8.cfg == d1k.cfg and prompt_length(n8, None) == LONG_PROMPT
     (_, ids, _), = shapes(["recall_T1024"], True, 0, "ids")
-    assert ids.cfg.bank_store == "ids" and ids.new_decode_state(1).KV is None  # the ids alone
+    assert ids.cfg.bank_store == "ids" and ids.new_decode_state(1).bank.KV is None  # the ids alone
     with pytest.raises(ValueError, match="unknown shape"):
         shapes(["recall_T64"], True, 0)
     from prisme.bench.decode import edit_rate  # each shape's deployed edit rate, unless --edit-rate is given
@@ -200,15 +200,15 @@ def test_bench_decode_times_the_recall_winners_of_each_length():
 def test_a_module_replaced_after_the_first_lookup_is_served_once_the_tables_are_cleared():
     """The tables are checked against the weights they were built from (no module lookup per step): an assigned new
     module is served after `clear_bank_tables`. Negative control: before clearing, the tables are the old module's."""
-    from prisme.model.tables import clear_bank_tables
+    from prisme.model.bank.tables import clear_bank_tables
 
     _, model = pair()
     E = model.bank_norm(model.backbone.tok_emb.weight)
-    old = bank_tables(model)["P"]
+    old = bank_tables(model.bank)["P"]
     model.P = torch.nn.Linear(model.cfg.d_model, model.cfg.w, bias=False).double()
-    assert bank_tables(model)["P"] is old and not torch.allclose(old, model.P(E))  # stale until cleared
-    clear_bank_tables(model)
-    torch.testing.assert_close(bank_tables(model)["P"], model.P(E), rtol=0, atol=1e-13)
+    assert bank_tables(model.bank)["P"] is old and not torch.allclose(old, model.P(E))  # stale until cleared
+    clear_bank_tables(model.bank)
+    torch.testing.assert_close(bank_tables(model.bank)["P"], model.P(E), rtol=0, atol=1e-13)
 
 
 @pytest.mark.parametrize("store", ["entries", "ids"])

@@ -23,6 +23,7 @@ from prisme.costs.analytic import token_ops
 from prisme.costs.traces import position_ops, trace_cost
 from prisme.decoding.generate import GenerationOutput, calibrate_lambda, generate, generate_stream
 from prisme.decoding.sampling import sample_logits
+from prisme.model.bank import SourceBank
 from prisme.model.prisme import PrismeModel
 from prisme.model.state import DecodeState, StepOutput
 
@@ -208,8 +209,8 @@ def test_negative_control_decoding_that_forgets_the_shift_fails(monkeypatch):
     allows."""
     model = make_model(torch.float64, **SOURCES["embedding"])
     refs = parallel_reference(model, random_tokens(model.cfg.vocab_size, 3, 19), CASES["ragged"])
-    original = PrismeModel.bank_from_inputs
-    monkeypatch.setattr(PrismeModel, "bank_from_inputs", lambda self, hs, prev=None: original(self, hs, None))
+    original = SourceBank.from_inputs
+    monkeypatch.setattr(SourceBank, "from_inputs", lambda self, hs, prev=None: original(self, hs, None))
     for chunk in (1, 2, 5):
         err, _ = decode_errors(model, "ragged", chunk, refs=refs)
         assert err > 1e-6, f"chunk {chunk}: the check (1e-12) did not catch the forgotten shift ({err:.3e})"
@@ -221,11 +222,11 @@ def test_decode_state_holds_the_shift_memory_in_its_bytes_and_reset_clears_it():
     model = make_model(torch.float64, **SOURCES["two_sources"])
     state = model.new_decode_state(2, max_len=8)
     plain = make_model(torch.float64).new_decode_state(2, max_len=8)
-    assert len(state.prev) == 2 and state.nbytes - plain.nbytes == 2 * 2 * model.cfg.d_model * 8
+    assert len(state.bank.prev) == 2 and state.nbytes - plain.nbytes == 2 * 2 * model.cfg.d_model * 8
     state.decode_step(random_tokens(model.cfg.vocab_size, 2, 3), max_budget=1, lambda_cost=0.0)
-    assert all(p.abs().sum() > 0 for p in state.prev)
+    assert all(p.abs().sum() > 0 for p in state.bank.prev)
     state.reset()
-    assert all(p.abs().sum() == 0 for p in state.prev) and state.lengths == [0, 0]
+    assert all(p.abs().sum() == 0 for p in state.bank.prev) and state.lengths == [0, 0]
 
 
 # ---------------------------------------------------------------------- negative controls
@@ -449,7 +450,7 @@ def test_target_cost_bisection_lands_on_the_target(model64):
 # ---------------------------------------------------------------------- bad input: ValueError, state unchanged
 def snapshot(state: DecodeState) -> list:
     return [state.lengths] + [t.clone() for layer in state.cache.layers for t in (layer.k, layer.v)] + [
-        state.K.clone(), state.V.clone()]
+        state.bank.K.clone(), state.bank.V.clone()]
 
 
 def same_state(a: list, b: list) -> bool:
@@ -516,7 +517,7 @@ def test_state_check_negative_control_and_capacity_message(model32):
     with pytest.raises(ValueError, match="capacity"):
         state.decode_step(torch.zeros(2, 4, dtype=torch.long))
     state.reset()
-    assert state.lengths == [0, 0] and not state.K.any() and not state.cache.layers[0].k.any()
+    assert state.lengths == [0, 0] and not state.bank.K.any() and not state.cache.layers[0].k.any()
     bankless = model32.new_decode_state(2, max_len=8, bank=False)
     with pytest.raises(ValueError, match="bank"):
         bankless.decode_step(torch.zeros(2, 1, dtype=torch.long), max_budget=1)

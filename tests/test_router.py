@@ -279,12 +279,12 @@ def decode_one_token(model: PrismeModel, script: int, budget: int):
     model.router.select = lambda v, c, lam: torch.full(v.shape[:-1], script, dtype=torch.long)
     with torch.no_grad():
         st_prev = model.streams(tokens[:, :-1], cache)
-        hs_prev = model.bank_inputs(st_prev)
-        K_prev, V_prev = model.bank_from_inputs(hs_prev)
+        hs_prev = model.bank.inputs(st_prev)
+        K_prev, V_prev = model.bank.from_inputs(hs_prev)
         prev = [h[:, -1] for h in hs_prev]
         with OpsCounter(model) as oc:
             st = model.streams(tokens[:, -1:], cache)
-            K, V = model.bank_from_inputs(model.bank_inputs(st), prev)
+            K, V = model.bank.from_inputs(model.bank.inputs(st), prev)
             z, S0 = model.query_state(st)
             ctx = EncodedContext(H=st.H, K=torch.cat([K_prev, K], 1), V=torch.cat([V_prev, V], 1), z=z,
                                  bank_mask=torch.ones(1, 1, T_CTX, dtype=torch.bool), S0=S0,

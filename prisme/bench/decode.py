@@ -129,20 +129,20 @@ class PartTimer:
     outer part's time includes what it calls: nothing is counted twice)."""
 
     def __init__(self, model: PrismeModel):
+        import prisme.model.bank.cache as bank_cache
         import prisme.model.routed as routed
-        import prisme.model.state as state
 
         self.ns = dict.fromkeys(PARTS, 0)
         self._active = False
         self._undo: list[Callable[[], None]] = []
-        for obj, attr, part in ((model, "streams", "backbone"), (state, "bank_step", "bank"),
+        for obj, attr, part in ((model, "streams", "backbone"), (bank_cache, "step_entries", "bank"),
                                 (routed, "router_scores", "router"),
                                 (routed, "fired_positions", "decision"),
                                 (routed, "fired_groups", "decision"), (model.editor, "edit_rows", "editor"),
                                 (model.readout, "forward", "readout"), (model.readout, "edited", "readout"),
-                                (state.DecodeState, "bank", "bank"),
-                                (model, "rollout_policy", "editor"), (routed, "query_state", "editor"),
-                                (state, "query_state", "editor"), (model, "logits_from_state", "readout"),
+                                (bank_cache.BankCache, "view", "bank"),
+                                (model, "rollout_policy", "editor"), (model, "query_state", "editor"),
+                                (model, "logits_from_state", "readout"),
                                 (model.backbone, "head", "readout"), (model.backbone, "final_norm", "readout"),
                                 (model.backbone, "logits", "readout")):
             self._patch(obj, attr, part)

@@ -87,7 +87,7 @@ class SplitTimer:
     """Times the backbone step, the LM head and the workspace methods inside `decode_step`, without changing them.
 
     Installs instance-attribute wrappers on each model (removed on exit): `backbone.streams`, `backbone.head`, and the
-    workspace methods `bank_inputs`, `bank_from_inputs`, `query_state`, `bank_mask`, `rollout_forced`,
+    workspace methods `bank.inputs`, `bank.from_inputs`, `query_state`, `bank_mask`, `rollout_forced`,
     `logits_from_state` (the head
     called inside the readout counts as head). On CUDA each wrapper records CUDA events around its call and nothing
     waits inside the timed region: `ns` reads the events (one synchronisation, after the run). With `label`, each
@@ -98,8 +98,13 @@ class SplitTimer:
     """
 
     SECTIONS = ("backbone", "head", "workspace_modules")
-    _WORKSPACE_METHODS = ("bank_inputs", "bank_from_inputs", "query_state", "bank_mask", "rollout_forced",
-                          "logits_from_state")
+    _WORKSPACE_METHODS = (("bank", "inputs"), ("bank", "from_inputs"), ("", "query_state"), ("", "bank_mask"),
+                          ("", "rollout_forced"), ("", "logits_from_state"))  # (the model's attribute, method)
+
+    @staticmethod
+    def label_of(owner: str, name: str) -> str:
+        """A wrapped method's name in the profile: `bank.inputs`, `query_state`, ..."""
+        return f"{owner}.{name}" if owner else name
 
     def __init__(self, models: Sequence[PrismeModel], label: bool = False):
         self.models = list(models)
@@ -162,17 +167,20 @@ class SplitTimer:
         for m in self.models:
             m.backbone.streams = self._wrap(m.backbone.streams, "backbone", "backbone")
             m.backbone.head = self._wrap(m.backbone.head, "head", "head")
-            for name in self._WORKSPACE_METHODS:
-                if hasattr(m, name):
-                    setattr(m, name, self._wrap(getattr(m, name), "workspace_modules", name))
+            for owner, name in self._WORKSPACE_METHODS:
+                obj = getattr(m, owner, None) if owner else m
+                if obj is not None and hasattr(obj, name):
+                    setattr(obj, name, self._wrap(getattr(obj, name), "workspace_modules", self.label_of(owner, name)))
         return self
 
     def __exit__(self, *exc: Any) -> None:
         for m in self.models:
             for name in ("streams", "head"):
                 m.backbone.__dict__.pop(name, None)
-            for name in self._WORKSPACE_METHODS:
-                m.__dict__.pop(name, None)
+            for owner, name in self._WORKSPACE_METHODS:
+                obj = getattr(m, owner, None) if owner else m
+                if obj is not None:
+                    obj.__dict__.pop(name, None)
 
 
 # -------------------------------------------------------------------------------------------------------- one preset

@@ -30,7 +30,7 @@ def profile_workspace(models: dict[str, PrismeModel], batch: int, P: int, N: int
     out: dict[str, Any] = {"batch": batch, "decode_steps": N, "preset": cfg.name, "variants": list(variants),
                            "rows": {}}
     excluded = {"prisme::backbone", "prisme::head"}
-    methods = {f"prisme::{m}" for m in SplitTimer._WORKSPACE_METHODS}
+    methods = {f"prisme::{SplitTimer.label_of(o, m)}" for o, m in SplitTimer._WORKSPACE_METHODS}
     with SplitTimer(list(models.values()), label=True), torch.inference_mode():
         for p in paths:
             p.state.rewind(P)

@@ -283,7 +283,7 @@ def _served(terms: tuple[str, ...], cfg: PrismeConfig) -> int:
 def bank_projection_ops(cfg: PrismeConfig, entries: int = 1, query: bool = True) -> int:
     """K, V and z of the new position: three d -> w projections (seed 000), one K and one V per bank source term
     and one z projection per query source term; with `cfg.bank_tables`, each of an embedding term's is a lookup of
-    a w-row of its table (`prisme.model.tables`), w ops (one per element read). `entries`: bank entries computed
+    a w-row of its table (`prisme.model.bank.tables`), w ops (one per element read). `entries`: bank entries computed
     (`bank_reads`), `query`: whether z is."""
     nb, nq = _served(cfg.bank_terms, cfg), _served(cfg.query_terms, cfg)
     projected = 2 * (len(cfg.bank_terms) - nb) * entries + (len(cfg.query_terms) - nq) * query

@@ -29,7 +29,7 @@ class OpsCounter:
     formula for `aten._scaled_dot_product_flash_attention_for_cpu`, which FlopCounterMode counts as 0. Each op goes to
     the component of the innermost tagged module running it: backbone blocks -> `backbone_linear` (their SDPA ->
     `backbone_attention`, the key shift's `wk_shift` -> `backbone_key_shift`); `backbone.logits` (the head's matmul)
-    -> `lm_head`; W_K, W_V, P (and their `_more` terms) -> `bank_projection`, W_K_shift -> `bank_shift`, P_ctrl ->
+    -> `lm_head`; the bank's projections by their component (`SourceBank.components`), P_ctrl ->
     `controller_input`; the router -> `router`; editor linears by the leaf whose weight they multiply (src_q/src_o,
     slot_q/slot_kv/slot_o, w13/w2, gate: the editor applies them in functional form); an SDPA inside the editor's
     `bank_attend` -> `editor_source_attn` (the causal bank, with or without a mask), any other inside an editor block
@@ -70,14 +70,12 @@ class OpsCounter:
         if getattr(backbone, "lm_head", None) is not None:
             tags[backbone.lm_head] = "lm_head"
         if getattr(m, "editor", None) is not None:
-            for name, comp in (("W_K", "bank_projection"), ("W_V", "bank_projection"), ("P", "bank_projection"),
-                               ("W_K_more", "bank_projection"), ("W_V_more", "bank_projection"),
-                               ("P_more", "bank_projection"), ("W_K_shift", "bank_shift"),
-                               ("W_K_shift_more", "bank_shift"), ("P_ctrl", "controller_input")):
-                mod = m._modules.get(name)
-                for lin in (mod.values() if isinstance(mod, torch.nn.ModuleDict) else [mod] if mod else []):
-                    tags[lin] = comp
-                    self._leaf_of[lin.weight.data_ptr()] = comp  # (the bank runs them in functional form too)
+            leaves = m.bank.components()  # the bank's projections, by component
+            if m._modules.get("P_ctrl") is not None:
+                leaves[m.P_ctrl] = "controller_input"
+            for lin, comp in leaves.items():
+                tags[lin] = comp
+                self._leaf_of[lin.weight.data_ptr()] = comp  # (the bank runs them in functional form too)
             for blk in m.editor.blocks:
                 tags[blk] = "editor_block"
                 for name, comp in self._EDITOR_LEAVES.items():

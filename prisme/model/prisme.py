@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partialmethod
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -25,18 +24,16 @@ import torch.nn.functional as F
 
 from prisme.checks import check_max_budget, check_number
 from prisme.config import PrismeConfig, source_layer
-from prisme.model.attention import RMSNorm, linear
-from prisme.model.backbone import Backbone, apply_norm
+from prisme.model.backbone import Backbone
+from prisme.model.bank import SourceBank, decoded_query
 from prisme.model.controller import ValueController
 from prisme.model.editor import EditInfo, SlotKV, SparseEditor
 from prisme.model.groups import ParameterGroups
 from prisme.model.outputs import EncodedContext, PrismeOutput, Rollout, Streams
 from prisme.model.readout import DifferentialReadout
 from prisme.model.router import Router, ngram_seen, ngram_seen_at
+from prisme.model.state import DecodeState
 from prisme.model.workspace import absorb_stop, bank_mask, check_cost, check_forced, init_workspace, slot_counts
-
-if TYPE_CHECKING:
-    from prisme.model.state import DecodeState
 
 
 class PrismeModel(ParameterGroups, nn.Module):
@@ -48,13 +45,20 @@ class PrismeModel(ParameterGroups, nn.Module):
         if cfg.use_workspace:
             from prisme.costs.analytic import action_cost_proxy
 
-            self._build_sources(cfg)
+            for name, module in SourceBank.build(cfg).items():  # registered here: checkpoint keys as ever
+                self.add_module(name, module)
+            self.bank = SourceBank(cfg, self._modules, self.backbone._modules)  # reads them from the registry
+            if cfg.controller_terms:  # the controller's own input projection (trained with the controller)
+                self.P_ctrl = nn.Linear(cfg.d_model, cfg.w, bias=False)
+            layers = {source_layer(t, cfg.n_layer) for t in cfg.bank_terms + cfg.query_terms + cfg.controller_terms}
+            self.source_layers = tuple(sorted(layers - {cfg.n_layer}))
             seed_slots = cfg.ws_init == "seed" and cfg.z_norm
             self.slot_embed = nn.Parameter(torch.randn(cfg.n_slots, cfg.w) * (1.0 if seed_slots else cfg.init_std))
             self.editor = SparseEditor(cfg)
             self.readout = DifferentialReadout(cfg)
             self.controller = ValueController(cfg)
-            for module in (*self._source_projections(), self.editor, self.readout, self.controller):
+            projections = [*self.bank.projections(), *([self.P_ctrl] if cfg.controller_terms else [])]
+            for module in (*projections, self.editor, self.readout, self.controller):
                 for name, p in module.named_parameters():
                     if p.dim() >= 2 and not name.startswith("U."):
                         nn.init.normal_(p, std=self._init_std(module, name, p))
@@ -64,42 +68,6 @@ class PrismeModel(ParameterGroups, nn.Module):
             self.register_buffer("action_cost", torch.tensor(action_cost_proxy(cfg)), persistent=False)  # [A]
             if cfg.router:  # built last: every other weight is drawn as without it
                 self.router = Router(cfg)
-
-    def _build_sources(self, cfg: PrismeConfig) -> None:
-        """The source bank's modules. The seed's inputs keep the seed's names: one norm `bank_norm` and `W_K`, `W_V`,
-        `P`, all reading H. Other sources (`cfg.bank_source`, `cfg.query_source`): the first bank term's stream is
-        normed by `bank_norm` and projected by `W_K`, `W_V`; the first query term's by `P`; every other stream has its
-        own norm in `src_norm`, every other term its projections in `W_K_more`, `W_V_more`, `P_more`; the token shift
-        adds `W_K_shift` (and `W_K_shift_more`), applied to the previous position's normed stream."""
-        d, w = cfg.d_model, cfg.w
-        lin = lambda: nn.Linear(d, w, bias=False)  # noqa: E731
-        bank, query = cfg.bank_terms, cfg.query_terms
-        self.bank_norm = RMSNorm(d, cfg.norm_eps)
-        self.W_K, self.W_V, self.P = lin(), lin(), lin()
-        extra_streams = [t for t in dict.fromkeys(bank + query) if t != bank[0]]
-        if extra_streams:
-            self.src_norm = nn.ModuleDict({t: RMSNorm(d, cfg.norm_eps) for t in extra_streams})
-        if len(bank) > 1:
-            self.W_K_more = nn.ModuleDict({t: lin() for t in bank[1:]})
-            self.W_V_more = nn.ModuleDict({t: lin() for t in bank[1:]})
-        if len(query) > 1:
-            self.P_more = nn.ModuleDict({t: lin() for t in query[1:]})
-        if cfg.bank_shift:
-            self.W_K_shift = lin()
-            if len(bank) > 1:
-                self.W_K_shift_more = nn.ModuleDict({t: lin() for t in bank[1:]})
-        if cfg.controller_terms:  # the controller's own input projection (trained with the controller)
-            self.P_ctrl = lin()
-        layers = {source_layer(t, cfg.n_layer) for t in bank + query + cfg.controller_terms}
-        self.source_layers = tuple(sorted(layers - {cfg.n_layer}))
-
-    def _source_projections(self) -> list[nn.Module]:
-        """Every d -> w projection of the source bank and the query (modules whose weights are matrices)."""
-        names = ("W_K", "W_V", "P", "W_K_shift", "W_K_more", "W_V_more", "P_more", "W_K_shift_more", "P_ctrl")
-        return [self._modules[n] for n in names if n in self._modules]
-
-    def _norm_of(self, term: str) -> nn.Module:
-        return self.bank_norm if term == self.cfg.bank_terms[0] else self.src_norm[term]
 
     def _init_std(self, module: nn.Module, name: str, p: nn.Parameter) -> float:
         """"seed": every matrix at init_std. "fan_in": the bank, editor and readout projections at 1/sqrt(fan_in),
@@ -127,8 +95,7 @@ class PrismeModel(ParameterGroups, nn.Module):
     # ------------------------------------------------------------------ parameter groups (`ParameterGroups`)
     GROUPS = ("backbone", "workspace", "controller", "router")
     GROUP_OF = {"backbone": "backbone", "controller": "controller", "P_ctrl": "controller", "router": "router",
-                **dict.fromkeys(("bank_norm", "W_K", "W_V", "P", "src_norm", "W_K_more", "W_V_more", "P_more",
-                                 "W_K_shift", "W_K_shift_more", "slot_embed", "editor", "readout"), "workspace")}
+                **dict.fromkeys((*SourceBank.names(), "slot_embed", "editor", "readout"), "workspace")}
     """The group of every top-level module or parameter the model registers under any config: the controller's own
     input projection P_ctrl trains with the controller; the source bank, slots, editor and readout are the
     workspace's."""
@@ -147,52 +114,11 @@ class PrismeModel(ParameterGroups, nn.Module):
         terms = dict.fromkeys(self.cfg.bank_terms + self.cfg.query_terms + self.cfg.controller_terms)
         return Streams(H, {t: H if source_layer(t, L) == L else kept[source_layer(t, L)] for t in terms}, tokens)
 
-    def _as_streams(self, x: Streams | torch.Tensor) -> Streams:
-        if isinstance(x, Streams):
-            return x
-        if not self.cfg.default_sources and set(self.cfg.bank_terms + self.cfg.query_terms) != {"residual"}:
-            raise ValueError(f"this model's workspace reads {self.cfg.bank_source!r} / {self.cfg.query_source!r}, "
-                             f"not only H: pass model.streams(tokens) instead of a residual-stream tensor")
-        return Streams(x, {"residual": x})
-
-    def bank_inputs(self, st: Streams | torch.Tensor) -> list[torch.Tensor]:
-        """The normed source stream of each bank term, `[B, T, d]` each."""
-        st = self._as_streams(st)
-        return [apply_norm(self._norm_of(t), st.src[t]) for t in self.cfg.bank_terms]  # (functional: per step)
-
-    def bank_from_inputs(self, hs: list[torch.Tensor], prev: list[torch.Tensor] | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Bank keys and values `[B, T, w]` from the normed streams `hs` of `bank_inputs`.
-
-        With `bank_shift`, key j also reads position j-1: `prev` holds each term's normed stream `[B, d]` of the
-        position before the first of `hs` (None: the first position is position 0, whose shifted part is zero).
-        """
-        terms = self.cfg.bank_terms
-        K, V = linear(hs[0], self.W_K), linear(hs[0], self.W_V)  # (functional: a decode step runs this)
-        for t, h in zip(terms[1:], hs[1:]):
-            K, V = K + linear(h, self.W_K_more[t]), V + linear(h, self.W_V_more[t])
-        if self.cfg.bank_shift:
-            for i, (t, h) in enumerate(zip(terms, hs)):
-                before = h.new_zeros(h[:, :1].shape) if prev is None else prev[i].unsqueeze(1).to(h.dtype)
-                shifted = torch.cat([before, h[:, :-1]], dim=1)  # [B, T, d]: position j holds n(X_{j-1})
-                K = K + linear(shifted, self.W_K_shift if i == 0 else self.W_K_shift_more[t])
-        return K, V
-
-    def bank_entries(self, st: Streams | torch.Tensor,
-                     prev: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Bank keys and values `[B, T, w]` of the positions of `st` (`Streams`, or H for the seed's sources)."""
-        return self.bank_from_inputs(self.bank_inputs(st), prev)
-
-    def query_state(self, st: Streams | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """z `[B, Tq, w]` and S0 `[B, Tq, M, w]` of query positions (`Streams`, or H for the seed's sources)."""
-        st = self._as_streams(st)
-        terms = self.cfg.query_terms
-        z = self.P(self._norm_of(terms[0])(st.src[terms[0]]))
-        for t in terms[1:]:
-            z = z + self.P_more[t](self._norm_of(t)(st.src[t]))
-        if self.cfg.z_norm:
-            z = F.rms_norm(z, (self.cfg.w,), eps=self.cfg.norm_eps)
-        return z, init_workspace(self.slot_embed, z)
+    def query_state(self, st: Streams | torch.Tensor, decoded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """z `[B, Tq, w]` and S0 `[B, Tq, M, w]` of query positions (`Streams`, or H for the seed's sources);
+        `decoded`: queries of a decode step (`st.ids` set), an embedding term served from its table."""
+        z = decoded_query(self.bank, st) if decoded else self.bank.query(st)
+        return z, init_workspace(self._parameters["slot_embed"], z)
 
     def encode(self, tokens: torch.Tensor) -> EncodedContext:
         """Teacher-forced parallel encoding of all positions; the bank mask is causal (key j <= query t)."""
@@ -207,15 +133,29 @@ class PrismeModel(ParameterGroups, nn.Module):
             query_pos: `[B, Tq]` absolute positions of the queries inside the bank (default 0..Tq-1).
             bank_len: `[B]` valid bank length per row (padded batches).
         """
-        bank, query = self._as_streams(H_bank), self._as_streams(H_query)
+        bank, query = self.bank.as_streams(H_bank), self.bank.as_streams(H_query)
         B, Tb, _ = bank.H.shape
         Tq = query.H.shape[1]
-        K, V = self.bank_entries(bank)
-        z, S0 = self.query_state(query)
+        K, V = self.bank.entries(bank)
         mask = self.bank_mask(B, Tq, Tb, query_pos, bank_len, bank.H.device)
         pos = torch.arange(Tq, device=bank.H.device).expand(B, Tq) if query_pos is None else query_pos
+        return self.context(query, K, V, mask, self.query_state(query), self.router_inputs(bank.ids, pos))
+
+    def context(self, query: Streams, K: torch.Tensor, V: torch.Tensor, mask: torch.Tensor,
+                state: tuple[torch.Tensor, torch.Tensor],
+                router_in: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)) -> EncodedContext:
+        """The workspace's inputs for queries `query` (H `[B, Tq, d]` and its source streams) reading the bank K, V
+        `[B, Tb, w]` under `mask` `[B, Tq, Tb]`: every `EncodedContext` is built here (teacher forcing, evaluation,
+        every decode path). state: their (z, S0) (`query_state`); router_in: the router's features of the queries
+        (`router_inputs`)."""
+        z, S0 = state
         return EncodedContext(H=query.H, K=K, V=V, z=z, bank_mask=mask, S0=S0, ctrl_in=self.controller_stream(query),
-                              router_seen=self.router_seen(bank.ids, pos), router_tok=self.router_tok(bank.ids, pos))
+                              router_seen=router_in[0], router_tok=router_in[1])
+
+    def router_inputs(self, ids: torch.Tensor | None, pos: torch.Tensor | int
+                      ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(`router_seen`, `router_tok`) of queries at positions `pos` in the context `ids`."""
+        return self.router_seen(ids, pos), self.router_tok(ids, pos)
 
     def router_seen(self, ids: torch.Tensor | None, pos: torch.Tensor | int) -> torch.Tensor | None:
         """The router's n-gram feature `[B, Q]` (`prisme.model.router.ngram_seen`) of queries at positions `pos`
@@ -246,7 +186,7 @@ class PrismeModel(ParameterGroups, nn.Module):
         """The normed stream `[B, Tq, d]` the controller projects (`cfg.controller_source`), or None (it reads z)."""
         if not self.cfg.controller_terms:
             return None
-        X = self._as_streams(st).src[self.cfg.controller_terms[0]]
+        X = self.bank.as_streams(st).src[self.cfg.controller_terms[0]]
         return F.rms_norm(X, (X.shape[-1],), eps=self.cfg.norm_eps)
 
     def controller_z(self, ctx: EncodedContext) -> torch.Tensor:
@@ -445,6 +385,4 @@ class PrismeModel(ParameterGroups, nn.Module):
     def new_decode_state(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None,
                          bank: bool | None = None) -> DecodeState:
         """Allocate a `prisme.model.state.DecodeState` (backbone KV cache, source bank, per-row lengths)."""
-        from prisme.model.state import DecodeState
-
         return DecodeState(self, batch_size, max_len, dtype, bank)

@@ -18,19 +18,14 @@ computation `forward_policy` does at those positions (tests/test_generate.py hol
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from prisme.model.outputs import EncodedContext, Streams
-from prisme.model.tables import query_state
-
-if TYPE_CHECKING:
-    from prisme.model.state import DecodeState, _Workspace
+from prisme.model.outputs import Streams
+from prisme.model.policy import DecodeRows, StepPolicy
 
 
-def router_scores(state: DecodeState, st: Streams, pos: torch.Tensor, valid: torch.Tensor | None,
-                  ws: _Workspace, normed: torch.Tensor | None = None
+def router_scores(state: DecodeRows, st: Streams, pos: torch.Tensor, valid: torch.Tensor | None,
+                  ws: StepPolicy, normed: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The router's scores of every action at every query `[B, Q, A]` (`Router.scores`), and its n-gram feature and
     the token it read `[B, Q]` (None where it reads none). A query fires iff its best score is > 0, with its first
@@ -38,13 +33,14 @@ def router_scores(state: DecodeState, st: Streams, pos: torch.Tensor, valid: tor
     where the step has it (the decision reads it instead of norming H again)."""
     model, cfg = state.model, state.cfg
     seen = tok = None
-    if state.ids is not None:
+    kept = state.bank.ids
+    if kept is not None:
         lengths = state.lengths
         if pos.shape[1] == 1 and valid is None and min(lengths) == max(lengths):  # one new position, rows aligned
-            ids, at = state.ids, lengths[0] - 1  # [B, 1] each below
+            ids, at = kept, lengths[0] - 1  # [B, 1] each below
         else:
             Tb = max(lengths)
-            ids, at = state.ids.narrow(1, 0, Tb), pos.clamp(max=Tb - 1)  # [B, Q] each below (padding: dropped)
+            ids, at = kept.narrow(1, 0, Tb), pos.clamp(max=Tb - 1)  # [B, Q] each below (padding: dropped)
         seen, tok = model.router_seen(ids, at), model.router_tok(ids, at)
     lam = cfg.lambda_cost if ws.lambda_cost is None else ws.lambda_cost  # checked with the policy
     mods = model._modules  # (registry reads: this runs at every decode step)
@@ -78,13 +74,13 @@ def fired_groups(scores: torch.Tensor, group_of: list[int]) -> list[tuple[int, l
     return [(g, rs, a) for g, (rs, a) in sorted(by.items())]
 
 
-def one_edit_step(model, ws: _Workspace) -> bool:
+def one_edit_step(model, ws: StepPolicy) -> bool:
     """Whether a decode step takes `budget1_step`: the deployed policy (budget 1: the router's action and nothing
     after it) on the eager editor without a slot K/V cache."""
     return ws.max_budget == 1 and model.editor.compiled is None and not model.cfg.uses_slot_kv_cache
 
 
-def budget1_step(state: DecodeState, st: Streams, scores: torch.Tensor, trace: torch.Tensor, n_edits: torch.Tensor
+def budget1_step(state: DecodeRows, st: Streams, scores: torch.Tensor, trace: torch.Tensor, n_edits: torch.Tensor
                  ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """The rows of a decode step (one query each) where the router fired at budget 1: each edits with its best
     action at step 0 with no budget left, then reads out; what `rollout_policy` (its step 0 taken) and
@@ -106,8 +102,8 @@ def budget1_step(state: DecodeState, st: Streams, scores: torch.Tensor, trace: t
     st_n = Streams(one(st.H), {k: one(v) for k, v in st.src.items()}, None if st.ids is None else one(st.ids))
     lengths = state.lengths
     Tb = max(lengths)
-    K, V = state.bank(Tb, b)  # [N, Tb, w] each
-    z, S0 = query_state(model, st_n)  # [N, 1, w], [N, 1, M, w]
+    K, V = state.bank.view(Tb, b)  # [N, Tb, w] each
+    z, S0 = model.query_state(st_n, decoded=True)  # [N, 1, w], [N, 1, M, w]
     mask = None if all(lengths[r] == Tb for r in rows) else (  # None: each row reads its whole bank
         torch.arange(Tb, device=b.device) < state.cache.lengths_tensor(b.device)[b].unsqueeze(1))  # [N, Tb]
     S = model.editor.edit_rows(S0[:, 0], K, V, mask, a, spans, step=0, remaining=0)  # [N, M, w]
@@ -116,8 +112,8 @@ def budget1_step(state: DecodeState, st: Streams, scores: torch.Tensor, trace: t
     return st.H.index_add(0, b, delta.unsqueeze(1)), trace.index_copy(0, b, a.view(-1, 1, 1)), n_edits
 
 
-def routed_workspace(state: DecodeState, st: Streams, pos: torch.Tensor, valid: torch.Tensor | None,
-                     ws: _Workspace, valid_t: torch.Tensor) -> dict[str, torch.Tensor]:
+def routed_workspace(state: DecodeRows, st: Streams, pos: torch.Tensor, valid: torch.Tensor | None,
+                     ws: StepPolicy, valid_t: torch.Tensor) -> dict[str, torch.Tensor]:
     """`DecodeState._workspace` for a router model's policy (see the module docstring); valid `[B, Q]` marks real
     queries (None: all are), `valid_t` is that mask with None made all-True. Returns the fields of its
     `StepOutput`."""
@@ -150,12 +146,11 @@ def routed_workspace(state: DecodeState, st: Streams, pos: torch.Tensor, valid: 
         put = lambda x, new: x.index_put((b, t), new[:, 0])  # noqa: E731
     st_n = Streams(one(H), {k: one(v) for k, v in st.src.items()}, None if st.ids is None else one(st.ids))
     pos_n = one(pos)  # [N, 1]
-    K, V = state.bank(Tb, b)  # [N, Tb, w] each
-    z, S0 = query_state(model, st_n)  # [N, 1, w], [N, 1, M, w]
+    K, V = state.bank.view(Tb, b)  # [N, Tb, w] each
+    z, S0 = model.query_state(st_n, decoded=True)  # [N, 1, w], [N, 1, M, w]
     mask = model.bank_mask(N, 1, Tb, pos_n, state.cache.lengths_tensor(dev)[b], dev)  # [N, 1, Tb]
-    ctx = EncodedContext(H=st_n.H, K=K, V=V, z=z, bank_mask=mask, S0=S0, ctrl_in=model.controller_stream(st_n),
-                         router_seen=None if seen is None else one(seen),
-                         router_tok=None if tok is None else one(tok))
+    ctx = model.context(st_n, K, V, mask, (z, S0), (None if seen is None else one(seen),
+                                                    None if tok is None else one(tok)))
     roll = model.rollout_policy(ctx, ws.max_budget, ws.cost, ws.lambda_cost, ws.kappa_risk,
                                 first=one(best))  # every one of them fires: its best action is step 0
     delta = model.readout(roll.S[:, 0], S0[:, 0], z[:, 0]).to(H.dtype)  # [N, d]: each of them edited

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 
 from prisme.config import PrismeConfig
 from prisme.model.attention import RMSNorm
+from prisme.model.bank.tables import version_counter
 from prisme.model.controller import argmax_or_stop
-from prisme.model.tables import version_counter
 
 
 def ngram_seen(ids: torch.Tensor, pos: torch.Tensor, n: int) -> torch.Tensor:

@@ -4,8 +4,8 @@
 Notation: B rows, C new tokens per row in one call (a chunk), Q query positions whose workspace runs, R actions per
 position, T_max the state's capacity, V vocab, d backbone width, w workspace width.
 
-A `DecodeState` (allocated by `PrismeModel.new_decode_state`) owns the backbone's KV cache, the source bank K/V
-`[B, T_max, w]` (views of one buffer `KV` `[B, T_max, 2w]`: a step writes each entry once) and each row's length.
+A `DecodeState` (allocated by `PrismeModel.new_decode_state`) owns the backbone's KV cache, the source bank's cache
+(`bank`: `prisme.model.bank.BankCache`, its entries or token ids) and each row's length.
 Every new position takes the same path as in the parallel `forward_policy`: one backbone step with the cache; its bank
 entry appended (only new positions are projected); then its own workspace, run by the model's own methods on an
 `EncodedContext` whose queries are the new positions and whose bank is the cache (`rollout_policy`, or
@@ -25,19 +25,17 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
+import torch.nn as nn
 
 from prisme.checks import check_max_budget, is_int
 from prisme.model.backbone import check_tokens
-from prisme.model.outputs import EncodedContext, Streams
+from prisme.model.bank import BankCache
+from prisme.model.outputs import Streams
+from prisme.model.policy import StepPolicy
 from prisme.model.routed import routed_workspace
-from prisme.model.tables import bank_from_ids, bank_step, clear_shift_memory, query_state, shift_memory
 from prisme.model.workspace import check_cost, check_forced
-
-if TYPE_CHECKING:
-    from prisme.model.prisme import PrismeModel
 
 LOGITS_MODES = ("last", "all", "none")
 
@@ -54,33 +52,6 @@ class StepOutput:
     valid: torch.Tensor  # [B, Q] bool: real positions (False at right padding)
 
 
-@dataclass
-class _Workspace:
-    """Checked workspace arguments of one call: a controller policy (max_budget >= 0) or forced actions."""
-
-    max_budget: int = 0
-    lambda_cost: float | None = None
-    kappa_risk: float | None = None
-    cost: torch.Tensor | None = None  # [A]
-    actions: torch.Tensor | None = None  # [B, Q, R] forced
-    budget: torch.Tensor | None = None  # [B, Q] forced budgets
-
-    @property
-    def n_steps(self) -> int:
-        return self.max_budget if self.actions is None else self.actions.shape[-1]
-
-    def narrow(self, start: int, length: int) -> _Workspace:
-        """The same arguments for query positions start..start+length-1 (forced actions are per position)."""
-        if self.actions is None:
-            return self
-        return _Workspace(actions=self.actions[:, start:start + length], budget=self.budget[:, start:start + length])
-
-    def rows(self, idx: torch.Tensor) -> _Workspace:
-        if self.actions is None:
-            return self
-        return _Workspace(actions=self.actions[idx], budget=self.budget[idx])
-
-
 class DecodeState:
     """Backbone KV cache + source bank K/V + per-row lengths for incremental decoding; allocate with
     `model.new_decode_state(batch_size, max_len, dtype)`.
@@ -94,7 +65,7 @@ class DecodeState:
             backbone alone (`max_budget=0`) and pays nothing for the bank, as the cost model's budget-0 row assumes.
     """
 
-    def __init__(self, model: PrismeModel, batch_size: int, max_len: int | None = None,
+    def __init__(self, model: nn.Module, batch_size: int, max_len: int | None = None,
                  dtype: torch.dtype | None = None, bank: bool | None = None):
         cfg = model.cfg
         param = model.backbone.tok_emb.weight
@@ -114,15 +85,8 @@ class DecodeState:
         self.batch_size = batch_size
         self.max_len = self.cache.max_len
         self.has_bank = bank
-        entries = bank and cfg.bank_store == "entries"  # "ids": the bank is its token ids (`bank`)
-        self.KV = param.new_zeros(batch_size, self.max_len, 2 * cfg.w) if entries else None  # [B, T_max, 2w]
-        self.K, self.V = self.KV.split(cfg.w, -1) if entries else (None, None)  # [B, T_max, w] views each
-        # bank_shift: each bank term's normed stream at each row's last position, read by the next key ([B, d]; a
-        # table term's token id, [B], V before position 0: `prisme.model.tables`); ids kept: the previous id itself
-        self.prev = shift_memory(cfg, batch_size, param) if entries else []
-        # the token ids, for the router's features (cfg.router with router_ngram > 0 or router_token) or as the bank
-        keep_ids = bank and (cfg.router and (cfg.router_ngram > 0 or cfg.router_token) or not entries)
-        self.ids = torch.zeros(batch_size, self.max_len, dtype=torch.long, device=param.device) if keep_ids else None
+        reads_ids = cfg.router and (cfg.router_ngram > 0 or cfg.router_token)  # the router's features read the ids
+        self.bank = BankCache(model.bank, batch_size, self.max_len, param, reads_ids) if bank else None
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -133,18 +97,7 @@ class DecodeState:
     @property
     def nbytes(self) -> int:
         """Exact payload bytes of the backbone K/V cache and the source bank."""
-        bank = 0 if self.KV is None else self.KV.numel() * self.KV.element_size()
-        bank += sum(p.numel() * p.element_size() for p in self.prev)
-        if self.ids is not None:
-            bank += self.ids.numel() * self.ids.element_size()
-        return self.cache.nbytes + bank
-
-    def bank(self, Tb: int, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The source bank's keys and values `[b, Tb, w]` each at positions 0..Tb-1 of `rows` `[b]` (None: every
-        row): the kept entries, or with `bank_store="ids"` their lookups from the kept ids (`tables.bank_from_ids`)."""
-        kept = self.KV if self.KV is not None else self.ids  # [B, T_max, 2w] or [B, T_max]
-        kept = kept.narrow(1, 0, Tb) if rows is None else kept.narrow(1, 0, Tb).index_select(0, rows)
-        return (kept if self.KV is not None else bank_from_ids(self.model, kept)).split(self.cfg.w, -1)
+        return self.cache.nbytes + (0 if self.bank is None else self.bank.nbytes)
 
     def rewind(self, length: int) -> DecodeState:
         """Roll every row back to its first `length` positions, in place; returns the state.
@@ -157,22 +110,19 @@ class DecodeState:
         leaves the state as it was."""
         if not is_int(length) or not 0 <= length <= min(self.lengths):
             raise ValueError(f"can only rewind to a length in [0, {min(self.lengths)}], got {length!r}")
-        if self.prev and 0 < length and any(n != length for n in self.lengths):
+        if self.bank is not None and self.bank.prev and 0 < length and any(n != length for n in self.lengths):
             raise ValueError(f"the bank shift keeps each row's last position only: this state rewinds to 0 or to its "
                              f"rows' length, not from {self.lengths} to {length}")
         self.cache.truncate(length)
-        if length == 0:
-            clear_shift_memory(self.cfg, self.prev)
+        if length == 0 and self.bank is not None:
+            self.bank.forget_shift()
         return self
 
     def reset(self) -> None:
         """Forget every row (lengths to 0; buffers zeroed so stale entries can never leak)."""
         self.cache.reset()
-        if self.KV is not None:
-            self.KV.zero_()
-        clear_shift_memory(self.cfg, self.prev)
-        if self.ids is not None:
-            self.ids.zero_()
+        if self.bank is not None:
+            self.bank.reset()
 
     # ------------------------------------------------------------------ public steps
     @torch.no_grad()
@@ -254,7 +204,7 @@ class DecodeState:
         return self._workspace(st.index(torch.arange(B, device=dev).unsqueeze(1), last), pos, None, None, ws)
 
     # ------------------------------------------------------------------ internals (inputs already checked)
-    def _step(self, tokens: torch.Tensor, n_new: list[int], ws: _Workspace) -> StepOutput:
+    def _step(self, tokens: torch.Tensor, n_new: list[int], ws: StepPolicy) -> StepOutput:
         B, C = tokens.shape
         start = self.lengths
         offsets = torch.arange(C, device=tokens.device)  # [C]
@@ -277,43 +227,12 @@ class DecodeState:
         full = all(n == C for n in n_new)
         start_t = None if len(set(start)) == 1 and full else self.cache.lengths_tensor(tokens.device)
         st = self.model.streams(tokens, self.cache, n_new)  # H [B, C, d]
-        H = st.H
-        if not self.has_bank:
-            return st
-        entries = [(self.ids, tokens)] if self.ids is not None else []  # (buffer, what the new positions write)
-        if self.KV is not None:
-            # only the new positions are projected (or looked up); hs: what each term's shift memory keeps
-            at = self.KV.narrow(1, start[0], C) if start_t is None else None  # written in place where it can be
-            KV, hs = bank_step(self.model, st, tokens, self.prev if self.prev else None, at)  # [B, C, 2w]
-            entries += [(self.KV, KV)] if at is None else []
-            if self.prev and full:  # the shift's memory: each row's last position
-                for p, h in zip(self.prev, hs):
-                    p.copy_(h[:, -1])  # (copy_ casts)
-            elif self.prev:  # ... each row's last real position (padding is never read)
-                n_t = torch.tensor(n_new, device=H.device)
-                moved = (n_t > 0).unsqueeze(1)  # [B, 1]
-                last = (n_t - 1).clamp(min=0)  # [B]
-                for p, h in zip(self.prev, hs):  # h [B, C, d] (or [B, C] ids)
-                    at = last.view(B, 1, *[1] * (h.dim() - 2)).expand(B, 1, *h.shape[2:])
-                    p.copy_(torch.where(moved.view(B, *[1] * (p.dim() - 1)), h.gather(1, at).squeeze(1).to(p.dtype),
-                                        p))
-        if start_t is None:  # every row at the same offset, all full
-            for buf, new in entries:
-                buf.narrow(1, start[0], C).copy_(new)
-        else:
-            if full:  # rows at different offsets, all full (decoding): no host read
-                rows = torch.arange(B, device=H.device).repeat_interleave(C)
-                cols = torch.arange(C, device=H.device).repeat(B)
-            else:
-                valid = torch.arange(C, device=H.device) < torch.tensor(n_new, device=H.device)[:, None]
-                rows, cols = valid.nonzero(as_tuple=True)  # [N]: real tokens only, padding is never written
-            at = cols + start_t[rows]  # their absolute positions
-            for buf, new in entries:
-                buf[rows, at] = new[rows, cols].to(buf.dtype)
+        if self.has_bank:
+            self.bank.append(st, tokens, n_new, start, start_t)
         return st
 
     def _workspace(self, st: Streams, pos: torch.Tensor, valid: torch.Tensor | None, keep: list[int] | None,
-                   ws: _Workspace) -> StepOutput:
+                   ws: StepPolicy) -> StepOutput:
         """Run the workspace of queries `st` (H `[B, Q, d]`, ...) at absolute positions `pos` `[B, Q]` against the
         cached bank.
 
@@ -347,13 +266,12 @@ class DecodeState:
                                                None if st.ids is None else st.ids[keep])
         H_q, pos_q, valid_q = st_q.H, sub(pos), sub(valid_t)
         bank_len = sub(self.cache.lengths_tensor(dev))  # [b]
-        K, V = self.bank(Tb, keep)  # [b, Tb, w] each
-        z, S0 = query_state(model, st_q)  # [b, Q, w], [b, Q, M, w]
+        K, V = self.bank.view(Tb, keep)  # [b, Tb, w] each
         mask = model.bank_mask(H_q.shape[0], Q, Tb, pos_q, bank_len, dev)  # [b, Q, Tb]
-        ids_q = None if self.ids is None else sub(self.ids.narrow(1, 0, Tb))  # [b, Tb]
-        seen, tok = (None, None) if ids_q is None else (model.router_seen(ids_q, pos_q), model.router_tok(ids_q, pos_q))
-        ctx = EncodedContext(H=H_q, K=K, V=V, z=z, bank_mask=mask, S0=S0, ctrl_in=model.controller_stream(st_q),
-                             router_seen=seen, router_tok=tok)
+        ids = self.bank.ids
+        ids_q = None if ids is None else sub(ids.narrow(1, 0, Tb))  # [b, Tb]
+        router_in = (None, None) if ids_q is None else model.router_inputs(ids_q, pos_q)
+        ctx = model.context(st_q, K, V, mask, model.query_state(st_q, decoded=True), router_in)
         if ws.actions is not None:
             w_sub = ws.rows(keep) if keep is not None else ws
             roll = model.rollout_forced(ctx, w_sub.actions, w_sub.budget)
@@ -411,7 +329,7 @@ class DecodeState:
 
     def _check_workspace(self, B: int, Q: int, max_budget: int, lambda_cost: float | None,
                          kappa_risk: float | None, cost: torch.Tensor | None, actions: torch.Tensor | None,
-                         budget: int | torch.Tensor | None) -> _Workspace:
+                         budget: int | torch.Tensor | None) -> StepPolicy:
         model, cfg = self.model, self.cfg
         if actions is not None:
             if max_budget != 0 or lambda_cost is not None or kappa_risk is not None or cost is not None:
@@ -421,25 +339,25 @@ class DecodeState:
                 shape = tuple(actions.shape) if isinstance(actions, torch.Tensor) else type(actions).__name__
                 raise ValueError(f"forced actions must have shape [B, Q, R] = [{B}, {Q}, R], got {shape}")
             if actions.shape[-1] == 0:
-                return _Workspace()
+                return StepPolicy()
             if not cfg.use_workspace or not self.has_bank:
                 raise ValueError("forced actions need a workspace model and a DecodeState with a source bank")
             if budget is not None and torch.is_tensor(budget):
                 budget = budget.to(actions.device)
             shape_only = torch.zeros(B, Q, dtype=torch.long, device=actions.device)
             budget = check_forced(cfg, shape_only, actions, budget)  # ids, R <= r_max, budgets in [1, r_max]
-            return _Workspace(actions=actions.long(), budget=budget)
+            return StepPolicy(actions=actions.long(), budget=budget)
         if budget is not None:
             raise ValueError("budget applies to forced actions; the controller's budget is max_budget")
         check_max_budget(max_budget, cfg.r_max)
         check_price("lambda_cost", lambda_cost)
         check_price("kappa_risk", kappa_risk)
         if max_budget == 0:
-            return _Workspace()
+            return StepPolicy()
         check_max_budget(max_budget, cfg.r_max, cfg.use_workspace)
         if not self.has_bank:
             raise ValueError("this DecodeState was allocated without a source bank (bank=False): max_budget must be 0")
-        return _Workspace(max_budget=max_budget, lambda_cost=lambda_cost, kappa_risk=kappa_risk,
+        return StepPolicy(max_budget=max_budget, lambda_cost=lambda_cost, kappa_risk=kappa_risk,
                           cost=check_cost(cost, model.action_cost))
 
 

@@ -12,22 +12,17 @@ its norm is a function of the token alone. So for each such term the decode step
 instead of projecting `[B, C, d]` rows: the same numbers (the projection of the same vector; float64 agrees to
 rounding), one gather per table. The shift's memory of such a term is the previous token id `[B]` (V before
 position 0, whose shifted part is zero), not its normed stream. Other terms are projected as
-`PrismeModel.bank_from_inputs` does. Tables are rebuilt when a weight they read changes (its version counter) or
+`SourceBank.from_inputs` does. Tables are rebuilt when a weight they read changes (its version counter) or
 moves. The cost model prices each lookup as w ops, one per element read (`prisme.costs.analytic.bank_lookup_ops`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 
+from prisme.model.bank.source import SourceBank
 from prisme.model.outputs import Streams
-from prisme.model.workspace import init_workspace
-
-if TYPE_CHECKING:
-    from prisme.model.prisme import PrismeModel
 
 
 def table_terms(cfg) -> frozenset[str]:
@@ -35,18 +30,18 @@ def table_terms(cfg) -> frozenset[str]:
     return frozenset({"embedding"}) if cfg.bank_tables else frozenset()
 
 
-def _modules(model: PrismeModel) -> dict[str, torch.nn.Module]:
+def _modules(bank: SourceBank) -> dict[str, torch.nn.Module]:
     """Every module a table reads, by a stable name (its weights key the cache)."""
-    cfg = model.cfg
-    mods: dict[str, torch.nn.Module] = {"tok_emb": model.backbone.tok_emb, "norm": model._norm_of("embedding")}
+    cfg = bank.cfg
+    mods: dict[str, torch.nn.Module] = {"tok_emb": bank.embedding, "norm": bank.norm_of("embedding")}
     for i, t in enumerate(cfg.bank_terms):
         if t == "embedding":
-            mods["K"], mods["V"] = (model.W_K, model.W_V) if i == 0 else (model.W_K_more[t], model.W_V_more[t])
+            mods["K"], mods["V"] = bank.key_projection(i, t)
             if cfg.bank_shift:
-                mods["S"] = model.W_K_shift if i == 0 else model.W_K_shift_more[t]
+                mods["S"] = bank.shift_projection(i, t)
     for i, t in enumerate(cfg.query_terms):
         if t == "embedding":
-            mods["P"] = model.P if i == 0 else model.P_more[t]
+            mods["P"] = bank.query_projection(i, t)
     return mods
 
 
@@ -62,17 +57,17 @@ def _param_key(params: list[torch.Tensor]) -> tuple:
     return tuple((version_counter(p), p.data_ptr(), p.dtype) for p in params)
 
 
-def bank_tables(model: PrismeModel) -> dict[str, torch.Tensor]:
+def bank_tables(bank: SourceBank) -> dict[str, torch.Tensor]:
     """{"KV", "S", "S2", "P"}: the tables of the embedding term (those it has; "KV" is K_tab and V_tab side by side,
     `[V, 2w]`, and "S2" is S_tab beside zeros, `[V + 1, 2w]`: two lookups and one sum write a bank entry), cached on
-    the model until a weight they read changes: in place (its version counter), moved or retyped (its storage and
+    the bank until a weight they read changes: in place (its version counter), moved or retyped (its storage and
     dtype; `model.to`, `load_state_dict` and optimiser steps all do one of these). A decode step checks the weights
     it built them from without looking the modules up again, so a submodule replaced by assignment after the first
-    lookup is not seen: call `clear_bank_tables(model)` after such surgery."""
-    cached = model.__dict__.get("_bank_table_cache")
+    lookup is not seen: call `clear_bank_tables(bank)` after such surgery."""
+    cached = bank.__dict__.get("_table_cache")
     if cached is not None and cached[1] == _param_key(cached[0]):
         return cached[2]
-    mods = _modules(model)
+    mods = _modules(bank)
     params = [p for m in mods.values() for p in m._parameters.values() if p is not None]  # leaf modules
     with torch.no_grad():
         h = mods["norm"](mods["tok_emb"].weight)  # [V, d] n(E_v)
@@ -80,34 +75,34 @@ def bank_tables(model: PrismeModel) -> dict[str, torch.Tensor]:
         if "K" in mods:
             out["KV"] = torch.cat([mods["K"](h), mods["V"](h)], -1)  # [V, 2w]
         if "S" in mods:
-            out["S"] = torch.cat([mods["S"](h), h.new_zeros(1, model.cfg.w)])  # [V + 1, w]: row V, no position
+            out["S"] = torch.cat([mods["S"](h), h.new_zeros(1, bank.cfg.w)])  # [V + 1, w]: row V, no position
             out["S2"] = torch.cat([out["S"], torch.zeros_like(out["S"])], -1)  # [V + 1, 2w]: added to KV rows
-    object.__setattr__(model, "_bank_table_cache", (params, _param_key(params), out))  # never in a state dict
+    object.__setattr__(bank, "_table_cache", (params, _param_key(params), out))  # never in a state dict
     return out
 
 
-def clear_bank_tables(model: PrismeModel) -> None:
-    """Forget the cached tables: the next lookup rebuilds them from the model's modules as they are now."""
-    model.__dict__.pop("_bank_table_cache", None)
+def clear_bank_tables(bank: SourceBank) -> None:
+    """Forget the cached tables: the next lookup rebuilds them from the bank's modules as they are now."""
+    bank.__dict__.pop("_table_cache", None)
 
 
-def bank_step(model: PrismeModel, st: Streams, tokens: torch.Tensor, prev: list[torch.Tensor] | None,
-              out: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def step_entries(bank: SourceBank, st: Streams, tokens: torch.Tensor, prev: list[torch.Tensor] | None,
+                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Bank keys and values side by side `[B, C, 2w]` (K, then V) of the new positions of `st` (its tokens `[B, C]`),
     and what each bank term's shift memory keeps of them (the normed stream `[B, C, d]`, or the token ids `[B, C]`
     of a table term).
 
-    `prev`: each term's memory of the position before the chunk (`DecodeState.prev`), None at position 0 or without
+    `prev`: each term's memory of the position before the chunk (`BankCache.prev`), None at position 0 or without
     a shift. `out` `[B, C, 2w]` (e.g. the bank's own slice for these positions): the entries are written there and it
     is returned (a bank served by one table term writes it in the call that sums its two lookups). Without
-    `cfg.bank_tables` this is `bank_inputs` + `bank_from_inputs`, unchanged."""
-    cfg = model.cfg
+    `cfg.bank_tables` this is `SourceBank.inputs` + `SourceBank.from_inputs`, unchanged."""
+    cfg = bank.cfg
     served = table_terms(cfg)
     if not served.intersection(cfg.bank_terms):
-        hs = model.bank_inputs(st)
-        KV = torch.cat(model.bank_from_inputs(hs, prev), -1)
+        hs = bank.inputs(st)
+        KV = torch.cat(bank.from_inputs(hs, prev), -1)
         return (KV, hs) if out is None else (out.copy_(KV), hs)
-    tabs = bank_tables(model)
+    tabs = bank_tables(bank)
     KV = None
     keep: list[torch.Tensor] = []
     alone = out is not None and len(cfg.bank_terms) == 1 and out.dtype == tabs["KV"].dtype
@@ -123,46 +118,44 @@ def bank_step(model: PrismeModel, st: Streams, tokens: torch.Tensor, prev: list[
                 kv.narrow(-1, 0, cfg.w).add_(F.embedding(shifted, tabs["S"]))  # the key's shifted part (row V: none)
             keep.append(tokens)
         else:
-            h = model._norm_of(t)(st.src[t])  # [B, C, d]
-            k, v = (model.W_K, model.W_V) if i == 0 else (model.W_K_more[t], model.W_V_more[t])
+            h = bank.norm_of(t)(st.src[t])  # [B, C, d]
+            k, v = bank.key_projection(i, t)
             k, v = k(h), v(h)
             if cfg.bank_shift:
                 before = h.new_zeros(h[:, :1].shape) if prev is None else prev[i].unsqueeze(1).to(h.dtype)
-                k = k + (model.W_K_shift if i == 0 else model.W_K_shift_more[t])(torch.cat([before, h[:, :-1]], 1))
+                k = k + bank.shift_projection(i, t)(torch.cat([before, h[:, :-1]], 1))
             kv = torch.cat([k, v], -1)
             keep.append(h)
         KV = kv if KV is None else KV + kv
     return (KV, keep) if out is None else (out.copy_(KV), keep)
 
 
-def bank_from_ids(model: PrismeModel, ids: torch.Tensor) -> torch.Tensor:
+def entries_from_ids(bank: SourceBank, ids: torch.Tensor) -> torch.Tensor:
     """The bank entries `[b, Tb, 2w]` (K, then V) of positions 0..Tb-1 from their token ids `[b, Tb]` alone
-    (`cfg.bank_store == "ids"`: an "embedding" bank served by its tables): the same sums `bank_step` writes,
+    (`cfg.bank_store == "ids"`: an "embedding" bank served by its tables): the same sums `step_entries` writes,
     K_tab + shifted K_tab' of the previous id (none before position 0), V_tab + 0."""
-    tabs = bank_tables(model)
+    tabs = bank_tables(bank)
     kv = F.embedding(ids, tabs["KV"])  # [b, Tb, 2w]
-    if not model.cfg.bank_shift:
+    if not bank.cfg.bank_shift:
         return kv
-    before = F.pad(ids[:, :-1], (1, 0), value=model.cfg.vocab_size)  # [b, Tb]: the previous ids, V before 0
+    before = F.pad(ids[:, :-1], (1, 0), value=bank.cfg.vocab_size)  # [b, Tb]: the previous ids, V before 0
     return kv.add_(F.embedding(before, tabs["S2"]))
 
 
-def query_state(model: PrismeModel, st: Streams) -> tuple[torch.Tensor, torch.Tensor]:
-    """`PrismeModel.query_state` of decoded queries (`st.ids` `[B, Q]` set), the embedding term from its table."""
-    cfg = model.cfg
+def decoded_query(bank: SourceBank, st: Streams) -> torch.Tensor:
+    """`SourceBank.query` of decoded queries (`st.ids` `[B, Q]` set), the embedding term from its table."""
+    cfg = bank.cfg
     if not cfg.bank_tables or "embedding" not in cfg.query_terms:  # (`table_terms`)
-        return model.query_state(st)
-    tab = bank_tables(model)["P"]
+        return bank.query(st)
+    tab = bank_tables(bank)["P"]
     z = None
     for i, t in enumerate(cfg.query_terms):
         if t == "embedding":
             part = F.embedding(st.ids, tab)  # [B, Q, w]
         else:
-            part = (model.P if i == 0 else model.P_more[t])(model._norm_of(t)(st.src[t]))
+            part = bank.query_projection(i, t)(bank.norm_of(t)(st.src[t]))
         z = part if z is None else z + part
-    if cfg.z_norm:
-        z = F.rms_norm(z, (cfg.w,), eps=cfg.norm_eps)
-    return z, init_workspace(model._parameters["slot_embed"], z)
+    return bank.finish_query(z)
 
 
 def shift_memory(cfg, batch: int, like: torch.Tensor) -> list[torch.Tensor]:

@@ -1,0 +1,112 @@
+"""`BankCache`: what a decode state keeps of the source bank, and how a chunk of new positions is appended.
+
+Notation: B rows, C new positions per row in one call, T_max the state's capacity, w workspace width, d backbone
+width.
+
+A cache keeps, per row and position, either the bank's entries (K and V side by side in one buffer `KV`
+`[B, T_max, 2w]`, so a step writes each entry once; `K`, `V` are views of it) or, with `bank_store="ids"` (an
+"embedding" bank served from its tables), the token ids alone `[B, T_max]`, from which `view` looks the entries up
+where the workspace runs. With `bank_shift` it also keeps each bank term's memory of the row's last position
+(`prev`: the normed stream `[B, d]`, or the previous id `[B]` of a table term). The router's features read the
+token ids (`ids`), which the cache keeps for them too. Only new positions are projected (or looked up): a chunk's
+entries are computed once and never again.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from prisme.model.bank.source import SourceBank
+from prisme.model.bank.tables import clear_shift_memory, entries_from_ids, shift_memory, step_entries
+from prisme.model.outputs import Streams
+
+
+class BankCache:
+    """A decode state's source bank (see the module docstring).
+
+    Args:
+        bank: the model's `SourceBank` (the cache holds a reference to it, not a copy).
+        batch_size, max_len: rows B and capacity T_max.
+        like: a parameter of the model (the buffers take its dtype and device).
+        keep_ids: keep the token ids (the router's features read them); a bank kept as ids keeps them anyway.
+    """
+
+    def __init__(self, bank: SourceBank, batch_size: int, max_len: int, like: torch.Tensor, keep_ids: bool):
+        cfg = bank.cfg
+        self.bank, self.cfg = bank, cfg
+        entries = cfg.bank_store == "entries"
+        self.KV = like.new_zeros(batch_size, max_len, 2 * cfg.w) if entries else None  # [B, T_max, 2w]
+        self.K, self.V = self.KV.split(cfg.w, -1) if entries else (None, None)  # [B, T_max, w] views each
+        self.prev = shift_memory(cfg, batch_size, like) if entries else []  # ids kept: the previous id itself
+        keep_ids = keep_ids or not entries
+        self.ids = torch.zeros(batch_size, max_len, dtype=torch.long, device=like.device) if keep_ids else None
+
+    @property
+    def nbytes(self) -> int:
+        """Exact payload bytes of the kept entries, the shift memories and the ids."""
+        n = 0 if self.KV is None else self.KV.numel() * self.KV.element_size()
+        n += sum(p.numel() * p.element_size() for p in self.prev)
+        return n + (0 if self.ids is None else self.ids.numel() * self.ids.element_size())
+
+    def view(self, Tb: int, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bank's keys and values `[b, Tb, w]` each at positions 0..Tb-1 of `rows` `[b]` (None: every row): the
+        kept entries, or with `bank_store="ids"` their lookups from the kept ids (`tables.entries_from_ids`)."""
+        kept = self.KV if self.KV is not None else self.ids  # [B, T_max, 2w] or [B, T_max]
+        kept = kept.narrow(1, 0, Tb) if rows is None else kept.narrow(1, 0, Tb).index_select(0, rows)
+        return (kept if self.KV is not None else entries_from_ids(self.bank, kept)).split(self.cfg.w, -1)
+
+    def append(self, st: Streams, tokens: torch.Tensor, n_new: list[int], start: list[int],
+               start_t: torch.Tensor | None) -> None:
+        """Write the bank entries (or ids) of a chunk's new positions.
+
+        Args:
+            st: the chunk's streams (H `[B, C, d]` and the source streams), tokens `[B, C]` its ids.
+            n_new: real tokens per row (right padding is never written, nor remembered by the shift).
+            start: each row's length before the chunk; start_t: the same on the device, or None when every row
+                starts at `start[0]` with all C tokens real (then each buffer is written through one slice).
+        """
+        B, C = tokens.shape
+        full = all(n == C for n in n_new)
+        dev = tokens.device
+        entries = [(self.ids, tokens)] if self.ids is not None else []  # (buffer, what the new positions write)
+        if self.KV is not None:
+            # only the new positions are projected (or looked up); hs: what each term's shift memory keeps
+            at = self.KV.narrow(1, start[0], C) if start_t is None else None  # written in place where it can be
+            KV, hs = step_entries(self.bank, st, tokens, self.prev if self.prev else None, at)  # [B, C, 2w]
+            entries += [(self.KV, KV)] if at is None else []
+            if self.prev and full:  # the shift's memory: each row's last position
+                for p, h in zip(self.prev, hs):
+                    p.copy_(h[:, -1])  # (copy_ casts)
+            elif self.prev:  # ... each row's last real position (padding is never read)
+                n_t = torch.tensor(n_new, device=dev)
+                moved = (n_t > 0).unsqueeze(1)  # [B, 1]
+                last = (n_t - 1).clamp(min=0)  # [B]
+                for p, h in zip(self.prev, hs):  # h [B, C, d] (or [B, C] ids)
+                    at = last.view(B, 1, *[1] * (h.dim() - 2)).expand(B, 1, *h.shape[2:])
+                    p.copy_(torch.where(moved.view(B, *[1] * (p.dim() - 1)), h.gather(1, at).squeeze(1).to(p.dtype),
+                                        p))
+        if start_t is None:  # every row at the same offset, all full
+            for buf, new in entries:
+                buf.narrow(1, start[0], C).copy_(new)
+            return
+        if full:  # rows at different offsets, all full (decoding): no host read
+            rows = torch.arange(B, device=dev).repeat_interleave(C)
+            cols = torch.arange(C, device=dev).repeat(B)
+        else:
+            valid = torch.arange(C, device=dev) < torch.tensor(n_new, device=dev)[:, None]
+            rows, cols = valid.nonzero(as_tuple=True)  # [N]: real tokens only, padding is never written
+        at = cols + start_t[rows]  # their absolute positions
+        for buf, new in entries:
+            buf[rows, at] = new[rows, cols].to(buf.dtype)
+
+    def forget_shift(self) -> None:
+        """The shift memories back to "no previous position" (a state rewound to 0)."""
+        clear_shift_memory(self.cfg, self.prev)
+
+    def reset(self) -> None:
+        """Zero every buffer, so stale entries can never leak."""
+        if self.KV is not None:
+            self.KV.zero_()
+        self.forget_shift()
+        if self.ids is not None:
+            self.ids.zero_()
