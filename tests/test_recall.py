@@ -21,7 +21,8 @@ from prisme.model.prisme import PrismeModel
 from prisme.studies.recall_eval import evaluate_backbone
 from prisme.studies.recall_setup import RecallStudyConfig, parse_seeds, study_config
 from prisme.training.config import StageConfig
-from prisme.training.objectives import ControllerObjective, WorkspaceObjective
+from prisme.training.objectives import WorkspaceObjective
+from prisme.training.oracle_objectives import ControllerObjective
 from prisme.training.trainer import train_stage
 
 MQ = dict(vocab_size=64, seq_len=32, n_pairs=4, query_min_pos=8)

@@ -1,4 +1,5 @@
-"""One evaluation batch, encoded once and shared by every row, and the scorers that say where rows are scored.
+"""One evaluation batch, encoded once and shared by every row, what a row returns from it (`Outcome`), and the
+scorers that say where rows are scored.
 
 Notation: B batch, T positions, V vocab, Q scored (query) positions per sequence, n actions per position.
 
@@ -15,12 +16,32 @@ Both report loss and accuracy on the scored targets; the controller always decid
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from prisme.data.text import IGNORE_INDEX
-from prisme.evaluation.policies import Outcome, Row, sample_positions
+from prisme.evaluation.actions import sample_positions
+
+
+@dataclass
+class Outcome:
+    """What one row predicted on one batch and the trace it pays for.
+
+    logits: `[B, T, V]` at every position, or `[B', P, V]` at `at` = (rows `[B', 1]` or `[B']`, positions `[B', P]`).
+    actions `[N, R]` / contexts `[N]` / steps `[N]`: the priced trace (contexts default: every position, t + 1).
+    base_ce: the backbone's CE at `at` when the row computed it itself (the oracle).
+    """
+
+    logits: torch.Tensor
+    at: tuple[torch.Tensor, torch.Tensor] | None = None
+    actions: torch.Tensor | None = None
+    contexts: torch.Tensor | None = None
+    steps: torch.Tensor | None = None
+    base_ce: torch.Tensor | None = None
+    routed: bool = False  # the router decided step 0 of this trace
+    mean_edits: float | None = None  # edits per position (the controller's; its equal-edits baseline reads it)
 
 
 class NextTokenLoss:
@@ -29,7 +50,8 @@ class NextTokenLoss:
     name = "next-token loss"
     at_queries = False
 
-    def generator(self, batch: Batch, row: Row) -> torch.Generator:
+    def generator(self, batch: Batch, row_name: str) -> torch.Generator:
+        """The random numbers of the row named `row_name` on `batch`."""
         return torch.Generator().manual_seed(batch.seed + batch.index)  # common random numbers: each row alike
 
 
@@ -39,11 +61,11 @@ class QueryAccuracy(NextTokenLoss):
     name = "query accuracy"
     at_queries = True
 
-    def generator(self, batch: Batch, row: Row) -> torch.Generator:
+    def generator(self, batch: Batch, row_name: str) -> torch.Generator:
         streams = batch.shared.setdefault("random_streams", {})
-        if row.name not in streams:  # one stream per row over the whole evaluation, each from the same seed
-            streams[row.name] = torch.Generator().manual_seed(batch.seed)
-        return streams[row.name]
+        if row_name not in streams:  # one stream per row over the whole evaluation, each from the same seed
+            streams[row_name] = torch.Generator().manual_seed(batch.seed)
+        return streams[row_name]
 
 
 def query_positions(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,9 +133,11 @@ class Batch:
         g = self.shared.setdefault("oracle_generator", torch.Generator().manual_seed(self.seed))
         return self.memo(("oracle_positions", n), lambda: sample_positions(self.y, n, g))
 
-    def run_forced(self, row: Row, actions: Callable[[tuple[int, int], torch.Generator], torch.Tensor]) -> Outcome:
-        """A forced row: `actions(shape, generator)` `[.., n]` at the positions the scorer edits."""
-        model, g = self.model, self.scorer.generator(self, row)
+    def run_forced(self, row_name: str,
+                   actions: Callable[[tuple[int, int], torch.Generator], torch.Tensor]) -> Outcome:
+        """The forced row named `row_name`: `actions(shape, generator)` `[.., n]` at the positions the scorer edits,
+        drawn from the scorer's random numbers for that row."""
+        model, g = self.model, self.scorer.generator(self, row_name)
         B, T = self.x.shape
         if not self.scorer.at_queries:
             acts = actions((B, T), g).to(device=self.x.device, dtype=torch.long).contiguous()

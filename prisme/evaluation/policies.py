@@ -15,21 +15,18 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from prisme.checks import is_int
 from prisme.config import PrismeConfig, untrained_for_policy
 from prisme.evaluation.actions import default_lambdas, sample_positions, thinned_actions
+from prisme.evaluation.batch import Batch, Outcome
 from prisme.evaluation.oracle import greedy_oracle
 from prisme.model.prisme import PrismeModel
 
-if TYPE_CHECKING:
-    from prisme.evaluation.batch import Batch
-
 BUDGETS = (1, 2, 4, 8)
-__all__ = ["ROW_KINDS", "row_family_of_name", "Row", "Outcome", "Policy", "Backbone", "Reference", "Fixed", "Random",
+__all__ = ["ROW_KINDS", "row_family_of_name", "Row", "Policy", "Backbone", "Reference", "Fixed", "Random",
            "Dense", "Controller", "EqualEdits", "Oracle", "standard_policies", "forced_actions", "thinned_actions",
            "sample_positions", "default_lambdas"]
 
@@ -77,25 +74,6 @@ class Row:
     @property
     def kind(self) -> RowKind:
         return ROW_KINDS[self.policy.family]
-
-
-@dataclass
-class Outcome:
-    """What one row predicted on one batch and the trace it pays for.
-
-    logits: `[B, T, V]` at every position, or `[B', P, V]` at `at` = (rows `[B', 1]` or `[B']`, positions `[B', P]`).
-    actions `[N, R]` / contexts `[N]` / steps `[N]`: the priced trace (contexts default: every position, t + 1).
-    base_ce: the backbone's CE at `at` when the row computed it itself (the oracle).
-    """
-
-    logits: torch.Tensor
-    at: tuple[torch.Tensor, torch.Tensor] | None = None
-    actions: torch.Tensor | None = None
-    contexts: torch.Tensor | None = None
-    steps: torch.Tensor | None = None
-    base_ce: torch.Tensor | None = None
-    routed: bool = False  # the router decided step 0 of this trace
-    mean_edits: float | None = None  # edits per position (the controller's; its equal-edits baseline reads it)
 
 
 def _fmt_lambda(lam: float) -> str:
@@ -220,7 +198,7 @@ class Forced(Policy):
         raise NotImplementedError
 
     def run(self, row, batch):
-        return batch.run_forced(row, lambda shape, g: self.actions(batch.model.cfg, row.n, row.k, shape, g))
+        return batch.run_forced(row.name, lambda shape, g: self.actions(batch.model.cfg, row.n, row.k, shape, g))
 
 
 class Fixed(Forced):

@@ -32,12 +32,11 @@ from prisme.costs.traces import TraceCost, trace_cost
 from prisme.data.mqar import MQARDataset
 from prisme.data.text import IGNORE_INDEX
 from prisme.devices import synchronize, upload
-from prisme.evaluation.batch import Batch, NextTokenLoss, QueryAccuracy
+from prisme.evaluation.batch import Batch, NextTokenLoss, Outcome, QueryAccuracy
 from prisme.evaluation.policies import (
     ROW_KINDS,
     Controller,
     Oracle,
-    Outcome,
     Policy,
     Reference,
     Row,

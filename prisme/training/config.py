@@ -123,6 +123,12 @@ class StageConfig:
         backbone learns in it too (joint training from scratch)."""
         return self.spec.may_start_fresh(self.train_backbone_in_workspace_stage)
 
+    @property
+    def prev_token_probe_weight(self) -> float:
+        """The aux_prev_token probe's loss weight: `aux_prev_token` where the stage's spec trains the probe
+        (`StageSpec.prev_token_probe`), else 0 (no probe)."""
+        return self.aux_prev_token if self.spec.prev_token_probe else 0.0
+
     def validate(self) -> StageConfig:
         """Raise ValueError naming the field for every bad value; returns self."""
 

@@ -8,7 +8,8 @@
    heads regressed on the oracle's true loss drops. Only these training stages execute candidate edits; the
    deployed controller and router never do.
 
-Each stage's objective is its `prisme.training.stages.StageSpec.objective`.
+Each stage's objective is its `prisme.training.stages.StageSpec.objective`, built as `objective(model, scfg)`;
+`StageSettings` is what it reads of the stage's `StageConfig`.
 
 Notation: b rows of one micro-batch on one rank, T seq_len, P oracle positions per sequence, A actions, R forced
 steps. An objective owns its stage's randomness and loss; see the section comment below for the contract.
@@ -17,20 +18,35 @@ steps. An objective owns its stage's randomness and loss; see the section commen
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn as nn
 
 from prisme.data.text import IGNORE_INDEX
 from prisme.model.oracle import token_ce
-from prisme.training.oracle_objectives import ControllerObjective, RouterObjective
 
-if TYPE_CHECKING:  # pragma: no cover
-    from prisme.training.config import StageConfig
 
-# the stages' objectives (`StageSpec.objective`); the controller's and the router's live in oracle_objectives
-__all__ = ["BackboneObjective", "WorkspaceObjective", "ControllerObjective", "RouterObjective"]
+class StageSettings(Protocol):
+    """What an objective reads of its stage's `prisme.training.config.StageConfig` (every field documented there).
+    The config names each stage's objective (`StageConfig.spec.objective`), so the objectives name only this."""
+
+    seed: int
+    train_backbone_in_workspace_stage: bool
+    backbone_aux_weight: float
+    workspace_grad_to_backbone: bool
+    deep_supervision: float
+    min_budget: int
+    max_budget: int | None
+    p_dense: float
+    oracle_positions: int
+    oracle_greedy: float
+    value_clip: float
+    risk_weight: float
+    unlabelled_value: str
+
+    @property
+    def prev_token_probe_weight(self) -> float: ...
 
 
 def _ce_sum(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -48,7 +64,7 @@ def _ce_sum(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 class BackboneObjective(nn.Module):
     """Stage 1: next-token CE of the backbone (the model's exact bypass path)."""
 
-    def __init__(self, model: nn.Module, scfg: StageConfig):
+    def __init__(self, model: nn.Module, scfg: StageSettings):
         super().__init__()
         self.model = model
 
@@ -87,14 +103,14 @@ def _head_without_weight_grads(backbone: nn.Module) -> Callable[[torch.Tensor], 
 class WorkspaceObjective(nn.Module):
     """Stage 2: CE of the corrected logits under random forced action sequences."""
 
-    def __init__(self, model: nn.Module, scfg: StageConfig):
+    def __init__(self, model: nn.Module, scfg: StageSettings):
         super().__init__()
         cfg = model.cfg
         self.model, self.cfg = model, cfg
         self.train_backbone = scfg.train_backbone_in_workspace_stage
         self.aux = scfg.backbone_aux_weight if self.train_backbone else 0.0
         self.isolate = self.train_backbone and not scfg.workspace_grad_to_backbone  # the workspace reads H.detach()
-        self.aux_prev = scfg.aux_prev_token if scfg.spec.prev_token_probe else 0.0
+        self.aux_prev = scfg.prev_token_probe_weight
         if self.aux_prev > 0:  # SPEC §5 lesson: make H[t] carry token t-1 so the bank has something to match
             self.prev_probe = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)  # trained and checkpointed here
             g = torch.Generator().manual_seed(scfg.seed + 4)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -22,15 +21,13 @@ import torch.nn.functional as F
 
 from prisme.data.text import IGNORE_INDEX
 from prisme.model.oracle import candidate_losses, repeat_queries, token_ce
-
-if TYPE_CHECKING:  # pragma: no cover
-    from prisme.training.config import StageConfig
+from prisme.training.objectives import StageSettings
 
 
 class ControllerObjective(nn.Module):
     """Stage 3: regress the controller's value on the oracle's true loss drops and its risk on the error."""
 
-    def __init__(self, model: nn.Module, scfg: StageConfig):
+    def __init__(self, model: nn.Module, scfg: StageSettings):
         super().__init__()
         cfg = model.cfg
         self.model, self.cfg = model, cfg
@@ -219,7 +216,7 @@ class RouterObjective(ControllerObjective):
     Each position's workspace runs with the deployed budget's `remaining` (`max_budget`, default 1). Only training
     executes the candidate edits; the deployed router reads no target."""
 
-    def __init__(self, model: nn.Module, scfg: StageConfig):
+    def __init__(self, model: nn.Module, scfg: StageSettings):
         super().__init__(model, scfg)
         self.deployed_budget = scfg.max_budget or 1
 

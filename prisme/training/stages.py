@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from prisme.training.objectives import BackboneObjective, ControllerObjective, RouterObjective, WorkspaceObjective
+from prisme.training.objectives import BackboneObjective, WorkspaceObjective
+from prisme.training.oracle_objectives import ControllerObjective, RouterObjective
 
 
 @dataclass(frozen=True)
