@@ -1,5 +1,6 @@
 """The package's layout: each folder is one layer, imports only point down, and no modules import each other in a
-circle. Every import counts (module level or inside a function), except those under `if TYPE_CHECKING:`.
+circle. Every import counts: module level, inside a function, and under `if TYPE_CHECKING:` (a type-only import
+is still a dependency a reader has to follow).
 """
 
 from __future__ import annotations
@@ -46,9 +47,6 @@ def imports_of(path: Path, name: str, known: dict[str, Path]) -> set[str]:
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                visit_orelse(child)
-                continue
             if isinstance(child, ast.ImportFrom):
                 if child.level:
                     base = package.split(".")[: len(package.split(".")) - child.level + 1]
@@ -62,10 +60,6 @@ def imports_of(path: Path, name: str, known: dict[str, Path]) -> set[str]:
             elif isinstance(child, ast.Import):
                 out.update(a.name for a in child.names if a.name == "prisme" or a.name.startswith("prisme."))
             visit(child)
-
-    def visit_orelse(node: ast.If) -> None:
-        for stmt in node.orelse:
-            visit(ast.Module(body=[stmt], type_ignores=[]))
 
     visit(ast.parse(path.read_text()))
     out.discard(name)
@@ -152,12 +146,15 @@ def readme_layout(readme: Path) -> set[str]:
     text = readme.read_text()
     start = text.index("## Layout")
     block = text[text.index("```", start) + 3:text.index("```", text.index("```", start) + 3)]
-    listed, package = set(), None
+    listed, folders = set(), []  # folders: the open package folders, one per two spaces of indent past the first
     for line in block.splitlines():
-        if m := re.match(r"^  (\w+)/\s*$", line):
-            package = m.group(1)
-        elif m := re.match(r"^(    |  )(\w+\.py)\b", line):
-            listed.add(f"{package}/{m.group(2)}" if m.group(1) == "    " else m.group(2))
+        if m := re.match(r"^((?:  )+)(\w+)(/|\.py\b)", line):
+            depth = len(m.group(1)) // 2 - 1  # 0: a top-level entry
+            folders = folders[:depth]
+            if m.group(3) == "/":
+                folders.append(m.group(2))
+            else:
+                listed.add("/".join([*folders, m.group(2) + ".py"]))
     return listed
 
 
@@ -190,11 +187,46 @@ def test_negative_control_a_cycle_is_caught(package_copy: Path):
     assert cycles(graph(package_copy)) == [["prisme.model.ping", "prisme.model.pong"]]
 
 
-def test_type_checking_imports_do_not_count(package_copy: Path):
-    """An annotation-only import (under `if TYPE_CHECKING:`) is neither an edge nor a violation."""
+def test_negative_control_a_type_only_cycle_is_caught(package_copy: Path):
+    """An annotation-only import (under `if TYPE_CHECKING:`) is an edge too: a type-only cycle is a cycle."""
     (package_copy / "model" / "hint.py").write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from prisme.training.trainer import X\n")
-    assert graph(package_copy)["prisme.model.hint"] == set()
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from prisme.model.hinted import X\n")
+    (package_copy / "model" / "hinted.py").write_text("from prisme.model import hint\n")
+    assert graph(package_copy)["prisme.model.hint"] == {"prisme.model.hinted"}
+    assert cycles(graph(package_copy)) == [["prisme.model.hint", "prisme.model.hinted"]]
+
+
+BANK_NAMES = {"bank_norm", "src_norm", "W_K", "W_V", "W_K_shift", "W_K_more", "W_V_more", "P_more", "W_K_shift_more"}
+"""The source bank's module names (`prisme.model.bank.source`; its query projection `P` is left out: the name is
+too common to scan for)."""
+
+
+def bank_names_outside(root: Path) -> list[str]:
+    """Where a module outside `model/bank/` names one of the bank's modules (an attribute or a string)."""
+    out = []
+    for p in sorted(root.rglob("*.py")):
+        if p.relative_to(root).parts[:2] == ("model", "bank"):
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            name = (node.attr if isinstance(node, ast.Attribute)
+                    else node.value if isinstance(node, ast.Constant) else None)
+            if name in BANK_NAMES:
+                out.append(f"{p.relative_to(root)}:{node.lineno} {name}")
+    return out
+
+
+def test_the_source_bank_has_one_home():
+    """Nothing outside `prisme/model/bank/` names the bank's modules: its math, tables and decode cache live there."""
+    from prisme.model.bank.source import SourceBank
+
+    assert BANK_NAMES <= set(SourceBank.names())
+    assert bank_names_outside(PACKAGE) == []
+
+
+def test_negative_control_a_bank_module_named_elsewhere_is_caught(package_copy: Path):
+    """A decode helper that reaches for a bank projection by name is reported."""
+    (package_copy / "model" / "reach.py").write_text("def f(model, h):\n    return model.W_K_shift(h)\n")
+    assert bank_names_outside(package_copy) == ["model/reach.py:2 W_K_shift"]
 
 
 def test_negative_control_a_module_missing_from_the_layout_page_is_caught(tmp_path: Path):
