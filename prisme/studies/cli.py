@@ -36,6 +36,14 @@ def add_study_parsers(sub: Any, add_compile: Callable[[argparse.ArgumentParser],
     r.add_argument("--reuse", default=None, metavar="FOLDER",
                    help="copy the finished runs of the study in FOLDER that trained exactly as these settings would "
                         "(same model and stage configs) instead of training them again; every run is scored again")
+    r.add_argument("--confirm-seeds", default=None, metavar="S1,S2,...",
+                   help="with --frontier: the fresh seeds of the confirmation pass, where the models that decide the "
+                        "verdict train again and the verdict is restated from them (default: the 3 seeds after the "
+                        "largest study seed; none or 0: no pass); a seed of the study's is an error")
+    r.add_argument("--confirm-of", default=None, metavar="DOC.json",
+                   help="with --frontier: confirm a recorded study (its JSON document, or prisme/reference/"
+                        "recall_context_frontier.json): its deciding models, taken from this study's grid by name, "
+                        "train on the fresh seeds alone; its seeds are the study's")
     r.add_argument("--no-progress", action="store_true", help="no per-run progress lines on stderr")
     r.add_argument("--resume", action="store_true", help="continue the study an interrupted run left in --out (a "
                    "rerun with the same settings does so too): finished runs are kept, interrupted stages resume")

@@ -38,6 +38,16 @@ import torch
 from prisme.checkpoint import load_model
 from prisme.io import write_text_atomic
 from prisme.studies.pools import pool_options, task_device
+from prisme.studies.recall_confirm import (
+    confirmation_prune,
+    is_fresh,
+    parse_confirm_seeds,
+    plan_confirmation,
+    read_recorded,
+    recorded_seeds,
+    seeds_after,
+    waits_for,
+)
 from prisme.studies.recall_context import (
     assemble_contexts,
     costlier_than_passing,
@@ -50,7 +60,15 @@ from prisme.studies.recall_context import (
 )
 from prisme.studies.recall_eval import evaluate_backbone, evaluate_run
 from prisme.studies.recall_frontier import DenseTask, assemble_frontier, decode_speed, plan_frontier
-from prisme.studies.recall_report import emit_study, format_table, plot_accuracy_vs_ops, plot_edits, plot_frontier
+from prisme.studies.recall_report import (
+    assemble,
+    emit_study,
+    format_table,
+    plot_accuracy_vs_ops,
+    plot_edits,
+    plot_frontier,
+    sections,
+)
 from prisme.studies.recall_setup import (
     EVAL_SEED,
     TARGET_ACCURACY,
@@ -64,6 +82,7 @@ from prisme.studies.recall_setup import (
     parse_seeds,
     study_config,
 )
+from prisme.studies.recall_verdict import confirm_study, confirmation_document
 from prisme.studies.runner import (
     Task,
     open_study,
@@ -149,9 +168,11 @@ def plan_tasks(cfg: RecallStudyConfig, recipe: Recipe) -> list[RecallTask]:
         tasks.append(ControlTask(role=name, layers=layers, seed=seed0, folder=str(out / f"control_{name}_seed{seed0}"),
                                  model=recipe.model.replace(n_layer=layers),
                                  stages=(s1.replace(steps=matched, warmup=min(s1.warmup, matched)),), **common))
-    if cfg.frontier:  # the frontier replaces the controller runs; the controls run as always
-        runs = plan_frontier(cfg, recipe, out) if cfg.contexts is None else plan_contexts(cfg, recipe, out)
-        tasks = [t for t in tasks if isinstance(t, ControlTask)] + runs
+    if cfg.frontier:  # the frontier replaces the controller runs; the controls run as always; then the confirmation
+        fresh = plan_confirmation(cfg, recipe, out)  # of a recorded study (`confirm_of`): nothing else trains
+        runs = [] if cfg.confirm_of else plan_frontier(cfg, recipe, out) if cfg.contexts is None else \
+            plan_contexts(cfg, recipe, out)
+        tasks = fresh if cfg.confirm_of else [t for t in tasks if isinstance(t, ControlTask)] + runs + fresh
     return sorted(tasks, key=lambda t: -t.priority)
 
 
@@ -195,7 +216,8 @@ def study_settings(cfg: RecallStudyConfig, planned: list[RecallTask]) -> dict[st
     """What a recall study scores and trains, as its folder records it (`runner.record_study`) and its document
     (`scored`): its kind, its own settings, each run's stage steps, and each run's model and stage configs."""
     return {"kind": "frontier" if cfg.frontier else "controllers", "quick": cfg.quick,
-            "study": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in UNRECORDED},
+            "study": {k: v for k, v in dataclasses.asdict(cfg).items()
+                      if k not in UNRECORDED and (v or k not in ("confirm_seeds", "confirm_of"))},  # off: as before
             "steps": {Path(t.folder).name: t.stage_steps() for t in planned},
             "runs": {Path(t.folder).name: {"model": t.model.to_dict(), "stages": [s.to_dict() for s in t.stages]}
                      for t in planned}}
@@ -236,8 +258,10 @@ def check_rescoring(cfg: RecallStudyConfig, settings: dict[str, Any], planned: l
 
 
 def searched(cfg: RecallStudyConfig, t: RecallTask) -> bool:
-    """Whether the long-context search may leave run `t` untrained (a dense run under the "cheapest" search)."""
-    return cfg.contexts is not None and cfg.context_search == "cheapest" and isinstance(t, DenseTask)
+    """Whether the study may leave run `t` untrained: a dense run under the long-context "cheapest" search, or a run
+    of the confirmation pass (trained only where it decides the verdict)."""
+    return cfg.contexts is not None and cfg.context_search == "cheapest" and isinstance(t, DenseTask) \
+        or is_fresh(cfg, t)
 
 
 def prepare_study(cfg: RecallStudyConfig, resume: bool = False) -> tuple[RecallStudyConfig, Recipe, list[Task]]:
@@ -247,7 +271,8 @@ def prepare_study(cfg: RecallStudyConfig, resume: bool = False) -> tuple[RecallS
     cfg.validate()
     if cfg.quick:
         cfg = dataclasses.replace(cfg, seeds=cfg.seeds[:1], eval_sequences=min(cfg.eval_sequences, 128),
-                                  calibration_sequences=min(cfg.calibration_sequences, 128))
+                                  calibration_sequences=min(cfg.calibration_sequences, 128),
+                                  confirm_seeds=cfg.confirm_seeds and cfg.confirm_seeds[:1])
     recipe, _ = load_recipe(cfg)
     planned = plan_tasks(cfg, recipe)
     settings = study_settings(cfg, planned)
@@ -259,8 +284,9 @@ def prepare_study(cfg: RecallStudyConfig, resume: bool = False) -> tuple[RecallS
             for s in t.stage_folders():
                 if (Path(t.folder) / s / "latest").exists():
                     raise ValueError(f"{Path(t.folder) / s} already holds a run; pass another --out or remove it")
-    tasks = [Task(t.folder, run_task, (dataclasses.replace(t, device=task_device(cfg.executor, i)),))  # over GPUs
-             for i, t in enumerate(planned)]
+    after = waits_for(cfg, planned, [t.folder for t in planned])  # the confirmation's runs wait for the verdict
+    tasks = [Task(t.folder, run_task, (dataclasses.replace(t, device=task_device(cfg.executor, i)),),  # over GPUs
+                  after=after.get(t.folder, ())) for i, t in enumerate(planned)]
     return cfg, recipe, tasks
 
 
@@ -275,6 +301,10 @@ def finish_study(cfg: RecallStudyConfig, recipe: Recipe, results: dict[str, Any]
     scored = {"kind": scored["kind"], "quick": cfg.quick, "seeds": cfg.seeds, "eval_sequences": cfg.eval_sequences,
               "calibration_sequences": cfg.calibration_sequences, "steps": scored["steps"],
               "reused": reused_runs(cfg.out_dir)}
+    if cfg.confirm_of:
+        doc = {**confirmation_document(cfg, recipe, done, total_s, jobs), "scored": scored}
+        write_text_atomic(out / "recall.json", json.dumps(doc, indent=2, allow_nan=False) + "\n")
+        return doc
     if cfg.frontier:
         doc = {**assemble_frontier_study(cfg, recipe, done, total_s, jobs), "scored": scored}
         write_text_atomic(out / "recall.json", json.dumps(doc, indent=2, allow_nan=False) + "\n")
@@ -308,9 +338,11 @@ def run_study(cfg: RecallStudyConfig, progress: bool = True, resume: bool = Fals
         store = record_study(cfg.out_dir, settings)
     t0 = time.perf_counter()
     prune = defer = None
+    planned, names = [study_task(t) for t in tasks], [t.name for t in tasks]
     if cfg.contexts is not None and cfg.context_search == "cheapest":
-        planned, names = [study_task(t) for t in tasks], [t.name for t in tasks]
         prune, defer = costlier_than_passing(cfg, planned, names), decided_by_running(cfg, planned, names)
+    if cfg.confirm_seeds:  # the confirmation's runs of the models that decide nothing are dropped
+        prune = confirmation_prune(cfg, planned, names, prune)
     results = run_tasks(tasks, cfg.jobs, on_done=progress_printer(progress, len(tasks)), store=store,
                         resumed=resumed, prune=prune, defer=defer, **pool_options(cfg))
     return finish_study(cfg, recipe, results, tasks, time.perf_counter() - t0, worker_count(cfg.jobs, len(tasks)))
@@ -337,72 +369,19 @@ def study_task(task: Task) -> RecallTask:
     return task.args[0]
 
 
-def _sections(cfg: RecallStudyConfig, done: list[tuple[RecallTask, dict[str, Any]]]
-              ) -> dict[str, list[tuple[RecallTask, dict[str, Any]]]]:
-    """The finished (task, entry) pairs by the part of the document they go to (`RecallTask.section`), each part in
-    seed order."""
-    parts: dict[str, list[tuple[RecallTask, dict[str, Any]]]] = {}
-    for t, e in sorted(done, key=lambda r: cfg.seeds.index(r[0].seed)):
-        parts.setdefault(t.section, []).append((t, e))
-    return parts
-
-
-def _listed(e: dict[str, Any]) -> dict[str, Any]:
-    """A controller run's entry as the document lists it: its checkpoint last, as `controller_checkpoint`."""
-    return {k: v for k, v in e.items() if k != "checkpoint"} | {"controller_checkpoint": e["checkpoint"]}
-
-
-def assemble(cfg: RecallStudyConfig, recipe: Recipe, done: list[tuple[RecallTask, dict[str, Any]]], total_s: float,
-             jobs: int) -> dict[str, Any]:
-    """The study's JSON document from the finished (task, entry) pairs."""
-    parts = _sections(cfg, done)
-    seeds = [_listed(e) for _, e in parts.get("seeds", [])]
-    converged = [_listed(e) for _, e in parts.get("converged", [])]  # none when the converged case is off
-    controls = {t.name: e for t, e in parts["controls"]}
-    phases: dict[str, float] = {"backbone": 0.0, "workspace": 0.0, "controller": 0.0, "evaluate": 0.0,
-                                "controls": 0.0}
-    for t, e in done:
-        for k, v in e["wall_s"].items():
-            phases[t.phase(k)] += v
-    n = len(seeds)
-    ws_ok = sum(e["success"]["workspace"] for e in seeds)
-    ctrl_ok = sum(e["success"]["controller"] for e in seeds)
-    conv_ok = sum(e["success"]["workspace"] for e in converged)
-    conv_ctrl_ok = sum(e["success"]["controller"] for e in converged)
-    mc = recipe.model
-    doc = {
-        "task": dataclasses.asdict(recipe.mqar),
-        "model": mc.to_dict(),
-        "recipe": {"backbone": recipe.backbone.to_dict(), "workspace": recipe.workspace.to_dict(),
-                   "controller": recipe.controller.to_dict(), "converged_backbone_steps": cfg.converged_backbone_steps},
-        "study": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("config_dir",)},
-        "controls": controls,
-        "seeds": seeds,
-        "converged": None if not converged else {
-            "bank_source": mc.bank_source, "query_source": mc.query_source, "bank_shift": mc.bank_shift,
-            "backbone_steps": converged[0]["backbone_steps"], "success_rate": conv_ok / n,
-            "controller_success_rate": conv_ctrl_ok / n, "seeds": converged},
-        "summary": {"workspace_success": f"{ws_ok}/{n}", "controller_success": f"{ctrl_ok}/{n}",
-                    **({"converged_success": f"{conv_ok}/{n}", "converged_controller_success": f"{conv_ctrl_ok}/{n}"}
-                       if converged else {}),
-                    "negative_control_ok": controls["one_layer"]["accuracy"] <= 0.30,
-                    "positive_control_ok": controls["two_layer"]["accuracy"] >= TARGET_ACCURACY},
-        "wall_s": {"total": total_s, **phases, "jobs": jobs,
-                   "note": "phases sum the time of every run in that phase over all workers"},
-    }
-    return doc
-
-
 def assemble_frontier_study(cfg: RecallStudyConfig, recipe: Recipe, done: list[tuple[RecallTask, dict[str, Any]]],
                             total_s: float, jobs: int) -> dict[str, Any]:
-    """The `--frontier` study's JSON document: the controls, the frontier, the winners' decode speed."""
-    controls = {t.name: e for t, e in _sections(cfg, done)["controls"]}
+    """The `--frontier` study's JSON document: the controls, the frontier, the winners' decode speed, and the verdict
+    restated from the confirmation pass's runs (`confirmation`)."""
+    done, fresh = [d for d in done if not is_fresh(cfg, d[0])], [d for d in done if is_fresh(cfg, d[0])]
+    controls = {t.name: e for t, e in sections(cfg, done)["controls"]}
     contexts = None if cfg.contexts is None else assemble_contexts(cfg, recipe, done)
     frontier = assemble_frontier(cfg, recipe, done) if contexts is None else contexts[-1]["frontier"]  # the longest
+    frontiers = {None: frontier} if contexts is None else {c["T"]: c["frontier"] for c in contexts}
     phases: dict[str, float] = {}
-    for t, e in done:
+    for t, e in done + fresh:
         for k, v in e["wall_s"].items():
-            key = f"{t.kind}_{k}"
+            key = f"{t.kind}_{'confirm_' if is_fresh(cfg, t) else ''}{k}"
             phases[key] = phases.get(key, 0.0) + v
     t0 = time.perf_counter()
     speed = decode_speed(frontier, recipe.mqar if contexts is None else recipe_at(cfg, recipe, contexts[-1]["T"]).mqar)
@@ -417,6 +396,7 @@ def assemble_frontier_study(cfg: RecallStudyConfig, recipe: Recipe, done: list[t
         "controls": controls,
         "frontier": frontier,
         "decode_speed": speed,
+        "confirmation": confirm_study(cfg, recipe, frontiers, fresh),
         "summary": {"negative_control_ok": controls["one_layer"]["accuracy"] <= 0.30,
                     "positive_control_ok": controls["two_layer"]["accuracy"] >= TARGET_ACCURACY,
                     "prisme_beats_dense": v["ops_ratio_prisme_over_dense"] is not None
@@ -429,16 +409,30 @@ def assemble_frontier_study(cfg: RecallStudyConfig, recipe: Recipe, done: list[t
 # ---------------------------------------------------------------------------------------------------------------- CLI
 def main(args: Any) -> int:
     """`prisme study recall`. With --evaluate-only, the options that choose the runs (--quick, --frontier, --seeds,
-    --bank-source) default to those the study in --out was run with."""
+    --bank-source, --confirm-seeds, --confirm-of) default to those the study in --out was run with. A --frontier
+    study's confirmation pass trains on the 3 seeds after its largest (`seeds_after`) unless --confirm-seeds (or the
+    study file) says which; --confirm-of confirms a recorded study, whose seeds are the study's."""
     seeds = parse_seeds(args.seeds) if args.seeds is not None else None
+    confirm_of = getattr(args, "confirm_of", None)
+    if confirm_of is not None:
+        recorded = recorded_seeds(read_recorded(confirm_of))
+        if seeds not in (None, recorded):
+            raise ValueError(f"--seeds: the study --confirm-of {confirm_of} records ran seeds "
+                             f"{','.join(map(str, recorded))}: they are this study's (leave --seeds out)")
+        seeds = recorded
     context = getattr(args, "context", None)
     lengths = study_config({}, args.configs).context_lengths if context == "default" else []
     given = {"seeds": seeds, "quick": args.quick or None, "bank_source": args.bank_source,
-             "frontier": getattr(args, "frontier", False) or None, "contexts": parse_contexts(context, lengths)}
+             "frontier": getattr(args, "frontier", False) or None, "contexts": parse_contexts(context, lengths),
+             "confirm_seeds": parse_confirm_seeds(getattr(args, "confirm_seeds", None)), "confirm_of": confirm_of}
     evaluate_only = getattr(args, "evaluate_only", False)
     if evaluate_only:
         given = {**own_settings(args.out or RecallStudyConfig.out_dir, given), **{k: v for k, v in given.items()
                                                                                  if v is not None}}
+    elif given["frontier"] and given["confirm_seeds"] is None:  # the default: fresh seeds after the study's
+        base = study_config({}, args.configs)
+        if base.confirm_seeds is None:
+            given["confirm_seeds"] = seeds_after(seeds or base.seeds)
     cfg = study_config({**given, "out_dir": args.out, "jobs": args.jobs, "threads": args.threads,
                         "executor": getattr(args, "executor", None), "address": getattr(args, "address", None),
                         "evaluate_only": evaluate_only or None, "reuse": getattr(args, "reuse", None),

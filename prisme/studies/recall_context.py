@@ -135,7 +135,8 @@ def costlier_than_passing(cfg: RecallStudyConfig, planned: list[RecallTask], fol
     With `--evaluate-only`, also the runs the study did not train (no checkpoint)."""
     need = seeds_needed(len(cfg.seeds))
     spare = len(cfg.seeds) - need  # failed seeds a configuration may have and still pass
-    members = [(f, t, planned_ops(t)) for f, t in zip(folders, planned) if isinstance(t, DenseTask)]
+    members = [(f, t, planned_ops(t)) for f, t in zip(folders, planned)
+               if isinstance(t, DenseTask) and t.seed in cfg.seeds]  # the confirmation pass's runs aside
     untrained = set()
     if cfg.evaluate_only:
         untrained = {f for f, t, _ in members if not (Path(t.folder) / t.stage_folders()[-1] / "latest").exists()}
@@ -165,7 +166,8 @@ def decided_by_running(cfg: RecallStudyConfig, planned: list[RecallTask], folder
     `len(seeds) - seeds_needed`): started after the other ready runs, so that a free worker trains the next
     configuration instead of a seed the running ones may make unnecessary."""
     spare = len(cfg.seeds) - seeds_needed(len(cfg.seeds))
-    members = [(f, (t.context, t.key)) for f, t in zip(folders, planned) if isinstance(t, DenseTask)]
+    members = [(f, (t.context, t.key)) for f, t in zip(folders, planned) if isinstance(t, DenseTask)
+               and t.seed in cfg.seeds]
 
     def defer(done: dict[str, Any], running: set[str]) -> set[str]:
         at_risk: dict[tuple[int, str], int] = {}  # seeds failed or still running, per configuration
@@ -216,7 +218,7 @@ def ratio_by_context(contexts: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def _label(e: dict[str, Any]) -> str:
+def entry_label(e: dict[str, Any]) -> str:
     """A frontier entry in words: "1 layer d=16 + key shift, global attention" (PRISME: its backbone and w)."""
     if e.get("w"):
         window = f", {e['attn_window']}-window backbone" if e.get("attn_window") else ""
@@ -234,7 +236,7 @@ def frontier_reference(doc: dict[str, Any], command: str, cpu: str) -> dict[str,
     def entry(e: dict[str, Any] | None, family: str) -> dict[str, Any] | None:
         if e is None:
             return None
-        out = {"family": family, "name": _label(e), "ops_ratio": e["ops_ratio"], "accuracy": e["accuracy"],
+        out = {"family": family, "name": entry_label(e), "ops_ratio": e["ops_ratio"], "accuracy": e["accuracy"],
                "seeds": e["seeds"], "seeds_at_95": e["seeds_at_95"], "passes": e["passes"]}
         if family == "PRISME":  # the member as a `context_family` entry: what `prisme demo` trains again
             out["member"] = {"d": e["d_model"], "w": e["w"], "attn_window": e["attn_window"],

@@ -49,6 +49,24 @@ def seeds_needed(n_seeds: int) -> int:
     return max(1, n_seeds - 1)
 
 
+def margins(accuracy: list[float], need: int) -> dict[str, Any]:
+    """How far a configuration's pass stands from the bar: its worst passing accuracy (None: no seed passes), that
+    minus the 95% bar, and `spare_seeds`: its seeds at 95% beyond the `need` it must pass (0: one passing seed fewer
+    and it fails; below 0: the passing seeds it lacks)."""
+    passing = [a for a in accuracy if a >= TARGET_ACCURACY]
+    worst = min(passing, default=None)
+    return {"worst_passing": worst, "margin": None if worst is None else worst - TARGET_ACCURACY,
+            "spare_seeds": len(passing) - need}
+
+
+def margin_text(m: dict[str, Any]) -> str:
+    """`margins` in words: "worst passing seed 0.966 (+0.016 over the bar), 1 seed to spare"."""
+    worst = "no seed passes" if m["worst_passing"] is None else \
+        f"worst passing seed {m['worst_passing']:.3f} ({m['margin']:+.3f} over the bar)"
+    n = m["spare_seeds"]
+    return worst + (f", {n} seed{'s' if n != 1 else ''} to spare" if n >= 0 else f", {-n} passing seed(s) short")
+
+
 def dense_name(n_layer: int, d: int, key_shift: bool = False, attn_window: int | None = None) -> str:
     """`L{n_layer}_d{d}`, `_ks` with a key shift, `_win{W}` with an attention window."""
     return f"L{n_layer}_d{d}" + ("_ks" if key_shift else "") + (f"_win{attn_window}" if attn_window else "")
@@ -308,6 +326,7 @@ def assemble_frontier(cfg: RecallStudyConfig, recipe: Recipe, done: list[tuple[R
                           "note": "ops per token over contexts 1..T of the recipe's one-layer d=64 backbone alone"},
             "seeds_needed": need, "target_accuracy": TARGET_ACCURACY, "dense": dense, "prisme": family,
             "verdict": {"dense_best": best_d, "prisme_best": best_p, "ops_ratio_prisme_over_dense": ratio},
+            "margins": {k: e and margins(e["accuracy"], need) for k, e in (("dense", best_d), ("prisme", best_p))},
             "router": router}
 
 
@@ -390,6 +409,9 @@ def format_frontier(doc: dict[str, Any]) -> str:
                 + (f" window {e['attn_window']}" if e.get("attn_window") else "") + f" at {e['ops_ratio']:.3f}x")
 
     lines += ["", f"cheapest dense passing: {name(v['dense_best'])}; cheapest PRISME passing: {name(v['prisme_best'])}"]
+    shown = [f"{k} {margin_text(m)}" for k, m in (f.get("margins") or {}).items() if m]
+    if shown:
+        lines.append("margins: " + "; ".join(shown))
     if v["ops_ratio_prisme_over_dense"] is not None:
         r = v["ops_ratio_prisme_over_dense"]
         verdict = "beats" if r < 1 else "does not beat"

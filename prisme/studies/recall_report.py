@@ -1,7 +1,8 @@
-"""The recall study's report: the table, its plots, and the table-then-JSON output both studies share."""
+"""The recall study's report: its document, the table, its plots, and the table-then-JSON output both studies share."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -13,11 +14,72 @@ from prisme.data.mqar import MQARConfig, make_mqar_batch
 from prisme.data.text import IGNORE_INDEX
 from prisme.evaluation.policies import ROW_KINDS
 from prisme.io import write_text_atomic
-from prisme.studies.recall_setup import EVAL_SEED, TARGET_ACCURACY
+from prisme.studies.recall_setup import EVAL_SEED, TARGET_ACCURACY, RecallStudyConfig, RecallTask, Recipe
+
+
+def sections(cfg: RecallStudyConfig, done: list[tuple[RecallTask, dict[str, Any]]]
+             ) -> dict[str, list[tuple[RecallTask, dict[str, Any]]]]:
+    """The finished (task, entry) pairs by the part of the document they go to (`RecallTask.section`), each part in
+    seed order."""
+    parts: dict[str, list[tuple[RecallTask, dict[str, Any]]]] = {}
+    for t, e in sorted(done, key=lambda r: cfg.seeds.index(r[0].seed)):
+        parts.setdefault(t.section, []).append((t, e))
+    return parts
+
+
+def listed(e: dict[str, Any]) -> dict[str, Any]:
+    """A controller run's entry as the document lists it: its checkpoint last, as `controller_checkpoint`."""
+    return {k: v for k, v in e.items() if k != "checkpoint"} | {"controller_checkpoint": e["checkpoint"]}
+
+
+def assemble(cfg: RecallStudyConfig, recipe: Recipe, done: list[tuple[RecallTask, dict[str, Any]]], total_s: float,
+             jobs: int) -> dict[str, Any]:
+    """The study's JSON document from the finished (task, entry) pairs."""
+    parts = sections(cfg, done)
+    seeds = [listed(e) for _, e in parts.get("seeds", [])]
+    converged = [listed(e) for _, e in parts.get("converged", [])]  # none when the converged case is off
+    controls = {t.name: e for t, e in parts["controls"]}
+    phases: dict[str, float] = {"backbone": 0.0, "workspace": 0.0, "controller": 0.0, "evaluate": 0.0,
+                                "controls": 0.0}
+    for t, e in done:
+        for k, v in e["wall_s"].items():
+            phases[t.phase(k)] += v
+    n = len(seeds)
+    ws_ok = sum(e["success"]["workspace"] for e in seeds)
+    ctrl_ok = sum(e["success"]["controller"] for e in seeds)
+    conv_ok = sum(e["success"]["workspace"] for e in converged)
+    conv_ctrl_ok = sum(e["success"]["controller"] for e in converged)
+    mc = recipe.model
+    doc = {
+        "task": dataclasses.asdict(recipe.mqar),
+        "model": mc.to_dict(),
+        "recipe": {"backbone": recipe.backbone.to_dict(), "workspace": recipe.workspace.to_dict(),
+                   "controller": recipe.controller.to_dict(), "converged_backbone_steps": cfg.converged_backbone_steps},
+        "study": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("config_dir",)},
+        "controls": controls,
+        "seeds": seeds,
+        "converged": None if not converged else {
+            "bank_source": mc.bank_source, "query_source": mc.query_source, "bank_shift": mc.bank_shift,
+            "backbone_steps": converged[0]["backbone_steps"], "success_rate": conv_ok / n,
+            "controller_success_rate": conv_ctrl_ok / n, "seeds": converged},
+        "summary": {"workspace_success": f"{ws_ok}/{n}", "controller_success": f"{ctrl_ok}/{n}",
+                    **({"converged_success": f"{conv_ok}/{n}", "converged_controller_success": f"{conv_ctrl_ok}/{n}"}
+                       if converged else {}),
+                    "negative_control_ok": controls["one_layer"]["accuracy"] <= 0.30,
+                    "positive_control_ok": controls["two_layer"]["accuracy"] >= TARGET_ACCURACY},
+        "wall_s": {"total": total_s, **phases, "jobs": jobs,
+                   "note": "phases sum the time of every run in that phase over all workers"},
+    }
+    return doc
 
 
 def format_table(doc: dict[str, Any]) -> str:
-    """The study's table for humans (the frontier's, for a `--frontier` study)."""
+    """The study's table for humans (the frontier's and its confirmation, for a `--frontier` study; the confirmation
+    alone for a recorded study's, `--confirm-of`)."""
+    from prisme.studies.recall_verdict import format_confirmation
+
+    if "confirmation_of" in doc:
+        return format_confirmation(doc["confirmation"])
     c = doc["controls"]
     lines = [f"MQAR N={doc['task']['n_pairs']} V={doc['task']['vocab_size']} T={doc['task']['seq_len']} "
              f"(filler after each query); bank {doc['model']['bank_source']!r}, shift {doc['model']['bank_shift']}, "
@@ -34,7 +96,7 @@ def format_table(doc: dict[str, Any]) -> str:
             table = format_contexts(doc)
         else:
             table = format_frontier(doc)
-        return "\n".join(lines + [table, "",
+        return "\n".join(lines + [table, "", format_confirmation(doc.get("confirmation")), "",
                                   f"negative control <= 30%: {'yes' if s['negative_control_ok'] else 'NO'}; positive "
                                   f"control >= 95%: {'yes' if s['positive_control_ok'] else 'NO'}; wall "
                                   f"{doc['wall_s']['total']:.0f} s ({doc['wall_s']['jobs']} workers)"])

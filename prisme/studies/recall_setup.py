@@ -104,6 +104,9 @@ class RecallStudyConfig:
     context_backbone_trains: str = "none"
     router_lambdas: list[float] = field(default_factory=lambda: [0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
                                                                  0.06, 0.07, 0.08, 0.1, 0.12, 0.15, 0.2])
+    # the confirmation pass (`recall_confirm`): fresh seeds the verdict's models train again on; None or []: no pass
+    confirm_seeds: list[int] | None = None  # (the command line's default: the 3 after the largest study seed)
+    confirm_of: str | None = None  # confirm a recorded study (its JSON document) instead of running one
 
     def validate(self) -> RecallStudyConfig:
         def need(ok: bool, msg: str) -> None:
@@ -155,6 +158,14 @@ class RecallStudyConfig:
                                                         "--evaluate-only")
         need(self.contexts is None or self.frontier, "--context needs --frontier (the long-context study is a frontier "
                                                      "study)")
+        fresh = self.confirm_seeds
+        need(fresh is None or isinstance(fresh, list) and all(is_int(v) and v >= 0 for v in fresh)
+             and len(set(fresh)) == len(fresh), f"--confirm-seeds must be distinct ints >= 0, got {fresh!r}")
+        need(not set(fresh or []) & set(self.seeds), f"--confirm-seeds {','.join(map(str, fresh or []))} overlap the "
+             f"study's seeds {','.join(map(str, self.seeds))}: the confirmation pass trains on fresh seeds")
+        need(not fresh or self.frontier, "--confirm-seeds needs --frontier (the pass confirms the frontier's verdict)")
+        need(self.confirm_of is None or self.frontier and bool(fresh),
+             "--confirm-of needs --frontier and fresh seeds (--confirm-seeds, not none)")
         need(len(self.router_lambdas) > 0 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
                                                   and math.isfinite(x) and x >= 0 for x in self.router_lambdas),
              f"router_lambdas must be a non-empty list of finite numbers >= 0, got {self.router_lambdas!r}")
@@ -221,19 +232,20 @@ def check_grid(name: str, grid: Any, need: Any) -> None:
                 seen.add(key)
 
 
-def parse_seeds(text: str) -> list[int]:
-    """`--seeds 0,1,2` -> [0, 1, 2]; ValueError for an empty list, a negative or non-integer entry, or a repeat."""
+def parse_seeds(text: str, option: str = "--seeds") -> list[int]:
+    """`--seeds 0,1,2` -> [0, 1, 2]; ValueError naming `option` for an empty list, a negative or non-integer entry, or
+    a repeat."""
     parts = [p.strip() for p in str(text).split(",")]
     if not any(parts):
-        raise ValueError(f"--seeds must list at least one seed, e.g. 0,1,2; got {text!r}")
+        raise ValueError(f"{option} must list at least one seed, e.g. 0,1,2; got {text!r}")
     try:
         seeds = [int(p) for p in parts]
     except ValueError:
-        raise ValueError(f"--seeds must be comma-separated integers >= 0, got {text!r}") from None
+        raise ValueError(f"{option} must be comma-separated integers >= 0, got {text!r}") from None
     if any(s < 0 for s in seeds):
-        raise ValueError(f"--seeds must be integers >= 0, got {text!r}")
+        raise ValueError(f"{option} must be integers >= 0, got {text!r}")
     if len(set(seeds)) != len(seeds):
-        raise ValueError(f"--seeds lists a seed twice: {text!r}")
+        raise ValueError(f"{option} lists a seed twice: {text!r}")
     return seeds
 
 

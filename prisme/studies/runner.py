@@ -38,32 +38,37 @@ from prisme.training.config import stage_with_added_fields
 
 @dataclass(frozen=True)
 class Task:
-    """`fn(*args)` in a worker process (so `fn` is a module-level function and `args` pickle), after `needs`."""
+    """`fn(*args)` in a worker process (so `fn` is a module-level function and `args` pickle), after `needs`; and
+    after `after`, each finished or dropped (`run_tasks(prune=...)`): an order alone, for a task whose plan the
+    others' results decide (a dropped need drops the task; a dropped `after` does not)."""
 
     name: str
     fn: Callable[..., Any]
     args: tuple = ()
     needs: tuple[str, ...] = ()
+    after: tuple[str, ...] = ()
 
 
 def prefixed(task: Task, prefix: str) -> Task:
     """The task renamed `prefix + name`, its needs too: several studies' tasks in one pool."""
-    return Task(prefix + task.name, task.fn, task.args, tuple(prefix + n for n in task.needs))
+    return Task(prefix + task.name, task.fn, task.args, tuple(prefix + n for n in task.needs),
+                tuple(prefix + n for n in task.after))
 
 
 def check_tasks(tasks: Sequence[Task]) -> None:
-    """ValueError for a repeated name, a need that is not a task, or needs that form a cycle (nothing would run)."""
+    """ValueError for a repeated name, a need (or `after`) that is not a task, or needs that form a cycle (nothing
+    would run)."""
     names = [t.name for t in tasks]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
         raise ValueError(f"task names must be distinct, repeated: {repeated}")
-    unknown = sorted({n for t in tasks for n in t.needs if n not in names})
+    unknown = sorted({n for t in tasks for n in (*t.needs, *t.after) if n not in names})
     if unknown:
         raise ValueError(f"tasks need {unknown}, which are not tasks")
     done: set[str] = set()
     left = list(tasks)
     while left:
-        ready = [t for t in left if all(n in done for n in t.needs)]
+        ready = [t for t in left if all(n in done for n in (*t.needs, *t.after))]
         if not ready:
             raise ValueError(f"the needs of {sorted(t.name for t in left)} form a cycle")
         done.update(t.name for t in ready)
@@ -280,7 +285,7 @@ def run_tasks(tasks: Sequence[Task], jobs: int = 0,
 
     def ready() -> list[Task]:
         out = [t for t in tasks if t.name not in done and t.name not in running.values() and t.name not in dropped
-               and all(n in done for n in t.needs)]
+               and all(n in done for n in t.needs) and all(n in done or n in dropped for n in t.after)]
         later = set(defer(done, set(running.values()))) if defer is not None and len(out) > 1 else set()
         return [t for t in out if t.name not in later] + [t for t in out if t.name in later]
 
