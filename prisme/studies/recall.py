@@ -270,7 +270,8 @@ def prepare_study(cfg: RecallStudyConfig, resume: bool = False) -> tuple[RecallS
     settings is continued (`runner.open_study`); `resume` asks for one."""
     cfg.validate()
     if cfg.quick:
-        cfg = dataclasses.replace(cfg, seeds=cfg.seeds[:1], eval_sequences=min(cfg.eval_sequences, 128),
+        cfg = dataclasses.replace(cfg, seeds=cfg.seeds if cfg.confirm_of else cfg.seeds[:1],  # a record's: as run
+                                  eval_sequences=min(cfg.eval_sequences, 128),
                                   calibration_sequences=min(cfg.calibration_sequences, 128),
                                   confirm_seeds=cfg.confirm_seeds and cfg.confirm_seeds[:1])
     recipe, _ = load_recipe(cfg)

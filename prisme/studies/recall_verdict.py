@@ -183,7 +183,7 @@ def format_confirmation(block: dict[str, Any] | None) -> str:
         wide = max([12] + [len(m["key"]) + 2 for m in c["models"]])
         head = (f"{'family':<8}{'model':<{wide}}{'role':<18}{'ops':>7}  {'study seeds':<38}{'fresh seeds':<26}"
                 f"verdict")
-        lines += ["", f"T = {c['T']}", head, "-" * (len(head) + 20)]
+        lines += ["", f"T = {c['T']}"] + ([head, "-" * (len(head) + 20)] if c["models"] else [])
         for m in c["models"]:
             fresh = _accuracies(m["fresh"]) if m["fresh"] else "-"
             ops = (m["fresh"] or m["study"])["ops_ratio"]
