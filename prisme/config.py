@@ -18,6 +18,7 @@ from prisme.io import loads_config
 
 FAMILIES = ("llama", "gpt2")
 BANK_STORES = ("entries", "ids")  # `PrismeConfig.bank_store`
+BANK_KEYS = ("current", "preceding")  # `PrismeConfig.bank_key`
 
 
 def round_up(x: float, multiple: int) -> int:
@@ -113,6 +114,9 @@ class PrismeConfig:
     #   (each term has its own norm and projections; their outputs are summed)
     query_source: str | None = None  # what z (hence S0 and the readout query) reads; default: bank_source
     bank_shift: bool = False  # the key at j also reads position j-1: K_j = W_K n(X_j) + W_K' n(X_{j-1}) (token shift)
+    bank_key: str = "current"  # what key j reads: "current" (X_j, and X_{j-1} with bank_shift) or "preceding" (X_{j-1}
+    #   alone: K_j = W_K n(X_{j-1}), V_j = W_V n(X_j): a query matching what came before j reads what followed it,
+    #   an induction read in one step; `prisme.model.bank.source.KEY_READS`)
     controller_source: str | None = None  # None: the controller's first feature is z (the seed); a source ("residual",
     #   ...): its own projection of that stream instead, so it can see what the workspace's inputs leave out
     controller_bank: bool = False  # the controller also reads how well its position matches the causal bank: two
@@ -211,7 +215,8 @@ class PrismeConfig:
     def default_sources(self) -> bool:
         """The seed's workspace inputs: bank and query from the final residual stream, no shift."""
         return (self.bank_terms == ("residual",) and self.query_terms == ("residual",) and not self.bank_shift
-                and self.controller_source is None and not self.controller_bank and not self.controller_entropy)
+                and self.bank_key == "current" and self.controller_source is None and not self.controller_bank
+                and not self.controller_entropy)
 
     @property
     def uses_slot_kv_cache(self) -> bool:
@@ -249,6 +254,9 @@ class PrismeConfig:
         need(self.w % self.ws_head_dim == 0, f"w={self.w} is not divisible by ws_head_dim={self.ws_head_dim}")
         need(self.w % 2 == 0, f"w={self.w} must be even (value and risk heads split it in halves)")
         need(isinstance(self.bank_shift, bool), f"bank_shift must be a bool, got {self.bank_shift!r}")
+        need(self.bank_key in BANK_KEYS, f"bank_key must be one of {BANK_KEYS}, got {self.bank_key!r}")
+        need(not (self.bank_key == "preceding" and self.bank_shift), "bank_key='preceding' already reads position "
+             "j-1: it does not go with bank_shift=True (that would read j-2)")
         need(isinstance(self.controller_bank, bool), f"controller_bank must be a bool, got {self.controller_bank!r}")
         need(self.controller_select in ("max", "mean"), f"controller_select must be 'max' or 'mean', got "
              f"{self.controller_select!r}")
@@ -381,7 +389,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 # silent default (a missing `bank_source` would rebuild another model).
 ADDED_CONFIG_FIELDS: dict[str, Any] = {"slot_kv_cache": False, "router": False, "router_ngram": 1, "key_shift": False,
                                        "attn_window": None, "bank_tables": False, "bank_store": "entries",
-                                       "router_token": False}
+                                       "router_token": False, "bank_key": "current"}
 
 
 def complete_config(d: dict[str, Any], where: Path | str = "config.json") -> dict[str, Any]:

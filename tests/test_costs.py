@@ -43,6 +43,8 @@ VARIANTS = {  # small llama configs for the FLOP ties
     # the backbone options: each key also reads the previous position (its own term, backbone_key_shift) and a
     # sliding window of 8 < T_CTX keys (backbone_attention at min(t, W)); the workspace still reads the whole bank
     "tiny_backbone_options": dict(key_shift=True, attn_window=8),
+    # keys of the position before (the one-step induction read): the same projections, one position later
+    "tiny_preceding": dict(bank_source="residual+embedding", bank_key="preceding"),
 }
 WORKSPACE_TERMS = ("bank_projection", "editor_source_attn", "editor_slot_attn", "editor_ffn", "editor_gate",
                    "controller", "readout")

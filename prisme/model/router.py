@@ -19,7 +19,8 @@ of Zoology: the current n-gram was seen before, followed by something the worksp
 n T comparisons of token ids and no weights; the head costs 2 (d + 1) A (`prisme.costs.analytic.router_ops`).
 `DecodeState` keeps the token ids for it. `select` takes the argmax of value_a - lambda cost_a, or STOP when no
 score beats 0 (ties go to STOP), as the controller's rule does. The `router` training stage regresses the head on
-the oracle's true loss drops at step 0 (`prisme.training.oracle_objectives.RouterObjective`); deployed, it reads no target.
+the oracle's true loss drops at step 0 (`prisme.training.oracle_objectives.RouterObjective`); deployed, it reads no
+target.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ width.
 A cache keeps, per row and position, either the bank's entries (K and V side by side in one buffer `KV`
 `[B, T_max, 2w]`, so a step writes each entry once; `K`, `V` are views of it) or, with `bank_store="ids"` (an
 "embedding" bank served from its tables), the token ids alone `[B, T_max]`, from which `view` looks the entries up
-where the workspace runs. With `bank_shift` it also keeps each bank term's memory of the row's last position
+where the workspace runs. Where a key reads the position before its own (`bank_shift`, `bank_key="preceding"`) it
+also keeps each bank term's memory of the row's last position
 (`prev`: the normed stream `[B, d]`, or the previous id `[B]` of a table term). The router's features read the
 token ids (`ids`), which the cache keeps for them too. Only new positions are projected (or looked up): a chunk's
 entries are computed once and never again.

@@ -8,6 +8,11 @@ projected to keys and values; the query z of a position is the same for `cfg.que
     K_j = sum_terms W_K n(X_j) [+ W_K' n(X_{j-1}) with `bank_shift`],   V_j = sum_terms W_V n(X_j)
     z_t = rms(sum_terms P n(X_t))                                        (rms with `z_norm`)
 
+What a key reads is `cfg.bank_key` (`KEY_READS`): "current" is the above; "preceding" reads the position before
+alone, K_j = sum_terms W_K n(X_{j-1}) (zero at j = 0), so that a query matching what came before j reads the value
+of j, what followed it (an induction read in one step). Either way a key reads at most one earlier position, which
+is what a decode state remembers of each row (`reads_previous`).
+
 The first bank term keeps the seed's names (`bank_norm`, `W_K`, `W_V`, `P`); other streams have their own norm in
 `src_norm`, other terms their projections in `W_K_more`, `W_V_more`, `P_more`; the shift adds `W_K_shift` (and
 `W_K_shift_more`). `SourceBank.build` makes those modules and the model registers them under those names (checkpoint
@@ -27,12 +32,29 @@ from prisme.model.attention import RMSNorm, linear
 from prisme.model.backbone import apply_norm
 from prisme.model.outputs import Streams
 
+KEY_READS = {"current": "K_j = W_K n(X_j) [+ W_K' n(X_{j-1}) with bank_shift]",
+             "preceding": "K_j = W_K n(X_{j-1}): the position before j alone (no bank_shift)"}
+"""`cfg.bank_key`: what the key of position j reads."""
+
 PROJECTIONS = ("W_K", "W_V", "P", "W_K_shift", "W_K_more", "W_V_more", "P_more", "W_K_shift_more")
 """The bank's d -> w projections, in the order the model initialises them (a checkpoint's draws depend on it)."""
 COMPONENTS = {"W_K": "bank_projection", "W_V": "bank_projection", "P": "bank_projection",
               "W_K_more": "bank_projection", "W_V_more": "bank_projection", "P_more": "bank_projection",
               "W_K_shift": "bank_shift", "W_K_shift_more": "bank_shift"}
 """The cost model's component of each projection (`prisme.costs.counting.OpsCounter` tags them by it)."""
+
+
+def reads_previous(cfg: PrismeConfig) -> bool:
+    """Whether a key reads the position before its own (`bank_shift`, or `bank_key="preceding"`): a decode state then
+    remembers each bank term's stream (or token id) at each row's last position."""
+    return cfg.bank_shift or cfg.bank_key == "preceding"
+
+
+def lagged(h: torch.Tensor, prev: torch.Tensor | None) -> torch.Tensor:
+    """`h` `[B, T, ...]` one position later: position j holds position j-1's (`prev` `[B, ...]` before the first; None:
+    zeros, position 0 has no previous position)."""
+    before = h.new_zeros(h[:, :1].shape) if prev is None else prev.unsqueeze(1).to(h.dtype)
+    return torch.cat([before, h[:, :-1]], dim=1)
 
 
 class SourceBank:
@@ -137,17 +159,17 @@ class SourceBank:
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Bank keys and values `[B, T, w]` from the normed streams `hs` of `inputs`.
 
-        With `bank_shift`, key j also reads position j-1: `prev` holds each term's normed stream `[B, d]` of the
-        position before the first of `hs` (None: the first position is position 0, whose shifted part is zero).
+        Where a key reads position j-1 (`reads_previous`), `prev` holds each term's normed stream `[B, d]` of the
+        position before the first of `hs` (None: the first position is position 0, whose previous part is zero).
         """
-        terms = self.cfg.bank_terms
-        K, V = linear(hs[0], self.W_K), linear(hs[0], self.W_V)  # (functional: a decode step runs this)
-        for t, h in zip(terms[1:], hs[1:]):
-            K, V = K + linear(h, self.W_K_more[t]), V + linear(h, self.W_V_more[t])
+        terms, preceding = self.cfg.bank_terms, self.cfg.bank_key == "preceding"
+        keyed = [lagged(h, None if prev is None else prev[i]) for i, h in enumerate(hs)] if preceding else hs
+        K, V = linear(keyed[0], self.W_K), linear(hs[0], self.W_V)  # (functional: a decode step runs this)
+        for t, k, h in zip(terms[1:], keyed[1:], hs[1:]):
+            K, V = K + linear(k, self.W_K_more[t]), V + linear(h, self.W_V_more[t])
         if self.cfg.bank_shift:
             for i, (t, h) in enumerate(zip(terms, hs)):
-                before = h.new_zeros(h[:, :1].shape) if prev is None else prev[i].unsqueeze(1).to(h.dtype)
-                shifted = torch.cat([before, h[:, :-1]], dim=1)  # [B, T, d]: position j holds n(X_{j-1})
+                shifted = lagged(h, None if prev is None else prev[i])  # [B, T, d]: position j holds n(X_{j-1})
                 K = K + linear(shifted, self.shift_projection(i, t))
         return K, V
 

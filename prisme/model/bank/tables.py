@@ -9,6 +9,9 @@ its norm is a function of the token alone. So for each such term the decode step
     KV_tab[v] = [W_K n(E_v), W_V n(E_v)]  ([V, 2w]),  P_tab[v] = P n(E_v)  ([V, w])
     S_tab[v] = W_K' n(E_v), S_tab[V] = 0                                   ([V + 1, w]: the token shift)
 
+With `bank_key="preceding"` the key reads the previous token alone: KV_tab[v] = [0, W_V n(E_v)] and S_tab[v] =
+W_K n(E_v), so an entry is the same two lookups and one sum as with the shift (0 + k is k, exactly).
+
 instead of projecting `[B, C, d]` rows: the same numbers (the projection of the same vector; float64 agrees to
 rounding), one gather per table. The shift's memory of such a term is the previous token id `[B]` (V before
 position 0, whose shifted part is zero), not its normed stream. Other terms are projected as
@@ -21,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from prisme.model.bank.source import SourceBank
+from prisme.model.bank.source import SourceBank, lagged, reads_previous
 from prisme.model.outputs import Streams
 
 
@@ -72,10 +75,14 @@ def bank_tables(bank: SourceBank) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         h = mods["norm"](mods["tok_emb"].weight)  # [V, d] n(E_v)
         out = {k: mods[k](h) for k in ("P",) if k in mods}  # [V, w]
-        if "K" in mods:
+        if "K" in mods and bank.cfg.bank_key == "preceding":  # the key is the previous token's: the shift table's
+            out["KV"] = torch.cat([torch.zeros_like(mods["K"](h)), mods["V"](h)], -1)  # [V, 2w]: [0, V_tab]
+            out["S"] = torch.cat([mods["K"](h), h.new_zeros(1, bank.cfg.w)])  # [V + 1, w]: row V, no position
+        elif "K" in mods:
             out["KV"] = torch.cat([mods["K"](h), mods["V"](h)], -1)  # [V, 2w]
         if "S" in mods:
             out["S"] = torch.cat([mods["S"](h), h.new_zeros(1, bank.cfg.w)])  # [V + 1, w]: row V, no position
+        if "S" in out:
             out["S2"] = torch.cat([out["S"], torch.zeros_like(out["S"])], -1)  # [V + 1, 2w]: added to KV rows
     object.__setattr__(bank, "_table_cache", (params, _param_key(params), out))  # never in a state dict
     return out
@@ -109,7 +116,7 @@ def step_entries(bank: SourceBank, st: Streams, tokens: torch.Tensor, prev: list
     for i, t in enumerate(cfg.bank_terms):
         if t in served:
             kv = F.embedding(tokens, tabs["KV"])  # [B, C, 2w]
-            if cfg.bank_shift:
+            if reads_previous(cfg):
                 before = tokens.new_full(tokens[:, :1].shape, cfg.vocab_size) if prev is None else prev[i].view(-1, 1)
                 shifted = before if tokens.shape[1] == 1 else torch.cat([before, tokens[:, :-1]], 1)  # [B, C]
                 if alone:  # K + shifted K, V + 0, straight into the bank (the same sums)
@@ -120,10 +127,9 @@ def step_entries(bank: SourceBank, st: Streams, tokens: torch.Tensor, prev: list
         else:
             h = bank.norm_of(t)(st.src[t])  # [B, C, d]
             k, v = bank.key_projection(i, t)
-            k, v = k(h), v(h)
+            k, v = k(lagged(h, None if prev is None else prev[i]) if cfg.bank_key == "preceding" else h), v(h)
             if cfg.bank_shift:
-                before = h.new_zeros(h[:, :1].shape) if prev is None else prev[i].unsqueeze(1).to(h.dtype)
-                k = k + bank.shift_projection(i, t)(torch.cat([before, h[:, :-1]], 1))
+                k = k + bank.shift_projection(i, t)(lagged(h, None if prev is None else prev[i]))
             kv = torch.cat([k, v], -1)
             keep.append(h)
         KV = kv if KV is None else KV + kv
@@ -136,7 +142,7 @@ def entries_from_ids(bank: SourceBank, ids: torch.Tensor) -> torch.Tensor:
     K_tab + shifted K_tab' of the previous id (none before position 0), V_tab + 0."""
     tabs = bank_tables(bank)
     kv = F.embedding(ids, tabs["KV"])  # [b, Tb, 2w]
-    if not bank.cfg.bank_shift:
+    if not reads_previous(bank.cfg):
         return kv
     before = F.pad(ids[:, :-1], (1, 0), value=bank.cfg.vocab_size)  # [b, Tb]: the previous ids, V before 0
     return kv.add_(F.embedding(before, tabs["S2"]))
@@ -159,8 +165,9 @@ def decoded_query(bank: SourceBank, st: Streams) -> torch.Tensor:
 
 
 def shift_memory(cfg, batch: int, like: torch.Tensor) -> list[torch.Tensor]:
-    """A fresh shift memory per bank term: zeros `[B, d]`, or `[B]` ids (V: no previous position) for a table term."""
-    if not cfg.bank_shift:
+    """A fresh shift memory per bank term: zeros `[B, d]`, or `[B]` ids (V: no previous position) for a table term;
+    none where no key reads the position before (`reads_previous`)."""
+    if not reads_previous(cfg):
         return []
     served = table_terms(cfg)
     return [torch.full((batch,), cfg.vocab_size, dtype=torch.long, device=like.device) if t in served
