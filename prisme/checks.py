@@ -5,14 +5,20 @@ reported (a `ValueError` naming the field and the value).
 bools (not 0/1 or "no"), `int` fields ints (not bools), `float` fields finite real numbers (ints allowed), `str`
 fields strings, `X | None` also None, `tuple[float, float]` two finite numbers, `dict[...]` dicts. Ranges and
 allowed sets are each config's own `validate()`.
+
+Command-line values are read here too: `parse_list` reads every comma-separated option (an empty list or entry is an
+error everywhere), `count_option` is the argparse `type` of every count option (a bad count is argparse's error
+naming the option, before any work).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import os
 import typing
+from collections.abc import Callable
 from typing import Any
 
 # Token ids on an accelerator are range-checked only when this is set (the check reads them back: one host sync per
@@ -126,3 +132,80 @@ def check_utf8(text: str, option: str) -> str:
         raise ValueError(f"{option} is not valid UTF-8 text ({byte} at character {e.start}); pass UTF-8 text (or "
                          f"token ids with --prompt-ids)") from None
     return text
+
+
+# ------------------------------------------------------------------------------------------------ command-line values
+def parse_list(text: str, option: str, item: Callable[[str], Any] = str, example: str = "",
+               distinct: bool = False) -> list[Any]:
+    """A comma-separated option (`--seeds 0,1,2`, `--shapes a,b`): each entry stripped and read by `item` (one of
+    `integer`, `number`, `one_of`, or any function raising a ValueError that says what is wrong with the entry). A
+    ValueError naming `option` for an empty list or entry (`""`, `"1,,2"`, `"1,"`), an entry `item` refuses, or with
+    `distinct` an entry given twice. Every comma-separated option of the command line goes through here."""
+    hint = f" (e.g. {option} {example})" if example else ""
+    parts = [p.strip() for p in str(text).split(",")]
+    if not any(parts):
+        raise ValueError(f"{option} is empty: give a comma-separated list{hint}")
+    if not all(parts):
+        raise ValueError(f"{option} {text!r} has an empty entry: give a comma-separated list{hint}")
+    out = []
+    for p in parts:
+        try:
+            out.append(item(p))
+        except ValueError as e:
+            raise ValueError(f"{option} {text!r}: {e}{hint}") from None
+    if distinct and len(set(out)) != len(out):
+        twice = sorted({p for p, v in zip(parts, out) if out.count(v) > 1})
+        raise ValueError(f"{option} {text!r} lists {', '.join(twice)} twice: give each entry once")
+    return out
+
+
+def integer(lo: int | None = None) -> Callable[[str], int]:
+    """A `parse_list` entry reader: an integer (>= `lo`)."""
+    def read(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            v = None
+        if v is None or lo is not None and v < lo:
+            raise ValueError(f"{text!r} is not an integer{'' if lo is None else f' >= {lo}'}")
+        return v
+    return read
+
+
+def number(lo: float | None = None) -> Callable[[str], float]:
+    """A `parse_list` entry reader: a finite number (>= `lo`)."""
+    def read(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            v = math.nan
+        if not math.isfinite(v) or lo is not None and v < lo:
+            raise ValueError(f"{text!r} is not a finite number{'' if lo is None else f' >= {lo}'}")
+        return v
+    return read
+
+
+def one_of(choices: typing.Iterable[str]) -> Callable[[str], str]:
+    """A `parse_list` entry reader: one of `choices`."""
+    known = list(choices)
+
+    def read(text: str) -> str:
+        if text not in known:
+            raise ValueError(f"{text!r} is not one of {', '.join(known)}")
+        return text
+    return read
+
+
+def count_option(lo: int = 1) -> Callable[[str], int]:
+    """The argparse `type` of a count option: an integer >= `lo`; anything else is argparse's error naming the
+    option (`argument --repeats: must be an integer >= 1, got '0'`, exit 2) before any work."""
+    def read(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            v = None
+        if v is None or v < lo:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {text!r}")
+        return v
+    read.__name__ = f"integer >= {lo}"
+    return read

@@ -59,7 +59,26 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from prisme.decoding.generate import main
 
+    check_idle_options(args)
     return main(args)
+
+
+def check_idle_options(args: argparse.Namespace) -> None:
+    """`prisme generate`: an option that does nothing under the others is an error naming both, before the model
+    loads (`--top-k` / `--top-p` without a temperature decoded greedily without a word; a price at budget 0 ran the
+    backbone alone)."""
+    given = lambda *names: [f"--{n.replace('_', '-')} {getattr(args, n)}" for n in names  # noqa: E731
+                            if getattr(args, n, None) is not None]
+    idle = given("top_k", "top_p")
+    if idle and not args.temperature:
+        raise ValueError(f"{' and '.join(idle)} only shape{'s' if len(idle) == 1 else ''} sampling, but --temperature "
+                         f"is 0 (greedy decoding, the default): pass --temperature T > 0 (e.g. 0.8) to sample, or "
+                         f"leave {'it' if len(idle) == 1 else 'them'} out")
+    idle = given("lambda_cost", "kappa_risk", "target_cost")
+    if idle and args.budget == 0:
+        raise ValueError(f"{' and '.join(idle)} only price{'s' if len(idle) == 1 else ''} the workspace's edits, but "
+                         f"--budget is 0 (the backbone alone, the default): pass --budget N >= 1, or leave "
+                         f"{'it' if len(idle) == 1 else 'them'} out")
 
 
 def _cmd_costs(args: argparse.Namespace) -> int:
@@ -86,13 +105,13 @@ def _cmd_study(args: argparse.Namespace) -> int:
     from prisme.studies.runner import stop_on_signals
 
     with stop_on_signals():  # SIGINT / SIGTERM end the whole study, 130 / 143
-        if args.study == "text":
-            from prisme.studies.text import main as study_text
+        from prisme.studies.cli import recall_args, run_text
 
-            return study_text(args)
+        if args.study == "text":
+            return run_text(args)
         from prisme.studies.recall import main as study_recall
 
-        return study_recall(args)
+        return study_recall(recall_args(args))
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
@@ -337,6 +356,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+FOLDER_OUTPUTS = ("train", "study", "demo", "export-hf", "data")  # commands whose --out is a folder (else a file)
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Every output path a command was given, before it does any work (a study or a benchmark never fails on a path
+    after hours): --json and --plot are files, --out a folder (a file for `plot` and `tokenizer train`); a ValueError
+    naming the option."""
+    from prisme.io import check_output_file, check_output_folder
+
+    for option in ("json", "plot"):
+        if isinstance(value := getattr(args, option, None), str):
+            check_output_file(value, f"--{option}")
+    if (out := getattr(args, "out", None)) is not None:
+        (check_output_folder if args.command in FOLDER_OUTPUTS else check_output_file)(out, "--out")
+
+
 # options whose value may start with "-<digit>" (argparse would read "-1,2" as an unknown option)
 NEGATIVE_VALUE_OPTIONS = ("--prompt-ids", "--prompt")
 
@@ -364,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     head -1`) exits quietly."""
     args = build_parser().parse_args(attach_negative_values(sys.argv[1:] if argv is None else list(argv)))
     try:
+        check_outputs(args)
         return int(args.func(args) or 0)
     except BrokenPipeError:
         _silence_stdout()

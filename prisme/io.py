@@ -7,6 +7,7 @@ temporary file in the same folder, is flushed and fsync'd, then `os.replace`d ov
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -47,18 +48,64 @@ def fsync_dir(path: Path) -> None:
 
 
 def check_output_file(path: str | Path | None, option: str) -> None:
-    """Before any long work: `path` (an output file, None = none) is not a folder and its folder exists or can be
-    made and is writable; else a ValueError naming `option` and the path."""
+    """Before any long work: `path` (an output file, None = none) is not empty, not a folder, and its folder exists
+    or can be made and is writable; else a ValueError naming `option` and the path."""
     if path is None:
         return
+    if not str(path).strip():
+        raise ValueError(f"{option} is empty: give a file path")
     p = Path(path)
     if p.is_dir():
         raise ValueError(f"{option} {p} is a folder; give a file path")
-    parent = p.parent
+    _check_creatable(p.parent, option, p)
+
+
+def check_output_folder(path: str | Path | None, option: str) -> None:
+    """Before any long work: `path` (an output folder, None = the command's default) is not empty, not a file, and it
+    exists or can be made in a writable folder; else a ValueError naming `option` and the path."""
+    if path is None:
+        return
+    if not str(path).strip():
+        raise ValueError(f"{option} is empty: give a folder path")
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"{option} {p} is a file, not a folder: give a folder path (made if missing)")
+    if p.is_dir():
+        if not os.access(p, os.W_OK | os.X_OK):
+            raise ValueError(f"{option} {p}: the folder is not writable; give another folder")
+        return
+    _check_creatable(p.parent, option, p)
+
+
+def _check_creatable(parent: Path, option: str, p: Path) -> None:
+    """`parent` (of the output `p`) exists or can be made: its nearest existing ancestor is a writable folder."""
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{option} {p}: cannot write into {parent} (read-only or not a folder)")
+    if not parent.is_dir():
+        raise ValueError(f"{option} {p}: {parent} is a file, not a folder; give a path in a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {p}: cannot write into {parent} (read-only); give a path in a writable folder")
+
+
+def write_error(e: OSError, path: str | Path) -> OSError:
+    """`e` (raised while writing `path`) as an OSError of the same errno (and class) whose message names the path and
+    what to do: a full disk or a file-size limit, a read-only or missing folder, a file where a folder should be.
+    Errors of `write(2)` and `fsync(2)` carry no path of their own (`[Errno 27] File too large`)."""
+    why = e.strerror or str(e)
+    advice = {errno.ENOSPC: "free space on that disk, or write elsewhere",
+              errno.EFBIG: "the file is over the file-size limit (ulimit -f, or the filesystem's): raise it, or "
+                           "write elsewhere",
+              errno.EDQUOT: "the disk quota is used up: free space, or write elsewhere",
+              errno.EROFS: "the filesystem is read-only: write elsewhere",
+              errno.EACCES: "the folder is not writable: write elsewhere",
+              errno.EPERM: "the folder is not writable: write elsewhere",
+              errno.ENOTDIR: "a part of the path is a file, not a folder: give another path",
+              errno.EEXIST: "a part of the path is a file, not a folder: give another path",
+              errno.EISDIR: "the path is a folder: give a file path",
+              errno.EBUSY: "the path is busy (a mount point or a folder?): give another file path"}.get(
+                  e.errno, "check the path, or write elsewhere")
+    msg = f"could not write {path} ({why}): {advice}"
+    return OSError(e.errno, msg) if e.errno else OSError(msg)
 
 
 def current_umask() -> int:
@@ -69,10 +116,14 @@ def current_umask() -> int:
 
 
 def write_bytes_atomic(path: str | Path, data: bytes) -> None:
-    """Replace `path` with `data` atomically: a reader sees the old file or the new one, never a torn one."""
+    """Replace `path` with `data` atomically: a reader sees the old file or the new one, never a torn one. An
+    OSError names the path and what to do (`write_error`)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise write_error(e, path) from e
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -80,8 +131,10 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> None:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes 0600 files
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError):  # a full disk, a file-size limit, ...: the message names the path (the old file
+            raise write_error(e, path) from e  # is intact)
         raise
 
 

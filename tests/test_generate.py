@@ -432,10 +432,15 @@ def test_target_cost_bisection_lands_on_the_target(model64):
     the unrestricted policy), while lambda = 0 is far from it; generate reports and uses that lambda."""
     cfg = model64.cfg
     prompts = random_tokens(cfg.vocab_size, 4, 24, seed=9)
-    free = calibrate_lambda(model64, prompts, BUDGET, target_cost=1e9)  # lambda 0: everything it wants
-    assert free.lambda_cost == 0.0
     N = 4 * 24
     ctx = torch.arange(1, 25).repeat(4)
+    unpriced = model64.forward_policy(torch.as_tensor(prompts), BUDGET, lambda_cost=0.0)  # everything it wants
+    top = trace_cost(cfg, unpriced.actions.reshape(N, -1), ctx, unpriced.controller_steps.reshape(N),
+                     cfg.optimised).relative
+    free = calibrate_lambda(model64, prompts, BUDGET, target_cost=top)
+    assert free.lambda_cost == 0.0 and free.relative_cost == pytest.approx(top)
+    with pytest.raises(ValueError, match=r"above the costliest controller policy's cost"):  # as a target below the
+        calibrate_lambda(model64, prompts, BUDGET, target_cost=1.5 * top)  # cheapest policy's is an error too
     floor = trace_cost(cfg, torch.full((N, BUDGET), cfg.stop_action), ctx, torch.ones(N, dtype=torch.long),
                        cfg.optimised).relative
     target = (floor + free.relative_cost) / 2

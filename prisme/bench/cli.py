@@ -6,6 +6,9 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from prisme.checks import count_option
+
+MIN_NEW_TOKENS = 3  # `bench decode`: the first generated step holds the prefill, two more make a timed mean
 BENCHES = {"kv": "prisme.bench.kv", "workspace": "prisme.bench.workspace", "vs-hf": "prisme.bench.vs_hf",
            "train": "prisme.bench.train", "decode": "prisme.bench.decode"}
 
@@ -32,21 +35,21 @@ def add_bench_parser(sub) -> None:
     kv = bench_parser(bsub, "kv", help="KV-cache correctness + timing (seed 001) and memory (seed 003)")
     kv.add_argument("--preset", default="seed001", help="model preset (default: seed001)")
     kv.add_argument("--prompts", default="16,64,128,256", help="comma-separated prompt lengths")
-    kv.add_argument("--new-tokens", type=int, default=16, help="forced continuation tokens per prompt")
-    kv.add_argument("--warmups", type=int, default=3, help="untimed repeats before timing")
-    kv.add_argument("--repeats", type=int, default=15, help="timed repeats per path")
+    kv.add_argument("--new-tokens", type=count_option(1), default=16, help="forced continuation tokens per prompt")
+    kv.add_argument("--warmups", type=count_option(0), default=3, help="untimed repeats before timing")
+    kv.add_argument("--repeats", type=count_option(1), default=15, help="timed repeats per path")
     kv.add_argument("--threads", type=int, default=1, help="torch CPU threads (-1 = leave as is)")
     kv.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="dtype of the timed model")
-    kv.add_argument("--seq-len", type=int, default=24, help="tokens per sequence in the correctness check")
+    kv.add_argument("--seq-len", type=count_option(2), default=24, help="tokens per sequence in the correctness check")
     ws = bench_parser(bsub, "workspace", help="decode time per token of seed 000's rows vs their analytic ops, "
                          "the workspace's own time, optimised vs seed modules")
     ws.add_argument("--presets", default="demo,prisme_103m", help="comma-separated presets (random weights)")
     ws.add_argument("--quick", action="store_true", help="demo only, 4 decoded tokens, 2 repeats (a smoke run)")
     ws.add_argument("--batches", default="1,8", help="comma-separated batch sizes (B > 1: ragged budgets)")
-    ws.add_argument("--prompt-len", type=int, default=128, help="prompt tokens, prefilled untimed")
-    ws.add_argument("--new-tokens", type=int, default=16, help="forced decode steps per timed sample")
-    ws.add_argument("--warmups", type=int, default=1, help="untimed repeats before timing")
-    ws.add_argument("--repeats", type=int, default=5, help="timed repeats per row x model")
+    ws.add_argument("--prompt-len", type=count_option(1), default=128, help="prompt tokens, prefilled untimed")
+    ws.add_argument("--new-tokens", type=count_option(1), default=16, help="forced decode steps per timed sample")
+    ws.add_argument("--warmups", type=count_option(0), default=1, help="untimed repeats before timing")
+    ws.add_argument("--repeats", type=count_option(1), default=5, help="timed repeats per row x model")
     ws.add_argument("--threads", type=int, default=-1,
                     help="torch CPU threads (-1 = 2 for prisme_103m/459m, 1 for other presets)")
     ws.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"],
@@ -54,7 +57,7 @@ def add_bench_parser(sub) -> None:
     ws.add_argument("--device", default="cpu", help="cpu or cuda")
     ws.add_argument("--profile", action="store_true",
                     help="profile the workspace's ATen ops (last preset, largest batch, optimised model)")
-    ws.add_argument("--profile-steps", type=int, default=4, help="decode steps per profiled row")
+    ws.add_argument("--profile-steps", type=count_option(1), default=4, help="decode steps per profiled row")
     ws.add_argument("--compile", action="store_true",
                     help="also time the seed model with its editor under torch.compile (variant 'compiled')")
     hf = bench_parser(bsub, "vs-hf", help="the backbone vs the same weights in HF transformers (needs the hf extra): "
@@ -64,13 +67,16 @@ def add_bench_parser(sub) -> None:
     hf.add_argument("--quick", action="store_true",
                     help="a smoke run: prompts 16,256, prisme_103m batch 1 only with 4 new tokens, 5 repeats")
     hf.add_argument("--prompts", default=None, help="seed001 prompt lengths (default 16,64,128,256)")
-    hf.add_argument("--new-tokens", type=int, default=64, help="seed001 forced tokens per sample")
-    hf.add_argument("--big-prompt", type=int, default=64, help="prisme_103m decode prompt length")
-    hf.add_argument("--big-new-tokens", type=int, default=None, help="prisme_103m forced tokens per sample (default 8)")
+    hf.add_argument("--new-tokens", type=count_option(1), default=64, help="seed001 forced tokens per sample")
+    hf.add_argument("--big-prompt", type=count_option(1), default=64, help="prisme_103m decode prompt length")
+    hf.add_argument("--big-new-tokens", type=count_option(1), default=None,
+                    help="prisme_103m forced tokens per sample (default 8)")
     hf.add_argument("--batches", default=None, help="prisme_103m decode batch sizes (default 1,8)")
-    hf.add_argument("--prefill-tokens", type=int, default=512, help="prisme_103m prefill length")
-    hf.add_argument("--warmups", type=int, default=2, help="untimed repeats before timing (prisme_103m: at most 1)")
-    hf.add_argument("--repeats", type=int, default=None, help="timed repeats (default 15; prisme_103m: a third, >= 3)")
+    hf.add_argument("--prefill-tokens", type=count_option(1), default=512, help="prisme_103m prefill length")
+    hf.add_argument("--warmups", type=count_option(0), default=2,
+                    help="untimed repeats before timing (prisme_103m: at most 1)")
+    hf.add_argument("--repeats", type=count_option(1), default=None,
+                    help="timed repeats (default 15; prisme_103m: a third, >= 3)")
     hf.add_argument("--threads-small", type=int, default=1, help="torch threads for seed001 (-1 = leave as is)")
     hf.add_argument("--threads-big", type=int, default=2, help="torch threads for prisme_103m (-1 = leave as is)")
     hf.add_argument("--no-compile", action="store_true", help="skip the torch.compile paths")
@@ -79,11 +85,11 @@ def add_bench_parser(sub) -> None:
     tr = bench_parser(bsub, "train", help="training tokens/s and achieved GFLOP/s vs the measured fp32 matmul peak")
     tr.add_argument("--presets", default="demo,prisme_103m", help="comma-separated presets (random weights)")
     tr.add_argument("--quick", action="store_true", help="quarter batches, two matmul sizes, smaller bandwidth buffer")
-    tr.add_argument("--warmups", type=int, default=1, help="untimed steps before timing")
-    tr.add_argument("--repeats", type=int, default=5, help="timed steps per preset")
+    tr.add_argument("--warmups", type=count_option(0), default=1, help="untimed steps before timing")
+    tr.add_argument("--repeats", type=count_option(1), default=5, help="timed steps per preset")
     tr.add_argument("--threads", type=int, default=2, help="torch CPU threads (-1 = leave as is)")
     tr.add_argument("--stages", default="workspace,controller",
-                    help="also time these stages on the presets with a workspace ('' = the backbone stage only)")
+                    help="also time these stages on the presets with a workspace (none = the backbone stage only)")
     tr.add_argument("--stage-presets", default="demo",
                     help="presets whose workspace/controller stages are timed (default: demo; a prisme_103m stage step "
                          "takes minutes on a CPU)")
@@ -94,10 +100,13 @@ def add_bench_parser(sub) -> None:
     dc.add_argument("--shapes", default="recall_T32,recall_T1024,demo",
                     help="comma-separated: recall_T32, recall_T1024, recall_T1024_d8, recall_d24_w32, demo, tiny")
     dc.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
-    dc.add_argument("--prompt-len", type=int, default=None,
+    dc.add_argument("--prompt-len", type=count_option(1), default=None,
                     help="prompt tokens per row (default: 8; 1,000 for recall_T1024 and recall_T1024_d8)")
-    dc.add_argument("--new-tokens", type=int, default=23, help="generated tokens per row (at most T_max - prompt)")
-    dc.add_argument("--repeats", type=int, default=7, help="timed rounds (paths rotated each round; one warm-up)")
+    dc.add_argument("--new-tokens", type=count_option(MIN_NEW_TOKENS), default=23,
+                    help="generated tokens per row (>= 3; at most T_max - prompt: fewer where a shape has less room, "
+                         "noted and recorded)")
+    dc.add_argument("--repeats", type=count_option(1), default=7,
+                    help="timed rounds (paths rotated each round; one warm-up)")
     dc.add_argument("--edit-rate", type=float, default=None, help="share of positions the deployed price edits "
                     "(default: each shape's study winner's, 12.5%% at T = 32, 0.76%% for recall_T1024)")
     dc.add_argument("--threads", type=int, default=1, help="torch CPU threads (-1 = leave as is)")

@@ -14,9 +14,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from prisme.checks import integer, parse_list
 from prisme.config import PrismeConfig
 from prisme.devices import Stopwatch
-from prisme.io import write_json_atomic
+from prisme.io import json_safe, write_json_atomic
 from prisme.model.backbone import Backbone
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -82,13 +83,20 @@ def tracemalloc_peak(setup: Callable[[], Any], run: Callable[[Any], Any]) -> int
 
 def emit(doc: dict, table: str, json_path: str | None = None) -> int:
     """Print a benchmark's table, write its JSON document if asked, print the document last; exit status 0 when
-    every check passed, else 1."""
+    every check passed, else 1. The document is strict JSON: a non-finite number is written as null and fails the
+    checks (`checks.finite: false`), since a verdict over a NaN timing is no verdict."""
+    try:
+        text = json.dumps(doc, indent=2, allow_nan=False)
+    except ValueError:  # NaN or infinity somewhere in the document
+        doc = json_safe(doc)
+        doc["checks"] = {**doc["checks"], "finite": False, "passed": False}
+        text = json.dumps(doc, indent=2, allow_nan=False)
     print(table)
     if json_path:
-        write_json_atomic(doc, json_path)
+        write_json_atomic(doc, json_path, allow_nan=False)
         print(f"wrote {json_path}")
     print()
-    print(json.dumps(doc, indent=2))
+    print(text)
     sys.stdout.flush()
     return 0 if doc["checks"]["passed"] else 1
 
@@ -154,11 +162,12 @@ def model_facts(model: torch.nn.Module) -> dict[str, Any]:
 
 
 def parse_ints(text: str, flag: str) -> tuple[int, ...]:
-    """Comma-separated positive integers (a CLI list such as --prompts or --batches), or a ValueError naming `flag`."""
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise ValueError(f"{flag} must list positive integers, got {text!r}")
-    return values
+    """Comma-separated positive integers (a CLI list such as --prompts or --batches), or a ValueError naming `flag`
+    (`checks.parse_list`: an empty list or entry is an error)."""
+    return tuple(parse_list(text, flag, integer(1), example="1,8"))
+
+
+def parse_names(text: str, flag: str) -> tuple[str, ...]:
+    """Comma-separated names (a CLI list such as --presets or --shapes), each once; a ValueError naming `flag` for an
+    empty list or entry (`checks.parse_list`)."""
+    return tuple(parse_list(text, flag, distinct=True))

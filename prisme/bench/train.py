@@ -340,13 +340,12 @@ def format_train_table(doc: dict[str, Any]) -> str:
 
 def main(args: argparse.Namespace) -> int:
     """`prisme bench train`: print the table, then the JSON document as the last thing on stdout."""
-    presets = tuple(p.strip() for p in args.presets.split(",") if p.strip())
-    if not presets:
-        raise ValueError("--presets is empty")
+    presets = harness.parse_names(args.presets, "--presets")
     if args.warmups < 0 or args.repeats < 1:
         raise ValueError(f"need --warmups >= 0 and --repeats >= 1, got {args.warmups} and {args.repeats}")
-    stages = tuple(s.strip() for s in getattr(args, "stages", "").split(",") if s.strip())
-    stage_presets = tuple(s.strip() for s in getattr(args, "stage_presets", "demo").split(",") if s.strip())
+    stages = getattr(args, "stages", "none")
+    stages = () if stages == "none" else harness.parse_names(stages, "--stages")
+    stage_presets = harness.parse_names(getattr(args, "stage_presets", "demo"), "--stage-presets")
     device = harness.bench_device(getattr(args, "device", "cpu"))
     doc = run_train(presets, args.warmups, args.repeats, args.threads, args.seed, args.quick, stages=stages,
                     stage_presets=stage_presets, compile=getattr(args, "compile", False), device=device)

@@ -416,12 +416,12 @@ def run_vs_hf(shapes: Sequence[str] = (SMALL, BIG), prompts: Sequence[int] = (16
 
 def main(args: argparse.Namespace) -> int:
     """`prisme bench vs-hf`: print the table, then the JSON document as the last thing on stdout."""
+    shapes = harness.parse_names(args.shapes, "--shapes")
     if not hf_available():
         msg = f"prisme bench vs-hf: skipped: it needs the optional `transformers` package ({INSTALL_HINT})"
         print(msg)
         print(json.dumps({"skipped": msg}))
         return 0
-    shapes = tuple(s.strip() for s in args.shapes.split(",") if s.strip())
     quick = args.quick
 
     def pick(value: Any, quick_default: Any, default: Any) -> Any:

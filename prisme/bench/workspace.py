@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from prisme.bench.harness import emit, model_facts, parse_ints, percentiles, time_paths, torch_threads
+from prisme.bench.harness import emit, model_facts, parse_ints, parse_names, percentiles, time_paths, torch_threads
 from prisme.bench.workspace_paths import (
     COMPILED,
     PATHS,
@@ -348,7 +348,7 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 
 def main(args: argparse.Namespace) -> int:
     """`prisme bench workspace`: print the table, then the JSON document as the last thing on stdout."""
-    presets = ("demo",) if args.quick else tuple(p.strip() for p in args.presets.split(",") if p.strip())
+    presets = ("demo",) if args.quick else parse_names(args.presets, "--presets")
     doc = run_workspace(presets=presets, batches=parse_ints(args.batches, "--batches"), prompt_len=args.prompt_len,
                         new_tokens=4 if args.quick else args.new_tokens, warmups=args.warmups,
                         repeats=2 if args.quick else args.repeats, threads=None if args.threads < 0 else args.threads,

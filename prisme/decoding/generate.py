@@ -160,7 +160,13 @@ def _calibrate(model: PrismeModel, tokens: torch.Tensor, lengths: list[int], max
         return abs(c - target_cost) <= rel_tol * target_cost
 
     lo, hi = 0.0, None
-    if cost_at(0.0) > target_cost and not close(probes[-1][1]):
+    top = cost_at(0.0)  # the costliest policy: every edit the controller wants at lambda 0
+    if top < target_cost and not close(top):
+        more = f", or a larger budget (max_budget, --budget; up to r_max={cfg.r_max})" if max_budget < cfg.r_max else ""
+        raise ValueError(f"target_cost={target_cost} is above the costliest controller policy's cost {top:.6f} on "
+                         f"these prompts (lambda 0: every edit the controller wants at max_budget={max_budget}); pass "
+                         f"a target of at most {top:.4f}{more}")
+    if top > target_cost and not close(top):
         for lam in (10.0 ** k for k in range(-6, 13)):  # bracket: cost(lo) > target >= cost(hi)
             c = cost_at(lam)
             if c <= target_cost or close(c):

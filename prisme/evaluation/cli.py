@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from prisme.checks import number, parse_list
 from prisme.data.mqar import MQARDataset
 from prisme.data.text import TokenDataset
 from prisme.evaluation.policies import row_family_of_name, standard_policies
@@ -78,12 +79,8 @@ def parse_batches(text: str | int | None) -> int | None:
 
 
 def _parse_floats(s: str | None) -> list[float] | None:
-    if s is None:
-        return None
-    try:
-        return [float(v) for v in s.split(",") if v.strip()]
-    except ValueError:
-        raise ValueError(f"--lambdas must be comma-separated numbers, got {s!r}") from None
+    """`--lambdas`: comma-separated prices (finite numbers >= 0), or None when not given."""
+    return None if s is None else parse_list(s, "--lambdas", number(0), example="0,0.01,0.1")
 
 
 BUILT_IN_ROWS = ("backbone", "backbone+matched")  # names a --reference may not take
@@ -113,7 +110,7 @@ def parse_frontier_rows(text: str | None, references: dict[str, str], has_matche
     if text is None:
         return None
     rows: list[str] = []
-    for name in (s.strip() for s in text.split(",") if s.strip()):
+    for name in parse_list(text, "--frontier", example="backbone,references"):
         rows += list(references) if name == "references" else [name]
     known = [*BUILT_IN_ROWS[:1 + int(has_matched)], *references]
     bad = [r for r in rows if r not in known]
@@ -229,7 +226,7 @@ def main(args: argparse.Namespace) -> int:
     if max_batches is not None and available is not None and max_batches > available:
         raise ValueError(f"--batches {max_batches} exceeds the split: {dataset!r} holds {available} batches of "
                          f"{args.batch_size} x {seq_len} (pass --batches all for the whole split)")
-    policies = [s.strip() for s in args.policies.split(",") if s.strip()] if args.policies else None
+    policies = None if args.policies is None else parse_list(args.policies, "--policies", example="backbone,controller")
     oracle_positions = None if args.oracle_positions == -1 else args.oracle_positions
     planned = standard_policies(model, policies, lambdas=_parse_floats(args.lambdas),
                                 oracle_positions=oracle_positions,

@@ -1,5 +1,6 @@
 """The command line of `prisme study recall`, `prisme study text` and `prisme demo`: their options, on the `prisme`
-parser (`prisme.cli`); each command's `main` is imported only when it runs."""
+parser (`prisme.cli`), and how the text study's (and the recall study's lists) are read and checked before anything
+trains; each study's module is imported only when it runs."""
 
 from __future__ import annotations
 
@@ -79,6 +80,10 @@ def add_study_parsers(sub: Any, add_compile: Callable[[argparse.ArgumentParser],
     t.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     t.add_argument("--resume", action="store_true", help="continue the study an interrupted run left in --out (a "
                    "rerun with the same settings does so too): finished tasks are kept, interrupted stages resume")
+    t.add_argument("--reuse", default=None, metavar="FOLDER",
+                   help="copy the finished runs of the text study in FOLDER (or a demo's FOLDER/text) that trained "
+                        "exactly as these settings would instead of training them again; every run is scored again "
+                        "(e.g. on another --held-out text, with other --val-batches or --ngram)")
     add_compile(t)
     add_executor(t)
     t.set_defaults(func=run_study)
@@ -115,3 +120,58 @@ def add_executor(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=None,
                    help="with --executor ray: the cluster (e.g. auto, HOST:6379, ray://HOST:10001; default: "
                         "RAY_ADDRESS, else a new local cluster)")
+
+
+# ----------------------------------------------------------------------------------------------------- the commands
+def run_text(args: Any) -> int:
+    """`prisme study text`: every option read and checked (`text_config`), then every input (`text.prepare_study`),
+    before anything trains."""
+    from prisme.studies.recall_report import emit_study
+    from prisme.studies.text import format_report, run_study
+
+    return emit_study(run_study(text_config(args), resume=getattr(args, "resume", False)), format_report, args.json)
+
+
+def text_config(args: Any) -> Any:
+    """The text study's settings (`TextStudyConfig`) from its command line, checked: a ValueError naming the option
+    for a bad one."""
+    from prisme.checks import one_of, parse_list
+    from prisme.config import PrismeConfig
+    from prisme.data.text import HELD_OUT_TEXT
+    from prisme.studies.recall_setup import parse_seeds
+    from prisme.studies.text_setup import SOURCES, TextStudyConfig, parse_frontier
+
+    opt = lambda name: getattr(args, name, None)  # noqa: E731 - an option the caller may leave out
+    if opt("seeds") is not None and opt("seed") is not None:
+        raise ValueError(f"--seeds {args.seeds} and --seed {args.seed} both set the training seeds: give one")
+    seeds = parse_seeds(args.seeds) if opt("seeds") is not None else None if opt("seed") is None else [args.seed]
+    val = "8" if opt("val_batches") is None else str(args.val_batches).strip()
+    if val.lower() != "all" and not (val.isdigit() and int(val) >= 1):
+        raise ValueError(f"--val-batches must be a number of batches >= 1, or all; got {val!r}")
+    held_out = HELD_OUT_TEXT if opt("held_out") is None else args.held_out
+    if not held_out.strip():
+        raise ValueError("--held-out is empty: give a text file or folder, or devils_dictionary (the default)")
+    given = {"seeds": seeds, "sources": None if opt("sources") is None else parse_list(
+                 args.sources, "--sources", one_of(SOURCES), example="residual,embedding", distinct=True),
+             "context_frontier" if opt("context") else "frontier": None if opt("frontier") is None
+             else parse_frontier(args.frontier)}
+    cfg = TextStudyConfig(**{k: v for k, v in given.items() if v is not None}, scale=args.scale,
+                          out_dir=args.out or "runs/text", jobs=args.jobs or 0,
+                          threads=1 if opt("threads") is None else args.threads, progress=not args.no_progress,
+                          executor=opt("executor") or "local", address=opt("address"),
+                          val_batches=None if val.lower() == "all" else int(val),
+                          held_out=held_out, compile=opt("compile") or "off", window=opt("window"),
+                          slice_ngram=4 if opt("ngram") is None else args.ngram, context=opt("context"),
+                          reuse=opt("reuse"))
+    return cfg.validate(PrismeConfig.from_name("demo"))  # before anything trains
+
+
+def recall_args(args: argparse.Namespace) -> argparse.Namespace:
+    """`prisme study recall`'s lists read before the study: `--context` a set of distinct lengths, in increasing order
+    (`--context 512,256` is the study of `--context 256,512`)."""
+    from prisme.checks import integer, parse_list
+
+    if getattr(args, "context", None) not in (None, "default"):
+        lengths = parse_list(args.context, "--context", integer(1), example="256,512,1024", distinct=True)
+        args.context = ",".join(map(str, sorted(lengths)))
+    return args

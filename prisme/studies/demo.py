@@ -238,7 +238,7 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
     text_model, stages, text_tasks = prepare_text(tcfg, cfg)
     from prisme.studies.text import study_settings as text_settings
 
-    record_study(tcfg.out_dir, text_settings(tcfg, text_model, stages))  # a rerun finds it started with these
+    record_study(tcfg.out_dir, text_settings(tcfg, text_model, stages), "text study")  # a rerun continues it
     tasks = [prefixed(t, "text/") for t in text_tasks]
     recall_tasks: list = []
     if recall_seeds:
@@ -263,7 +263,7 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
         if shows[prefix] is not None:
             shows[prefix](task, res, elapsed)
 
-    results = run_tasks(tasks, jobs, on_done=on_done, store=record_study(run, settings), resumed=resumed,
+    results = run_tasks(tasks, jobs, on_done=on_done, store=record_study(run, settings, "demo"), resumed=resumed,
                         executor=executor, address=address, cpus=max(1, threads or 1))
     n_workers = worker_count(jobs, len(tasks))
     summary_lines: list[str] = []
@@ -330,18 +330,22 @@ def model_params(cfg: PrismeConfig) -> dict[str, int]:
 
 def main(args: argparse.Namespace) -> int:
     """Entry point of `prisme demo`."""
+    from prisme.checks import one_of, parse_list
     from prisme.studies.recall_setup import parse_seeds
+    from prisme.studies.text_setup import SOURCES
 
     threads = getattr(args, "threads", -1)
     text = getattr(args, "recall_seeds", None)
-    recall_seeds = None if text is None else [] if text in ("", "none") else parse_seeds(text)
+    recall_seeds = None if text is None else [] if text.strip() == "none" else parse_seeds(text)
+    sources = getattr(args, "sources", None)
+    sources = None if sources is None else parse_list(sources, "--sources", one_of(SOURCES), "residual,embedding",
+                                                      distinct=True)
     run_demo(out=getattr(args, "out", None), scale=getattr(args, "scale", 1.0),
              threads=threads if threads and threads > 0 else None, seed=getattr(args, "seed", 1337),
              backbone_keeps_learning=getattr(args, "backbone_keeps_learning", False),
              eval_batches=getattr(args, "eval_batches", 8), recall_seeds=recall_seeds,
-             jobs=getattr(args, "jobs", 0) or 0,
-             sources=[v.strip() for v in args.sources.split(",") if v.strip()] if getattr(args, "sources", None)
-             else None, compile=getattr(args, "compile", None) or "off", resume=getattr(args, "resume", False),
+             jobs=getattr(args, "jobs", 0) or 0, sources=sources, compile=getattr(args, "compile", None) or "off",
+             resume=getattr(args, "resume", False),
              verbose=getattr(args, "verbose", False), executor=getattr(args, "executor", None) or "local",
              address=getattr(args, "address", None))
     return 0

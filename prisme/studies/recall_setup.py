@@ -287,7 +287,36 @@ def load_recipe(cfg: RecallStudyConfig) -> tuple[Recipe, dict[str, Any]]:
         model = model.replace(bank_source=cfg.bank_source, query_source=cfg.bank_source)
     mqar = MQARConfig(**s1.mqar)
     mqar.validate()
+    check_long_task(cfg, mqar, paths)
     return Recipe(model, s1, s2, s3, mqar, s_router), study
+
+
+def check_long_task(cfg: RecallStudyConfig, mqar: MQARConfig, paths: dict[str, Path]) -> None:
+    """At long contexts (`--context`): every length holds `context_queries` queries after the pairs and the largest
+    attention window (every query's pair out of reach), within the longest context the model takes; before anything
+    trains, a ValueError naming what to change (the study file's field, the recipe's, or --context)."""
+    if cfg.contexts is None:
+        return
+    t_max = PrismeConfig.from_name("recall_long").max_seq_len  # the long-context models' preset (`LONG_PRESET`)
+    study, recipe = paths["study"], paths["backbone"]
+    queries, pairs = cfg.context_queries, mqar.n_pairs
+    if queries > pairs:
+        raise ValueError(f"recall study: context_queries = {queries} (in {study}) is more than the task's n_pairs = "
+                         f"{pairs} (mqar in {recipe}): each query asks for another pair; set context_queries to at "
+                         f"most {pairs}")
+    windows = [b.get("attn_window") or 0 for b in cfg.context_dense] + [
+        family_entry(e, "context_family").attn_window or 0 for e in cfg.context_family]
+    need = 2 * pairs + max(windows, default=0) + 2 * queries  # the pairs, the window, a key + answer per query
+    if need > t_max:
+        raise ValueError(f"recall study: the largest attention window, {max(windows)} (context_dense / "
+                         f"context_family attn_window in {study}), leaves no room for {queries} queries within the "
+                         f"longest context the model takes, T_max = {t_max:,} (they need {need:,} positions): lower "
+                         f"that attn_window to at most {t_max - need + max(windows):,}")
+    short = [T for T in cfg.contexts if T < need]
+    if short:
+        raise ValueError(f"recall study: --context {','.join(map(str, short))} cannot hold {queries} queries after the "
+                         f"{pairs} pairs and the largest attention window, {max(windows)} (they need {need:,} "
+                         f"positions): pass lengths of at least {need:,}")
 
 
 def study_config(overrides: dict[str, Any], config_dir: str | None = None) -> RecallStudyConfig:
@@ -302,6 +331,11 @@ def study_config(overrides: dict[str, Any], config_dir: str | None = None) -> Re
             raise ValueError(f"{path} is not valid JSON: {e}") from None
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
+        if not isinstance(raw, dict):
+            kind = {list: "an array", str: "a string", bool: "true / false", type(None): "null"}.get(type(raw),
+                                                                                                  "a number")
+            raise ValueError(f"{path} must hold a JSON object of study settings ({{\"seeds\": [0, 1], ...}}), got "
+                             f"{kind}")
         known = {f.name for f in dataclasses.fields(RecallStudyConfig)}
         unknown = sorted(set(raw) - known - {"description"})
         if unknown:

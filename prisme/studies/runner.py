@@ -12,8 +12,9 @@ A study stops on SIGINT or SIGTERM (`stop_on_signals`): the signal goes on to ev
 group, so a terminal's Ctrl-C reaches the study alone and the study passes it on once), a training run finishes its
 step and saves, and once every running task has ended `StudyInterrupted` is raised (`prisme` exits 130 / 143). A task
 whose training was interrupted raises it too (`train_stage_once`): nothing is scored from an interrupted stage. With a
-`store` (`open_study`), every finished task's result is kept in the study folder, and a rerun with the same settings
-continues from what finished: the kept tasks are not run again, an interrupted stage resumes from its checkpoint.
+`store` (`records.record_study`), every finished task's result is kept in the study folder, and a rerun with the same
+settings continues from what finished: the kept tasks are not run again, an interrupted stage resumes from its
+checkpoint.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
-import shutil
 import signal
 import sys
 import time
@@ -30,10 +30,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prisme.config import with_added_fields
 from prisme.io import write_text_atomic
 from prisme.studies.pools import _POOLS, EXECUTORS, RESUME_NOTE, LocalPool, StudyInterrupted, stop_on_signals
-from prisme.training.config import stage_with_added_fields
+from prisme.studies.records import (  # noqa: F401 - the folder's record, where the studies' callers found it
+    STUDY_DIR,
+    differences,
+    migrated,
+    open_study,
+    record_study,
+    recorded_study,
+    reuse_runs,
+    reused_runs,
+    store_path,
+)
 
 
 @dataclass(frozen=True)
@@ -107,133 +116,12 @@ def train_stage_once(model_cfg: Any, scfg: Any, **kw: Any) -> Any:
     return res
 
 
-STUDY_DIR = ".prisme-study"  # in a study folder: the settings it was run with, and each finished task's result
-
-
-def open_study(out: str | Path, settings: dict[str, Any], resume: bool = False, label: str = "study") -> bool:
-    """Check, before anything runs, that a study with `settings` may run in folder `out`: True when a study was
-    started there with the same settings (this run continues it), False when none was (`record_study` starts one).
-    Other settings than the recorded ones are a ValueError naming them; `resume` asks for a study started there."""
-    out = Path(out)
-    before = recorded_study(out)
-    if before is None:
-        if resume:
-            raise ValueError(f"--resume: {out} holds no {label} to continue ({out / STUDY_DIR / 'settings.json'} is "
-                             f"missing); start it without --resume")
-        return False
-    changed = differences(migrated(before), json.loads(json.dumps(settings, default=str)))
-    if changed:
-        raise ValueError(f"{out} holds a {label} run with other settings ({'; '.join(changed[:3])}); rerun it with "
-                         f"the settings it was run with to continue it, or pass another --out")
-    return True
-
-
-def migrated(settings: Any) -> Any:
-    """Recorded settings with every model config (a "model" entry) given the fields added to `PrismeConfig` since, and
-    every stage config (a "stages" entry) those added to `StageConfig`, at the values that reproduce what it ran
-    (`config.ADDED_CONFIG_FIELDS`, `training.config.ADDED_STAGE_FIELDS`): a study started before a field existed
-    continues."""
-    if isinstance(settings, list):
-        return [migrated(v) for v in settings]
-    if not isinstance(settings, dict):
-        return settings
-    out = {k: migrated(v) for k, v in settings.items()}
-    model = out.get("model")
-    if isinstance(model, dict) and "d_model" in model:
-        out["model"] = with_added_fields(model)
-    if isinstance(out.get("stages"), list):
-        out["stages"] = [stage_with_added_fields(s) if isinstance(s, dict) and "stage" in s else s
-                         for s in out["stages"]]
-    return out
-
-
-def reuse_runs(source: str | Path, out: str | Path, settings: dict[str, Any], folders: Iterable[str]) -> list[str]:
-    """Copy into the study folder `out` each run (of `folders`, under `out`) that the study in `source` trained
-    exactly as `settings` would train it: the same entry in `settings["runs"]` (model and stage configs, each path
-    read relative to its study folder) and a result kept there (the run finished). A copied run's finished stages are
-    not trained again (`train_stage_once`), and the study scores it anew with its own settings. Each copy lands
-    whole (copied beside its place, then renamed) and is listed in `out`'s record (reused.json) as it lands. Returns
-    the folders copied (a run already in `out` is left alone)."""
-    src, dst = Path(source), Path(out)
-    before = recorded_study(src)
-    if before is None:
-        raise ValueError(f"--reuse: {src} holds no study to take runs from ({src / STUDY_DIR / 'settings.json'} is "
-                         f"missing)")
-    if src.resolve() in (dst.resolve(), *dst.resolve().parents) or dst.resolve() in src.resolve().parents:
-        raise ValueError(f"--reuse: {src} and --out {dst} must be separate folders (to continue a study, rerun it "
-                         f"with its settings and --resume)")
-
-    def relative(entry: Any, root: Path) -> Any:
-        return json.loads(json.dumps(migrated(entry), default=str).replace(json.dumps(f"{root}/")[1:-1], "<study>/"))
-
-    old_runs, new_runs = before.get("runs", {}), settings.get("runs", {})
-    copied = []
-    for folder in folders:
-        rel = Path(folder).relative_to(dst)
-        name, there = rel.name, src / rel
-        if (dst / rel).exists() or name not in old_runs or name not in new_runs \
-                or not _store_path(src / STUDY_DIR / "done", str(there)).is_file() \
-                or relative(old_runs[name], src) != relative(new_runs[name], dst):
-            continue
-        partial = (dst / rel).with_name(f".{name}.copying")  # an interrupted copy never looks like a finished run
-        shutil.rmtree(partial, ignore_errors=True)
-        shutil.copytree(there, partial, ignore=shutil.ignore_patterns(".prisme-run.lock"))
-        partial.rename(dst / rel)
-        copied.append(str(folder))
-        runs = {**reused_runs(dst), str(folder): str(src)}
-        write_text_atomic(dst / STUDY_DIR / "reused.json", json.dumps({"runs": runs}, indent=1) + "\n")
-    return copied
-
-
-def reused_runs(out: str | Path) -> dict[str, str]:
-    """The runs `reuse_runs` copied into the study folder `out`: {folder: the study it came from}."""
-    record = Path(out) / STUDY_DIR / "reused.json"
-    return json.loads(record.read_text())["runs"] if record.is_file() else {}
-
-
-def recorded_study(out: str | Path) -> dict[str, Any] | None:
-    """The settings a study in `out` was started with (`record_study`), or None."""
-    record = Path(out) / STUDY_DIR / "settings.json"
-    if not record.is_file():
-        return None
-    try:
-        return json.loads(record.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{record} is not readable ({e}); remove the study folder {out} or pass another --out") \
-            from None
-
-
-def record_study(out: str | Path, settings: dict[str, Any]) -> Path:
-    """Start a study in `out`: its settings recorded (what a rerun must match to continue it); returns its store."""
-    record = Path(out) / STUDY_DIR / "settings.json"
-    if not record.is_file():
-        write_text_atomic(record, json.dumps(settings, indent=2, sort_keys=True, default=str) + "\n")
-    return Path(out) / STUDY_DIR / "done"
-
-
-def differences(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """Where two settings differ, one level into each entry: `entry.key: was A, now B`."""
-    out = []
-    for k in dict.fromkeys([*before, *now]):
-        a, b = before.get(k), now.get(k)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += [f"{k}.{j}: was {a.get(j)!r}, now {b.get(j)!r}"[:200] for j in dict.fromkeys([*a, *b])
-                    if a.get(j) != b.get(j)]
-        elif a != b:
-            out.append(f"{k}: was {a!r}, now {b!r}"[:200])
-    return out
-
-
-def _store_path(store: Path, name: str) -> Path:
-    return store / (name.replace("%", "%25").replace("/", "%2F").replace(":", "%3A") + ".json")
-
-
 def _kept(result: Any, store: Path | None, name: str) -> Any:
     """`result` as the store keeps it (written there, and read back: a rerun gets exactly what this run got)."""
     if store is None:
         return result
     text = json.dumps(result, default=str)
-    write_text_atomic(_store_path(store, name), text + "\n")
+    write_text_atomic(store_path(store, name), text + "\n")
     return json.loads(text)
 
 
@@ -265,8 +153,8 @@ def run_tasks(tasks: Sequence[Task], jobs: int = 0,
     done: dict[str, Any] = {}
     if store is not None:
         for t in tasks:
-            if _store_path(store, t.name).is_file():
-                done[t.name] = json.loads(_store_path(store, t.name).read_text())
+            if store_path(store, t.name).is_file():
+                done[t.name] = json.loads(store_path(store, t.name).read_text())
     if resumed:
         print(f"continuing the study in {store.parent.parent if store else '?'}: {len(done)} of {len(tasks)} tasks "
               f"had finished and are kept; interrupted stages resume from their checkpoints", file=sys.stderr,

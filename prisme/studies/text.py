@@ -48,12 +48,11 @@ from prisme.data.tokenizers import ByteTokenizer
 from prisme.io import write_text_atomic
 from prisme.rebase import rebase_backbone
 from prisme.studies.pools import pool_options, task_device
-from prisme.studies.recall_setup import parse_seeds
-from prisme.studies.runner import Task, open_study, record_study, run_tasks, train_stage_once, worker_count
+from prisme.studies.records import STUDY_DIR, open_study, record_study, reuse_runs, reused_runs, store_path
+from prisme.studies.runner import Task, run_tasks, train_stage_once, worker_count
 from prisme.studies.text_report import format_report, seed_summary, verdicts
 from prisme.studies.text_setup import (
     CONTEXT_POLICIES,
-    DEFAULT_SOURCES,
     HELD_OUT_POLICIES,
     SOURCES,
     VAL_POLICIES,
@@ -61,7 +60,6 @@ from prisme.studies.text_setup import (
     final_folder,
     frontier_config,
     frontier_name,
-    parse_frontier,
     source_config,
     stage_configs,
 )
@@ -254,11 +252,13 @@ def _evaluate(cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[str, S
 
 
 # ------------------------------------------------------------------------------------------------------------ run
+UNRECORDED = ("out_dir", "jobs", "threads", "progress", "compile", "executor", "address", "reuse")  # change no run
+
+
 def study_settings(cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[int, dict[str, StageConfig]]
                    ) -> dict[str, Any]:
-    """What the study trains and scores, as its folder records it (`runner.record_study`)."""
-    return {"study": {k: v for k, v in dataclasses.asdict(cfg).items()
-                      if k not in ("out_dir", "jobs", "threads", "progress", "compile", "executor", "address")},
+    """What the study trains and scores, as its folder records it (`records.record_study`)."""
+    return {"study": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in UNRECORDED},
             "model": model_cfg.to_dict(), "stages": {str(seed): {k: v.to_dict() for k, v in st.items()}
                                                      for seed, st in stages.items()}}
 
@@ -272,8 +272,8 @@ def prepare_study(cfg: TextStudyConfig, model_cfg: PrismeConfig | None = None, r
     cfg.validate(model_cfg)
     model_cfg = cfg.study_model(model_cfg)
     out = Path(cfg.out_dir)
-    load_text(cfg.held_out)  # a missing or empty held-out text fails now, not after training
     stages = {seed: stage_configs(cfg, model_cfg, seed) for seed in cfg.seeds}
+    check_inputs(cfg, stages[cfg.seeds[0]])
     if not open_study(out, study_settings(cfg, model_cfg, stages), resume, "text study") and out.exists() \
             and any(out.iterdir()):  # a study started there with these settings continues
         raise ValueError(f"study folder {out} already exists and is not empty; pass another --out")
@@ -299,6 +299,52 @@ def prepare_study(cfg: TextStudyConfig, model_cfg: PrismeConfig | None = None, r
                   tuple(n.name for n in needs))
              for i, (t, needs) in enumerate(planned)]
     return model_cfg, stages, tasks
+
+
+def check_inputs(cfg: TextStudyConfig, stages: dict[str, StageConfig]) -> None:
+    """Every text the study reads, before anything trains: the held-out text exists and holds at least one evaluation
+    window (+ 1 target), and the validation split the `val_batches` asked for; a ValueError naming the option."""
+    T = cfg.eval_window or stages["workspace"].seq_len
+    shorter = "--context" if cfg.context is not None else "--window"
+    n = len(load_text(cfg.held_out).encode("utf-8"))  # a missing or empty text fails here too
+    if n < T + 1:
+        raise ValueError(f"text study: --held-out {cfg.held_out} holds {n:,} bytes, fewer than one evaluation window "
+                         f"of {T:,} bytes + 1 target: pass a longer text, or a shorter {shorter}")
+    data = TokenDataset.from_text(load_text("austen"), ByteTokenizer(), val_fraction=0.1)
+    batch = cfg.context_eval_batch_size if cfg.context is not None else cfg.eval_batch_size
+    have = -(-data.n_eval_windows("val", T) // batch)
+    if cfg.val_batches is not None and cfg.val_batches > have:
+        raise ValueError(f"text study: --val-batches {cfg.val_batches} is more than the validation split holds "
+                         f"({have} batches of {batch} x {T} bytes): pass --val-batches {have} or less, or all")
+
+
+def reuse_training(cfg: TextStudyConfig, settings: dict[str, Any], tasks: list[Task]) -> list[str]:
+    """`--reuse FOLDER`: copy the finished training runs of the text study in FOLDER (a study's folder, or a demo's
+    text/) that trained exactly as these settings would (the model, and the stage configs that train the run's
+    folder) into this study's folder (`records.reuse_runs`); nothing is trained again for them, and every run is
+    scored anew (another held-out text, other scoring settings). Returns the folders copied."""
+    out = Path(cfg.out_dir)
+    units: dict[Path, tuple[int, tuple[str, ...], str]] = {}  # run folder -> (seed, its stage configs, its task)
+    for t in (study_task(t) for t in tasks):
+        st = {"backbone": ("backbone",), "matched": ("backbone", "matched"), "frontier": (t.key,),
+              "source": ("backbone", "workspace", "controller")}.get(t.kind)
+        if st is None:  # an evaluation: scored anew
+            continue
+        folder = out / f"seed{t.seed}" / t.source if t.kind == "source" else \
+            Path(settings["stages"][str(t.seed)][st[-1]]["out_dir"])
+        units[folder.relative_to(out)] = (t.seed, st, t.name)
+
+    def entry(recorded: dict[str, Any], rel: Path) -> Any:
+        seed, keys, _ = units[rel]
+        stages = [recorded.get("stages", {}).get(str(seed), {}).get(k) for k in keys]
+        return None if None in stages else {"model": recorded.get("model"), "stages": stages}
+
+    def finished(src: Path, rel: Path) -> bool:  # a kept result: of this study, or of the demo whose text/ it is
+        name = units[rel][2]
+        return store_path(src / STUDY_DIR / "done", name).is_file() or \
+            store_path(src.parent / STUDY_DIR / "done", f"text/{name}").is_file()
+
+    return reuse_runs(cfg.reuse, out, settings, [str(out / rel) for rel in units], entry, finished)
 
 
 def study_task(task: Task) -> TextTask:
@@ -328,7 +374,11 @@ def run_study(cfg: TextStudyConfig, model_cfg: PrismeConfig | None = None, resum
     model_cfg, stages, tasks = prepare_study(cfg, model_cfg, resume)
     settings = study_settings(cfg, model_cfg, stages)
     resumed = open_study(cfg.out_dir, settings)
-    store = record_study(cfg.out_dir, settings)
+    if cfg.reuse:  # a bad --reuse is an error before the study is recorded
+        copied = reuse_training(cfg, settings, tasks)
+        print(f"--reuse: {len(copied)} runs copied from {cfg.reuse} (trained as these settings train them; scored "
+              f"again)", file=sys.stderr, flush=True)
+    store = record_study(cfg.out_dir, settings, "text study")
     t0 = time.perf_counter()
     done = run_tasks(tasks, cfg.jobs, on_done=progress_printer(cfg.progress), store=store, resumed=resumed,
                      **pool_options(cfg))
@@ -354,32 +404,9 @@ def assemble(cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[int, di
     doc = {"model": model_cfg.to_dict(), "study": dataclasses.asdict(cfg),
            "stages": {k: v.to_dict() for k, v in first.items()},
            "frontier": [frontier_name(model_cfg, *f) for f in cfg.frontier_entries], "seeds": seeds,
+           "reused": reused_runs(cfg.out_dir),
            "wall_s": {"total": total_s, **phases, "jobs": jobs,
                       "note": "phases sum the time of every task in that phase over all workers and seeds"}}
     doc["summary"] = seed_summary(doc)
     doc["verdicts"] = verdicts(doc)
     return doc
-
-
-# ---------------------------------------------------------------------------------------------------------------- CLI
-def main(args: Any) -> int:
-    """`prisme study text`."""
-    sources = [s.strip() for s in args.sources.split(",") if s.strip()] if args.sources else list(DEFAULT_SOURCES)
-    seeds = parse_seeds(args.seeds) if getattr(args, "seeds", None) is not None else (
-        [args.seed] if getattr(args, "seed", None) is not None else None)
-    cfg = TextStudyConfig(sources=sources, **({"seeds": seeds} if seeds else {}), scale=args.scale,
-                          out_dir=args.out or "runs/text",
-                          jobs=args.jobs or 0, threads=args.threads or 1, progress=not args.no_progress,
-                          executor=getattr(args, "executor", None) or "local", address=getattr(args, "address", None),
-                          val_batches=None if args.val_batches == "all" else int(args.val_batches),
-                          held_out=args.held_out, compile=getattr(args, "compile", None) or "off",
-                          slice_ngram=getattr(args, "ngram", 4), window=getattr(args, "window", None),
-                          context=getattr(args, "context", None),
-                          **({"context_frontier" if getattr(args, "context", None) else "frontier":
-                              parse_frontier(args.frontier)} if getattr(args, "frontier", None) else {}))
-    from prisme.io import check_output_file
-    from prisme.studies.recall_report import emit_study
-
-    cfg.validate(PrismeConfig.from_name("demo"))  # before anything trains
-    check_output_file(args.json, "--json")  # before anything trains
-    return emit_study(run_study(cfg, resume=getattr(args, "resume", False)), format_report, args.json)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prisme.checks import COMPILE_SETTINGS, check_choice, check_seeds
+from prisme.checks import COMPILE_SETTINGS, check_choice, check_seeds, parse_list
 from prisme.config import PrismeConfig
 from prisme.data.text import HELD_OUT_TEXT
 from prisme.studies.pools import check_executor
@@ -29,6 +29,7 @@ CONTEXT_POLICIES = ["backbone", "matched", "fixed", "controller", "oracle"]  # `
 #   router's at budget 1 (the "controller" family of a router model), beside one fixed edit everywhere and the oracle
 HELD_OUT_POLICIES = ["backbone", "matched", "fixed", "controller", "oracle"]  # all of the text: the cheaper rows
 DEFAULT_SEEDS = [1337, 1338, 1339]
+MAX_CONTEXT = 4096  # `--context`: the longest window of the project's presets (recall_long's and prisme_459m's T_max)
 # the dense frontier: backbones alone, from scratch on PRISME's tokens; an entry is [n_layer, d_model] (None = the
 # preset's width), optionally [.., key_shift, attn_window] (`FRONTIER_OPTIONS`). Every help PRISME's bank gets the dense
 # family gets too: the key shift (its bank reads the previous token; the shifted key is the cheapest dense induction)
@@ -68,6 +69,8 @@ class TextStudyConfig:
     progress: bool = True
     backbone_keeps_learning: bool = False  # stage 2 also trains the backbone (from its own loss, the matched steps)
     compile: str = "off"  # the editor under torch.compile in stages 2-3 and the evaluation ("auto" | "strict")
+    reuse: str | None = None  # a text study folder whose finished runs trained as this study's would: copied, not
+    #   trained again (every run is scored anew: another held-out text, other scoring settings)
     # --- long contexts (`--context T`): windows of T bytes; PRISME's backbone is local (`context_model`: a 64-byte
     # attention window with the key shift) and its workspace reads the whole context where its router fires
     context: int | None = None  # None: the T = 128 study above
@@ -93,21 +96,23 @@ class TextStudyConfig:
             return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
         need(len(self.sources) > 0 and all(s in SOURCES for s in self.sources),
-             f"sources must be a non-empty list from {sorted(SOURCES)}, got {self.sources!r}")
+             f"sources (--sources) must be a non-empty list from {sorted(SOURCES)}, got {self.sources!r}")
         check_seeds(self.seeds, "text study: ")
         need(isinstance(self.frontier, list) and len(self.frontier) > 0 and all(frontier_entry_ok(f)
                                                                            for f in self.frontier),
-             f"frontier must be a non-empty list of [n_layer >= 1, d_model >= 1 or null(, key_shift true/false(, "
-             f"attn_window >= 1 or null))], got {self.frontier!r}")
-        need(self.scale > 0 and math.isfinite(self.scale), f"scale must be > 0, got {self.scale}")
+             f"frontier (--frontier) must be a non-empty list of [n_layer >= 1, d_model >= 1 or null(, key_shift "
+             f"true/false(, attn_window >= 1 or null))], got {self.frontier!r}")
+        need(isinstance(self.scale, (int, float)) and self.scale > 0 and math.isfinite(self.scale),
+             f"scale (--scale) must be a finite number > 0, got {self.scale}")
         for f in ("val_batches", "held_out_batches"):
             v = getattr(self, f)
-            need(v is None or is_count(v), f"{f} must be an int >= 1 or None (all), got {v!r}")
-        need(self.window is None or is_count(self.window), f"window must be an int >= 1 or None, got {self.window!r}")
+            need(v is None or is_count(v), f"{f}{OPTIONS.get(f, '')} must be an int >= 1 or None (all), got {v!r}")
+        need(self.window is None or is_count(self.window), f"window (--window) must be an int >= 1 or None, got "
+                                                            f"{self.window!r}")
         for f in ("eval_batch_size", "oracle_positions", "bootstrap_samples", "threads", "slice_ngram"):
             v = getattr(self, f)
-            need(is_count(v), f"{f} must be an int >= 1, got {v!r}")
-        need(isinstance(self.jobs, int) and self.jobs >= 0, f"jobs must be an int >= 0, got {self.jobs!r}")
+            need(is_count(v), f"{f}{OPTIONS.get(f, '')} must be an int >= 1, got {v!r}")
+        need(isinstance(self.jobs, int) and self.jobs >= 0, f"jobs (--jobs) must be an int >= 0, got {self.jobs!r}")
         check_executor(self.executor, self.address, need)
         need(all(isinstance(n, int) and n >= 1 for n in self.fixed_budgets), "fixed_budgets must be ints >= 1")
         need(len(self.lambdas) > 0 and all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0
@@ -120,6 +125,8 @@ class TextStudyConfig:
         check_choice("compile", self.compile, COMPILE_SETTINGS, "text study: ")
         need(self.context is None or is_count(self.context) and self.context >= 2,
              f"--context must be an int >= 2 (bytes per window), got {self.context!r}")
+        need(self.context is None or self.context <= MAX_CONTEXT, f"--context {self.context} is longer than "
+             f"{MAX_CONTEXT:,}, the longest context of the project's models: pass {MAX_CONTEXT} or less")
         need(self.context is None or self.window is None, "--window and --context are two ways to set the window "
              "length: give one")
         need(isinstance(self.context_model, dict), f"context_model must be an object of model fields, got "
@@ -134,8 +141,17 @@ class TextStudyConfig:
              f"context_lambdas must be finite numbers >= 0, got {self.context_lambdas!r}")
         if model_cfg is not None:
             need(self.window is None or self.window <= model_cfg.max_seq_len,
-                 f"window={self.window} is longer than the preset's context T_max={model_cfg.max_seq_len}")
+                 f"--window {self.window} is longer than the preset's context T_max={model_cfg.max_seq_len}")
             model_cfg = self.study_model(model_cfg)
+            if self.context is not None:
+                least = shortest_context(self, model_cfg)
+                need(self.context >= least, f"--context {self.context} is too short for PRISME's model: {least} "
+                     f"bytes at least (more than its backbone's attention window, context_model attn_window = "
+                     f"{model_cfg.attn_window}, and than its n-grams: the router's router_ngram = "
+                     f"{model_cfg.router_ngram if model_cfg.router else '-'}, --ngram {self.slice_ngram})")
+            T = self.eval_window or min(128, model_cfg.max_seq_len)
+            need(self.slice_ngram < T, f"--ngram {self.slice_ngram}: an n-gram as long as the {T}-byte windows occurs "
+                                       f"in none; pass --ngram {T - 1} or less")
             for f in self.frontier_entries:
                 frontier_config(model_cfg, *f)
         return self
@@ -161,6 +177,17 @@ class TextStudyConfig:
             raise ValueError(f"text study: context_model {self.context_model!r} does not make a model: {e}") from None
 
 
+OPTIONS = {"val_batches": " (--val-batches)", "threads": " (--threads)", "slice_ngram": " (--ngram)"}  # fields the
+#   command line sets, named with their option in errors
+
+
+def shortest_context(cfg: TextStudyConfig, model_cfg: PrismeConfig) -> int:
+    """The shortest `--context` the long-context study can run: longer than PRISME's attention window (nothing would
+    lie beyond it) and than its n-grams (the router's `router_ngram`, the slices' `slice_ngram`)."""
+    return max(2, (model_cfg.attn_window or 0) + 1, (model_cfg.router_ngram if model_cfg.router else 0) + 1,
+               cfg.slice_ngram + 1)
+
+
 def frontier_entry_ok(f: Any) -> bool:
     """Whether `f` is a frontier entry: [n_layer, d_model] (d None: the preset's), optionally + [key_shift(,
     attn_window)]."""
@@ -180,22 +207,21 @@ _FRONTIER_ITEM = re.compile(r"(\d+)(?:x(\d+))?(?:w(\d+))?(ks)?")
 def parse_frontier(text: str) -> list[list[Any]]:
     """`--frontier 1,2,1x96,2ks,1w64ks` -> [[1, None], [2, None], [1, 96], [2, None, True], [1, None, True, 64]]:
     LAYERS[xWIDTH][wWINDOW][ks] (a width, a causal attention window, the key shift)."""
-    out: list[list[Any]] = []
-    for item in (v.strip() for v in text.split(",") if v.strip()):
-        m = _FRONTIER_ITEM.fullmatch(item)
-        if m is None:
-            raise ValueError(f"--frontier entries are LAYERS[xWIDTH][wWINDOW][ks] (e.g. 1,2,1x96,2ks,1w64ks), got "
-                             f"{item!r}")
-        layers, width, window, ks = m.groups()
-        entry: list[Any] = [int(layers), int(width) if width else None]
-        if ks or window:
-            entry.append(bool(ks))
-        if window:
-            entry.append(int(window))
-        out.append(entry)
-    if not out:
-        raise ValueError("--frontier is empty")
-    return out
+    return parse_list(text, "--frontier", frontier_item, example="1,2,1x96,2ks,1w64ks")
+
+
+def frontier_item(item: str) -> list[Any]:
+    """One `--frontier` entry, LAYERS[xWIDTH][wWINDOW][ks], as a frontier entry (`parse_frontier`)."""
+    m = _FRONTIER_ITEM.fullmatch(item)
+    if m is None:
+        raise ValueError(f"entries are LAYERS[xWIDTH][wWINDOW][ks], got {item!r}")
+    layers, width, window, ks = m.groups()
+    entry: list[Any] = [int(layers), int(width) if width else None]
+    if ks or window:
+        entry.append(bool(ks))
+    if window:
+        entry.append(int(window))
+    return entry
 
 
 def frontier_name(model_cfg: PrismeConfig, n_layer: int, d_model: int | None, *options: Any) -> str:

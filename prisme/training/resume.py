@@ -130,9 +130,16 @@ class RunLock:
         import fcntl
         import os
 
+        from prisme.io import write_error
+
         self.out = Path(out)
+        if self.out.exists() and not self.out.is_dir():
+            raise ValueError(f"the run folder {self.out} is a file, not a folder: pass another --out")
         self.created = not self.out.exists()
-        self.out.mkdir(parents=True, exist_ok=True)
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a file on the way, a read-only folder: named, with what to do
+            raise write_error(e, self.out) from e
         self.path = self.out / self.NAME
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
