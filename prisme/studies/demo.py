@@ -336,7 +336,7 @@ def main(args: argparse.Namespace) -> int:
 
     threads = getattr(args, "threads", -1)
     text = getattr(args, "recall_seeds", None)
-    recall_seeds = None if text is None else [] if text.strip() == "none" else parse_seeds(text)
+    recall_seeds = None if text is None else [] if text.strip() == "none" else parse_seeds(text, "--recall-seeds")
     sources = getattr(args, "sources", None)
     sources = None if sources is None else parse_list(sources, "--sources", one_of(SOURCES), "residual,embedding",
                                                       distinct=True)

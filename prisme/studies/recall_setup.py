@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from prisme.checks import COMPILE_SETTINGS, check_choice, check_seeds, is_int
+from prisme.checks import COMPILE_SETTINGS, check_choice, check_seeds, integer, is_int, parse_list
 from prisme.config import PrismeConfig
 from prisme.data.mqar import MQARConfig
 from prisme.io import CONFIG_DIR, loads_config
@@ -234,19 +234,8 @@ def check_grid(name: str, grid: Any, need: Any) -> None:
 
 def parse_seeds(text: str, option: str = "--seeds") -> list[int]:
     """`--seeds 0,1,2` -> [0, 1, 2]; ValueError naming `option` for an empty list, a negative or non-integer entry, or
-    a repeat."""
-    parts = [p.strip() for p in str(text).split(",")]
-    if not any(parts):
-        raise ValueError(f"{option} must list at least one seed, e.g. 0,1,2; got {text!r}")
-    try:
-        seeds = [int(p) for p in parts]
-    except ValueError:
-        raise ValueError(f"{option} must be comma-separated integers >= 0, got {text!r}") from None
-    if any(s < 0 for s in seeds):
-        raise ValueError(f"{option} must be integers >= 0, got {text!r}")
-    if len(set(seeds)) != len(seeds):
-        raise ValueError(f"{option} lists a seed twice: {text!r}")
-    return seeds
+    a repeat (`checks.parse_list`)."""
+    return parse_list(text, option, integer(0), example="0,1,2", distinct=True)
 
 
 @dataclass
