@@ -66,7 +66,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def check_idle_options(args: argparse.Namespace) -> None:
     """`prisme generate`: an option that does nothing under the others is an error naming both, before the model
     loads (`--top-k` / `--top-p` without a temperature decoded greedily without a word; a price at budget 0 ran the
-    backbone alone)."""
+    backbone alone); `--prompt-ids` is read by the shared list parser."""
+    from prisme.checks import integer, parse_list
+
+    if getattr(args, "prompt_ids", None) is not None:  # the shared list parser: "5,,9" or "5," is no prompt
+        parse_list(args.prompt_ids, "--prompt-ids", integer(), example="5,40,9,33")
     given = lambda *names: [f"--{n.replace('_', '-')} {getattr(args, n)}" for n in names  # noqa: E731
                             if getattr(args, n, None) is not None]
     idle = given("top_k", "top_p")

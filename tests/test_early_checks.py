@@ -45,6 +45,23 @@ def test_one_list_parser_refuses_empty_lists_and_entries_naming_the_option():
         parse_list("a,b,a", "--x", distinct=True)
 
 
+@pytest.mark.parametrize("argv, want", [(["generate", "--preset", "tiny", "--prompt-ids", "5,,9"], "empty entry"),
+                                        (["demo", "--sources", ""], "--sources is empty"),
+                                        (["demo", "--recall-seeds", ""], "--recall-seeds is empty"),
+                                        (["study", "recall", "--seeds", "0,"], "--seeds '0,' has an empty entry")])
+def test_every_list_option_goes_through_the_one_parser(argv, want, capsys, monkeypatch):
+    """The lists of `generate`, `demo` and `study recall` are read like every other (`--prompt-ids 5,,9` was the
+    prompt 5,9; `demo --sources ""` ran the default source, `--recall-seeds ""` skipped the recall run)."""
+    import prisme.studies.demo as demo
+    import prisme.studies.recall as recall
+
+    monkeypatch.setattr(demo, "run_demo", boom)
+    monkeypatch.setattr(recall, "run_study", boom)
+    assert cli.main(argv) == 2
+    err = error_of(capsys)
+    assert want in err and "the work started" not in err
+
+
 # ------------------------------------------------------------------------------------------------------- benchmarks
 @pytest.mark.parametrize("argv, want", [(["--shapes", ""], "--shapes is empty"), (["--shapes", "tiny,"], "empty entry"),
                                         (["--shapes", "tiny,tiny"], "lists tiny twice"),
