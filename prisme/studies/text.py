@@ -32,6 +32,7 @@ workspace, so the other source's stage-1 checkpoint is the same backbone under i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -193,11 +194,18 @@ def _task(task: TextTask, cfg: TextStudyConfig, model_cfg: PrismeConfig, stages:
     torch.set_num_threads(cfg.threads)
     stages = {k: v.replace(device=device) if v.device == "auto" else v for k, v in stages.items()}
     t0 = time.perf_counter()
-    data = TokenDataset.from_text(load_text("austen"), ByteTokenizer(), val_fraction=0.1)
+    data = TokenDataset.from_text(austen(), ByteTokenizer(), val_fraction=0.1)
     out: dict[str, Any] = task.describe()
     out["result"] = task.run(cfg, model_cfg, stages, data)
     out["wall_s"] = time.perf_counter() - t0
     return out
+
+
+@functools.lru_cache(maxsize=1)
+def austen() -> str:
+    """The training text, read once per process (decompressing it takes about a second; tasks run in one process
+    share it)."""
+    return load_text("austen")
 
 
 def _summary(r: Any) -> dict[str, Any]:
@@ -310,7 +318,7 @@ def check_inputs(cfg: TextStudyConfig, stages: dict[str, StageConfig]) -> None:
     if n < T + 1:
         raise ValueError(f"text study: --held-out {cfg.held_out} holds {n:,} bytes, fewer than one evaluation window "
                          f"of {T:,} bytes + 1 target: pass a longer text, or a shorter {shorter}")
-    data = TokenDataset.from_text(load_text("austen"), ByteTokenizer(), val_fraction=0.1)
+    data = TokenDataset.from_text(austen(), ByteTokenizer(), val_fraction=0.1)
     batch = cfg.context_eval_batch_size if cfg.context is not None else cfg.eval_batch_size
     have = -(-data.n_eval_windows("val", T) // batch)
     if cfg.val_batches is not None and cfg.val_batches > have:
