@@ -444,6 +444,36 @@ def test_evaluate_only_rescores_with_the_settings_the_study_was_run_with(quick_s
     assert after["seeds"][0]["controllers"] == before["seeds"][0]["controllers"]
 
 
+def test_evaluate_only_rescores_a_study_recorded_before_a_config_field_was_added(quick_study, tmp_path, capsys):
+    """A study recorded before a `PrismeConfig` field existed (`ADDED_CONFIG_FIELDS`, e.g. `bank_key`) re-scores with
+    --evaluate-only to the same scores: the record is read at the values it ran with. Negative control: a record whose
+    model differs in a real field (d_model) is refused, naming it."""
+    import shutil
+
+    from prisme.config import ADDED_CONFIG_FIELDS
+
+    configs, src = quick_study
+    out = tmp_path / "older"
+    shutil.copytree(src, out)
+    record = out / ".prisme-study" / "settings.json"
+    settings = json.loads(record.read_text())
+    for run in settings["runs"].values():
+        for field in ADDED_CONFIG_FIELDS:
+            run["model"].pop(field, None)
+    record.write_text(json.dumps(settings))
+    before = json.loads((out / "recall.json").read_text())
+    rc, _ = run_cli(*recall_cmd(out, configs, "--jobs", "1", "--evaluate-only", "--seeds", "0")[3:])
+    assert rc == 0, capsys.readouterr().err
+    after = json.loads((out / "recall.json").read_text())
+    assert [(s["fixed"], s["controllers"]) for s in after["seeds"]] == [(s["fixed"], s["controllers"])
+                                                                      for s in before["seeds"]]
+    next(iter(settings["runs"].values()))["model"]["d_model"] += 1
+    record.write_text(json.dumps(settings))
+    rc, _ = run_cli(*recall_cmd(out, configs, "--jobs", "1", "--evaluate-only", "--seeds", "0")[3:])
+    err = capsys.readouterr().err
+    assert rc == 2 and "other settings" in err and "d_model" in err, err
+
+
 def test_evaluate_only_refuses_checkpoints_of_other_settings_and_a_document_of_another_kind(quick_study, tmp_path,
                                                                                            capsys):
     """Without the study's record (an older folder) a full re-score of quick checkpoints is refused naming the

@@ -227,7 +227,7 @@ def check_rescoring(cfg: RecallStudyConfig, settings: dict[str, Any], planned: l
     """`--evaluate-only`: ValueError unless the study in `cfg.out_dir` was run with these settings (its record, or
     an older folder's recall.json) and each stage's checkpoint is the finished one of its planned stage."""
     from prisme.checkpoint import read_meta
-    from prisme.studies.runner import differences, recorded_study
+    from prisme.studies.runner import differences, migrated, recorded_study
 
     out = Path(cfg.out_dir)
     before = recorded_study(out)
@@ -237,7 +237,7 @@ def check_rescoring(cfg: RecallStudyConfig, settings: dict[str, Any], planned: l
         before = {"study": {k: v for k, v in old.items() if k in now["study"]}}
         now = {"study": {k: now["study"][k] for k in before["study"]}}
     if before is not None:
-        changed = differences(before, now)
+        changed = differences(migrated(before), now)  # (fields added since: at the values it ran with)
         if changed:
             raise ValueError(f"--evaluate-only: the study in {out} was run with other settings "
                              f"({'; '.join(changed[:3])}); re-score it with its own (pass the options it was run with)")
