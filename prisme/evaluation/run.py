@@ -43,7 +43,7 @@ from prisme.evaluation.policies import (
     standard_policies,
 )
 from prisme.evaluation.report import EvalReport, EvalRow
-from prisme.evaluation.slices import SliceSums, ar_slice_labels, slice_names
+from prisme.evaluation.slices import SliceSums, ar_slice_labels, slice_edges, slice_names
 from prisme.io import environment
 from prisme.model.oracle import token_ce
 from prisme.model.prisme import PrismeModel
@@ -73,7 +73,8 @@ class EvalOptions:
     bootstrap_seed: int = 0
     frontier: Sequence[str] | None = None  # backbone-only rows that make the dense frontier (their lower envelope)
     slices: int | None = None  # n-gram length of the AR-hit / seen-miss / other slices (`evaluation.slices`)
-    slices_window: int | None = None  # split AR hits into within / beyond an attention window of this many positions
+    slices_window: int | tuple[int, ...] | None = None  # split AR hits into within / beyond an attention window of
+    #   this many positions, or with bucket edges (window, e_1, ..) by copy distance too (`evaluation.slices`)
     scorer: NextTokenLoss = field(default_factory=NextTokenLoss)  # `NextTokenLoss()` or `QueryAccuracy()`
 
     def replace(self, **changes: Any) -> EvalOptions:
@@ -171,10 +172,16 @@ def _check_options(model: PrismeModel, data: Any, options: EvalOptions) -> int:
     if options.slices is not None and (not is_int(options.slices) or not 1 <= options.slices <= seq_len):
         raise ValueError(f"slices must be an n-gram length in [1, seq_len={seq_len}] (a longer one matches nothing "
                          f"in a window), got {options.slices!r}")
-    if options.slices_window is not None and (options.slices is None or not is_int(options.slices_window)
-                                              or options.slices_window < 1):
-        raise ValueError(f"slices_window must be an int >= 1 and goes with slices (an n-gram length), got "
-                         f"{options.slices_window!r} with slices={options.slices!r}")
+    if options.slices_window is not None:
+        try:
+            slice_edges(options.slices_window)
+            ok = options.slices is not None
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(f"slices_window must be an int >= 1 (an attention window) or increasing bucket edges "
+                             f"(window, e_1, ..) of ints >= 1, and goes with slices (an n-gram length), got "
+                             f"{options.slices_window!r} with slices={options.slices!r}")
     if not isinstance(options.scorer, NextTokenLoss):
         raise ValueError(f"scorer must be NextTokenLoss() or QueryAccuracy(), got {options.scorer!r}")
     return seq_len

@@ -51,10 +51,16 @@ def add_study_parsers(sub: Any, add_compile: Callable[[argparse.ArgumentParser],
     add_compile(r)
     add_executor(r)
     r.set_defaults(func=run_study)
-    t = ssub.add_parser("text", help="Austen + a held-out text over training seeds: every policy vs the backbone, "
-                                     "the matched one and the dense frontier, with paired intervals, per bank source")
-    t.add_argument("--sources", default=None, help="comma-separated bank sources: residual, embedding, residual_shift "
-                   "(default: residual,embedding)")
+    t = ssub.add_parser("text", help="a corpus (Austen, or --corpus) + a held-out text over training seeds: every "
+                                     "policy vs the backbone, the matched one and the dense frontier, with paired "
+                                     "intervals, per bank source")
+    t.add_argument("--corpus", default=None, metavar="NAME|FILE|FOLDER|PREPARED",
+                   help="the training text and its validation split: an embedded corpus (austen, bierce, "
+                        "python-stdlib, click), a UTF-8 file (split contiguously), a folder of text files (split by "
+                        "whole files) or a folder `prisme data prepare` wrote (default: austen)")
+    t.add_argument("--sources", default=None, help="comma-separated bank sources: residual, embedding, residual_shift, "
+                   "residual_preceding, embedding_preceding (the key reads the preceding byte alone: a one-step "
+                   "induction read) (default: residual,embedding)")
     t.add_argument("--seeds", default=None, help="training seeds, comma-separated (default 1337,1338,1339): every "
                    "run per seed, every claim over them")
     t.add_argument("--seed", type=int, default=None, help="one training seed (the same as --seeds N)")
@@ -71,8 +77,17 @@ def add_study_parsers(sub: Any, add_compile: Callable[[argparse.ArgumentParser],
     t.add_argument("--window", type=int, default=None,
                    help="evaluation window length (default 128, the workspace stage's; at most the preset's 256)")
     t.add_argument("--val-batches", default="8", help="validation batches of 64 x 128, or 'all' (default 8)")
-    t.add_argument("--held-out", default="devils_dictionary",
-                   help="held-out text, scored whole (default: the embedded devils_dictionary)")
+    t.add_argument("--held-out", default="devils_dictionary", metavar="NAME|FILE|FOLDER",
+                   help="held-out text, scored whole, chosen as --corpus is (e.g. click: held-out code; default: the "
+                        "embedded devils_dictionary, Bierce)")
+    t.add_argument("--prisme-layers", type=int, default=None, metavar="N",
+                   help="with --context: PRISME's backbone depth (default 1), a 64-window key-shift backbone of N "
+                        "layers; the dense frontier must hold its twins, N layers global and N layers at the 64 "
+                        "window (the default frontier does for N = 1, 2, 3)")
+    t.add_argument("--workspace-steps", type=int, default=None, metavar="N",
+                   help="with --context: the workspace stage's steps of 2 x T bytes, times --scale (default 240: "
+                        "0.49 MB at T = 1,024); the matched backbone and every frontier model train on the added "
+                        "bytes too")
     t.add_argument("--out", default=None, help="study folder (default: runs/text)")
     t.add_argument("--jobs", type=int, default=None, help="worker processes (default 0 = one per CPU core)")
     t.add_argument("--threads", type=int, default=None, help="torch CPU threads per worker (default 1)")
@@ -151,6 +166,9 @@ def text_config(args: Any) -> Any:
     held_out = HELD_OUT_TEXT if opt("held_out") is None else args.held_out
     if not held_out.strip():
         raise ValueError("--held-out is empty: give a text file or folder, or devils_dictionary (the default)")
+    corpus = "austen" if opt("corpus") is None else args.corpus
+    if not corpus.strip():
+        raise ValueError("--corpus is empty: give a corpus name, a text file or folder, or austen (the default)")
     given = {"seeds": seeds, "sources": None if opt("sources") is None else parse_list(
                  args.sources, "--sources", one_of(SOURCES), example="residual,embedding", distinct=True),
              "context_frontier" if opt("context") else "frontier": None if opt("frontier") is None
@@ -162,7 +180,8 @@ def text_config(args: Any) -> Any:
                           val_batches=None if val.lower() == "all" else int(val),
                           held_out=held_out, compile=opt("compile") or "off", window=opt("window"),
                           slice_ngram=4 if opt("ngram") is None else args.ngram, context=opt("context"),
-                          reuse=opt("reuse"))
+                          reuse=opt("reuse"), corpus=corpus, prisme_layers=opt("prisme_layers"),
+                          workspace_steps=opt("workspace_steps"))
     return cfg.validate(PrismeConfig.from_name("demo"))  # before anything trains
 
 

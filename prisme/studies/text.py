@@ -32,7 +32,6 @@ workspace, so the other source's stage-1 checkpoint is the same backbone under i
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import sys
 import time
@@ -44,20 +43,21 @@ import torch
 
 from prisme.checkpoint import load_model
 from prisme.config import PrismeConfig
-from prisme.data.text import TokenDataset, load_text
-from prisme.data.tokenizers import ByteTokenizer
+from prisme.data.text import TokenDataset
 from prisme.io import write_text_atomic
 from prisme.rebase import rebase_backbone
 from prisme.studies.pools import pool_options, task_device
 from prisme.studies.records import STUDY_DIR, open_study, record_study, reuse_runs, reused_runs, store_path
 from prisme.studies.runner import Task, run_tasks, train_stage_once, worker_count
-from prisme.studies.text_report import format_report, seed_summary, verdicts
+from prisme.studies.text_data import check_inputs, corpus_records, held_out_data, stage_bytes, training_data
+from prisme.studies.text_report import capture_summary, format_report, seed_summary, verdicts
 from prisme.studies.text_setup import (
     CONTEXT_POLICIES,
     HELD_OUT_POLICIES,
     SOURCES,
     VAL_POLICIES,
     TextStudyConfig,
+    context_slice_edges,
     final_folder,
     frontier_config,
     frontier_name,
@@ -194,18 +194,11 @@ def _task(task: TextTask, cfg: TextStudyConfig, model_cfg: PrismeConfig, stages:
     torch.set_num_threads(cfg.threads)
     stages = {k: v.replace(device=device) if v.device == "auto" else v for k, v in stages.items()}
     t0 = time.perf_counter()
-    data = TokenDataset.from_text(austen(), ByteTokenizer(), val_fraction=0.1)
+    data = training_data(cfg.corpus)
     out: dict[str, Any] = task.describe()
     out["result"] = task.run(cfg, model_cfg, stages, data)
     out["wall_s"] = time.perf_counter() - t0
     return out
-
-
-@functools.lru_cache(maxsize=1)
-def austen() -> str:
-    """The training text, read once per process (decompressing it takes about a second; tasks run in one process
-    share it)."""
-    return load_text("austen")
 
 
 def _summary(r: Any) -> dict[str, Any]:
@@ -217,7 +210,7 @@ def _evaluate(cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[str, S
               data: TokenDataset, split: str) -> dict:
     """Every policy of one source on the validation split ("val") or the whole held-out text ("held_out"), with
     paired intervals to the backbone, the matched backbone and the dense frontier."""
-    from prisme.evaluation.policies import standard_policies
+    from prisme.evaluation.policies import PolicySettings, standard_policies
     from prisme.evaluation.run import EvalOptions, evaluate_policies
     from prisme.model.compiled import maybe_compile
 
@@ -233,23 +226,23 @@ def _evaluate(cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[str, S
         ds, batches, policies, budgets, ks, oracle_pos, lam = (data, cfg.val_batches, VAL_POLICIES, cfg.fixed_budgets,
                                                                (1, 2), cfg.oracle_positions, list(cfg.lambdas))
     else:
-        ds = TokenDataset.held_out(load_text(cfg.held_out), ByteTokenizer(), T, name=Path(cfg.held_out).name)
+        ds = held_out_data(cfg.held_out, T)
         batches, policies, budgets, ks, oracle_pos, lam = (cfg.held_out_batches, HELD_OUT_POLICIES,
                                                            cfg.held_out_budgets, (1,), cfg.held_out_oracle_positions,
                                                            list(cfg.held_out_lambdas))
     if long:
         policies, budgets, ks, lam = CONTEXT_POLICIES, [1], (1,), list(cfg.context_lambdas)
     t0 = time.perf_counter()
-    rows = standard_policies(model, policies, budgets=budgets, ks=ks, lambdas=lam, oracle_lambdas=[0.0],
-                             oracle_positions=oracle_pos, controller_budget=1 if long else cfg.controller_budget,
-                             kappa_risk=cfg.kappa_risk, matched=matched, references=refs)
+    settings = PolicySettings(budgets=budgets, ks=ks, lambdas=lam, oracle_lambdas=[0.0], oracle_positions=oracle_pos,
+                              controller_budget=1 if long else cfg.controller_budget, kappa_risk=cfg.kappa_risk)
+    rows = standard_policies(model, policies, settings, matched=matched, references=refs)
     # the dense frontier: every dense model trained on PRISME's bytes (at 128 also PRISME's own backbone, alone and
     # with the matched bytes: the T = 128 study's frontier); at a long context PRISME's local backbone is a row
     frontier = names if long else ["backbone", "backbone+matched", *names]
     rep = evaluate_policies(model, ds, rows, EvalOptions(
         batch_size=cfg.context_eval_batch_size if long else cfg.eval_batch_size, seq_len=T, max_batches=batches,
         seed=seed, bootstrap_samples=cfg.bootstrap_samples, frontier=frontier, slices=cfg.slice_ngram,
-        slices_window=model.cfg.attn_window if long else None))
+        slices_window=context_slice_edges(model.cfg.attn_window, T) if long else None))
     if split == "held_out":
         rep.split = f"held-out text {Path(cfg.held_out).name} (all of it)"
     rep.plot(run / source / f"pareto_{split}.png")
@@ -261,14 +254,21 @@ def _evaluate(cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[str, S
 
 # ------------------------------------------------------------------------------------------------------------ run
 UNRECORDED = ("out_dir", "jobs", "threads", "progress", "compile", "executor", "address", "reuse")  # change no run
+ADDED_FIELDS = {"corpus": "austen", "prisme_layers": None, "workspace_steps": None}  # and their values before them
 
 
 def study_settings(cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[int, dict[str, StageConfig]]
                    ) -> dict[str, Any]:
-    """What the study trains and scores, as its folder records it (`records.record_study`)."""
-    return {"study": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in UNRECORDED},
-            "model": model_cfg.to_dict(), "stages": {str(seed): {k: v.to_dict() for k, v in st.items()}
-                                                     for seed, st in stages.items()}}
+    """What the study trains and scores, as its folder records it (`records.record_study`): the training corpus by
+    name (and every stage's `dataset`), with its bytes and sha256 where it is not Austen; the fields added since
+    (`ADDED_FIELDS`) only where they are set, so a study recorded before them continues."""
+    study = {k: v for k, v in dataclasses.asdict(cfg).items()
+             if k not in UNRECORDED and not (k in ADDED_FIELDS and v == ADDED_FIELDS[k])}
+    out = {"study": study, "model": model_cfg.to_dict(),
+           "stages": {str(seed): {k: v.to_dict() for k, v in st.items()} for seed, st in stages.items()}}
+    if cfg.corpus != ADDED_FIELDS["corpus"]:
+        out["corpus"] = corpus_records(cfg)["train"]
+    return out
 
 
 def prepare_study(cfg: TextStudyConfig, model_cfg: PrismeConfig | None = None, resume: bool = False
@@ -307,23 +307,6 @@ def prepare_study(cfg: TextStudyConfig, model_cfg: PrismeConfig | None = None, r
                   tuple(n.name for n in needs))
              for i, (t, needs) in enumerate(planned)]
     return model_cfg, stages, tasks
-
-
-def check_inputs(cfg: TextStudyConfig, stages: dict[str, StageConfig]) -> None:
-    """Every text the study reads, before anything trains: the held-out text exists and holds at least one evaluation
-    window (+ 1 target), and the validation split the `val_batches` asked for; a ValueError naming the option."""
-    T = cfg.eval_window or stages["workspace"].seq_len
-    shorter = "--context" if cfg.context is not None else "--window"
-    n = len(load_text(cfg.held_out).encode("utf-8"))  # a missing or empty text fails here too
-    if n < T + 1:
-        raise ValueError(f"text study: --held-out {cfg.held_out} holds {n:,} bytes, fewer than one evaluation window "
-                         f"of {T:,} bytes + 1 target: pass a longer text, or a shorter {shorter}")
-    data = TokenDataset.from_text(austen(), ByteTokenizer(), val_fraction=0.1)
-    batch = cfg.context_eval_batch_size if cfg.context is not None else cfg.eval_batch_size
-    have = -(-data.n_eval_windows("val", T) // batch)
-    if cfg.val_batches is not None and cfg.val_batches > have:
-        raise ValueError(f"text study: --val-batches {cfg.val_batches} is more than the validation split holds "
-                         f"({have} batches of {batch} x {T} bytes): pass --val-batches {have} or less, or all")
 
 
 def reuse_training(cfg: TextStudyConfig, settings: dict[str, Any], tasks: list[Task]) -> list[str]:
@@ -389,7 +372,7 @@ def run_study(cfg: TextStudyConfig, model_cfg: PrismeConfig | None = None, resum
     store = record_study(cfg.out_dir, settings, "text study")
     t0 = time.perf_counter()
     done = run_tasks(tasks, cfg.jobs, on_done=progress_printer(cfg.progress), store=store, resumed=resumed,
-                     **pool_options(cfg))
+                     pool=pool_options(cfg))
     return finish_study(cfg, model_cfg, stages, done, tasks, time.perf_counter() - t0,
                         worker_count(cfg.jobs, len(tasks)))
 
@@ -409,12 +392,13 @@ def assemble(cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[int, di
         phase = of[name].kind
         phases[phase] = phases.get(phase, 0.0) + v["wall_s"]
     first = stages[cfg.seeds[0]]
-    doc = {"model": model_cfg.to_dict(), "study": dataclasses.asdict(cfg),
-           "stages": {k: v.to_dict() for k, v in first.items()},
+    doc = {"model": model_cfg.to_dict(), "study": dataclasses.asdict(cfg), "corpus": corpus_records(cfg),
+           "stages": {k: v.to_dict() for k, v in first.items()}, "training_bytes": stage_bytes(first),
            "frontier": [frontier_name(model_cfg, *f) for f in cfg.frontier_entries], "seeds": seeds,
            "reused": reused_runs(cfg.out_dir),
            "wall_s": {"total": total_s, **phases, "jobs": jobs,
                       "note": "phases sum the time of every task in that phase over all workers and seeds"}}
     doc["summary"] = seed_summary(doc)
     doc["verdicts"] = verdicts(doc)
+    doc["capture"] = capture_summary(doc)
     return doc

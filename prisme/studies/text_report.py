@@ -106,7 +106,7 @@ def verdicts(doc: dict[str, Any]) -> list[str]:
 def format_report(doc: dict[str, Any]) -> str:
     """The first seed's tables (every row, with its intervals), the rows over the seeds, and the verdicts."""
     seeds = list(doc["seeds"])
-    parts = []
+    parts = [h for h in (corpus_header(doc),) if h]
     for src, by in doc["seeds"][seeds[0]]["sources"].items():
         for split in ("val", "held_out"):
             parts.append(f"== seed {seeds[0]}, {src} bank, {split} ==\n{by[split]['table']}")
@@ -124,6 +124,30 @@ def format_report(doc: dict[str, Any]) -> str:
             parts.append(table)
     parts.append("\n".join(doc["verdicts"]))
     return "\n\n".join(parts)
+
+
+def _describe(c: dict[str, Any]) -> str:
+    size = f", {c['bytes']:,} bytes, sha256 {c['sha256'][:12]}" if "bytes" in c else ""
+    return f"{c['name']} ({c['kind']}, {c['licence']}, split {c['split']}{size})"
+
+
+def corpus_header(doc: dict[str, Any]) -> str | None:
+    """The texts the study read (`text_data.corpus_records`) and each run's training bytes per seed (None for a
+    document that records neither)."""
+    lines = []
+    if doc.get("corpus"):
+        lines += [f"corpus: {_describe(doc['corpus']['train'])}", f"held-out: {_describe(doc['corpus']['held_out'])}"]
+    nbytes = doc.get("training_bytes")
+    if nbytes:
+        model = doc.get("model") or {}
+        frontier = sorted({v for k, v in nbytes.items() if k.startswith("frontier:")})
+        third = (doc.get("stages") or {}).get("controller", {}).get("stage", "controller")  # at --context: router
+        named = [f"{third if k == 'controller' else k} {nbytes[k]:,}" for k in ("backbone", "workspace", "controller",
+                                                                               "matched") if k in nbytes]
+        lines.append(f"training bytes per seed: {', '.join(named)}; each dense frontier model "
+                     f"{' / '.join(f'{v:,}' for v in frontier) or '-'} (PRISME: {model.get('n_layer', '?')}-layer "
+                     f"backbone, attention window {model.get('attn_window') or 'global'})")
+    return "\n".join(lines) or None
 
 
 def _by_slice(e: dict[str, Any], names: tuple[str, ...]) -> list[dict[str, Any]]:

@@ -12,6 +12,7 @@ from typing import Any
 
 from prisme.checks import COMPILE_SETTINGS, check_choice, check_seeds, parse_list
 from prisme.config import PrismeConfig
+from prisme.data.corpora import resolve_corpus
 from prisme.data.text import HELD_OUT_TEXT
 from prisme.studies.pools import check_executor
 from prisme.training.config import StageConfig
@@ -22,6 +23,11 @@ SOURCES = {  # name -> PrismeConfig overrides of the demo preset
     # an induction-style bank: entry j's key also reads H_{j-1} (the context before byte j), its value H_j (byte j),
     # so a query matching a context reads the byte that followed it
     "residual_shift": dict(bank_shift=True),
+    # the one-step induction read (`bank_key="preceding"`): entry j's key reads position j-1 alone, its value j, so a
+    # query that matches what preceded byte j reads byte j; the query from H (residual) or the token (embedding)
+    "residual_preceding": dict(bank_key="preceding"),
+    "embedding_preceding": dict(bank_source="embedding", bank_key="preceding", controller_source="residual",
+                                controller_bank=True),
 }
 DEFAULT_SOURCES = ["residual", "embedding"]
 VAL_POLICIES = ["backbone", "matched", "fixed", "random", "dense", "controller", "oracle"]
@@ -29,6 +35,8 @@ CONTEXT_POLICIES = ["backbone", "matched", "fixed", "controller", "oracle"]  # `
 #   router's at budget 1 (the "controller" family of a router model), beside one fixed edit everywhere and the oracle
 HELD_OUT_POLICIES = ["backbone", "matched", "fixed", "controller", "oracle"]  # all of the text: the cheaper rows
 DEFAULT_SEEDS = [1337, 1338, 1339]
+SLICE_BUCKETS = (256, 1024)  # `--context`: the AR hits beyond PRISME's window split at these copy distances (those
+#   below T)
 MAX_CONTEXT = 4096  # `--context`: the longest window of the project's presets (recall_long's and prisme_459m's T_max)
 # the dense frontier: backbones alone, from scratch on PRISME's tokens; an entry is [n_layer, d_model] (None = the
 # preset's width), optionally [.., key_shift, attn_window] (`FRONTIER_OPTIONS`). Every help PRISME's bank gets the dense
@@ -49,7 +57,9 @@ class TextStudyConfig:
     val_batches: int | None = 8  # validation batches of `eval_batch_size` x 128 (None: the whole split)
     held_out_batches: int | None = None  # batches of the held-out text (None: all of it)
     eval_batch_size: int = 64
-    held_out: str = HELD_OUT_TEXT  # an embedded text's name, or a UTF-8 file / folder
+    corpus: str = "austen"  # the training text (its validation split too): a corpus name, a UTF-8 file or folder, or
+    #   a folder `prisme data prepare` wrote (`data.corpora.resolve_corpus`)
+    held_out: str = HELD_OUT_TEXT  # the held-out text, scored whole: a corpus name, a file or a folder (the same)
     lambdas: list[float] = field(default_factory=lambda: [0.001, 0.003])  # the controller's prices (validation)
     held_out_lambdas: list[float] = field(default_factory=lambda: [0.003])  # ... on the held-out text (all of it)
     controller_budget: int = 1  # edits per position the deployed controller may make (its workspace trained 1..4)
@@ -85,6 +95,10 @@ class TextStudyConfig:
     context_oracle_positions: int = 64  # positions per training sequence where the router stage runs every action
     context_eval_batch_size: int = 8  # windows of T per evaluation batch
     context_lambdas: list[float] = field(default_factory=lambda: [0.003, 0.01, 0.03])  # the router's prices
+    prisme_layers: int | None = None  # PRISME's backbone depth at `--context` (None: the preset's, 1); the frontier
+    #   must hold that depth's global model and its window twin (the capture's reference)
+    workspace_steps: int | None = None  # the workspace stage's steps at `--context`, times `scale` (None: the
+    #   recipe's 240 of 2 x T bytes); the matched run and every frontier model train on the added bytes too
 
     def validate(self, model_cfg: PrismeConfig | None = None) -> TextStudyConfig:
         """ValueError naming the option for bad settings (the frontier's widths against `model_cfg`'s heads)."""
@@ -136,6 +150,16 @@ class TextStudyConfig:
              f"context_frontier must be a non-empty list of frontier entries, got {self.context_frontier!r}")
         for f in ("context_router_steps", "context_oracle_positions", "context_eval_batch_size"):
             need(is_count(getattr(self, f)), f"{f} must be an int >= 1, got {getattr(self, f)!r}")
+        for f in ("prisme_layers", "workspace_steps"):
+            v = getattr(self, f)
+            need(v is None or is_count(v), f"{f} (--{f.replace('_', '-')}) must be an int >= 1, got {v!r}")
+            need(v is None or self.context is not None,
+                 f"--{f.replace('_', '-')} goes with --context (the long-context study's PRISME)")
+        for f, name in (("corpus", "--corpus"), ("held_out", "--held-out")):
+            try:
+                resolve_corpus(getattr(self, f))
+            except ValueError as e:
+                raise ValueError(f"text study: {name}: {e}") from None
         need(len(self.context_lambdas) > 0 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
                                                    and math.isfinite(v) and v >= 0 for v in self.context_lambdas),
              f"context_lambdas must be finite numbers >= 0, got {self.context_lambdas!r}")
@@ -154,6 +178,8 @@ class TextStudyConfig:
                                        f"in none; pass --ngram {T - 1} or less")
             for f in self.frontier_entries:
                 frontier_config(model_cfg, *f)
+            if self.context is not None and self.prisme_layers is not None:
+                check_twins(self.context_frontier, self.prisme_layers, model_cfg.attn_window)
         return self
 
     @property
@@ -171,14 +197,33 @@ class TextStudyConfig:
         `context_model` (ValueError naming `context_model`)."""
         if self.context is None:
             return preset
+        depth = {} if self.prisme_layers is None else {"n_layer": self.prisme_layers}
         try:
-            return preset.replace(max_seq_len=max(preset.max_seq_len, self.context), **self.context_model)
+            return preset.replace(max_seq_len=max(preset.max_seq_len, self.context), **self.context_model, **depth)
         except (TypeError, ValueError) as e:
             raise ValueError(f"text study: context_model {self.context_model!r} does not make a model: {e}") from None
 
 
 OPTIONS = {"val_batches": " (--val-batches)", "threads": " (--threads)", "slice_ngram": " (--ngram)"}  # fields the
 #   command line sets, named with their option in errors
+
+
+def check_twins(frontier: list[list[Any]], depth: int, window: int | None) -> None:
+    """ValueError unless the frontier holds a global-attention model of PRISME's depth and its window twin (the same
+    entry at PRISME's attention window): the pair PRISME's capture is measured against."""
+    entries = [[*f[:2], *frontier_options(f).values()] for f in frontier]
+    if not any(f[0] == depth and f[3] is None and [*f[:3], window] in entries for f in entries):
+        raise ValueError(f"text study: --prisme-layers {depth}: the dense frontier holds no {depth}-layer global model "
+                         f"with its {window}-window twin (e.g. {depth}ks and {depth}w{window}ks in --frontier): "
+                         f"PRISME's capture is measured against that pair")
+
+
+def context_slice_edges(window: int | None, T: int) -> int | tuple[int, ...] | None:
+    """The slices' window at `--context T`: PRISME's attention window, then the `SLICE_BUCKETS` edges between it and T
+    (`evaluation.slices.slice_edges`); None without a window."""
+    if window is None:
+        return None
+    return (window, *(e for e in SLICE_BUCKETS if window < e < T))
 
 
 def shortest_context(cfg: TextStudyConfig, model_cfg: PrismeConfig) -> int:
@@ -268,7 +313,8 @@ def stage_configs(cfg: TextStudyConfig, model_cfg: PrismeConfig, seed: int) -> d
         name = frontier_name(model_cfg, *f)
         st[f"frontier:{name}"] = s1.replace(steps=steps, out_dir=str(run / "frontier" / name))
     ws_stages = ("workspace", "controller")
-    return {k: v.replace(progress=False, compile=cfg.compile if k in ws_stages else "off") for k, v in st.items()}
+    return {k: v.replace(progress=False, compile=cfg.compile if k in ws_stages else "off", dataset=cfg.corpus)
+            for k, v in st.items()}
 
 
 FINAL_FOLDERS = {"controller": "4_controller", "router": "3_router"}
@@ -282,7 +328,8 @@ def final_folder(stages: dict[str, StageConfig]) -> str:
 def context_stages(cfg: TextStudyConfig, st: dict[str, StageConfig]) -> dict[str, StageConfig]:
     """The demo's stages at windows of T = `cfg.context` bytes, each step as many bytes as at 128 (batch 16 x 128 ->
     2 x 1,024), and its third stage the router's (`context_router_steps` of one window, the oracle's loss drops at
-    `context_oracle_positions` positions each, budget 1); the matched run as many bytes as stage 2."""
+    `context_oracle_positions` positions each, budget 1); the workspace stage `workspace_steps` steps where set (times
+    `scale`); the matched run as many bytes as stage 2."""
     T = cfg.context
     out = {k: s.replace(seq_len=T, batch_size=max(1, s.batch_size * s.seq_len // T)) for k, s in st.items()}
     c = out["controller"]
@@ -291,5 +338,8 @@ def context_stages(cfg: TextStudyConfig, st: dict[str, StageConfig]) -> dict[str
                                   eval_every=steps, oracle_positions=cfg.context_oracle_positions, max_budget=1,
                                   lr=3e-3, min_lr=3e-4)
     s2, m = out["workspace"], out["matched"]
+    if cfg.workspace_steps is not None:
+        n = max(2, round(cfg.workspace_steps * cfg.scale))
+        s2 = out["workspace"] = s2.replace(steps=n, warmup=min(s2.warmup, n), eval_every=max(1, n // 2))
     out["matched"] = m.replace(steps=max(2, math.ceil(s2.steps * s2.batch_size / m.batch_size)))
     return out
