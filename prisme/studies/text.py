@@ -42,7 +42,7 @@ from typing import Any, ClassVar
 import torch
 
 from prisme.checkpoint import load_model
-from prisme.config import PrismeConfig
+from prisme.config import PrismeConfig, with_added_fields
 from prisme.data.text import TokenDataset
 from prisme.io import write_text_atomic
 from prisme.rebase import rebase_backbone
@@ -325,10 +325,21 @@ def reuse_training(cfg: TextStudyConfig, settings: dict[str, Any], tasks: list[T
             Path(settings["stages"][str(t.seed)][st[-1]]["out_dir"])
         units[folder.relative_to(out)] = (t.seed, st, t.name)
 
+    ours = PrismeConfig.from_dict(settings["model"])
+    entries = {f"frontier:{frontier_name(ours, *f)}": f for f in cfg.frontier_entries}
+
     def entry(recorded: dict[str, Any], rel: Path) -> Any:
         seed, keys, _ = units[rel]
         stages = [recorded.get("stages", {}).get(str(seed), {}).get(k) for k in keys]
-        return None if None in stages else {"model": recorded.get("model"), "stages": stages}
+        if None in stages:
+            return None
+        if keys[0] in entries:  # a dense model: its own config (PRISME's depth, sources and workspace change nothing)
+            try:
+                model = frontier_config(PrismeConfig.from_dict(with_added_fields(recorded["model"])), *entries[keys[0]])
+            except (KeyError, TypeError, ValueError):
+                return None
+            return {"model": model.to_dict(), "stages": stages}
+        return {"model": recorded.get("model"), "stages": stages}
 
     def finished(src: Path, rel: Path) -> bool:  # a kept result: of this study, or of the demo whose text/ it is
         name = units[rel][2]
