@@ -162,6 +162,18 @@ def test_a_code_study_records_its_corpus_slices_by_distance_and_capture(tmp_path
     assert f"corpus: {folder} (folder" in report and "16-256" in report and "capture beyond" in report
     settings = study_settings(cfg, *prepare_study(cfg, PrismeConfig.from_name("tiny", vocab_size=256))[:2])
     assert settings["study"]["corpus"] == str(folder) and settings["corpus"]["sha256"]
+    from pathlib import Path
+
+    from prisme.studies.text import reuse_training
+
+    other = TextStudyConfig(**{**cfg.__dict__, "prisme_layers": 1, "sources": ["residual"], "reuse": cfg.out_dir,
+                               "context_frontier": [*cfg.context_frontier, [1, None, True], [1, None, True, 16]],
+                               "out_dir": str(tmp_path / "again")})  # another PRISME: the same dense models
+    model_cfg, stages, tasks = prepare_study(other, PrismeConfig.from_name("tiny", vocab_size=256))
+    copied = reuse_training(other, study_settings(other, model_cfg, stages), tasks)
+    d = doc["model"]["d_model"]
+    assert sorted(Path(p).relative_to(tmp_path / "again").as_posix() for p in copied) == [
+        f"seed3/frontier/L2_d{d}_ks", f"seed3/frontier/L2_d{d}_w16_ks"]  # not PRISME's 1-layer backbone
     plain = TextStudyConfig(seeds=[3], out_dir=str(tmp_path / "austen"))
     model_cfg, stages, _ = prepare_study(plain)
     recorded = study_settings(plain, model_cfg, stages)
