@@ -123,21 +123,25 @@ def resolve_checkpoint(path: str | Path) -> Path:
 # ------------------------------------------------------------------------------------------------------------- saving
 
 
-def save_checkpoint(
-    path: str | Path,
-    model: torch.nn.Module,
-    *,
-    stage: str,
-    step: int,
-    stage_config: dict[str, Any] | None = None,
-    optimizer_state: dict[str, Any] | None = None,
-    rng: dict[str, Any] | None = None,
-    metrics: dict[str, Any] | None = None,
-    extra: dict[str, Any] | None = None,
-    state_dict: dict[str, torch.Tensor] | None = None,
-    update_latest: bool = True,
-    tokenizer: Any = "unrecorded",
-) -> Path:
+@dataclass(frozen=True)
+class TrainingState:
+    """What a checkpoint records of its run beside the weights and the config (`save_checkpoint`): state.json's
+    fields, the optimizer state (optimizer.pt) and the tokenizer (tokenizer.json); `CheckpointMeta` reads them back."""
+
+    stage: str  # the stage that wrote it (`prisme.training.stages.STAGES`), or "export"
+    step: int  # optimizer steps completed in this stage
+    stage_config: dict[str, Any] | None = None  # StageConfig.to_dict() of the run (None: {})
+    optimizer_state: dict[str, Any] | None = None  # `optimizer.state_dict()` (torch.save), or None: weights only
+    rng: dict[str, Any] | None = None  # name -> RNG state (`encode_rng`; None: {})
+    metrics: dict[str, Any] | None = None  # last train/val metrics (None: {})
+    extra: dict[str, Any] | None = None  # stage-specific state (None: {})
+    tokenizer: Any = "unrecorded"  # the training text's tokenizer (a BPE is saved as tokenizer.json in the folder,
+    #   so that the checkpoint travels with it; `load_tokenizer` reads it back), None for token-id data (MQAR), or
+    #   "unrecorded" (`load_tokenizer` then goes by the stage config, as for older checkpoints)
+
+
+def save_checkpoint(path: str | Path, model: torch.nn.Module, state: TrainingState, *,
+                    state_dict: dict[str, torch.Tensor] | None = None, update_latest: bool = True) -> Path:
     """Write a checkpoint folder atomically and return its path.
 
     Args:
@@ -145,14 +149,13 @@ def save_checkpoint(
             pointer is updated afterwards (unless `update_latest=False`).
         model: a PrismeModel (its `cfg` goes to config.json; its state dict to model.safetensors unless `state_dict`
             is given, e.g. gathered from FSDP shards).
-        optimizer_state: `optimizer.state_dict()` (written with torch.save), or None for a weights-only folder.
-        tokenizer: the tokenizer of the training text (a BPE is saved as tokenizer.json in the folder, so that the
-            checkpoint travels with it; `load_tokenizer` reads it back), None for token-id data (MQAR), or
-            "unrecorded" (the default: `load_tokenizer` then goes by the stage config, as for older checkpoints).
+        state: the run's stage, step, stage config, optimizer state, RNG states, metrics, extra state and tokenizer
+            (`TrainingState`).
     """
     from safetensors.torch import save_file
 
     path = Path(path)
+    optimizer_state, tokenizer = state.optimizer_state, state.tokenizer
     cfg: PrismeConfig = model.cfg
     sd = state_dict if state_dict is not None else model.state_dict()
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
@@ -176,12 +179,12 @@ def save_checkpoint(
         tok_record, tok_file = tokenizer_record(tokenizer) if tokenizer != "unrecorded" else (None, None)
         if tok_file is not None:
             write_file(tmp / TOKENIZER_FILE, tok_file)
-        state = {"schema_version": SCHEMA_VERSION, "stage": stage, "step": int(step),
-                 **({"tokenizer": tok_record} if tok_record is not None else {}),
-                 "stage_config": stage_config or {}, "rng": rng or {}, "metrics": metrics or {},
-                 "extra": extra or {}, "weights_sha256": digest, "has_optimizer": optimizer_state is not None,
-                 "optimizer_sha256": opt_digest, "torch_version": torch.__version__}
-        write_file(tmp / STATE, (json.dumps(state, indent=2, sort_keys=True, default=json_default) + "\n").encode())
+        record = {"schema_version": SCHEMA_VERSION, "stage": state.stage, "step": int(state.step),
+                  **({"tokenizer": tok_record} if tok_record is not None else {}),
+                  "stage_config": state.stage_config or {}, "rng": state.rng or {}, "metrics": state.metrics or {},
+                  "extra": state.extra or {}, "weights_sha256": digest, "has_optimizer": optimizer_state is not None,
+                  "optimizer_sha256": opt_digest, "torch_version": torch.__version__}
+        write_file(tmp / STATE, (json.dumps(record, indent=2, sort_keys=True, default=json_default) + "\n").encode())
         fsync_dir(tmp)
         old = None
         if path.exists():  # move the old folder aside first: a directory rename cannot replace a non-empty one

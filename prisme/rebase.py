@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from prisme.checkpoint import checkpoint_name, load_checkpoint, save_checkpoint, tokenizer_of
+from prisme.checkpoint import TrainingState, checkpoint_name, load_checkpoint, save_checkpoint, tokenizer_of
 from prisme.config import PrismeConfig
 from prisme.data.tokenizers import describe_tokenizer, tokenizer_identity
 
@@ -66,10 +66,9 @@ def rebase(path: str | Path, cfg: PrismeConfig, out_dir: str | Path, seed: int,
                     raise ValueError(f"cannot keep the workspace of {meta.path}: parameter {n} does not fit "
                                      f"{cfg.name!r} (the workspace options differ; only controller options may)")
                 model.get_parameter(n).copy_(theirs[n])
-    return save_checkpoint(Path(out_dir) / checkpoint_name(meta.step), model, stage=REBASES[kept],
-                           step=meta.step, stage_config=meta.stage_config, metrics=meta.metrics,
-                           extra={"rebased_from": str(meta.path), "kept": list(keep)},
-                           tokenizer=own)
+    return save_checkpoint(Path(out_dir) / checkpoint_name(meta.step), model, TrainingState(
+        stage=REBASES[kept], step=meta.step, stage_config=meta.stage_config, metrics=meta.metrics,
+        extra={"rebased_from": str(meta.path), "kept": list(keep)}, tokenizer=own))
 
 
 def rebase_backbone(path: str | Path, cfg: PrismeConfig, out_dir: str | Path, seed: int) -> Path:

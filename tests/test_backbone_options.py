@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from tiny_models import tiny_model
 
 from prisme import costs
-from prisme.checkpoint import load_checkpoint, save_checkpoint
+from prisme.checkpoint import TrainingState, load_checkpoint, save_checkpoint
 from prisme.config import ADDED_CONFIG_FIELDS, PrismeConfig, complete_config
 from prisme.costs.counting import OpsCounter
 from prisme.model import attention
@@ -469,8 +469,8 @@ def test_a_checkpoint_loads_only_into_a_config_with_the_same_options(option, tmp
     with_cfg, without_cfg = PrismeConfig.from_name("tiny", **option), PrismeConfig.from_name("tiny")
     for cfg, other in ((with_cfg, without_cfg), (without_cfg, with_cfg)):
         torch.manual_seed(0)
-        path = save_checkpoint(tmp_path / f"{field}-{getattr(cfg, field)}", PrismeModel(cfg), stage="backbone",
-                               step=1)
+        path = save_checkpoint(tmp_path / f"{field}-{getattr(cfg, field)}", PrismeModel(cfg),
+                               TrainingState(stage="backbone", step=1))
         model, meta = load_checkpoint(path, expected_config=cfg)
         assert getattr(meta.config, field) == getattr(cfg, field)
         with pytest.raises(ValueError, match=field):
@@ -489,7 +489,7 @@ def test_weights_with_a_key_shift_do_not_fit_a_config_edited_to_drop_it(tmp_path
     from prisme.model.prisme import PrismeModel
 
     path = save_checkpoint(tmp_path / "ck", PrismeModel(PrismeConfig.from_name("tiny", key_shift=True)),
-                           stage="backbone", step=1)
+                           TrainingState(stage="backbone", step=1))
     d = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**d, "key_shift": False}))
     with pytest.raises(ValueError, match="wk_shift"):

@@ -32,7 +32,7 @@ def last_json_block(stdout: str) -> dict:
 @pytest.fixture(scope="module")
 def tiny_doc() -> dict:
     """run_kv on the tiny preset with a small protocol (computed once for the module)."""
-    return kv.run_kv(preset="tiny", prompts=(4, 8), new_tokens=3, warmups=1, repeats=2, seq_len=12)
+    return kv.run_kv("tiny", kv.KVBenchOptions(prompts=(4, 8), new_tokens=3, warmups=1, repeats=2, seq_len=12))
 
 
 def test_correctness_rows_are_exact_on_tiny_settings(tiny_cfg):
@@ -142,7 +142,7 @@ def test_write_json_atomic_leaves_only_the_final_file(tmp_path):
 def test_run_kv_rejects_prompts_past_t_max():
     """A prompt plus continuation longer than the preset's T_max is a ValueError naming T_max."""
     with pytest.raises(ValueError, match="T_max"):
-        kv.run_kv(preset="tiny", prompts=(60,), new_tokens=16)
+        kv.run_kv("tiny", kv.KVBenchOptions(prompts=(60,), new_tokens=16))
 
 
 def test_cli_bench_kv_prints_json_last_and_writes_the_file(capsys, tmp_path):

@@ -245,8 +245,9 @@ def test_decode_floor_is_bytes_over_bandwidth(pairs):
 @needs_hf
 def test_run_big_rows_on_a_tiny_pair(pairs):
     """The 103m protocol on tiny: decode rows per batch with a floor from stream_read, a prefill row with a peak."""
-    res = bench_hf.run_big(pairs["tiny"], batches=(1, 2), prompt_len=4, new_tokens=2, prefill_tokens=8, warmups=0,
-                           repeats=1, compile_mode=None, seed=0, matmul_sizes=(16,), stream_bytes=4096)
+    protocol = bench_hf.BigProtocol(batches=(1, 2), prompt_len=4, new_tokens=2, prefill_tokens=8, warmups=0,
+                                    repeats=1, matmul_sizes=(16,), stream_bytes=4096)
+    res = bench_hf.run_big(pairs["tiny"], protocol, compile_mode=None, seed=0)
     assert [r.batch for r in res.decode] == [1, 2]
     for r in res.decode:
         assert set(r.samples_ms) == {"hf_dynamic", "hf_static", "prisme", "stream_read"}
@@ -305,9 +306,9 @@ def test_run_vs_hf_rejects_bad_settings_before_any_work():
     with pytest.raises(ValueError, match="shapes"):
         bench_hf.run_vs_hf(shapes=("gpt5",))
     with pytest.raises(ValueError, match="T_max"):
-        bench_hf.run_vs_hf(shapes=("seed001",), prompts=(510,), new_tokens=16)
+        bench_hf.run_vs_hf(("seed001",), bench_hf.VsHFOptions(prompts=(510,), new_tokens=16))
     with pytest.raises(ValueError, match="prefill_tokens"):
-        bench_hf.run_vs_hf(prefill_tokens=4096)
+        bench_hf.run_vs_hf(options=bench_hf.VsHFOptions(prefill_tokens=4096))
 
 
 @needs_hf
@@ -329,15 +330,15 @@ def test_cli_vs_hf_prints_table_and_json_last(capsys, tmp_path):
 
 @needs_hf
 def test_vs_hf_runs_on_a_device_that_is_not_the_cpu():
-    """`run_vs_hf(device=...)` on the fake device (tests/fake_device.py): both models, the tokens, the positions and
-    the planted bugs live there (a device mix raises); every path's logits check passes, the negative controls are
-    caught, the environment names the device and no CPU-bandwidth floor is computed. `--device cuda` without CUDA
-    is a ValueError naming the option."""
+    """`run_vs_hf` with `VsHFOptions(device=...)` on the fake device (tests/fake_device.py): both models, the tokens,
+    the positions and the planted bugs live there (a device mix raises); every path's logits check passes, the
+    negative controls are caught, the environment names the device and no CPU-bandwidth floor is computed.
+    `--device cuda` without CUDA is a ValueError naming the option."""
     from fake_device import FakeDevice
 
     with FakeDevice() as fd:
-        doc = bench_hf.run_vs_hf(shapes=("seed001",), prompts=(8,), new_tokens=2, warmups=0, repeats=1,
-                                 compile_mode=None, device=fd.device)
+        doc = bench_hf.run_vs_hf(("seed001",), bench_hf.VsHFOptions(prompts=(8,), new_tokens=2, warmups=0, repeats=1,
+                                                                    compile_mode=None, device=fd.device))
     assert doc["checks"]["passed"] is True and doc["environment"]["device"] == "fakegpu:0"
     assert len(doc["correctness"]) >= 5 and len(doc["negative_controls"]) >= 3
     assert all(r["floor"] is None for r in doc["decode"])
@@ -358,6 +359,6 @@ def test_cli_vs_hf_skips_with_a_clear_message_without_transformers(monkeypatch, 
 @pytest.mark.slow
 def test_run_vs_hf_seed001_with_compile(capsys):
     """The seed001 half of the default protocol with the compiled paths: checks pass, compiled rows are present."""
-    doc = bench_hf.run_vs_hf(shapes=("seed001",), prompts=(8, 16), new_tokens=4, warmups=1, repeats=2)
+    doc = bench_hf.run_vs_hf(("seed001",), bench_hf.VsHFOptions(prompts=(8, 16), new_tokens=4, warmups=1, repeats=2))
     assert doc["checks"]["passed"] is True and doc["compile"]["seed001"]["errors"] == {}
     assert all("compiled" in r["p50_ms"] for r in doc["decode"] + doc["prefill"])

@@ -106,8 +106,8 @@ def test_matmul_paths_compute_the_product():
 
 def test_train_throughput_trains_and_reports_consistent_figures(tiny_cfg):
     """On tiny: the loss falls over the timed steps (same batch), and tokens/s, GFLOP/s, fraction of peak agree."""
-    row = bench_train.train_throughput(tiny_cfg, batch=2, seq_len=16, warmups=1, repeats=3, matmul_sizes=(16, 32),
-                                       lr=3e-3)
+    row = bench_train.train_throughput(tiny_cfg, 2, 16, bench_train.TrainBenchOptions(warmups=1, repeats=3),
+                                       matmul_sizes=(16, 32), lr=3e-3)
     assert len(row.losses) == 4 and row.losses[-1] < row.losses[0] - 1e-3
     assert set(row.samples_ms) == {"train_step", "matmul_16", "matmul_32"}
     assert len(row.samples_ms["train_step"]) == 3
@@ -119,14 +119,15 @@ def test_train_throughput_trains_and_reports_consistent_figures(tiny_cfg):
 
 def test_train_throughput_with_zero_lr_does_not_train(tiny_cfg):
     """Negative control for 'the steps really train': with lr = 0 the loss on the fixed batch stays put."""
-    row = bench_train.train_throughput(tiny_cfg, batch=2, seq_len=16, warmups=1, repeats=2, matmul_sizes=(16,), lr=0.0)
+    row = bench_train.train_throughput(tiny_cfg, 2, 16, bench_train.TrainBenchOptions(warmups=1, repeats=2),
+                                       matmul_sizes=(16,), lr=0.0)
     assert max(row.losses) - min(row.losses) < 1e-6
 
 
 def test_train_throughput_rejects_a_sequence_past_t_max(tiny_cfg):
     """seq_len must leave room for the next-token target inside T_max."""
     with pytest.raises(ValueError, match="T_max"):
-        bench_train.train_throughput(tiny_cfg, batch=1, seq_len=tiny_cfg.max_seq_len)
+        bench_train.train_throughput(tiny_cfg, 1, tiny_cfg.max_seq_len, bench_train.TrainBenchOptions())
 
 
 @pytest.fixture
@@ -139,7 +140,8 @@ def small_machine(monkeypatch):
 
 def test_run_train_document_layout(small_machine):
     """run_train's JSON document: environment, bandwidth, one row per preset, checks passed; table renders."""
-    doc = json.loads(json.dumps(bench_train.run_train(("tiny",), warmups=0, repeats=2, threads=1, quick=True)))
+    options = bench_train.TrainBenchOptions(warmups=0, repeats=2, threads=1, quick=True)
+    doc = json.loads(json.dumps(bench_train.run_train(("tiny",), options)))
     assert set(doc) == {"scope", "environment", "models", "protocol", "bandwidth", "train", "targets", "checks",
                         "stages", "stage_protocol"}
     assert doc["environment"]["threads"] == 1 and doc["checks"]["passed"] is True
@@ -205,8 +207,8 @@ def test_stage_training_ops_bracket_the_counted_matmuls_of_a_real_step(stage, fa
 
 
 def test_bench_train_stage_rows_and_their_json(capsys):
-    doc = bench_train.run_train(("tiny",), warmups=1, repeats=2, threads=1, quick=True,
-                                stages=("workspace", "controller"))
+    doc = bench_train.run_train(("tiny",), bench_train.TrainBenchOptions(warmups=1, repeats=2, threads=1, quick=True,
+                                                                         stages=("workspace", "controller")))
     rows = {r["stage"]: r for r in doc["stages"]}
     assert set(rows) == {"workspace", "controller"}
     train = doc["train"][0]
@@ -220,6 +222,6 @@ def test_bench_train_stage_rows_and_their_json(capsys):
     assert "x 3 for what is trained" in doc["stage_protocol"]["ops"] and "rotated" in doc["stage_protocol"]["timing"]
     assert any("workspace stage" in t["name"] for t in doc["targets"])
     with pytest.raises(ValueError, match="unknown stage"):
-        bench_train.run_train(("tiny",), stages=("decoder",))
+        bench_train.run_train(("tiny",), bench_train.TrainBenchOptions(stages=("decoder",)))
     table = bench_train.format_train_table(doc)
     assert "controller" in table and "ops x bb" in table

@@ -26,7 +26,8 @@ def cfg() -> PrismeConfig:
 @pytest.fixture(scope="module")
 def doc(cfg: PrismeConfig) -> dict:
     """run_workspace on the tiny config, batch 1 and 8, a minimal protocol (computed once for the module)."""
-    return bw.run_workspace(presets=(cfg,), batches=(1, 8), prompt_len=6, new_tokens=2, warmups=0, repeats=1)
+    return bw.run_workspace((cfg,), bw.WorkspaceBenchOptions(batches=(1, 8), prompt_len=6, new_tokens=2, warmups=0,
+                                                             repeats=1))
 
 
 def decode(model, state, tokens, acts, budget):
@@ -218,9 +219,9 @@ def test_bad_inputs_raise_before_any_work(cfg):
     with pytest.raises(ValueError, match="no workspace"):
         bw.run_workspace(presets=("seed001",))
     with pytest.raises(ValueError, match="exceeds T_max"):
-        bw.run_workspace(presets=(cfg,), prompt_len=cfg.max_seq_len)
+        bw.run_workspace((cfg,), bw.WorkspaceBenchOptions(prompt_len=cfg.max_seq_len))
     with pytest.raises(ValueError, match="batch"):
-        bw.run_workspace(presets=(cfg,), batches=())
+        bw.run_workspace((cfg,), bw.WorkspaceBenchOptions(batches=()))
     with pytest.raises(ValueError, match="unknown row"):
         bw.row_plan(cfg, "3_actions_k3", 1)
 
@@ -229,8 +230,8 @@ def test_cli_prints_table_then_json_last_and_writes_the_file(doc, tmp_path, monk
     """`prisme bench workspace` prints the table, writes --json, and ends stdout with the same JSON document."""
     seen = {}
 
-    def fake_run(**kwargs):
-        seen.update(kwargs)
+    def fake_run(presets, options):
+        seen.update(presets=presets, options=options)
         return doc
 
     monkeypatch.setattr(bw, "run_workspace", fake_run)
@@ -241,7 +242,7 @@ def test_cli_prints_table_then_json_last_and_writes_the_file(doc, tmp_path, monk
     lines = stdout.rstrip().splitlines()
     start = max(i for i, line in enumerate(lines) if line == "{")
     assert json.loads("\n".join(lines[start:])) == json.loads(out.read_text()) == json.loads(json.dumps(doc))
-    assert seen["presets"] == ("demo",) and seen["batches"] == (1, 8) and seen["threads"] is None
+    assert seen["presets"] == ("demo",) and seen["options"].batches == (1, 8) and seen["options"].threads is None
 
 
 def test_cli_reports_bad_flags_as_errors(capsys):
@@ -255,8 +256,8 @@ def test_cli_reports_bad_flags_as_errors(capsys):
 def test_compiled_variant_agrees_with_seed_is_priced_in_the_seed_column_and_says_what_ran(cfg):
     """`--compile`: the compiled editor's rows (a ragged batch of 2: padded rows) pass the equivalence check against
     the seed model, carry the seed column's analytic ops, and name their path."""
-    d = bw.run_workspace(presets=(cfg,), batches=(2,), prompt_len=6, new_tokens=2, warmups=1, repeats=1,
-                         compile=True)
+    d = bw.run_workspace((cfg,), bw.WorkspaceBenchOptions(batches=(2,), prompt_len=6, new_tokens=2, warmups=1,
+                                                          repeats=1, compile=True))
     checks = d["checks"]["by_preset"][cfg.name]
     assert checks["compiled_vs_seed"] <= bw.TOLERANCE[torch.float32] and d["checks"]["passed"]
     for bt in d["presets"][0]["batches"]:

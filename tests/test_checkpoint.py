@@ -19,7 +19,7 @@ def _model(cfg: PrismeConfig, seed: int = 0, dtype: torch.dtype = torch.float32)
 
 
 def _save(model: PrismeModel, run: Path, step: int = 1, **kw) -> Path:
-    return ckpt.save_checkpoint(run / ckpt.checkpoint_name(step), model, stage="backbone", step=step, **kw)
+    return ckpt.save_checkpoint(run / ckpt.checkpoint_name(step), model, ckpt.TrainingState("backbone", step, **kw))
 
 
 def _tensors_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:

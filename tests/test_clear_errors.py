@@ -97,7 +97,7 @@ def test_a_full_disk_during_a_save_names_the_checkpoint_and_keeps_the_previous(t
     """ENOSPC while writing ckpt_2: an OSError naming it and the intact ckpt_1; no temporary folder is left and
     `latest` still names ckpt_1."""
     model = PrismeModel(PrismeConfig.from_name("tiny"))
-    first = ckpt.save_checkpoint(tmp_path / "ckpt_000001", model, stage="backbone", step=1)
+    first = ckpt.save_checkpoint(tmp_path / "ckpt_000001", model, ckpt.TrainingState(stage="backbone", step=1))
     real = ckpt.write_file
 
     def full(path, data):
@@ -106,12 +106,12 @@ def test_a_full_disk_during_a_save_names_the_checkpoint_and_keeps_the_previous(t
     monkeypatch.setattr(ckpt, "write_file", full)
     with pytest.raises(OSError, match=r"ckpt_000002 \(No space left on device\); the previous checkpoint "
                                       r".*ckpt_000001 is intact") as e:
-        ckpt.save_checkpoint(tmp_path / "ckpt_000002", model, stage="backbone", step=2)
+        ckpt.save_checkpoint(tmp_path / "ckpt_000002", model, ckpt.TrainingState(stage="backbone", step=2))
     assert e.value.errno == errno.ENOSPC
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_000001", ckpt.LATEST]
     assert ckpt.read_meta(tmp_path).path == first
     monkeypatch.setattr(ckpt, "write_file", real)  # control: the same save succeeds with space
-    ckpt.save_checkpoint(tmp_path / "ckpt_000002", model, stage="backbone", step=2)
+    ckpt.save_checkpoint(tmp_path / "ckpt_000002", model, ckpt.TrainingState(stage="backbone", step=2))
     assert ckpt.read_meta(tmp_path).step == 2
 
 

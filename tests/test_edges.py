@@ -51,10 +51,10 @@ def tok_world(tmp_path_factory):
                                         ("ws_byte", "byte", 4, "workspace")):
         torch.manual_seed(seed)
         tok = toks[tok_name]
-        ckpt.save_checkpoint(root / name / ckpt.checkpoint_name(1), PrismeModel(cfg), stage=stage, step=1,
-                             tokenizer=tok, stage_config={**sc, "tokenizer": "byte" if tok_name == "byte" else
-                                                          str(root / f"{tok_name}.json")},
-                             extra={"trained_groups": ["backbone"] + (["workspace"] if stage == "workspace" else [])})
+        ckpt.save_checkpoint(root / name / ckpt.checkpoint_name(1), PrismeModel(cfg), ckpt.TrainingState(
+            stage=stage, step=1, tokenizer=tok,
+            stage_config={**sc, "tokenizer": "byte" if tok_name == "byte" else str(root / f"{tok_name}.json")},
+            extra={"trained_groups": ["backbone"] + (["workspace"] if stage == "workspace" else [])}))
     docs = root / "docs"
     docs.mkdir()
     (docs / "a.txt").write_text(TEXT_A)
@@ -220,8 +220,8 @@ def ws_ckpt(tmp_path_factory):
     for name, stage, groups, c in (("ws", "workspace", ["backbone", "workspace"], cfg),
                                    ("s1", "backbone", ["backbone"], cfg),
                                    ("bb", "backbone", ["backbone"], cfg.replace(use_workspace=False))):
-        ckpt.save_checkpoint(root / name / ckpt.checkpoint_name(1), PrismeModel(c), stage=stage, step=1,
-                             tokenizer=None, stage_config=sc, extra={"trained_groups": groups})
+        ckpt.save_checkpoint(root / name / ckpt.checkpoint_name(1), PrismeModel(c), ckpt.TrainingState(
+            stage=stage, step=1, tokenizer=None, stage_config=sc, extra={"trained_groups": groups}))
     return root
 
 
@@ -504,7 +504,7 @@ def test_a_study_folder_continues_only_with_the_settings_it_was_started_with(tmp
     """The text study and the demo: a folder where a study was started with other settings is refused naming them,
     --resume needs a started study, the same settings continue (nothing is trained by these checks)."""
     from prisme.studies import text
-    from prisme.studies.demo import run_demo
+    from prisme.studies.demo import DemoOptions, run_demo
     from prisme.studies.runner import record_study
 
     model = PrismeConfig.from_name("tiny", vocab_size=256)
@@ -520,7 +520,7 @@ def test_a_study_folder_continues_only_with_the_settings_it_was_started_with(tmp
     with pytest.raises(ValueError, match="other settings .*study.scale: was 0.01, now 0.02"):
         text.prepare_study(other, model)
     with pytest.raises(ValueError, match="holds no demo to continue"):
-        run_demo(out=tmp_path / "demo", scale=0.01, model_cfg=model, resume=True, recall_seeds=[])
+        run_demo(tmp_path / "demo", DemoOptions(scale=0.01, model_cfg=model, recall_seeds=[]), resume=True)
 
 
 def stop_own_worker(seconds: float) -> str:

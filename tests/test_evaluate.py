@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from tiny_models import evaluate, tiny_model
 
 from prisme import cli
-from prisme.checkpoint import save_checkpoint
+from prisme.checkpoint import TrainingState, save_checkpoint
 from prisme.config import PrismeConfig
 from prisme.costs.analytic import token_ops
 from prisme.data.mqar import MQARConfig, MQARDataset, mqar_accuracy
@@ -432,8 +432,8 @@ def test_bad_inputs_raise_value_error_and_leave_the_model_alone():
 # ---------------------------------------------------------------------------------------------------------- CLI
 def test_cli_eval_prints_the_table_and_writes_json_and_png(tmp_path, capsys):
     """`prisme eval` on a saved checkpoint evaluates its training dataset (MQAR here) and writes JSON and PNG."""
-    ckpt = save_checkpoint(tmp_path / "run" / "ckpt_000000", make_model().float(), stage="controller", step=0,
-                           stage_config=StageConfig(stage="controller", dataset="mqar").to_dict())
+    ckpt = save_checkpoint(tmp_path / "run" / "ckpt_000000", make_model().float(), TrainingState(
+        stage="controller", step=0, stage_config=StageConfig(stage="controller", dataset="mqar").to_dict()))
     out_json, out_png = tmp_path / "eval.json", tmp_path / "eval.png"
     rc = cli.main(["eval", "--checkpoint", str(ckpt), "--batches", "1", "--batch-size", "2",
                    "--policies", "backbone,fixed,controller", "--lambdas", "0,0.1", "--device", "cpu",
@@ -504,10 +504,11 @@ def test_cli_eval_scores_references_and_the_frontier_gap_against_them(tmp_path, 
     import prisme.evaluation.run as ev
 
     sc = StageConfig(stage="controller", dataset="austen", seq_len=32).to_dict()
-    ckpt = save_checkpoint(tmp_path / "c" / "ckpt_000000", make_model(vocab_size=256).float(), stage="controller",
-                           step=0, stage_config=sc)
+    ckpt = save_checkpoint(tmp_path / "c" / "ckpt_000000", make_model(vocab_size=256).float(),
+                           TrainingState(stage="controller", step=0, stage_config=sc))
     ref_model = make_model(seed=3, vocab_size=256, use_workspace=False).float()
-    ref = save_checkpoint(tmp_path / "r" / "ckpt_000000", ref_model, stage="backbone", step=0, stage_config=sc)
+    ref = save_checkpoint(tmp_path / "r" / "ckpt_000000", ref_model,
+                          TrainingState(stage="backbone", step=0, stage_config=sc))
     out = tmp_path / "f.json"
     assert cli.main(["eval", "--checkpoint", str(ckpt), "--reference", f"L1={ref}", "--frontier", "references",
                      "--slices", "4", "--batches", "2", "--batch-size", "4", "--policies", "backbone,fixed",
@@ -530,8 +531,8 @@ def test_cli_eval_scores_references_and_the_frontier_gap_against_them(tmp_path, 
                      (["--slices", "0"], "slices"), (["--routing-bound"], "--reference")):
         assert cli.main(["eval", "--checkpoint", str(ckpt), "--policies", "backbone", *bad]) == 2
         assert msg in capsys.readouterr().err, bad
-    other = save_checkpoint(tmp_path / "o" / "ckpt_000000", make_model(vocab_size=64).float(), stage="backbone",
-                            step=0, stage_config=sc)
+    other = save_checkpoint(tmp_path / "o" / "ckpt_000000", make_model(vocab_size=64).float(),
+                            TrainingState(stage="backbone", step=0, stage_config=sc))
     assert cli.main(["eval", "--checkpoint", str(ckpt), "--reference", f"X={other}", "--policies", "backbone"]) == 2
     assert "vocabulary" in capsys.readouterr().err
 
@@ -543,8 +544,8 @@ def test_cli_batches_all_scores_the_whole_split_and_bad_batches_fail_before_any_
     import prisme.evaluation.run as ev
 
     model = make_model(vocab_size=256).float()
-    ckpt = save_checkpoint(tmp_path / "c" / "ckpt_000000", model, stage="controller", step=0,
-                           stage_config=StageConfig(stage="controller", dataset="austen", seq_len=64).to_dict())
+    sc = StageConfig(stage="controller", dataset="austen", seq_len=64).to_dict()
+    ckpt = save_checkpoint(tmp_path / "c" / "ckpt_000000", model, TrainingState("controller", 0, stage_config=sc))
     out = tmp_path / "all.json"
     assert cli.main(["eval", "--checkpoint", str(ckpt), "--batches", "all", "--batch-size", "64",
                      "--policies", "backbone", "--json", str(out)]) == 0
@@ -564,8 +565,8 @@ def test_cli_corpus_file_is_scored_whole_as_a_held_out_text(tmp_path, capsys):
     """--corpus FILE scores every window of the file (no 10% tail); the embedded held-out text works by name; an
     empty file or one shorter than a sequence is a clear error."""
     model = make_model(vocab_size=256).float()
-    ckpt = save_checkpoint(tmp_path / "c" / "ckpt_000000", model, stage="controller", step=0,
-                           stage_config=StageConfig(stage="controller", dataset="austen", seq_len=16).to_dict())
+    sc = StageConfig(stage="controller", dataset="austen", seq_len=16).to_dict()
+    ckpt = save_checkpoint(tmp_path / "c" / "ckpt_000000", model, TrainingState("controller", 0, stage_config=sc))
     text = tmp_path / "held.txt"
     text.write_text("a fresh text that the model never saw " * 20)
     out = tmp_path / "h.json"
@@ -601,8 +602,8 @@ def test_cli_eval_controller_budget_and_kappa_reach_the_controller_rows(tmp_path
     """--controller-budget and --kappa-risk set the controller rows' budget and risk aversion (a large kappa takes
     fewer edits); a negative kappa is a one-line error."""
     model = make_model(vocab_size=256).float()
-    ckpt = save_checkpoint(tmp_path / "c" / "ckpt_000000", model, stage="controller", step=0,
-                           stage_config=StageConfig(stage="controller", dataset="austen", seq_len=16).to_dict())
+    sc = StageConfig(stage="controller", dataset="austen", seq_len=16).to_dict()
+    ckpt = save_checkpoint(tmp_path / "c" / "ckpt_000000", model, TrainingState("controller", 0, stage_config=sc))
     out = tmp_path / "e.json"
     base = ["eval", "--checkpoint", str(ckpt), "--batches", "1", "--policies", "controller", "--lambdas", "0"]
     assert cli.main([*base, "--controller-budget", "1", "--json", str(out)]) == 0

@@ -219,13 +219,13 @@ def test_collectives_see_the_training_device_and_cuda_ranks_set_their_device(mon
 def test_the_training_bench_runs_its_steps_and_matmuls_on_the_device():
     """`prisme bench train --device`: the backbone step, the matmul peak and a stage's step all run off the CPU
     (a device mix would raise), with the losses of the CPU run."""
-    from prisme.bench.train import train_throughput
+    from prisme.bench.train import TrainBenchOptions, train_throughput
     from prisme.bench.train_stages import stage_paths
 
     cfg = PrismeConfig.from_name("tiny")
-    ref = train_throughput(cfg, 2, 8, warmups=0, repeats=2, matmul_sizes=[16])
+    ref = train_throughput(cfg, 2, 8, TrainBenchOptions(warmups=0, repeats=2), matmul_sizes=[16])
     with FakeDevice() as fd:
-        row = train_throughput(cfg, 2, 8, warmups=0, repeats=2, matmul_sizes=[16], device=fd.device)
+        row = train_throughput(cfg, 2, 8, TrainBenchOptions(warmups=0, repeats=2, device=fd.device), matmul_sizes=[16])
         path, info = stage_paths(cfg, "controller", batch=2, seq_len=8, device=fd.device)
         path[2](None)
     assert row.losses == pytest.approx(ref.losses, abs=1e-5) and len(info["losses"]) == 1

@@ -576,13 +576,13 @@ def test_cli_generate_prints_text_and_per_token_edits(capsys):
 
 def test_cli_generate_from_a_checkpoint_matches_the_library(tmp_path, capsys):
     """`prisme generate --checkpoint` decodes the saved weights: its text is the library's greedy continuation."""
-    from prisme.checkpoint import save_checkpoint
+    from prisme.checkpoint import TrainingState, save_checkpoint
     from prisme.data.tokenizers import ByteTokenizer
 
     torch.manual_seed(3)
     model = PrismeModel(PrismeConfig.from_name("demo")).eval()
     torch.nn.init.normal_(model.readout.U.weight, std=0.5)
-    save_checkpoint(tmp_path / "ckpt", model, stage="export", step=0)
+    save_checkpoint(tmp_path / "ckpt", model, TrainingState(stage="export", step=0))
     prompt = ByteTokenizer().encode("Mr. Knightley")
     ref = generate(model, [prompt], 6, max_budget=2, lambda_cost=0.0)
     rc = cli.main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--prompt", "Mr. Knightley",

@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_run_safety import run_cli
 
-from prisme.checkpoint import save_checkpoint
+from prisme.checkpoint import TrainingState, save_checkpoint
 from prisme.config import PrismeConfig
 from prisme.data.tokenizers import ByteTokenizer
 from prisme.decoding.generate import generate
@@ -29,9 +29,9 @@ def exported(tmp_path_factory):
     torch.manual_seed(0)
     model = PrismeModel(PrismeConfig.from_name("tiny").replace(vocab_size=256, router=True)).eval()
     torch.nn.init.normal_(model.readout.U.weight, std=0.5)  # edits that move the logits
-    save_checkpoint(root / "ck", model, stage="router", step=3, tokenizer=ByteTokenizer(),
-                    stage_config={"max_budget": 2, "dataset": "austen"},
-                    extra={"trained_groups": ["backbone", "workspace", "controller", "router"]})
+    save_checkpoint(root / "ck", model, TrainingState(
+        stage="router", step=3, tokenizer=ByteTokenizer(), stage_config={"max_budget": 2, "dataset": "austen"},
+        extra={"trained_groups": ["backbone", "workspace", "controller", "router"]}))
     rc, _ = run_cli("export-hf", "--checkpoint", str(root / "ck"), "--out", str(root / "hf"), "--workspace")
     assert rc == 0
     hf = transformers.AutoModelForCausalLM.from_pretrained(root / "hf", trust_remote_code=True).eval()
@@ -75,8 +75,9 @@ def test_a_backbone_with_a_key_shift_and_a_window_exports_exactly(tmp_path, caps
     cfg = PrismeConfig.from_name("tiny").replace(vocab_size=256, key_shift=True, attn_window=4)
     model = PrismeModel(cfg).eval()
     torch.nn.init.normal_(model.readout.U.weight, std=0.5)
-    save_checkpoint(tmp_path / "ck", model, stage="workspace", step=1, tokenizer=ByteTokenizer(),
-                    stage_config={"max_budget": 2}, extra={"trained_groups": ["backbone", "workspace"]})
+    save_checkpoint(tmp_path / "ck", model, TrainingState(
+        stage="workspace", step=1, tokenizer=ByteTokenizer(), stage_config={"max_budget": 2},
+        extra={"trained_groups": ["backbone", "workspace"]}))
     rc, _ = run_cli("export-hf", "--checkpoint", str(tmp_path / "ck"), "--out", str(tmp_path / "hf"), "--workspace")
     assert rc == 0
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
@@ -99,9 +100,9 @@ def unbounded(tmp_path_factory):
     torch.manual_seed(1)
     model = PrismeModel(PrismeConfig.from_name("tiny").replace(vocab_size=256, router=True)).eval()
     torch.nn.init.normal_(model.readout.U.weight, std=0.5)
-    save_checkpoint(root / "ck", model, stage="router", step=3, tokenizer=ByteTokenizer(),
-                    stage_config={"max_budget": None, "dataset": "austen"},
-                    extra={"trained_groups": ["backbone", "workspace", "controller", "router"]})
+    save_checkpoint(root / "ck", model, TrainingState(
+        stage="router", step=3, tokenizer=ByteTokenizer(), stage_config={"max_budget": None, "dataset": "austen"},
+        extra={"trained_groups": ["backbone", "workspace", "controller", "router"]}))
     rc, _ = run_cli("export-hf", "--checkpoint", str(root / "ck"), "--out", str(root / "hf"), "--workspace")
     assert rc == 0
     return model, root / "hf"

@@ -237,3 +237,52 @@ def test_negative_control_a_module_missing_from_the_layout_page_is_caught(tmp_pa
     (tmp_path / "README.md").write_text("".join(lines[:drop] + lines[drop + 1:]))
     full, cut = readme_layout(LAYOUT_DOC), readme_layout(tmp_path / "README.md")
     assert full - cut == {"model/oracle.py"}
+
+
+MAX_PARAMETERS = 8
+# Temporary: these functions are being given option objects now (the policy and decode-state options of the model and
+# decoding layers); each name leaves this list as its signature is changed, and the list then goes.
+PARAMETERS_PENDING = {"model/attention.py __init__", "model/editor.py blocks_pass", "model/editor.py _padded_forward",
+                      "model/oracle.py candidate_losses", "model/state.py prefill", "decoding/generate.py generate",
+                      "decoding/generate.py _prepare"}
+
+
+def is_cli(path: Path, root: Path) -> bool:
+    """A command-line module (`prisme/cli.py`, `prisme/<package>/cli.py`): argparse glue, exempt from the bound."""
+    return path.name == "cli.py" and len(path.relative_to(root).parts) <= 2
+
+
+def long_signatures(root: Path) -> list[str]:
+    """"<path> <function>" for every function outside the CLI that takes more than `MAX_PARAMETERS` parameters
+    (self / cls not counted; *args and **kwargs count one each)."""
+    out = []
+    for p in sorted(root.rglob("*.py")):
+        if is_cli(p, root):
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                n = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + bool(a.vararg) + bool(a.kwarg)
+                first = (a.posonlyargs + a.args)[:1]
+                n -= bool(first and first[0].arg in ("self", "cls"))
+                if n > MAX_PARAMETERS:
+                    out.append(f"{p.relative_to(root)} {node.name}")
+    return out
+
+
+def test_no_function_outside_the_cli_takes_more_than_8_parameters():
+    """Settings that travel together are one options object (`EvalOptions`, `DemoOptions`, `TrainingState`, ...),
+    not a long parameter list; the command-line modules, which read the flags into those objects, are exempt."""
+    assert [f for f in long_signatures(PACKAGE) if f not in PARAMETERS_PENDING] == []
+
+
+def test_negative_control_a_function_of_9_parameters_is_caught(package_copy: Path):
+    """A nine-parameter function is reported (self is not counted, *args and **kwargs are); eight pass, and so does
+    a long one in a CLI module."""
+    (package_copy / "model" / "wide.py").write_text(
+        "def nine(a, b, c, d, e, f, g, h, i):\n    pass\n\n\n"
+        "def eight(a, b, c, d, e, f, *args, **kwargs):\n    pass\n\n\n"
+        "class K:\n    def method(self, a, b, c, d, e, f, g, *, h, **kw):\n        pass\n")
+    (package_copy / "evaluation" / "cli.py").write_text("def flags(a, b, c, d, e, f, g, h, i):\n    pass\n")
+    found = [f for f in long_signatures(package_copy) if f not in PARAMETERS_PENDING]
+    assert found == ["model/wide.py nine", "model/wide.py method"]

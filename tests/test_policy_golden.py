@@ -16,7 +16,7 @@ import torch
 
 from prisme.checkpoint import load_model
 from prisme.config import ADDED_CONFIG_FIELDS
-from prisme.evaluation.policies import standard_policies
+from prisme.evaluation.policies import PolicySettings, standard_policies
 from prisme.evaluation.run import EvalOptions, evaluate_policies
 from prisme.model.prisme import PrismeModel
 from prisme.studies.recall_eval import evaluate_run
@@ -70,10 +70,11 @@ def text_models():
 
 def text_reports(model, matched, ref):
     ds = build_dataset(StageConfig(dataset="austen", seq_len=32), 256)
-    every = standard_policies(model, None, matched=matched, references={"L3": ref}, oracle_positions=4)
-    some = standard_policies(model, ["backbone", "fixed", "random", "controller", "oracle"], lambdas=[0.0, 1e-4],
-                             oracle_lambdas=[0.0], budgets=[1, 2], ks=[1], controller_budget=2, kappa_risk=0.5,
-                             oracle_positions=None)
+    every = standard_policies(model, None, PolicySettings(oracle_positions=4), matched=matched,
+                              references={"L3": ref})
+    some = standard_policies(model, ["backbone", "fixed", "random", "controller", "oracle"], PolicySettings(
+        lambdas=[0.0, 1e-4], oracle_lambdas=[0.0], budgets=[1, 2], ks=[1], controller_budget=2, kappa_risk=0.5,
+        oracle_positions=None))
     return {"text_all": evaluate_policies(model, ds, every, EvalOptions(
                 batch_size=4, seq_len=32, max_batches=3, seed=7, bootstrap_samples=200,
                 frontier=["backbone", "backbone+matched", "L3"], slices=4)),
@@ -94,8 +95,8 @@ def test_the_golden_comparison_sees_a_changed_row(text_models):
     """Negative control: the same evaluation with the oracle on other positions (another seed) no longer matches."""
     model, matched, ref = text_models
     ds = build_dataset(StageConfig(dataset="austen", seq_len=32), 256)
-    report = evaluate_policies(model, ds, standard_policies(model, None, matched=matched, references={"L3": ref},
-                                                            oracle_positions=4),
+    report = evaluate_policies(model, ds, standard_policies(model, None, PolicySettings(oracle_positions=4),
+                                                            matched=matched, references={"L3": ref}),
                                EvalOptions(batch_size=4, seq_len=32, max_batches=3, seed=8, bootstrap_samples=200,
                                            frontier=["backbone", "backbone+matched", "L3"], slices=4))
     diffs = differences(GOLDEN["text"]["text_all"], report.to_json())

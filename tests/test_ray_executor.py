@@ -23,6 +23,7 @@ pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
 
 from prisme import cli  # noqa: E402
+from prisme.studies.pools import PoolOptions  # noqa: E402
 from prisme.studies.runner import Task, run_tasks  # noqa: E402
 
 
@@ -71,8 +72,8 @@ def test_a_failing_task_on_ray_is_named_and_stops_the_run(tmp_path, cluster):
     tasks = [Task("fine", math.sqrt, (4.0,)), Task("bad", math.sqrt, (-1.0,), needs=("fine",)),
              Task("after_bad", math.sqrt, (9.0,), needs=("bad",))]
     with pytest.raises(ValueError, match="math domain error") as e:
-        run_tasks(tasks, jobs=2, store=store, on_done=lambda t, r, s: ran.append(t.name), executor="ray",
-                  address=cluster)
+        run_tasks(tasks, jobs=2, store=store, on_done=lambda t, r, s: ran.append(t.name),
+                  pool=PoolOptions("ray", address=cluster))
     assert not isinstance(e.value, ray.exceptions.RayError)
     assert any("'bad'" in n for n in getattr(e.value, "__notes__", []))
     assert ran == ["fine"] and sorted(p.name for p in store.iterdir()) == ["fine.json"]
@@ -81,7 +82,7 @@ def test_a_failing_task_on_ray_is_named_and_stops_the_run(tmp_path, cluster):
 DRIVER = """
 import os, pathlib, sys, time
 from prisme.studies.runner import Task, run_tasks
-from prisme.studies.pools import StudyInterrupted
+from prisme.studies.pools import PoolOptions, StudyInterrupted
 folder, address, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
 
 
@@ -99,7 +100,8 @@ def sleep_in_steps(name):  # defined in __main__: Ray's workers get it by value
 
 long = [Task(f"long{i}", sleep_in_steps, (f"long{i}",), needs=("quick",)) for i in range(2)]
 try:
-    run_tasks([Task("quick", abs, (-1,)), *long], jobs=2, store=f"{folder}/store", executor="ray", address=address)
+    run_tasks([Task("quick", abs, (-1,)), *long], jobs=2, store=f"{folder}/store",
+              pool=PoolOptions("ray", address))
 except StudyInterrupted as e:
     print(e, file=sys.stderr)
     sys.exit(130)
@@ -132,5 +134,5 @@ def test_ctrl_c_cancels_the_clusters_tasks_and_a_rerun_continues(tmp_path, clust
     ran: list[str] = []
     got = run_tasks([Task("quick", abs, (-1,)), Task("long0", abs, (-2,), needs=("quick",)),
                      Task("long1", abs, (-3,), needs=("quick",))], jobs=2, store=tmp_path / "store",
-                    on_done=lambda t, r, s: ran.append(t.name), executor="ray", address=cluster)
+                    on_done=lambda t, r, s: ran.append(t.name), pool=PoolOptions("ray", cluster))
     assert sorted(ran) == ["long0", "long1"] and got == {"quick": 1, "long0": 2, "long1": 3}

@@ -13,7 +13,7 @@ import torch
 from conftest import assert_close
 
 from prisme import cli
-from prisme.checkpoint import load_checkpoint, save_checkpoint
+from prisme.checkpoint import TrainingState, load_checkpoint, save_checkpoint
 from prisme.config import PrismeConfig
 from prisme.data.mqar import MQARConfig, make_mqar_batch
 from prisme.data.text import IGNORE_INDEX
@@ -63,9 +63,9 @@ def test_a_shifted_bank_on_a_checkpoint_saved_without_it_is_a_value_error(tmp_pa
     """Loading a checkpoint saved without a shift for a config with one (and the reverse) is a ValueError naming
     bank_shift; a workspace stage asked to start so fails before anything trains."""
     plain = PrismeModel(PrismeConfig.from_name("tiny"))
-    save_checkpoint(tmp_path / "plain", plain, stage="backbone", step=1)
+    save_checkpoint(tmp_path / "plain", plain, TrainingState(stage="backbone", step=1))
     shifted = PrismeModel(PrismeConfig.from_name("tiny", bank_shift=True))
-    save_checkpoint(tmp_path / "shifted", shifted, stage="backbone", step=1)
+    save_checkpoint(tmp_path / "shifted", shifted, TrainingState(stage="backbone", step=1))
     with pytest.raises(ValueError, match="bank_shift"):
         load_checkpoint(tmp_path / "plain", expected_config=shifted.cfg)
     with pytest.raises(ValueError, match="bank_shift"):

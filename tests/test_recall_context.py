@@ -245,7 +245,7 @@ def test_the_winners_decode_side_by_side_with_their_decode_state_bytes(tmp_path)
     whole sequence: the dense model's K/V cache is 2 x layers x B x kv heads x T x head dim x 4 bytes (float32); the
     PRISME model on a W-window backbone keeps a ring of W slots, so its state is its global twin's less
     2 x layers x B x kv heads x (T - W) x head dim x 4 (its bank is the same)."""
-    from prisme.checkpoint import save_checkpoint
+    from prisme.checkpoint import TrainingState, save_checkpoint
     from prisme.model.state import DecodeState
     from prisme.studies.recall_frontier import decode_speed, dense_config, family_config
 
@@ -256,7 +256,7 @@ def test_the_winners_decode_side_by_side_with_their_decode_state_bytes(tmp_path)
     picks = {}
     for k, c in models.items():
         torch.manual_seed(0)
-        path = save_checkpoint(tmp_path / k, PrismeModel(c), stage="backbone", step=1)
+        path = save_checkpoint(tmp_path / k, PrismeModel(c), TrainingState(stage="backbone", step=1))
         picks[f"{k}_best"] = {"checkpoints": [str(path)], "lambda": [0.05]}
     got = decode_speed({"verdict": picks}, r.mqar, batches=(1, 2), repeats=1)
     for B in (1, 2):

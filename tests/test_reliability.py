@@ -74,10 +74,10 @@ def test_eval_rejects_a_matched_backbone_of_another_architecture(tmp_path, capsy
     """`prisme eval --matched-backbone` of another size printed a 'matched' row 2.5 nats worse; now exit 2 naming the
     differing fields."""
     a = ckpt.save_checkpoint(tmp_path / "a" / "ckpt_000000", PrismeModel(PrismeConfig.from_name("tiny")),
-                             stage="backbone", step=0, stage_config=StageConfig(dataset="mqar").to_dict())
+                             ckpt.TrainingState("backbone", 0, stage_config=StageConfig(dataset="mqar").to_dict()))
     b = ckpt.save_checkpoint(tmp_path / "b" / "ckpt_000000",
-                             PrismeModel(PrismeConfig.from_name("tiny", d_model=64, n_head=4)), stage="backbone",
-                             step=0)
+                             PrismeModel(PrismeConfig.from_name("tiny", d_model=64, n_head=4)),
+                             ckpt.TrainingState("backbone", 0))
     rc, _ = run_cli("eval", "--checkpoint", str(a), "--matched-backbone", str(b), "--policies", "backbone,matched")
     err = capsys.readouterr().err
     assert rc == 2 and "d_model" in err and "another backbone" in err
@@ -102,8 +102,8 @@ def test_non_utf8_config_latest_and_a_bad_state_step_name_the_file(tmp_path):
     with pytest.raises(ValueError, match="c.json"):
         PrismeConfig.from_json(bad)
     run = tmp_path / "run"
-    path = ckpt.save_checkpoint(run / "ckpt_000001", PrismeModel(PrismeConfig.from_name("tiny")), stage="backbone",
-                                step=1)
+    path = ckpt.save_checkpoint(run / "ckpt_000001", PrismeModel(PrismeConfig.from_name("tiny")),
+                                ckpt.TrainingState(stage="backbone", step=1))
     (run / "latest").write_bytes(b"\xfe\xff")
     with pytest.raises(ValueError, match="latest"):
         ckpt.load_model(run)
@@ -208,7 +208,8 @@ def test_generate_and_eval_accept_a_run_folder_of_several_stages(tmp_path, capsy
     """`--checkpoint` a folder holding stage runs (a demo / study folder) uses its most trained stage."""
     model = PrismeModel(PrismeConfig.from_name("tiny", vocab_size=256))
     for i, stage in enumerate(("backbone", "workspace", "controller")):
-        ckpt.save_checkpoint(tmp_path / "demo" / f"{i + 1}_{stage}" / "ckpt_000001", model, stage=stage, step=1)
+        ckpt.save_checkpoint(tmp_path / "demo" / f"{i + 1}_{stage}" / "ckpt_000001", model,
+                             ckpt.TrainingState(stage=stage, step=1))
     assert ckpt.find_model_checkpoint(tmp_path / "demo").parent.name == "3_controller"
     rc, out = run_cli("generate", "--checkpoint", str(tmp_path / "demo"), "--prompt", "Emma", "--max-new-tokens",
                       "2", "--budget", "1", "--show-edits")
@@ -256,7 +257,7 @@ def test_export_hf_folder_loads_with_autotokenizer(tmp_path):
     tokenizer round-trips non-ASCII text and NUL is the bos/eos/pad id."""
     transformers = pytest.importorskip("transformers")
     model = PrismeModel(PrismeConfig.from_name("tiny", vocab_size=256))
-    c = ckpt.save_checkpoint(tmp_path / "r" / "ckpt_000000", model, stage="backbone", step=0)
+    c = ckpt.save_checkpoint(tmp_path / "r" / "ckpt_000000", model, ckpt.TrainingState(stage="backbone", step=0))
     rc, _ = run_cli("export-hf", "--checkpoint", str(c), "--out", str(tmp_path / "hf"))
     assert rc == 0
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")

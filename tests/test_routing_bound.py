@@ -13,6 +13,7 @@ from prisme.data.text import TokenDataset
 from prisme.data.tokenizers import ByteTokenizer
 from prisme.evaluation.oracle import greedy_oracle
 from prisme.evaluation.routing_bound import oracle_routed_bound
+from prisme.evaluation.run import EvalOptions
 from prisme.model.oracle import token_ce
 
 B, T, NB = 4, 16, 2
@@ -43,8 +44,8 @@ def bound():
     torch.nn.init.zeros_(small.backbone.norm.weight)  # uniform logits: log 256 nats, worse than the fitted deep model
     refs = {"small": small, "deep": fitted(tiny_model(6, vocab_size=256, use_workspace=False, n_layer=4), ds)}
     fr = (0.0, 0.1, 0.25, 0.5, 1.0)
-    res = oracle_routed_bound(model, ds, refs, batch_size=B, seq_len=T, max_batches=NB, fractions=fr,
-                              bootstrap_samples=200)
+    res = oracle_routed_bound(model, ds, refs, EvalOptions(batch_size=B, seq_len=T, max_batches=NB,
+                                                           bootstrap_samples=200), fractions=fr)
     drops, base, ref_ce = [], [], {n: [] for n in refs}
     torch.set_grad_enabled(False)
     for x, y in ds.iter_eval("val", B, T, NB):  # by hand: the oracle's budget-1 drop at every position
@@ -108,8 +109,10 @@ def test_bad_arguments_are_value_errors():
     model = tiny_model(vocab_size=256)
     ds = text()
     with pytest.raises(ValueError, match="reference"):
-        oracle_routed_bound(model, ds, {}, batch_size=B, seq_len=T, max_batches=1)
+        oracle_routed_bound(model, ds, {}, EvalOptions(batch_size=B, seq_len=T, max_batches=1))
     with pytest.raises(ValueError, match="fractions"):
-        oracle_routed_bound(model, ds, {"r": model}, batch_size=B, seq_len=T, max_batches=1, fractions=(1.5,))
+        oracle_routed_bound(model, ds, {"r": model}, EvalOptions(batch_size=B, seq_len=T, max_batches=1),
+                            fractions=(1.5,))
     with pytest.raises(ValueError, match="workspace"):
-        oracle_routed_bound(tiny_model(vocab_size=256, use_workspace=False), ds, {"r": model}, seq_len=T)
+        oracle_routed_bound(tiny_model(vocab_size=256, use_workspace=False), ds, {"r": model},
+                            EvalOptions(seq_len=T))

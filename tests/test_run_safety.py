@@ -191,7 +191,7 @@ def test_a_config_json_missing_a_field_is_an_error_naming_it(tmp_path):
     """A checkpoint whose config.json lost a field (here `bank_source`) is a ValueError naming the field and the
     file, not a model rebuilt with the default; the fields added since schema 1 migrate by the explicit table."""
     path = ckpt.save_checkpoint(tmp_path / "ckpt_000001", __import__("prisme").PrismeModel(
-        PrismeConfig.from_name("tiny", bank_source="embedding")), stage="backbone", step=1)
+        PrismeConfig.from_name("tiny", bank_source="embedding")), ckpt.TrainingState(stage="backbone", step=1))
     d = json.loads((path / "config.json").read_text())
     for added in ADDED_CONFIG_FIELDS:
         d.pop(added)

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from prisme.studies.pools import PoolOptions
 from prisme.studies.runner import Task, check_tasks, prefixed, run_tasks, worker_count
 
 
@@ -263,7 +264,7 @@ def test_nothing_imports_ray_unless_a_study_asks_for_it():
 
 
 def test_the_ray_executor_without_ray_installed_says_how_to_install_it(monkeypatch):
-    """`executor="ray"` where Ray cannot be imported: a ValueError naming the extra, before any task runs; a local
+    """`PoolOptions("ray")` where Ray cannot be imported: a ValueError naming the extra, before any task runs; a local
     run of the same tasks does not need it (negative control)."""
     import sys
 
@@ -271,7 +272,7 @@ def test_the_ray_executor_without_ray_installed_says_how_to_install_it(monkeypat
     ran: list[str] = []
     tasks = [Task("a", stamp, ("a", 0))]
     with pytest.raises(ValueError, match=r"pip install 'prisme\[ray\]'"):
-        run_tasks(tasks, jobs=1, executor="ray", on_done=lambda t, r, s: ran.append(t.name))
+        run_tasks(tasks, jobs=1, pool=PoolOptions("ray"), on_done=lambda t, r, s: ran.append(t.name))
     assert ran == []
     assert set(run_tasks(tasks, jobs=1, on_done=lambda t, r, s: ran.append(t.name))) == {"a"} and ran == ["a"]
 
@@ -282,7 +283,7 @@ def test_bad_executor_settings_are_refused_before_anything_runs(tmp_path):
     from prisme import cli
 
     with pytest.raises(ValueError, match="executor must be one of"):
-        run_tasks([Task("a", stamp, ("a", 0))], executor="slurm")
+        run_tasks([Task("a", stamp, ("a", 0))], pool=PoolOptions("slurm"))
     for argv in (["study", "recall", "--quick"], ["study", "text", "--scale", "0.01"]):
         args = cli.build_parser().parse_args([*argv, "--address", "auto", "--out", str(tmp_path / "x")])
         with pytest.raises(ValueError, match="needs executor 'ray'"):

@@ -196,7 +196,8 @@ def test_may_start_fresh_and_accepts_init_decide_load_start(stage, tmp_path):
                 load_start(cfg, scfg)
     src = PrismeModel(cfg)
     for other in (*STAGES, "export"):
-        path = ckpt.save_checkpoint(tmp_path / other / "ckpt_000001", src, stage=other, step=1, optimizer_state={})
+        path = ckpt.save_checkpoint(tmp_path / other / "ckpt_000001", src,
+                                    ckpt.TrainingState(stage=other, step=1, optimizer_state={}))
         scfg = StageConfig(stage=stage, init_from=str(path), out_dir=str(tmp_path / f"from_{other}"))
         if spec.accepts(other):
             assert load_start(None, scfg)[1].stage == other
@@ -216,7 +217,8 @@ def test_uses_workspace_and_needs_are_checked_before_training(tmp_path, data):
     it, before anything is written; every other stage trains a step from the same checkpoint."""
     for i, (cfg, bad) in enumerate(((PrismeConfig.from_name("tiny", use_workspace=False), "a model with a workspace"),
                                     (PrismeConfig.from_name("tiny"), "trains the model's router"))):
-        path = ckpt.save_checkpoint(tmp_path / f"m{i}" / "ckpt_000001", PrismeModel(cfg), stage="workspace", step=1)
+        path = ckpt.save_checkpoint(tmp_path / f"m{i}" / "ckpt_000001", PrismeModel(cfg),
+                                    ckpt.TrainingState(stage="workspace", step=1))
         for stage, spec in STAGE_SPECS.items():
             scfg = stage_cfg(tmp_path, stage, out_dir=str(tmp_path / f"o{i}" / stage), init_from=str(path), **SMALL)
             if (spec.uses_workspace and not cfg.use_workspace) or (spec.needs and not getattr(cfg, spec.needs)):

@@ -47,10 +47,10 @@ def test_rebase_keeping_the_workspace_changes_only_the_controller(tmp_path):
     fresh controller; a config whose workspace shapes differ is refused."""
     cfg = PrismeConfig.from_name("tiny")
     torch.manual_seed(0)
-    from prisme.checkpoint import save_checkpoint
+    from prisme.checkpoint import TrainingState, save_checkpoint
 
     src = PrismeModel(cfg)
-    path = save_checkpoint(tmp_path / "ws" / "ckpt_000005", src, stage="workspace", step=5)
+    path = save_checkpoint(tmp_path / "ws" / "ckpt_000005", src, TrainingState(stage="workspace", step=5))
     new = cfg.replace(controller_entropy=True, controller_bank=True)
     out, meta = load_model(rebase(path, new, tmp_path / "out", seed=1, keep=("backbone", "workspace")))
     assert meta.stage == "workspace" and out.cfg.controller_entropy

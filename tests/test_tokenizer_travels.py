@@ -104,8 +104,8 @@ def test_a_checkpoint_saved_without_a_record_reads_its_stage_config(tmp_path):
     from prisme.model.prisme import PrismeModel
 
     model = PrismeModel(PrismeConfig.from_name("tiny"))
-    ckpt.save_checkpoint(tmp_path / "a", model, stage="backbone", step=0, stage_config={"dataset": "austen"})
-    ckpt.save_checkpoint(tmp_path / "b", model, stage="backbone", step=0, stage_config={"dataset": "mqar"})
+    ckpt.save_checkpoint(tmp_path / "a", model, ckpt.TrainingState("backbone", 0, stage_config={"dataset": "austen"}))
+    ckpt.save_checkpoint(tmp_path / "b", model, ckpt.TrainingState("backbone", 0, stage_config={"dataset": "mqar"}))
     assert isinstance(ckpt.load_tokenizer(tmp_path / "a"), ByteTokenizer)
     assert ckpt.load_tokenizer(tmp_path / "b") is None
 

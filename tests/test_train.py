@@ -456,12 +456,12 @@ def test_lr_schedule_warms_up_then_decays_to_min_lr():
 
 def test_demo_rejects_bad_settings_before_training(tmp_path):
     """A zero scale or zero evaluation batches is a ValueError before any run folder is written."""
-    from prisme.studies.demo import run_demo
+    from prisme.studies.demo import DemoOptions, run_demo
 
     with pytest.raises(ValueError, match="scale"):
-        run_demo(tmp_path / "a", scale=0, progress=False)
+        run_demo(tmp_path / "a", DemoOptions(scale=0, progress=False))
     with pytest.raises(ValueError, match="eval_batches"):
-        run_demo(tmp_path / "b", eval_batches=0, progress=False)
+        run_demo(tmp_path / "b", DemoOptions(eval_batches=0, progress=False))
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
@@ -470,14 +470,14 @@ def test_demo_pipeline_writes_every_output(tmp_path):
     a short long-context task, quick; stage 1, the deeper and matched backbones, each bank source's stages 2-3 and
     evaluation on validation and the held-out text; then a sample) writes the reports, plots and summary; its recall
     lines follow from this run and the reference, its text verdicts from the intervals."""
-    from prisme.studies.demo import load_reference, run_demo
+    from prisme.studies.demo import DemoOptions, load_reference, run_demo
 
     cfg = PrismeConfig.from_name("tiny", vocab_size=256)
     held = tmp_path / "held_out.txt"
     held.write_text("Abasement, n. A decent and customary mental attitude in the presence of wealth. " * 6)
-    kw = dict(scale=0.01, eval_batches=1, progress=False, model_cfg=cfg, jobs=1, sources=["residual", "embedding"],
-              held_out=str(held), recall_seeds=[0], recall_context=96)
-    summary = run_demo(tmp_path / "demo", **kw)
+    options = DemoOptions(scale=0.01, eval_batches=1, progress=False, model_cfg=cfg, jobs=1,
+                          sources=["residual", "embedding"], held_out=str(held), recall_seeds=[0], recall_context=96)
+    summary = run_demo(tmp_path / "demo", options)
     run = tmp_path / "demo"
     assert {p.name for p in run.iterdir()} >= {"recall", "text", "sample.txt", "summary.json", "report.txt"}
     recall = json.loads((run / "recall" / "recall.json").read_text())
@@ -522,8 +522,8 @@ def test_demo_pipeline_writes_every_output(tmp_path):
     assert summary["sample"]["temperature"] == 0.8 and "--temperature 0.8 --top-k 20" in summary["sample"]["command"]
     assert (run / "sample.txt").read_text().startswith(summary["sample"]["prompt"] + summary["sample"]["text"])
     with pytest.raises(ValueError, match="holds a demo run with other settings"):
-        run_demo(run, scale=0.01, model_cfg=cfg)
-    again = run_demo(run, **kw)  # the same settings: continued, nothing trained again
+        run_demo(run, DemoOptions(scale=0.01, model_cfg=cfg))
+    again = run_demo(run, options)  # the same settings: continued, nothing trained again
     assert again["text"]["verdicts"] == summary["text"]["verdicts"] and again["recall"]["runs"] == recall["runs"]
     assert again["sample"]["text"] == summary["sample"]["text"]  # the sample is seeded
     assert again["wall_s"]["total"] < summary["wall_s"]["total"]
@@ -532,13 +532,13 @@ def test_demo_pipeline_writes_every_output(tmp_path):
 def test_the_demo_names_a_missing_or_malformed_frontier_reference_before_training(tmp_path):
     """The recall part reads the recorded frontier first: a missing or malformed file is a ValueError naming it, and
     no run folder is written."""
-    from prisme.studies.demo import run_demo
+    from prisme.studies.demo import DemoOptions, run_demo
 
     bad = tmp_path / "ref.json"
     bad.write_text(json.dumps({"contexts": [{"T": 1024}]}))
     for path in (bad, tmp_path / "absent.json"):
         with pytest.raises(ValueError, match=f"frontier reference {path}"):
-            run_demo(tmp_path / "run", reference=path, progress=False)
+            run_demo(tmp_path / "run", DemoOptions(reference=path, progress=False))
     assert not (tmp_path / "run").exists()
 
 

@@ -36,18 +36,20 @@ def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float64, controller: bo
     return model
 
 
-POLICY_SETTINGS = ("budgets", "ks", "lambdas", "oracle_lambdas", "oracle_positions", "controller_budget", "kappa_risk",
-                   "matched", "references")
+POLICY_SETTINGS = ("budgets", "ks", "lambdas", "oracle_lambdas", "oracle_positions", "controller_budget", "kappa_risk")
+POLICY_MODELS = ("matched", "references")
 
 
 def evaluate(model, data, policies=None, **settings):
     """`evaluate_policies` on the named families (`standard_policies`) with keyword settings: those of
-    `standard_policies` (`POLICY_SETTINGS`; `matched_backbone` for `matched`) go to the policies, the rest to
-    `EvalOptions`."""
-    from prisme.evaluation.policies import standard_policies
+    `PolicySettings` (`POLICY_SETTINGS`) and the policies' models (`POLICY_MODELS`; `matched_backbone` for
+    `matched`) go to the policies, the rest to `EvalOptions`."""
+    from prisme.evaluation.policies import PolicySettings, standard_policies
     from prisme.evaluation.run import EvalOptions, evaluate_policies
 
     if "matched_backbone" in settings:
         settings["matched"] = settings.pop("matched_backbone")
     chosen = {k: settings.pop(k) for k in list(settings) if k in POLICY_SETTINGS}
-    return evaluate_policies(model, data, standard_policies(model, policies, **chosen), EvalOptions(**settings))
+    models = {k: settings.pop(k) for k in list(settings) if k in POLICY_MODELS}
+    policies = standard_policies(model, policies, PolicySettings(**chosen), **models)
+    return evaluate_policies(model, data, policies, EvalOptions(**settings))

@@ -27,6 +27,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -191,10 +192,23 @@ def compiled_copy(model: PrismeModel) -> PrismeModel:
     return twin
 
 
-def measure(name: str, model: PrismeModel, dense: PrismeModel | None, batch: int, prompt_len: int, n_new: int,
-            repeats: int, edit_rate: float, seed: int, compiled: PrismeModel | None = None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class PlannedShape:
+    """One shape as `plan` checked it: its PRISME model with a router, its dense rival (None: none), and the prompt
+    and new tokens each of its rows decodes."""
+
+    name: str
+    model: PrismeModel
+    dense: PrismeModel | None
+    prompt_len: int
+    new_tokens: int  # `--new-tokens`, or fewer where the shape's T_max leaves less room after its prompt
+
+
+def measure(shape: PlannedShape, batch: int, repeats: int, edit_rate: float, seed: int,
+            compiled: PrismeModel | None = None) -> dict[str, Any]:
     """Every path of one shape at one batch size: time, ops, parts (module docstring); with `compiled` (the same
     weights, `compiled_copy`) also `off_compiled` and `routed_compiled`, in the same rotation."""
+    name, model, dense, prompt_len, n_new = shape.name, shape.model, shape.dense, shape.prompt_len, shape.new_tokens
     cfg = model.cfg
     prompts = make_tokens(cfg.vocab_size, batch, prompt_len, seed)
     # the price is read on the trajectory decoded: the backbone's greedy tokens, at the positions that generate
@@ -267,10 +281,10 @@ def format_table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plan(args: argparse.Namespace) -> list[tuple[str, PrismeModel, PrismeModel | None, int, int]]:
-    """Every option checked and every shape built before anything is timed: (name, model, dense rival or None,
-    prompt length, new tokens) per shape. The new tokens are `--new-tokens`, or fewer where a shape's T_max leaves
-    less room after its prompt (a note on stderr says so; the JSON records what ran); ValueError naming the option."""
+def plan(args: argparse.Namespace) -> list[PlannedShape]:
+    """Every option checked and every shape built before anything is timed: a `PlannedShape` per shape. The new
+    tokens are `--new-tokens`, or fewer where a shape's T_max leaves less room after its prompt (a note on stderr says
+    so; the JSON records what ran); ValueError naming the option."""
     from prisme.bench.cli import MIN_NEW_TOKENS
 
     names = parse_list(args.shapes, "--shapes", one_of(SHAPES), example="recall_T32,demo", distinct=True)
@@ -294,7 +308,7 @@ def plan(args: argparse.Namespace) -> list[tuple[str, PrismeModel, PrismeModel |
         if n_new < args.new_tokens:
             print(f"note: {name}: --new-tokens {args.new_tokens} is more than its T_max = {t_max} leaves after the "
                   f"{prompt}-token prompt; it decodes {n_new} (recorded in the JSON)", file=sys.stderr, flush=True)
-        out.append((name, model, dense, prompt, n_new))
+        out.append(PlannedShape(name, model, dense, prompt, n_new))
     return out
 
 
@@ -303,24 +317,23 @@ def main(args: argparse.Namespace) -> int:
     planned = plan(args)
     results = []
     with torch_threads(args.threads), torch.inference_mode():
-        for name, model, dense, prompt, n_new in planned:
+        for shape in planned:
             for B in batches:
-                results.append(measure(name, model, dense, B, prompt, n_new, args.repeats,
-                                       edit_rate(name, args.edit_rate), args.seed,
-                                       compiled_copy(model) if args.compile else None))
+                results.append(measure(shape, B, args.repeats, edit_rate(shape.name, args.edit_rate), args.seed,
+                                       compiled_copy(shape.model) if args.compile else None))
     t_ok = [r["rows"]["routed_off"]["t_over_ops"] <= 1.25 and r["rows"]["routed"]["t_over_ops"] <= 1.5
             for r in results]
     finite = all(math.isfinite(v) for r in results for row in r["rows"].values()
                   for v in (row["ms_per_step"], row["t_over_ops"]))
-    names = [p[0] for p in planned]
+    names = [p.name for p in planned]
     doc = {"bench": "decode", "environment": {"torch": torch.__version__, "python": platform.python_version(),
                                               "machine": platform.machine(), "processor": platform.processor(),
                                               "threads": torch.get_num_threads() if args.threads < 1 else args.threads,
                                               "device": "cpu",
                                               "mode": "eager" + (" and compiled editor" if args.compile else "")},
            "settings": {"shapes": names, "batches": list(batches),
-                        "prompt_len": {p[0]: p[3] for p in planned},
-                        "new_tokens": {p[0]: p[4] for p in planned}, "new_tokens_asked": args.new_tokens,
+                        "prompt_len": {p.name: p.prompt_len for p in planned},
+                        "new_tokens": {p.name: p.new_tokens for p in planned}, "new_tokens_asked": args.new_tokens,
                         "repeats": args.repeats, "edit_rate": {n: edit_rate(n, args.edit_rate) for n in names},
                         "bank_tables": not args.no_tables, "bank_store": args.bank_store, "seed": args.seed},
            "results": results,

@@ -217,22 +217,36 @@ def check_lengths(cfg: PrismeConfig, prompts: Sequence[int], new_tokens: int) ->
 
 
 # ----------------------------------------------------------------------------------------------------------- kv report
-def run_kv(preset: str = "seed001", prompts: Sequence[int] = (16, 64, 128, 256), new_tokens: int = 16,
-           warmups: int = 3, repeats: int = 15, threads: int = 1, seed: int = 42,
-           dtype: torch.dtype = torch.float32, seq_len: int = 24) -> dict[str, Any]:
-    """Seed 001's whole protocol on `preset`; returns the JSON document (see the module docstring)."""
+@dataclass(frozen=True)
+class KVBenchOptions:
+    """How `run_kv` runs seed 001's protocol (the lengths are checked against the preset's T_max there)."""
+
+    prompts: Sequence[int] = (16, 64, 128, 256)  # prompt lengths, each timed and measured at batch 1
+    new_tokens: int = 16  # forced continuation tokens per prompt
+    warmups: int = 3  # untimed repeats before timing
+    repeats: int = 15  # timed repeats per path
+    threads: int = 1  # torch CPU threads (-1: leave as is)
+    seed: int = 42  # weights and tokens
+    dtype: torch.dtype = torch.float32  # of the timed model (the correctness check runs float32 and float64)
+    seq_len: int = 24  # tokens per sequence in the correctness check
+
+
+def run_kv(preset: str = "seed001", options: KVBenchOptions | None = None) -> dict[str, Any]:
+    """Seed 001's whole protocol on `preset` (`options`: default `KVBenchOptions()`); returns the JSON document (see
+    the module docstring)."""
+    o = options if options is not None else KVBenchOptions()
     cfg = PrismeConfig.from_name(preset)
-    check_lengths(cfg, prompts, new_tokens)
-    if not 1 <= seq_len <= cfg.max_seq_len:
-        raise ValueError(f"correctness seq_len must be in [1, {cfg.max_seq_len}], got {seq_len}")
-    with torch_threads(threads):
-        correctness = kv_correctness(cfg, seq_len=seq_len, seed=seed)  # checked before anything is timed
-        pos_errors = kv_position_errors(cfg, seq_len=seq_len, seed=seed)
-        negative = kv_negative_controls(cfg, seq_len=seq_len, seed=seed)
-        model = build_model(cfg, seed, dtype)
-        timings = kv_timing(model, prompts, new_tokens, warmups, repeats, seed)
-        memory = kv_memory(model, prompts, new_tokens, seed)
-        env = environment(dtype=dtype, seed=seed)
+    check_lengths(cfg, o.prompts, o.new_tokens)
+    if not 1 <= o.seq_len <= cfg.max_seq_len:
+        raise ValueError(f"correctness seq_len must be in [1, {cfg.max_seq_len}], got {o.seq_len}")
+    with torch_threads(o.threads):
+        correctness = kv_correctness(cfg, seq_len=o.seq_len, seed=o.seed)  # checked before anything is timed
+        pos_errors = kv_position_errors(cfg, seq_len=o.seq_len, seed=o.seed)
+        negative = kv_negative_controls(cfg, seq_len=o.seq_len, seed=o.seed)
+        model = build_model(cfg, o.seed, o.dtype)
+        timings = kv_timing(model, o.prompts, o.new_tokens, o.warmups, o.repeats, o.seed)
+        memory = kv_memory(model, o.prompts, o.new_tokens, o.seed)
+        env = environment(dtype=o.dtype, seed=o.seed)
     checks = {
         f"float64_max_error_le_{TOLERANCE[torch.float64]:g}": all(
             r.max_abs_logit_error <= TOLERANCE[torch.float64] for r in correctness if r.dtype == "torch.float64"),
@@ -242,13 +256,13 @@ def run_kv(preset: str = "seed001", prompts: Sequence[int] = (16, 64, 128, 256),
     }
     checks["passed"] = all(checks.values())
     return {
-        "scope": f"Untrained {cfg.family}-style backbone (preset {preset}, random init, seed {seed}), synthetic "
+        "scope": f"Untrained {cfg.family}-style backbone (preset {preset}, random init, seed {o.seed}), synthetic "
                  "fixed-token continuation; CPU microbenchmark only",
         "environment": env,
         "model": model_facts(model),
         "protocol": {
-            "warmups": warmups,
-            "repeats": repeats,
+            "warmups": o.warmups,
+            "repeats": o.repeats,
             "timer": "perf_counter_ns",
             "continuation_prefill_included": False,
             "cache": "preallocated static [B, n_kv_head, T_max, head_dim], written in place by position",
@@ -258,7 +272,7 @@ def run_kv(preset: str = "seed001", prompts: Sequence[int] = (16, 64, 128, 256),
             "inputs": "predetermined tokens, no sampling or EOS",
             "batch": 1,
             "head": "included in every path (prefill and full: last position only)",
-            "correctness": f"all {seq_len} positions, chunked prefill through the cache vs one full recomputation",
+            "correctness": f"all {o.seq_len} positions, chunked prefill through the cache vs one full recomputation",
             "negative_controls": "faults.reset_positions / faults.unshifted_mask, float32, batch 2, chunk 5",
             "memory": "exact K/V payload of prompt + continuation; Python tracemalloc peak reported separately",
         },
@@ -336,7 +350,7 @@ def main(args: argparse.Namespace) -> int:
     """`prisme bench kv`: print the table, then the JSON document as the last thing on stdout."""
     if args.dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {args.dtype!r}")
-    doc = run_kv(preset=args.preset, prompts=parse_ints(args.prompts, "--prompts"), new_tokens=args.new_tokens,
-                 warmups=args.warmups, repeats=args.repeats, threads=args.threads, seed=args.seed,
-                 dtype=DTYPES[args.dtype], seq_len=args.seq_len)
+    doc = run_kv(args.preset, KVBenchOptions(prompts=parse_ints(args.prompts, "--prompts"), new_tokens=args.new_tokens,
+                                             warmups=args.warmups, repeats=args.repeats, threads=args.threads,
+                                             seed=args.seed, dtype=DTYPES[args.dtype], seq_len=args.seq_len))
     return emit(doc, format_kv_table(doc, load_seed001()), args.json)

@@ -208,15 +208,38 @@ def backbone_step_path(cfg: PrismeConfig, batch: int, seq_len: int, seed: int = 
     return model, (name, lambda: None, lambda _: losses.append(float(train_step(model, opt, x, y)))), losses
 
 
-def train_throughput(cfg: PrismeConfig, batch: int, seq_len: int, warmups: int = 1, repeats: int = 3,
-                     seed: int = 42, matmul_sizes: Sequence[int] = MATMUL_SIZES, lr: float = 3e-4,
-                     device: torch.device | str = "cpu") -> TrainRow:
-    """Time `warmups` + `repeats` training steps (one fixed batch) on `device`, rotated with the matmul sizes each
-    repeat (on the same device)."""
+@dataclass(frozen=True)
+class TrainBenchOptions:
+    """How `prisme bench train` times its presets (`run_train`; `train_throughput` reads the timing fields). Checked
+    here, once: an unknown stage is a ValueError."""
+
+    warmups: int = 1  # untimed steps before timing
+    repeats: int = 5  # timed steps per preset
+    threads: int = 2  # torch CPU threads (-1: leave as is)
+    seed: int = 42  # weights and tokens
+    quick: bool = False  # quarter batches, two matmul sizes, a smaller bandwidth buffer
+    shapes: dict[str, tuple[int, int]] | None = None  # (batch, seq_len) per preset, over `TRAIN_SHAPES`
+    stages: Sequence[str] = ()  # also time these stages ("workspace", "controller") ...
+    stage_presets: Sequence[str] | None = None  # ... on these presets (None: every preset with a workspace)
+    compile: bool = False  # the stages with the editor under torch.compile
+    device: torch.device | str = "cpu"  # where the steps and matmuls run
+
+    def __post_init__(self) -> None:
+        bad = [s for s in self.stages if s not in STAGES]
+        if bad:
+            raise ValueError(f"unknown stage(s) {bad}; choose from {list(STAGES)}")
+
+
+def train_throughput(cfg: PrismeConfig, batch: int, seq_len: int, options: TrainBenchOptions,
+                     matmul_sizes: Sequence[int] = MATMUL_SIZES, lr: float = 3e-4) -> TrainRow:
+    """Time `options.warmups` + `options.repeats` training steps (one fixed batch, seeded by `options.seed`) on
+    `options.device`, rotated with the matmul sizes each repeat (on the same device)."""
     if not 1 <= seq_len <= cfg.max_seq_len - 1:
         raise ValueError(f"seq_len must be in [1, T_max - 1 = {cfg.max_seq_len - 1}], got {seq_len}")
-    model, path, losses = backbone_step_path(cfg, batch, seq_len, seed, lr, device=device)
-    samples = time_paths([path, *matmul_paths(matmul_sizes, device=device)], warmups, repeats, device)
+    device = options.device
+    model, path, losses = backbone_step_path(cfg, batch, seq_len, options.seed, lr, device=device)
+    samples = time_paths([path, *matmul_paths(matmul_sizes, device=device)], options.warmups, options.repeats,
+                         device)
     peak = MatmulPeak.from_samples(samples)
     p50, p95 = percentiles(samples["train_step"])
     flops = train_step_flops(cfg, batch, seq_len)
@@ -226,46 +249,42 @@ def train_throughput(cfg: PrismeConfig, batch: int, seq_len: int, warmups: int =
 
 
 # --------------------------------------------------------------------------------------------------------- report
-def run_train(presets: Sequence[str] = ("demo", "prisme_103m"), warmups: int = 1, repeats: int = 5,
-              threads: int = 2, seed: int = 42, quick: bool = False,
-              shapes: dict[str, tuple[int, int]] | None = None, stages: Sequence[str] = (),
-              stage_presets: Sequence[str] | None = None, compile: bool = False,
-              device: torch.device | str = "cpu") -> dict[str, Any]:
-    """The whole `prisme bench train` protocol; returns the JSON document.
+def run_train(presets: Sequence[str] = ("demo", "prisme_103m"), options: TrainBenchOptions | None = None
+              ) -> dict[str, Any]:
+    """The whole `prisme bench train` protocol on `presets` (`options`: default `TrainBenchOptions()`); returns the
+    JSON document.
 
-    stages: also time these stages ("workspace", "controller") on `stage_presets` (default: the presets with a
-    workspace), each next to the backbone stage of its preset (`compile`: with the editor compiled)."""
-    shapes = {**TRAIN_SHAPES, **(shapes or {})}
+    The options' stages are also timed on its `stage_presets` (default: the presets with a workspace), each next to
+    the backbone stage of its preset (`compile`: with the editor compiled)."""
+    o = options if options is not None else TrainBenchOptions()
+    shapes = {**TRAIN_SHAPES, **(o.shapes or {})}
     cfgs = [PrismeConfig.from_name(p) for p in presets]  # ValueError for an unknown preset, before any timing
-    bad = [s for s in stages if s not in STAGES]
-    if bad:
-        raise ValueError(f"unknown stage(s) {bad}; choose from {list(STAGES)}")
-    stage_cfgs = [c for c in cfgs if c.use_workspace and (stage_presets is None or c.name in stage_presets)]
-    sizes = MATMUL_SIZES[:2] if quick else MATMUL_SIZES
-    with harness.torch_threads(threads):
-        bandwidth = stream_read_bandwidth(BANDWIDTH_BYTES // (4 if quick else 1), warmups, max(3, repeats * 2))
+    stage_cfgs = [c for c in cfgs if c.use_workspace and (o.stage_presets is None or c.name in o.stage_presets)]
+    sizes = MATMUL_SIZES[:2] if o.quick else MATMUL_SIZES
+    with harness.torch_threads(o.threads):
+        bandwidth = stream_read_bandwidth(BANDWIDTH_BYTES // (4 if o.quick else 1), o.warmups, max(3, o.repeats * 2))
         rows, models = [], {}
         for cfg in cfgs:
             batch, seq_len = shapes.get(cfg.name, (8, min(128, cfg.max_seq_len - 1)))
-            if quick:
+            if o.quick:
                 batch = max(1, batch // 4)
-            rows.append(train_throughput(cfg, batch, seq_len, warmups, repeats, seed, sizes, device=device))
+            rows.append(train_throughput(cfg, batch, seq_len, o, sizes))
             with torch.device("meta"):
                 models[cfg.name] = harness.model_facts(Backbone(cfg))
         stage_rows = []
-        for cfg in stage_cfgs if stages else []:
+        for cfg in stage_cfgs if o.stages else []:
             bb = next(r for r in rows if r.preset == cfg.name)
-            for stage in stages:
-                b = max(1, STAGE_RECIPES[stage]["batch_size"] // 4) if quick else None
-                path, info = stage_paths(cfg, stage, seed, batch=b, compile=compile, device=device)
+            for stage in o.stages:
+                b = max(1, STAGE_RECIPES[stage]["batch_size"] // 4) if o.quick else None
+                path, info = stage_paths(cfg, stage, o.seed, batch=b, compile=o.compile, device=o.device)
                 # the backbone stage's step in the same rotation: the ratio's denominator sees the same machine
-                _, bb_path, _ = backbone_step_path(cfg, bb.batch, bb.seq_len, seed, name="backbone_step",
-                                                   device=device)
-                samples = time_paths([bb_path, path], warmups, repeats, device)
+                _, bb_path, _ = backbone_step_path(cfg, bb.batch, bb.seq_len, o.seed, name="backbone_step",
+                                                   device=o.device)
+                samples = time_paths([bb_path, path], o.warmups, o.repeats, o.device)
                 bb_tps = bb.batch * bb.seq_len / percentiles(samples["backbone_step"])[0] * 1e3
-                stage_rows.append(stage_row(cfg, stage, samples[path[0]], info, warmups, bb_tps,
+                stage_rows.append(stage_row(cfg, stage, samples[path[0]], info, o.warmups, bb_tps,
                                             samples["backbone_step"]))
-        env = environment(dtype=torch.float32, seed=seed) | {"device": str(device)}
+        env = environment(dtype=torch.float32, seed=o.seed) | {"device": str(o.device)}
     big = [r for r in rows if r.parameters >= 50_000_000]
     targets = [{"name": f"training >= {TRAIN_TARGET:.0%} of the fp32 matmul peak ({r.preset})",
                 "target": TRAIN_TARGET, "measured": r.fraction_of_peak, "met": r.fraction_of_peak >= TRAIN_TARGET}
@@ -275,11 +294,11 @@ def run_train(presets: Sequence[str] = ("demo", "prisme_103m"), warmups: int = 1
     checks["passed"] = all(checks.values())
     return {
         "scope": f"Backbone-stage training steps (random init, one fixed batch of random tokens), fp32, eager, "
-                 f"{torch.device(device).type} (the bandwidth row reads host memory)",
+                 f"{torch.device(o.device).type} (the bandwidth row reads host memory)",
         "environment": env,
         "models": models,
         "protocol": {
-            "warmups": warmups, "repeats": repeats, "timer": "perf_counter_ns", "quick": quick,
+            "warmups": o.warmups, "repeats": o.repeats, "timer": "perf_counter_ns", "quick": o.quick,
             "step": "forward + cross entropy + backward + clip_grad_norm(1.0) + AdamW(0.9, 0.95, wd 0.1) + zero_grad",
             "flops": "analytic, 3 x forward: matmuls 2/MAC, causal attention half, head on every position; norms, "
                      "activations, embedding and optimizer not counted",
@@ -347,6 +366,7 @@ def main(args: argparse.Namespace) -> int:
     stages = () if stages == "none" else harness.parse_names(stages, "--stages")
     stage_presets = harness.parse_names(getattr(args, "stage_presets", "demo"), "--stage-presets")
     device = harness.bench_device(getattr(args, "device", "cpu"))
-    doc = run_train(presets, args.warmups, args.repeats, args.threads, args.seed, args.quick, stages=stages,
-                    stage_presets=stage_presets, compile=getattr(args, "compile", False), device=device)
+    doc = run_train(presets, TrainBenchOptions(args.warmups, args.repeats, args.threads, args.seed, args.quick,
+                                               stages=stages, stage_presets=stage_presets,
+                                               compile=getattr(args, "compile", False), device=device))
     return harness.emit(doc, format_train_table(doc), args.json)

@@ -39,16 +39,16 @@ import argparse
 import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-import torch.nn as nn
 
 from prisme.bench import harness, kv
 from prisme.bench import train as bench_train
 from prisme.bench.harness import TimedPath, parse_ints, percentiles, time_paths
+from prisme.bench.vs_hf_paths import DecodePath, Pair, build_pair, decode_paths, prefill_paths
 from prisme.bench.vs_hf_report import (
     BIG,
     NEGATIVE_MIN,
@@ -64,119 +64,11 @@ from prisme.bench.vs_hf_report import (
     protocol,
 )
 from prisme.config import PrismeConfig
-from prisme.interop import INSTALL_HINT, hf_available, hf_cache_kwarg, to_hf
+from prisme.interop import INSTALL_HINT, hf_available
 from prisme.io import environment
-from prisme.model.backbone import Backbone
-from prisme.model.compiled import DEFAULT_MODE, CompiledDecoder, compile_decode, decode_step, error_line, in_out_layout_
+from prisme.model.compiled import DEFAULT_MODE, CompiledDecoder, compile_decode, decode_step, error_line
 
 STREAM_READS = 4  # reads of the 512 MiB buffer per stream_read sample
-
-
-@dataclass
-class Pair:
-    """One shape: our backbone and its HF copy with the same weights."""
-
-    backbone: Backbone
-    hf: nn.Module
-    threads: int
-    device: torch.device = torch.device("cpu")  # where both models, the tokens and the timers run
-
-    def __post_init__(self) -> None:
-        self.cache_kw = hf_cache_kwarg(self.hf)  # looked up once: inspect.signature is slow next to a decode step
-
-    @property
-    def cfg(self) -> PrismeConfig:
-        return self.backbone.cfg
-
-    def hf_call(self, tokens: torch.Tensor, cache: Any, **kw: Any) -> torch.Tensor:
-        """HF logits `[B, C, V]` for tokens `[B, C]` appended to `cache`."""
-        return self.hf(tokens, use_cache=True, **{self.cache_kw: cache}, **kw).logits
-
-    def new_hf_cache(self, kind: str, max_len: int) -> Any:
-        import transformers
-
-        if kind == "static":
-            return transformers.StaticCache(config=self.hf.config, max_cache_len=max_len)
-        return transformers.DynamicCache(config=self.hf.config)
-
-
-@dataclass
-class DecodePath:
-    """One way to decode: `start()` prefills the prompt into a fresh cache (untimed); `step(state, i)` appends new
-    token i and returns its logits `[B, V]`."""
-
-    name: str
-    start: Callable[[], Any]
-    step: Callable[[Any, int], torch.Tensor]
-
-    def timed(self, n: int) -> TimedPath:
-        step = self.step
-
-        def run(state: Any) -> None:
-            for i in range(n):
-                step(state, i)
-
-        return self.name, self.start, run
-
-    def logits(self, n: int) -> torch.Tensor:
-        """Logits `[B, n, V]` of the n forced tokens."""
-        state = self.start()
-        return torch.stack([self.step(state, i) for i in range(n)], dim=1)
-
-
-def decode_paths(pair: Pair, prompt: torch.Tensor, new: torch.Tensor, decoder: CompiledDecoder | None,
-                 pos_shift: int = 0) -> list[DecodePath]:
-    """The decode paths for prompt `[B, P]` and forced tokens `[B, N]`; `pos_shift` != 0 plants a bug in HF's
-    positions (negative control)."""
-    bb, (B, P), N = pair.backbone, prompt.shape, new.shape[1]
-    toks = [new[:, i:i + 1] for i in range(N)]  # [B, 1] each
-    pos = [torch.full((B, 1), P + i + pos_shift, device=prompt.device) for i in range(N)]  # [B, 1] each
-
-    def hf_start(kind: str) -> Callable[[], Any]:
-        def start() -> Any:
-            cache = pair.new_hf_cache(kind, P + N)
-            pair.hf_call(prompt, cache, logits_to_keep=1)
-            return cache
-        return start
-
-    def hf_step(cache: Any, i: int) -> torch.Tensor:
-        return pair.hf_call(toks[i], cache, position_ids=pos[i])[:, -1]
-
-    def prisme_start() -> Any:
-        cache = bb.new_cache(B, P + N)
-        bb(prompt, cache)
-        return cache
-
-    def prisme_step(cache: Any, i: int) -> torch.Tensor:
-        return bb.head(bb(toks[i], cache))[:, -1]
-
-    paths = [DecodePath("hf_dynamic", hf_start("dynamic"), hf_step),
-             DecodePath("hf_static", hf_start("static"), hf_step),
-             DecodePath("prisme", prisme_start, prisme_step)]
-    if decoder is not None:
-        def compiled_start() -> CompiledDecoder:
-            decoder.reset()
-            decoder.prefill(prompt)
-            return decoder
-
-        paths.append(DecodePath("compiled", compiled_start, lambda dec, i: dec.step(toks[i])))
-    return paths
-
-
-def prefill_paths(pair: Pair, prompt: torch.Tensor, decoder: CompiledDecoder | None) -> list[TimedPath]:
-    """Prompt `[B, P]` into a fresh cache (setup, untimed); each run returns the last position's logits `[B, V]`."""
-    bb, (B, P) = pair.backbone, prompt.shape
-
-    def fresh_decoder() -> CompiledDecoder:
-        decoder.reset()
-        return decoder
-
-    paths: list[TimedPath] = [
-        ("hf", lambda: pair.new_hf_cache("dynamic", P), lambda c: pair.hf_call(prompt, c, logits_to_keep=1)[:, -1]),
-        ("prisme", lambda: bb.new_cache(B, P), lambda c: bb.head(bb(prompt, c)[:, -1]))]
-    if decoder is not None:
-        paths.append(("compiled", fresh_decoder, lambda dec: dec.prefill(prompt)))
-    return paths
 
 
 def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -298,15 +190,6 @@ class ShapeBench:
                           {k: v / peak for k, v in gflops.items()} if peak else None)
 
 
-def build_pair(preset: str, seed: int, threads: int, in_out: bool = True, device: str | torch.device = "cpu") -> Pair:
-    """A seeded backbone and its HF copy on `device`; `in_out`: our weights then stored [in, out]
-    (`compile.in_out_layout_`)."""
-    bb = harness.build_model(PrismeConfig.from_name(preset), seed)
-    hf = to_hf(bb).to(device)  # contiguous copies, HF's own layouts
-    bb = bb.to(device)
-    return Pair(in_out_layout_(bb) if in_out else bb, hf, threads, torch.device(device))
-
-
 def run_small(pair: Pair, prompts: Sequence[int], new_tokens: int, warmups: int, repeats: int,
               compile_mode: str | None, seed: int) -> ShapeResult:
     """seed001 rows: decode and prefill per prompt length, batch 1; one compiled decoder serves every prompt."""
@@ -322,66 +205,103 @@ def run_small(pair: Pair, prompts: Sequence[int], new_tokens: int, warmups: int,
     return sb.res
 
 
-def run_big(pair: Pair, batches: Sequence[int], prompt_len: int, new_tokens: int, prefill_tokens: int, warmups: int,
-            repeats: int, compile_mode: str | None, seed: int, matmul_sizes: Sequence[int],
-            stream_bytes: int) -> ShapeResult:
+@dataclass(frozen=True)
+class BigProtocol:
+    """What `run_big` measures on a prisme_103m-like shape: decode at each batch size (with its floor where
+    `stream_bytes` is given), then one batch-1 prefill (against the matmul peak where `matmul_sizes` are given)."""
+
+    batches: Sequence[int]  # decode batch sizes
+    prompt_len: int  # decode prompt tokens, prefilled untimed
+    new_tokens: int  # forced tokens per decode sample
+    prefill_tokens: int  # the prefill row's prompt
+    warmups: int  # untimed repeats before timing
+    repeats: int  # timed repeats
+    matmul_sizes: Sequence[int]  # fp32 square matmuls timed with the prefill (the peak; (): none)
+    stream_bytes: int | None  # the buffer read in each decode row's rotation (the floor's bandwidth; None: no floor)
+
+
+def run_big(pair: Pair, protocol: BigProtocol, compile_mode: str | None, seed: int) -> ShapeResult:
     """prisme_103m rows: decode at each batch size with its floor, then one batch-1 prefill against the peak."""
+    p = protocol
     sb = ShapeBench(pair, compile_mode, seed)
     V = pair.cfg.vocab_size
     sb.check_interop()
-    for i, B in enumerate(batches):
-        seq = harness.make_tokens(V, B, prompt_len + new_tokens, seed + B).to(pair.device)
-        prompt, new = seq[:, :prompt_len], seq[:, prompt_len:]
-        dec = sb.decoder(B, prompt_len + new_tokens, prompt, step=True, prefill=False)
-        sb.res.decode.append(sb.decode_row(prompt, new, dec, warmups, repeats, stream_bytes, negatives=i == 0))
+    for i, B in enumerate(p.batches):
+        seq = harness.make_tokens(V, B, p.prompt_len + p.new_tokens, seed + B).to(pair.device)
+        prompt, new = seq[:, :p.prompt_len], seq[:, p.prompt_len:]
+        dec = sb.decoder(B, p.prompt_len + p.new_tokens, prompt, step=True, prefill=False)
+        sb.res.decode.append(sb.decode_row(prompt, new, dec, p.warmups, p.repeats, p.stream_bytes, negatives=i == 0))
         del dec
-    prompt = harness.make_tokens(V, 1, prefill_tokens, seed).to(pair.device)
-    dec = sb.decoder(1, prefill_tokens, prompt, step=False, prefill=True)
-    sb.res.prefill.append(sb.prefill_row(prompt, dec, warmups, repeats, matmul_sizes))
+    prompt = harness.make_tokens(V, 1, p.prefill_tokens, seed).to(pair.device)
+    dec = sb.decoder(1, p.prefill_tokens, prompt, step=False, prefill=True)
+    sb.res.prefill.append(sb.prefill_row(prompt, dec, p.warmups, p.repeats, p.matmul_sizes))
     return sb.res
 
 
-def run_vs_hf(shapes: Sequence[str] = (SMALL, BIG), prompts: Sequence[int] = (16, 64, 128, 256), new_tokens: int = 64,
-              big_prompt: int = 64, big_new_tokens: int = 8, batches: Sequence[int] = (1, 8),
-              prefill_tokens: int = 512, warmups: int = 2, repeats: int = 15, threads_small: int = 1,
-              threads_big: int = 2, compile_mode: str | None = DEFAULT_MODE, seed: int = 42,
-              quick: bool = False, in_out: bool = True, device: str | torch.device = "cpu") -> dict[str, Any]:
-    """The whole `prisme bench vs-hf` protocol on `device`; returns the JSON document. Needs `transformers`.
-    Off the CPU the decode floor is not computed (its bandwidth row reads host memory) and the matmul peak runs on
-    the device."""
+@dataclass(frozen=True)
+class VsHFOptions:
+    """How `run_vs_hf` times its shapes. Checked here, once: counts, batch sizes, and the lengths against the
+    seed001 and prisme_103m presets' T_max."""
+
+    prompts: Sequence[int] = (16, 64, 128, 256)  # seed001 prompt lengths
+    new_tokens: int = 64  # seed001 forced tokens per sample
+    big_prompt: int = 64  # prisme_103m decode prompt length
+    big_new_tokens: int = 8  # prisme_103m forced tokens per sample
+    batches: Sequence[int] = (1, 8)  # prisme_103m decode batch sizes
+    prefill_tokens: int = 512  # prisme_103m prefill length
+    warmups: int = 2  # untimed repeats before timing (prisme_103m: at most 1)
+    repeats: int = 15  # timed repeats (prisme_103m: a third, >= 3)
+    threads_small: int = 1  # torch threads for seed001 (-1: leave as is)
+    threads_big: int = 2  # torch threads for prisme_103m (-1: leave as is)
+    compile_mode: str | None = DEFAULT_MODE  # the compiled paths' torch.compile mode (None: no compiled paths)
+    seed: int = 42  # weights and tokens
+    quick: bool = False  # two matmul sizes for the peak
+    in_out: bool = True  # our eager path on [in, out] weights (`compile.in_out_layout_`; False: nn.Linear's)
+    device: str | torch.device = "cpu"  # where both models run and are timed
+
+    def __post_init__(self) -> None:
+        if self.warmups < 0 or self.repeats < 1 or self.new_tokens < 1 or self.big_new_tokens < 1:
+            raise ValueError("need warmups >= 0, repeats >= 1 and new tokens >= 1")
+        if not self.batches or min(self.batches) < 1:
+            raise ValueError(f"batches must be positive, got {list(self.batches)}")
+        kv.check_lengths(PrismeConfig.from_name(SMALL), self.prompts, self.new_tokens)
+        kv.check_lengths(PrismeConfig.from_name(BIG), [self.big_prompt], self.big_new_tokens)
+        if not 1 <= self.prefill_tokens <= PrismeConfig.from_name(BIG).max_seq_len:
+            raise ValueError(f"prefill_tokens must be in [1, T_max={PrismeConfig.from_name(BIG).max_seq_len}], "
+                             f"got {self.prefill_tokens}")
+
+
+def run_vs_hf(shapes: Sequence[str] = (SMALL, BIG), options: VsHFOptions | None = None) -> dict[str, Any]:
+    """The whole `prisme bench vs-hf` protocol on `shapes` (`options`: default `VsHFOptions()`, on its `device`);
+    returns the JSON document. Needs `transformers`. Off the CPU the decode floor is not computed (its bandwidth row
+    reads host memory) and the matmul peak runs on the device."""
     if not hf_available():
         raise ImportError(f"prisme bench vs-hf needs the optional `transformers` package: {INSTALL_HINT}")
     unknown = sorted(set(shapes) - {SMALL, BIG})
     if unknown or not shapes:
         raise ValueError(f"shapes must be a non-empty subset of {[SMALL, BIG]}, got {list(shapes)}")
-    if warmups < 0 or repeats < 1 or new_tokens < 1 or big_new_tokens < 1:
-        raise ValueError("need warmups >= 0, repeats >= 1 and new tokens >= 1")
-    if not batches or min(batches) < 1:
-        raise ValueError(f"batches must be positive, got {list(batches)}")
-    kv.check_lengths(PrismeConfig.from_name(SMALL), prompts, new_tokens)
-    kv.check_lengths(PrismeConfig.from_name(BIG), [big_prompt], big_new_tokens)
-    if not 1 <= prefill_tokens <= PrismeConfig.from_name(BIG).max_seq_len:
-        raise ValueError(f"prefill_tokens must be in [1, T_max={PrismeConfig.from_name(BIG).max_seq_len}], "
-                         f"got {prefill_tokens}")
+    o = options if options is not None else VsHFOptions()
+    warmups, repeats, compile_mode, seed, quick = o.warmups, o.repeats, o.compile_mode, o.seed, o.quick
     big_repeats = max(3, repeats // 3)
     matmul_sizes = bench_train.MATMUL_SIZES[:2] if quick else bench_train.MATMUL_SIZES
-    device = torch.device(device)
+    device = torch.device(o.device)
     stream_bytes = bench_train.BANDWIDTH_BYTES if device.type == "cpu" else None
+    big = BigProtocol(o.batches, o.big_prompt, o.big_new_tokens, o.prefill_tokens, min(warmups, 1), big_repeats,
+                      matmul_sizes, stream_bytes)
     load_start = os.getloadavg()[0]
     results: dict[str, ShapeResult] = {}
     models: dict[str, Any] = {}
     t_start = time.perf_counter()
     for shape in shapes:
-        threads = threads_small if shape == SMALL else threads_big
+        threads = o.threads_small if shape == SMALL else o.threads_big
         with harness.torch_threads(threads):
-            pair = build_pair(shape, seed, torch.get_num_threads(), in_out, device)
+            pair = build_pair(shape, seed, torch.get_num_threads(), o.in_out, device)
             models[shape] = {**harness.model_facts(pair.backbone), "hf_class": type(pair.hf).__name__,
                              "threads": pair.threads}
             if shape == SMALL:
-                results[shape] = run_small(pair, prompts, new_tokens, warmups, repeats, compile_mode, seed)
+                results[shape] = run_small(pair, o.prompts, o.new_tokens, warmups, repeats, compile_mode, seed)
             else:
-                results[shape] = run_big(pair, batches, big_prompt, big_new_tokens, prefill_tokens,
-                                         min(warmups, 1), big_repeats, compile_mode, seed, matmul_sizes, stream_bytes)
+                results[shape] = run_big(pair, big, compile_mode, seed)
             del pair
     import transformers
 
@@ -403,7 +323,7 @@ def run_vs_hf(shapes: Sequence[str] = (SMALL, BIG), prompts: Sequence[int] = (16
                  "forced tokens; CPU microbenchmark, one run, on a machine that may be shared",
         "environment": env,
         "models": models,
-        "protocol": protocol(shapes, warmups, repeats, big_repeats, quick, in_out, compile_mode),
+        "protocol": protocol(shapes, warmups, repeats, big_repeats, quick, o.in_out, compile_mode),
         "correctness": [asdict(c) for c in checks],
         "negative_controls": [asdict(c) for c in negatives],
         "checks": verdict,
@@ -427,11 +347,11 @@ def main(args: argparse.Namespace) -> int:
     def pick(value: Any, quick_default: Any, default: Any) -> Any:
         return value if value is not None else (quick_default if quick else default)
 
-    doc = run_vs_hf(
-        shapes=shapes, prompts=parse_ints(pick(args.prompts, "16,256", "16,64,128,256"), "--prompts"),
+    doc = run_vs_hf(shapes, VsHFOptions(
+        prompts=parse_ints(pick(args.prompts, "16,256", "16,64,128,256"), "--prompts"),
         new_tokens=args.new_tokens, big_prompt=args.big_prompt, big_new_tokens=pick(args.big_new_tokens, 4, 8),
         batches=parse_ints(pick(args.batches, "1", "1,8"), "--batches"), prefill_tokens=args.prefill_tokens,
         warmups=args.warmups, repeats=pick(args.repeats, 5, 15), threads_small=args.threads_small,
         threads_big=args.threads_big, compile_mode=None if args.no_compile else DEFAULT_MODE, seed=args.seed,
-        quick=quick, in_out=not args.stock_layout, device=harness.bench_device(getattr(args, "device", "cpu")))
+        quick=quick, in_out=not args.stock_layout, device=harness.bench_device(getattr(args, "device", "cpu"))))
     return harness.emit(doc, format_vs_hf_table(doc), args.json)

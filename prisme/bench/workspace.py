@@ -251,21 +251,43 @@ def time_batch(models: dict[str, PrismeModel], batch: int, P: int, N: int, warmu
 
 
 # -------------------------------------------------------------------------------------------------------------- report
-def run_workspace(presets: Sequence[str | PrismeConfig] = DEFAULT_PRESETS, batches: Sequence[int] = (1, 8),
-                  prompt_len: int = 128, new_tokens: int = 16, warmups: int = 1, repeats: int = 5,
-                  threads: int | None = None, seed: int = 42, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                  profile: bool = False, profile_steps: int = 4, compile: bool = False) -> dict[str, Any]:
-    """The whole protocol (module docstring) on each preset; returns the JSON document.
+@dataclass(frozen=True)
+class WorkspaceBenchOptions:
+    """How `run_workspace` times its presets. Checked here, once: the lengths and counts (the batch sizes with the
+    presets, and the lengths against each preset's T_max, in `run_workspace`)."""
+
+    batches: Sequence[int] = (1, 8)  # batch sizes (B > 1: ragged budgets)
+    prompt_len: int = 128  # prompt tokens, prefilled untimed
+    new_tokens: int = 16  # forced decode steps per timed sample
+    warmups: int = 1  # untimed repeats before timing
+    repeats: int = 5  # timed repeats per row x model
+    threads: int | None = None  # torch CPU threads for every preset (None: `DEFAULT_THREADS`, else 1)
+    seed: int = 42  # weights, tokens and action traces
+    dtype: torch.dtype = torch.float32  # of the timed models
+    device: str = "cpu"  # cpu or cuda
+    profile: bool = False  # profile the workspace's ATen ops (last preset, largest batch)
+    profile_steps: int = 4  # decode steps per profiled row
+    compile: bool = False  # also time the seed model with its editor under torch.compile (variant "compiled")
+
+    def __post_init__(self) -> None:
+        if (self.prompt_len < 2 or self.new_tokens < 1 or self.warmups < 0 or self.repeats < 1
+                or self.profile_steps < 1):
+            raise ValueError(f"need prompt_len >= 2, new_tokens >= 1, warmups >= 0, repeats >= 1 and profile_steps "
+                             f">= 1; got {self.prompt_len}, {self.new_tokens}, {self.warmups}, {self.repeats}, "
+                             f"{self.profile_steps}")
+
+
+def run_workspace(presets: Sequence[str | PrismeConfig] = DEFAULT_PRESETS,
+                  options: WorkspaceBenchOptions | None = None) -> dict[str, Any]:
+    """The whole protocol (module docstring) on each preset (`options`: default `WorkspaceBenchOptions()`); returns
+    the JSON document.
 
     presets: preset names or configs (each needs a workspace and r_max >= 8).
-    threads: torch CPU threads for every preset (None: `DEFAULT_THREADS`, else 1).
     """
-    if not presets or not batches or any(b < 1 for b in batches):
-        raise ValueError(f"need presets and batch sizes >= 1, got {list(presets)} and {list(batches)}")
-    if prompt_len < 2 or new_tokens < 1 or warmups < 0 or repeats < 1 or profile_steps < 1:
-        raise ValueError(f"need prompt_len >= 2, new_tokens >= 1, warmups >= 0, repeats >= 1 and profile_steps >= 1; "
-                         f"got {prompt_len}, {new_tokens}, {warmups}, {repeats}, {profile_steps}")
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    o = options if options is not None else WorkspaceBenchOptions()
+    if not presets or not o.batches or any(b < 1 for b in o.batches):
+        raise ValueError(f"need presets and batch sizes >= 1, got {list(presets)} and {list(o.batches)}")
+    if o.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda asked for, but CUDA is not available")
     cfgs = [p if isinstance(p, PrismeConfig) else PrismeConfig.from_name(p) for p in presets]
     for cfg in cfgs:
@@ -273,31 +295,31 @@ def run_workspace(presets: Sequence[str | PrismeConfig] = DEFAULT_PRESETS, batch
             raise ValueError(f"preset {cfg.name!r} has no workspace (use_workspace=False)")
         for row in ROWS:
             row_plan(cfg, row, 1)
-        if prompt_len + new_tokens > cfg.max_seq_len:
-            raise ValueError(f"prompt {prompt_len} + {new_tokens} new tokens exceeds T_max={cfg.max_seq_len} of "
+        if o.prompt_len + o.new_tokens > cfg.max_seq_len:
+            raise ValueError(f"prompt {o.prompt_len} + {o.new_tokens} new tokens exceeds T_max={cfg.max_seq_len} of "
                              f"preset {cfg.name!r}")
-    env = environment(dtype=dtype, seed=seed)
-    env["device"] = device
-    if device.startswith("cuda"):
-        env["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    env = environment(dtype=o.dtype, seed=o.seed)
+    env["device"] = o.device
+    if o.device.startswith("cuda"):
+        env["gpu"] = torch.cuda.get_device_name(torch.device(o.device))
         env["cuda"] = torch.version.cuda
     results, checks, prof = [], {}, None
     for i, cfg in enumerate(cfgs):
-        n_threads = DEFAULT_THREADS.get(cfg.name, 1) if threads is None else threads
+        n_threads = DEFAULT_THREADS.get(cfg.name, 1) if o.threads is None else o.threads
         with torch_threads(n_threads):
-            models = build_models(cfg, seed, dtype, device, compile=compile)
-            checks[cfg.name] = workspace_checks(models, min(2, max(batches)), prompt_len, seed)
-            per_batch = [{"batch": b, "rows": [asdict(r) for r in time_batch(models, b, prompt_len, new_tokens,
-                                                                             warmups, repeats, seed)]}
-                         for b in batches]
-            if profile and i == len(cfgs) - 1:  # the last (largest) preset, at its largest batch
-                prof = profile_workspace(models, max(batches), prompt_len, profile_steps, seed=seed)
+            models = build_models(cfg, o.seed, o.dtype, o.device, compile=o.compile)
+            checks[cfg.name] = workspace_checks(models, min(2, max(o.batches)), o.prompt_len, o.seed)
+            per_batch = [{"batch": b, "rows": [asdict(r) for r in time_batch(models, b, o.prompt_len, o.new_tokens,
+                                                                             o.warmups, o.repeats, o.seed)]}
+                         for b in o.batches]
+            if o.profile and i == len(cfgs) - 1:  # the last (largest) preset, at its largest batch
+                prof = profile_workspace(models, max(o.batches), o.prompt_len, o.profile_steps, seed=o.seed)
         results.append({"preset": cfg.name, "threads": n_threads, "model": model_facts(models["opt"]),
                         "batches": per_batch})
         del models
     env["threads_by_preset"] = {r["preset"]: r["threads"] for r in results}
     env["threads"] = max(env["threads_by_preset"].values())  # the most any preset used; see threads_by_preset
-    tol = TOLERANCE.get(dtype, 1e-4)
+    tol = TOLERANCE.get(o.dtype, 1e-4)
     passed = {
         "rewind_and_timers_exact": all(c["rewind_vs_fresh"] == 0 and c["timer_transparency"] == 0
                                        for c in checks.values()),
@@ -311,7 +333,7 @@ def run_workspace(presets: Sequence[str | PrismeConfig] = DEFAULT_PRESETS, batch
     passed["passed"] = all(passed.values())
     doc = {
         "scope": "Untrained PRISME models (random init, readout U randomised), synthetic forced tokens and forced "
-                 f"action traces; {device} microbenchmark of the workspace's decode cost",
+                 f"action traces; {o.device} microbenchmark of the workspace's decode cost",
         "environment": env,
         "protocol": {
             "rows": {r: {"actions": SEED_ROWS[r][0], "slots_per_action": SEED_ROWS[r][1]} for r in ROWS},
@@ -321,7 +343,7 @@ def run_workspace(presets: Sequence[str | PrismeConfig] = DEFAULT_PRESETS, batch
                       "the seed model with its editor compiled (compiled: prisme.model.compiled.compile_editor, "
                       "analytic ops of the seed column, compiled once in the warm-up runs)",
             "batch_gt_1_budgets": "row b takes ceil((b + 1) n / B) actions then STOP (budget = that count)",
-            "prompt_tokens": prompt_len, "decoded_tokens": new_tokens, "warmups": warmups, "repeats": repeats,
+            "prompt_tokens": o.prompt_len, "decoded_tokens": o.new_tokens, "warmups": o.warmups, "repeats": o.repeats,
             "timer": "perf_counter_ns", "gradients": "torch.inference_mode", "path_order": "rotated each repeat",
             "gc": "collected before timing, disabled while timing",
             "sample": "N forced decode steps on a state prefilled once and rewound to P (untimed)",
@@ -349,9 +371,11 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 def main(args: argparse.Namespace) -> int:
     """`prisme bench workspace`: print the table, then the JSON document as the last thing on stdout."""
     presets = ("demo",) if args.quick else parse_names(args.presets, "--presets")
-    doc = run_workspace(presets=presets, batches=parse_ints(args.batches, "--batches"), prompt_len=args.prompt_len,
-                        new_tokens=4 if args.quick else args.new_tokens, warmups=args.warmups,
-                        repeats=2 if args.quick else args.repeats, threads=None if args.threads < 0 else args.threads,
-                        seed=args.seed, dtype=DTYPES[args.dtype], device=args.device, profile=args.profile,
-                        profile_steps=args.profile_steps, compile=getattr(args, "compile", False))
+    options = WorkspaceBenchOptions(batches=parse_ints(args.batches, "--batches"), prompt_len=args.prompt_len,
+                                    new_tokens=4 if args.quick else args.new_tokens, warmups=args.warmups,
+                                    repeats=2 if args.quick else args.repeats,
+                                    threads=None if args.threads < 0 else args.threads, seed=args.seed,
+                                    dtype=DTYPES[args.dtype], device=args.device, profile=args.profile,
+                                    profile_steps=args.profile_steps, compile=getattr(args, "compile", False))
+    doc = run_workspace(presets, options)
     return emit(doc, format_workspace_table(doc), args.json)

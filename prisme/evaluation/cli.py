@@ -14,7 +14,7 @@ import torch
 from prisme.checks import number, parse_list
 from prisme.data.mqar import MQARDataset
 from prisme.data.text import TokenDataset
-from prisme.evaluation.policies import row_family_of_name, standard_policies
+from prisme.evaluation.policies import PolicySettings, row_family_of_name, standard_policies
 from prisme.evaluation.run import EvalOptions, evaluate_policies
 from prisme.io import write_text_atomic
 
@@ -228,10 +228,10 @@ def main(args: argparse.Namespace) -> int:
                          f"{args.batch_size} x {seq_len} (pass --batches all for the whole split)")
     policies = None if args.policies is None else parse_list(args.policies, "--policies", example="backbone,controller")
     oracle_positions = None if args.oracle_positions == -1 else args.oracle_positions
-    planned = standard_policies(model, policies, lambdas=_parse_floats(args.lambdas),
-                                oracle_positions=oracle_positions,
-                                controller_budget=getattr(args, "controller_budget", None),
-                                kappa_risk=getattr(args, "kappa_risk", None), matched=matched, references=refs or None)
+    settings = PolicySettings(lambdas=_parse_floats(args.lambdas), oracle_positions=oracle_positions,
+                              controller_budget=getattr(args, "controller_budget", None),
+                              kappa_risk=getattr(args, "kappa_risk", None))
+    planned = standard_policies(model, policies, settings, matched=matched, references=refs or None)
     options = EvalOptions(batch_size=args.batch_size, seq_len=seq_len, max_batches=max_batches, seed=args.seed,
                           progress=sys.stderr.isatty(), bootstrap_samples=args.bootstrap,
                           bootstrap_seed=args.bootstrap_seed, frontier=frontier, slices=slices,
@@ -252,9 +252,7 @@ def main(args: argparse.Namespace) -> int:
     if getattr(args, "routing_bound", False):
         from prisme.evaluation.routing_bound import oracle_routed_bound
 
-        bound = oracle_routed_bound(model, dataset, refs, batch_size=args.batch_size, seq_len=seq_len,
-                                    max_batches=max_batches, bootstrap_samples=args.bootstrap,
-                                    bootstrap_seed=args.bootstrap_seed)
+        bound = oracle_routed_bound(model, dataset, refs, options)  # the evaluation's windows and intervals
         print(bound.table())
     if args.json:
         doc = report.to_json()

@@ -27,8 +27,8 @@ from prisme.model.prisme import PrismeModel
 
 BUDGETS = (1, 2, 4, 8)
 __all__ = ["ROW_KINDS", "row_family_of_name", "Row", "Policy", "Backbone", "Reference", "Fixed", "Random",
-           "Dense", "Controller", "EqualEdits", "Oracle", "standard_policies", "forced_actions", "thinned_actions",
-           "sample_positions", "default_lambdas"]
+           "Dense", "Controller", "EqualEdits", "Oracle", "PolicySettings", "standard_policies", "forced_actions",
+           "thinned_actions", "sample_positions", "default_lambdas"]
 
 
 # ---------------------------------------------------------------------------------------------------------- rows
@@ -355,21 +355,37 @@ BY_NAME = {"backbone": Backbone, "fixed": Fixed, "random": Random, "dense": Dens
            "oracle": Oracle}
 
 
-def standard_policies(model: PrismeModel, families: Sequence[str] | None = None, *,
-                      budgets: Sequence[int] | None = None, ks: Sequence[int] = (1, 2),
-                      lambdas: Sequence[float] | None = None, oracle_lambdas: Sequence[float] | None = None,
-                      oracle_positions: int | None = 16, controller_budget: int | None = None,
-                      kappa_risk: float | None = None, matched: PrismeModel | None = None,
-                      references: dict[str, PrismeModel] | None = None) -> list[Policy]:
-    """The policies of the named `families` (`POLICY_FAMILIES`; default: all that apply), each with these settings.
+@dataclass(frozen=True)
+class PolicySettings:
+    """The settings `standard_policies` gives its families' policies. Checked here, once: prices and the risk
+    aversion (a budget against the model, and the oracle's positions, where a policy is made)."""
 
-    budgets: n of the fixed / random n x k rows and the dense rows (default 1, 2, 4, 8 up to r_max); ks: slots per
-    action of the fixed / random rows; lambdas: the controller's prices (default `default_lambdas` on the first
-    batch), oracle_lambdas the oracle's (default: lambdas); oracle_positions: labelled positions per sequence the oracle
-    samples (None: all); controller_budget: max_budget of the controller, equal-edits and oracle rows (default r_max);
-    kappa_risk: the controller's risk aversion (default: the config's); matched: the "backbone+matched" row's model
-    (family "matched"); references: other backbones scored alone, one row each named by its key, after the backbone
-    and matched rows.
+    budgets: Sequence[int] | None = None  # n of the fixed / random n x k rows and the dense rows (default: BUDGETS
+    #   up to r_max)
+    ks: Sequence[int] = (1, 2)  # slots per action of the fixed / random rows
+    lambdas: Sequence[float] | None = None  # the controller's prices (default: `default_lambdas` on the first batch)
+    oracle_lambdas: Sequence[float] | None = None  # the oracle's prices (default: lambdas)
+    oracle_positions: int | None = 16  # labelled positions per sequence the oracle samples (None: all)
+    controller_budget: int | None = None  # max_budget of the controller, equal-edits and oracle rows (default r_max)
+    kappa_risk: float | None = None  # the controller's risk aversion (default: the config's)
+
+    def __post_init__(self) -> None:
+        kappa = self.kappa_risk
+        if kappa is not None and (isinstance(kappa, bool) or not isinstance(kappa, (int, float))
+                                  or not math.isfinite(kappa) or kappa < 0):
+            raise ValueError(f"kappa_risk must be a finite number >= 0, got {kappa!r}")
+        for what, lams in (("lambdas", self.lambdas), ("oracle_lambdas", self.oracle_lambdas)):
+            if lams is not None and (not list(lams) or any(isinstance(x, bool) or not isinstance(x, (int, float))
+                                                           or not math.isfinite(x) or x < 0 for x in lams)):
+                raise ValueError(f"{what} must be a non-empty list of finite floats >= 0, got {lams!r}")
+
+
+def standard_policies(model: PrismeModel, families: Sequence[str] | None = None,
+                      settings: PolicySettings | None = None, *, matched: PrismeModel | None = None,
+                      references: dict[str, PrismeModel] | None = None) -> list[Policy]:
+    """The policies of the named `families` (`POLICY_FAMILIES`; default: all that apply), each with `settings`
+    (`PolicySettings`; default: its defaults). matched: the "backbone+matched" row's model (family "matched");
+    references: other backbones scored alone, one row each named by its key, after the backbone and matched rows.
     """
     if not isinstance(model, PrismeModel):
         raise ValueError(f"model must be a PrismeModel, got {type(model).__name__}")
@@ -391,24 +407,19 @@ def standard_policies(model: PrismeModel, families: Sequence[str] | None = None,
             raise ValueError("policy 'matched' needs matched_backbone (a model whose backbone is evaluated alone)")
     if matched is not None and not isinstance(matched, PrismeModel):
         raise ValueError(f"matched_backbone must be a PrismeModel, got {type(matched).__name__}")
-    if kappa_risk is not None and (isinstance(kappa_risk, bool) or not isinstance(kappa_risk, (int, float))
-                                   or not math.isfinite(kappa_risk) or kappa_risk < 0):
-        raise ValueError(f"kappa_risk must be a finite number >= 0, got {kappa_risk!r}")
-    for what, lams in (("lambdas", lambdas), ("oracle_lambdas", oracle_lambdas)):
-        if lams is not None and (not list(lams) or any(isinstance(x, bool) or not isinstance(x, (int, float))
-                                                       or not math.isfinite(x) or x < 0 for x in lams)):
-            raise ValueError(f"{what} must be a non-empty list of finite floats >= 0, got {lams!r}")
-    _controller_budget(model, controller_budget)
-    oracle_prices = oracle_lambdas if oracle_lambdas is not None else lambdas  # None: the controller's default grid
+    s = settings if settings is not None else PolicySettings()
+    _controller_budget(model, s.controller_budget)
+    oracle_prices = s.oracle_lambdas if s.oracle_lambdas is not None else s.lambdas  # None: the controller's grid
     oracle_prices = None if oracle_prices is None else list(oracle_prices)
     made = {
         "backbone": lambda: Backbone(),
         "matched": lambda: Reference("backbone+matched", matched, matched=True),
-        "fixed": lambda: Fixed(budgets, ks),
-        "random": lambda: Random(budgets, ks),
-        "dense": lambda: Dense(budgets),
-        "controller": lambda: Controller(None if lambdas is None else list(lambdas), controller_budget, kappa_risk),
-        "oracle": lambda: Oracle(oracle_prices, oracle_positions, controller_budget),
+        "fixed": lambda: Fixed(s.budgets, s.ks),
+        "random": lambda: Random(s.budgets, s.ks),
+        "dense": lambda: Dense(s.budgets),
+        "controller": lambda: Controller(None if s.lambdas is None else list(s.lambdas), s.controller_budget,
+                                         s.kappa_risk),
+        "oracle": lambda: Oracle(oracle_prices, s.oracle_positions, s.controller_budget),
     }
     out = [made[f]() for f in names]
     at = max([0] + [i + 1 for i, p in enumerate(out) if isinstance(p, (Backbone, Reference))][:1]

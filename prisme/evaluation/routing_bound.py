@@ -23,9 +23,10 @@ import torch
 from prisme.costs.traces import trace_cost
 from prisme.data.text import IGNORE_INDEX
 from prisme.evaluation.oracle import greedy_oracle
+from prisme.evaluation.run import EvalOptions
 from prisme.model.oracle import token_ce
 from prisme.model.prisme import PrismeModel
-from prisme.stats import N_BOOT, gap_to_frontier, lower_envelope
+from prisme.stats import gap_to_frontier, lower_envelope
 
 FRACTIONS = (0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0)  # routed shares of all scored positions
 
@@ -74,18 +75,19 @@ class RoutingBound:
 
 
 @torch.no_grad()
-def oracle_routed_bound(model: PrismeModel, dataset, references: dict[str, PrismeModel], *, split: str = "val",
-                        batch_size: int = 16, seq_len: int | None = None, max_batches: int | None = 8,
-                        fractions: Sequence[float] = FRACTIONS, bootstrap_samples: int = N_BOOT, bootstrap_seed: int = 0
-                        ) -> RoutingBound:
-    """The bound on `dataset`'s `split` windows (see the module docstring).
+def oracle_routed_bound(model: PrismeModel, dataset, references: dict[str, PrismeModel],
+                        options: EvalOptions | None = None, fractions: Sequence[float] = FRACTIONS) -> RoutingBound:
+    """The bound on `dataset`'s evaluation windows (see the module docstring).
 
     Args:
         model: a PrismeModel with a trained workspace (its router, if it has one, sets the router's price; without
             one, the price of the default router of its config).
         references: backbone-only models scored on the same targets; their lower envelope is the dense frontier.
+        options: the windows and intervals, as an evaluation's (`EvalOptions`: its split, batch_size, seq_len (None:
+            the model's T_max), max_batches, bootstrap_samples and bootstrap_seed; the rest is not read).
         fractions: routed shares of the scored positions, each in [0, 1].
     """
+    o = options if options is not None else EvalOptions()
     if not isinstance(model, PrismeModel) or not model.cfg.use_workspace:
         raise ValueError("oracle_routed_bound needs a PrismeModel with a workspace")
     if not references:
@@ -94,14 +96,14 @@ def oracle_routed_bound(model: PrismeModel, dataset, references: dict[str, Prism
         raise ValueError(f"fractions must be shares in [0, 1], got {list(fractions)!r}")
     cfg = model.cfg
     price_cfg = cfg if cfg.router else cfg.replace(router=True)
-    T = seq_len or cfg.max_seq_len
+    T = o.seq_len or cfg.max_seq_len
     dev = next(model.parameters()).device
     was = model.training
     model.eval()
     drops, acts, base, ctxs, seqs, ref_ce = [], [], [], [], [], {n: [] for n in references}
     n_seq = 0
     try:
-        for x, y in dataset.iter_eval(split, batch_size, T, max_batches):
+        for x, y in dataset.iter_eval(o.split, o.batch_size, T, o.max_batches):
             B, Tx = x.shape
             if not bool((y != IGNORE_INDEX).all()):
                 raise ValueError("oracle_routed_bound needs windows whose every target is scored")
@@ -119,7 +121,7 @@ def oracle_routed_bound(model: PrismeModel, dataset, references: dict[str, Prism
     finally:
         model.train(was)
     if n_seq == 0:
-        raise ValueError(f"{dataset!r} has no {split} windows of {T} tokens")
+        raise ValueError(f"{dataset!r} has no {o.split} windows of {T} tokens")
     d, a, b, ctx, sq = (torch.cat(v) for v in (drops, acts, base, ctxs, seqs))
     d = d.clamp_min(0.0)  # a STOP (no drop) is 0; rounding never makes routing look better
     N = int(d.numel())
@@ -145,7 +147,7 @@ def oracle_routed_bound(model: PrismeModel, dataset, references: dict[str, Prism
         trace = torch.where(routed, a, stop).unsqueeze(-1)  # [N, 1]
         rel = trace_cost(price_cfg, trace, ctx, optimised=cfg.optimised, router=True).total_ops / bb_ops
         loss_pos = b - d * routed
-        gap = gap_to_frontier(per_seq(loss_pos), n_tok, envelope, rel, bootstrap_samples, bootstrap_seed)
+        gap = gap_to_frontier(per_seq(loss_pos), n_tok, envelope, rel, o.bootstrap_samples, o.bootstrap_seed)
         points.append(BoundPoint(fraction=float(f), k=k, relative_ops=rel, loss=float(loss_pos.mean()),
                                  gain=float((d * routed).sum() / N), frontier_gap=gap))
     return RoutingBound(points=points, frontier={n: ref_ops[n] for n in env},

@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -40,6 +42,36 @@ DEMO_FRONTIER = (2, None)  # ... and one frontier model, one layer deeper (`pris
 RECALL_SEEDS = (30,)  # the study's first seed: the demo's run repeats the study's run of it
 REFERENCE = Path(__file__).resolve().parents[1] / "reference" / "recall_context_frontier.json"
 SAMPLING = {"temperature": 0.8, "top_k": 20}  # what suits a small byte model: greedy decoding loops
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    """What `run_demo` runs and how (the run folder aside). Checked here, once: a scale <= 0 or fewer than one
+    evaluation batch is a ValueError before anything is written or trained."""
+
+    scale: float = 1.0  # the text study's steps x this (< 1: also a quick recall run)
+    threads: int | None = None  # torch CPU threads of this process and of each task (None: leave as is)
+    seed: int = 1337  # the text study's seed (and the sample's)
+    backbone_keeps_learning: bool = False  # stage 2 also trains the backbone (`TextStudyConfig`)
+    eval_batches: int = 8  # validation batches per evaluation of the text study
+    progress: bool = True  # a line per finished task on stderr
+    model_cfg: PrismeConfig | None = None  # the text study's model (None: the `demo` preset)
+    recall_seeds: Sequence[int] | None = None  # the recall part's seeds (None: `RECALL_SEEDS`; empty: no recall part)
+    jobs: int = 0  # worker processes (0: one per CPU core)
+    sources: Sequence[str] | None = None  # the text study's bank sources (None: `DEMO_SOURCES`)
+    held_out: str | None = None  # the held-out text (None: the text study's default, the embedded devils_dictionary)
+    compile: str = "off"  # torch.compile of the trained models (`TextStudyConfig.compile`)
+    verbose: bool = False  # print every table too (they are in report.txt)
+    recall_context: int | None = None  # the recall part's length (None: the reference's)
+    reference: str | Path | None = None  # the recall frontier's record (None: `REFERENCE`)
+    executor: str = "local"  # where the tasks run: this machine's worker processes, or "ray" (a cluster's tasks)
+    address: str | None = None  # the Ray cluster's address (with executor "ray")
+
+    def __post_init__(self) -> None:
+        if self.scale <= 0:
+            raise ValueError(f"scale must be > 0, got {self.scale}")
+        if not is_int(self.eval_batches) or self.eval_batches < 1:  # before minutes of training
+            raise ValueError(f"eval_batches must be an int >= 1, got {self.eval_batches!r}")
 
 
 def load_reference(path: str | Path | None = None) -> dict[str, Any]:
@@ -178,14 +210,10 @@ def text_lines(doc: dict[str, Any], preset: str) -> list[str]:
     return out + [f"  {v}" for v in close or doc["verdicts"][:4]]
 
 
-def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | None = None, seed: int = 1337,
-             backbone_keeps_learning: bool = False, eval_batches: int = 8, progress: bool = True,
-             model_cfg: PrismeConfig | None = None, recall_seeds: list[int] | None = None, jobs: int = 0,
-             sources: list[str] | None = None, held_out: str | None = None, compile: str = "off",
-             resume: bool = False, verbose: bool = False, recall_context: int | None = None,
-             reference: str | Path | None = None, executor: str = "local",
-             address: str | None = None) -> dict[str, Any]:
-    """Run the demo end to end; returns the summary (also written to <run>/summary.json).
+def run_demo(out: str | Path | None = None, options: DemoOptions | None = None, resume: bool = False
+             ) -> dict[str, Any]:
+    """Run the demo end to end in the run folder `out` (default runs/demo-<time>); returns the summary (also written
+    to <run>/summary.json). `options` (`DemoOptions`, default: the demo as `make demo` runs it):
 
     1. the recall claim: the reference's PRISME member at its length on `recall_seeds` (default `RECALL_SEEDS`; []
        skips it; with `scale` < 1 a quick run), beside the reference frontier (`reference`, default the shipped one);
@@ -202,35 +230,35 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
     The screen shows the summary (every table too with `verbose`); progress goes to stderr. A demo started in `out`
     with the same settings continues from what finished (`resume`: one must have been).
     """
+    from prisme.studies.pools import PoolOptions
     from prisme.studies.runner import open_study, prefixed, record_study, run_tasks, worker_count
     from prisme.studies.text import TextStudyConfig, format_report
     from prisme.studies.text import finish_study as finish_text
     from prisme.studies.text import prepare_study as prepare_text
 
-    if scale <= 0:
-        raise ValueError(f"scale must be > 0, got {scale}")
-    if not is_int(eval_batches) or eval_batches < 1:
-        raise ValueError(f"eval_batches must be an int >= 1, got {eval_batches!r}")  # before minutes of training
-    recall_seeds = list(RECALL_SEEDS) if recall_seeds is None else list(recall_seeds)
-    ref = load_reference(reference) if recall_seeds else None
-    if threads is not None and threads > 0:
-        torch.set_num_threads(threads)
+    o = options if options is not None else DemoOptions()
+    recall_seeds = list(RECALL_SEEDS) if o.recall_seeds is None else list(o.recall_seeds)
+    ref = load_reference(o.reference) if recall_seeds else None
+    if o.threads is not None and o.threads > 0:
+        torch.set_num_threads(o.threads)
     run = Path(out) if out is not None else Path("runs") / f"demo-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    cfg = model_cfg if model_cfg is not None else PrismeConfig.from_name("demo")
-    settings = {"scale": scale, "seed": seed, "backbone_keeps_learning": backbone_keeps_learning,
-                "eval_batches": eval_batches, "recall_seeds": recall_seeds, "sources": sources,
-                "held_out": held_out, "model": cfg.to_dict(), "recall_context": recall_context,
+    cfg = o.model_cfg if o.model_cfg is not None else PrismeConfig.from_name("demo")
+    sources = None if o.sources is None else list(o.sources)
+    settings = {"scale": o.scale, "seed": o.seed, "backbone_keeps_learning": o.backbone_keeps_learning,
+                "eval_batches": o.eval_batches, "recall_seeds": recall_seeds, "sources": sources,
+                "held_out": o.held_out, "model": cfg.to_dict(), "recall_context": o.recall_context,
                 "recall_member": ref and ref["member"]}
     resumed = open_study(run, settings, resume, "demo")
     if not resumed and run.exists() and any(run.iterdir()):
         raise ValueError(f"run folder {run} already exists and is not empty; pass another --out")
     if cfg.vocab_size < 256 or not cfg.use_workspace:
         raise ValueError(f"the demo needs a byte-level model (vocab_size >= 256) with a workspace, got {cfg.name!r}")
-    tcfg = TextStudyConfig(sources=list(sources or DEMO_SOURCES), seeds=[seed], frontier=[list(DEMO_FRONTIER)],
-                           scale=scale, val_batches=eval_batches,
-                           out_dir=str(run / "text"), jobs=jobs, threads=max(1, threads or 1), progress=progress,
-                           backbone_keeps_learning=backbone_keeps_learning, compile=compile, executor=executor,
-                           address=address, **({} if held_out is None else {"held_out": held_out})).validate(cfg)
+    tcfg = TextStudyConfig(sources=list(sources or DEMO_SOURCES), seeds=[o.seed], frontier=[list(DEMO_FRONTIER)],
+                           scale=o.scale, val_batches=o.eval_batches,
+                           out_dir=str(run / "text"), jobs=o.jobs, threads=max(1, o.threads or 1),
+                           progress=o.progress, backbone_keeps_learning=o.backbone_keeps_learning, compile=o.compile,
+                           executor=o.executor, address=o.address,
+                           **({} if o.held_out is None else {"held_out": o.held_out})).validate(cfg)
     run.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     walls: dict[str, float] = {}
@@ -242,7 +270,8 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
     tasks = [prefixed(t, "text/") for t in text_tasks]
     recall_tasks: list = []
     if recall_seeds:
-        rcfg, recipe, recall_tasks, T = plan_recall(run, recall_seeds, ref, scale < 1, jobs, compile, recall_context)
+        rcfg, recipe, recall_tasks, T = plan_recall(run, recall_seeds, ref, o.scale < 1, o.jobs, o.compile,
+                                                    o.recall_context)
         chains = 1 + len(tcfg.sources) + len(tcfg.frontier)  # the text study's backbone, sources and frontier first
         tasks = tasks[:chains] + [prefixed(t, "recall/") for t in recall_tasks] + tasks[chains:]
         print(f"demo: PRISME {ref['context']['prisme_best']['name']} at T = {T:,} (seeds "
@@ -252,7 +281,8 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
     from prisme.studies.recall import progress_printer as recall_progress
     from prisme.studies.text import progress_printer as text_progress
 
-    shows = {"recall/": recall_progress(progress, len(recall_tasks), "recall "), "text/": text_progress(progress)}
+    shows = {"recall/": recall_progress(o.progress, len(recall_tasks), "recall "),
+             "text/": text_progress(o.progress)}
     study_of = {prefix + t.name: prefix for prefix, ts in (("recall/", recall_tasks), ("text/", text_tasks))
                 for t in ts}  # pool task name -> its part's prefix
     finished: dict[str, float] = {}
@@ -263,9 +293,9 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
         if shows[prefix] is not None:
             shows[prefix](task, res, elapsed)
 
-    results = run_tasks(tasks, jobs, on_done=on_done, store=record_study(run, settings, "demo"), resumed=resumed,
-                        executor=executor, address=address, cpus=max(1, threads or 1))
-    n_workers = worker_count(jobs, len(tasks))
+    results = run_tasks(tasks, o.jobs, on_done=on_done, store=record_study(run, settings, "demo"), resumed=resumed,
+                        pool=PoolOptions(o.executor, o.address, max(1, o.threads or 1)))
+    n_workers = worker_count(o.jobs, len(tasks))
     summary_lines: list[str] = []
     report: list[str] = []
     recall = None
@@ -286,12 +316,12 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
     summary_lines += text_lines(text_doc, cfg.name)
 
     t = time.perf_counter()
-    checkpoint = run / "text" / f"seed{seed}" / tcfg.sources[0] / "4_controller"
+    checkpoint = run / "text" / f"seed{o.seed}" / tcfg.sources[0] / "4_controller"
     model, _ = load_model(checkpoint)
     T_text = text_doc["stages"]["workspace"]["seq_len"]
     n_new = T_text - len(ByteTokenizer().encode(PROMPT))  # stay within the trained positions
     budget = tcfg.controller_budget  # the deployed controller's budget, as the study evaluates it
-    text, info = _sample(model, PROMPT, n_new, budget, tcfg.kappa_risk, seed=seed)
+    text, info = _sample(model, PROMPT, n_new, budget, tcfg.kappa_risk, seed=o.seed)
     walls["sample"] = time.perf_counter() - t
     write_text_atomic(run / "sample.txt", PROMPT + text + "\n")
     more = (f"prisme generate --checkpoint {checkpoint} --budget {budget} --temperature {SAMPLING['temperature']} "
@@ -315,7 +345,7 @@ def run_demo(out: str | Path | None = None, scale: float = 1.0, threads: int | N
                "sample": {"prompt": PROMPT, "text": text, "command": more, **info}, "plots": plots,
                "lines": summary_lines}
     write_text_atomic(run / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
-    if verbose:
+    if o.verbose:
         print("\n".join(report), flush=True)
     print(f"\n== PRISME demo: summary ({run}) ==\n" + "\n".join(summary_lines), flush=True)
     return summary
@@ -340,12 +370,12 @@ def main(args: argparse.Namespace) -> int:
     sources = getattr(args, "sources", None)
     sources = None if sources is None else parse_list(sources, "--sources", one_of(SOURCES), "residual,embedding",
                                                       distinct=True)
-    run_demo(out=getattr(args, "out", None), scale=getattr(args, "scale", 1.0),
-             threads=threads if threads and threads > 0 else None, seed=getattr(args, "seed", 1337),
-             backbone_keeps_learning=getattr(args, "backbone_keeps_learning", False),
-             eval_batches=getattr(args, "eval_batches", 8), recall_seeds=recall_seeds,
-             jobs=getattr(args, "jobs", 0) or 0, sources=sources, compile=getattr(args, "compile", None) or "off",
-             resume=getattr(args, "resume", False),
-             verbose=getattr(args, "verbose", False), executor=getattr(args, "executor", None) or "local",
-             address=getattr(args, "address", None))
+    options = DemoOptions(scale=getattr(args, "scale", 1.0), threads=threads if threads and threads > 0 else None,
+                          seed=getattr(args, "seed", 1337),
+                          backbone_keeps_learning=getattr(args, "backbone_keeps_learning", False),
+                          eval_batches=getattr(args, "eval_batches", 8), recall_seeds=recall_seeds,
+                          jobs=getattr(args, "jobs", 0) or 0, sources=sources,
+                          compile=getattr(args, "compile", None) or "off", verbose=getattr(args, "verbose", False),
+                          executor=getattr(args, "executor", None) or "local", address=getattr(args, "address", None))
+    run_demo(getattr(args, "out", None), options, resume=getattr(args, "resume", False))
     return 0

@@ -21,6 +21,7 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -165,9 +166,26 @@ def check_executor(executor: Any, address: Any, need: Callable[[bool, str], None
          f"an address ({address!r}) names a Ray cluster: it needs executor 'ray'")
 
 
-def pool_options(cfg: Any) -> dict[str, Any]:
-    """`runner.run_tasks`'s executor options from a study config's `executor`, `address` and `threads`."""
-    return {"executor": cfg.executor, "address": cfg.address, "cpus": cfg.threads}
+@dataclass(frozen=True)
+class PoolOptions:
+    """Where `runner.run_tasks` runs a study's tasks: this machine's worker processes ("local"), or Ray tasks ("ray")
+    on the cluster at `address` (None: a local one, or the one `ray.init` already joined), each asking for `cpus`
+    CPUs. Checked here, once: an unknown executor, or an address without "ray", is a ValueError."""
+
+    executor: str = "local"  # one of `EXECUTORS`
+    address: str | None = None  # a Ray cluster's address; only with executor "ray"
+    cpus: int = 1  # CPUs each Ray task asks for
+
+    def __post_init__(self) -> None:
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
+        if self.address is not None and self.executor != "ray":
+            raise ValueError(f"an address ({self.address!r}) is for a Ray cluster: pass executor 'ray' with it")
+
+
+def pool_options(cfg: Any) -> PoolOptions:
+    """`runner.run_tasks`'s `pool` from a study config's `executor`, `address` and `threads`."""
+    return PoolOptions(cfg.executor, cfg.address, cfg.threads)
 
 
 def task_device(executor: str, i: int) -> str:

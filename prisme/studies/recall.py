@@ -345,7 +345,7 @@ def run_study(cfg: RecallStudyConfig, progress: bool = True, resume: bool = Fals
     if cfg.confirm_seeds:  # the confirmation's runs of the models that decide nothing are dropped
         prune = confirmation_prune(cfg, planned, names, prune)
     results = run_tasks(tasks, cfg.jobs, on_done=progress_printer(progress, len(tasks)), store=store,
-                        resumed=resumed, prune=prune, defer=defer, **pool_options(cfg))
+                        resumed=resumed, prune=prune, defer=defer, pool=pool_options(cfg))
     return finish_study(cfg, recipe, results, tasks, time.perf_counter() - t0, worker_count(cfg.jobs, len(tasks)))
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from prisme.io import write_text_atomic
-from prisme.studies.pools import _POOLS, EXECUTORS, RESUME_NOTE, LocalPool, StudyInterrupted, stop_on_signals
+from prisme.studies.pools import _POOLS, RESUME_NOTE, LocalPool, PoolOptions, StudyInterrupted, stop_on_signals
 from prisme.studies.records import (  # noqa: F401 - the folder's record, where the studies' callers found it
     STUDY_DIR,
     differences,
@@ -133,8 +133,8 @@ def worker_count(jobs: int, n_tasks: int) -> int:
 def run_tasks(tasks: Sequence[Task], jobs: int = 0,
               on_done: Callable[[Task, Any, float], None] | None = None, store: str | Path | None = None,
               resumed: bool = False, prune: Callable[[dict[str, Any]], Iterable[str]] | None = None,
-              defer: Callable[[dict[str, Any], set[str]], Iterable[str]] | None = None, executor: str = "local",
-              address: str | None = None, cpus: int = 1) -> dict[str, Any]:
+              defer: Callable[[dict[str, Any], set[str]], Iterable[str]] | None = None,
+              pool: PoolOptions | None = None) -> dict[str, Any]:
     """Run every task (`jobs` worker processes, 0 = one per core); returns {name: result}. `on_done(task, result,
     seconds since the start)` runs in this process as each task finishes. A task that raises stops the run: the tasks
     not started are cancelled, and its exception is raised once the running ones have finished. SIGINT or SIGTERM
@@ -144,10 +144,12 @@ def run_tasks(tasks: Sequence[Task], jobs: int = 0,
     no longer needed, asked after each result: those not started are not run (and have no result); tasks are started
     in list order, so a search orders its tasks cheapest first. `defer(results so far, names running)`: ready tasks to
     start after the other ready ones (work the running tasks' results may make unnecessary); they still start when
-    nothing else is ready. `executor` "ray": the tasks run as Ray tasks (`studies/ray_pool.py`) on the cluster at
-    `address` (None: a local one, or the one `ray.init` already joined), `jobs` at a time (0: as many as the cluster
-    has CPUs for), each asking for `cpus` CPUs; the task's exception raised here names the task that failed."""
+    nothing else is ready. `pool` (`PoolOptions`, default: this machine's worker processes): with executor "ray" the
+    tasks run as Ray tasks (`pools.RayPool`) on the cluster at its `address` (None: a local one, or the one `ray.init`
+    already joined), `jobs` at a time (0: as many as the cluster has CPUs for), each asking for its `cpus` CPUs; the
+    task's exception raised here names the task that failed."""
     check_tasks(tasks)
+    pool = pool if pool is not None else PoolOptions()
     t0 = time.perf_counter()
     store = Path(store) if store is not None else None
     done: dict[str, Any] = {}
@@ -189,17 +191,13 @@ def run_tasks(tasks: Sequence[Task], jobs: int = 0,
     drop()
 
     left = [t for t in tasks if t.name not in done and t.name not in dropped]
-    if executor not in EXECUTORS:
-        raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
-    if address is not None and executor != "ray":
-        raise ValueError(f"an address ({address!r}) is for a Ray cluster: pass executor 'ray' with it")
-    pool: Any = None
-    if executor == "ray" and left:  # before our signal handlers: connecting to Ray installs its own
+    workers: Any = None
+    if pool.executor == "ray" and left:  # before our signal handlers: connecting to Ray installs its own
         from prisme.studies.pools import RayPool
 
-        pool = RayPool(jobs, len(left), address=address, cpus=cpus)
+        workers = RayPool(jobs, len(left), address=pool.address, cpus=pool.cpus)
     with stop_on_signals():
-        if pool is None and (worker_count(jobs, len(left)) == 1 or not left):
+        if workers is None and (worker_count(jobs, len(left)) == 1 or not left):
             try:
                 while left_to_run():
                     task = ready()[0]
@@ -212,18 +210,18 @@ def run_tasks(tasks: Sequence[Task], jobs: int = 0,
             except StudyInterrupted as e:
                 raise StudyInterrupted(e.signal, f"{e.signal}: the study stopped; {RESUME_NOTE}") from None
             return done
-        pool = pool or LocalPool(worker_count(jobs, len(left)))
+        workers = workers or LocalPool(worker_count(jobs, len(left)))
         by_name = {t.name: t for t in tasks}
-        _POOLS.append(pool)
+        _POOLS.append(workers)
         try:
             while left_to_run():
-                while len(running) < pool.slots and (now := ready()):  # one at a time: `defer` sees each start
-                    running[pool.submit(now[0])] = now[0].name
+                while len(running) < workers.slots and (now := ready()):  # one at a time: `defer` sees each start
+                    running[workers.submit(now[0])] = now[0].name
                 finished, _ = cf.wait(list(running), return_when=cf.FIRST_COMPLETED)
                 for f in finished:
                     name = running.pop(f)
                     try:
-                        result = pool.result(f)
+                        result = workers.result(f)
                     except StudyInterrupted:
                         raise
                     except Exception as err:
@@ -231,19 +229,19 @@ def run_tasks(tasks: Sequence[Task], jobs: int = 0,
                         raise
                     finish(by_name[name], result)
         except StudyInterrupted as e:  # this process's signal, or a task a signal stopped: stop them all
-            pool.interrupt(getattr(signal, e.signal, signal.SIGINT))
+            workers.interrupt(getattr(signal, e.signal, signal.SIGINT))
             for f in cf.as_completed(list(running)):  # every running task saves and ends
                 if not f.cancelled() and f.exception() is None:
                     finish(by_name[running[f]], f.result())
-            pool.shutdown()
+            workers.shutdown()
             raise StudyInterrupted(e.signal, f"{e.signal}: the study stopped; {RESUME_NOTE}") from None
         except Exception:
-            pool.shutdown()
+            workers.shutdown()
             raise
         except BaseException:  # SystemExit, or a KeyboardInterrupt of another kind: stop the workers too
-            pool.kill()
+            workers.kill()
             raise
         finally:
-            _POOLS.remove(pool)
-            pool.shutdown()
+            _POOLS.remove(workers)
+            workers.shutdown()
     return done

@@ -284,10 +284,10 @@ class _Trainer:
             opt_state = {**opt_state, "objective": aux}
         if self.di.main:
             ckpt.clean_stale_temps(self.out)  # a killed earlier save's leftovers (this process is the only writer)
-            ckpt.save_checkpoint(self.out / ckpt.checkpoint_name(self.step), self.model, stage=self.scfg.stage,
-                                 step=self.step, stage_config=self.scfg.to_dict(), optimizer_state=opt_state,
-                                 rng=self.rng, metrics=metrics, extra=self.extra_state, state_dict=state_dict,
-                                 tokenizer=getattr(self.data, "tokenizer", None))
+            state = ckpt.TrainingState(stage=self.scfg.stage, step=self.step, stage_config=self.scfg.to_dict(),
+                                       optimizer_state=opt_state, rng=self.rng, metrics=metrics,
+                                       extra=self.extra_state, tokenizer=getattr(self.data, "tokenizer", None))
+            ckpt.save_checkpoint(self.out / ckpt.checkpoint_name(self.step), self.model, state, state_dict=state_dict)
             ckpt.prune_checkpoints(self.out, self.scfg.keep_last)
         rank_barrier(self.di)
         self.last_ckpt = ckpt.latest_checkpoint(self.out)
