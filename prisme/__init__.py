@@ -1,7 +1,8 @@
 """PRISME: language models with an adaptive, sparse, per-token workspace.
 
-The public face: `PrismeConfig` (and `PRESETS`), `PrismeModel`, `load_model` (a checkpoint folder -> (model, meta))
-and `generate`. The model, checkpoint and generation modules load on first use, so `import prisme` stays light.
+The public face: `PrismeConfig` (and `PRESETS`), `PrismeModel`, `load_model` (a checkpoint folder -> (model, meta)),
+`generate`, and what a call runs: the policies `Controller` and `Forced` and the `Sampling` of generation. The
+model, checkpoint and generation modules load on first use, so `import prisme` stays light.
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ from typing import Any
 
 from prisme.config import PRESETS, PrismeConfig
 
-__all__ = ["PRESETS", "PrismeConfig", "PrismeModel", "generate", "load_model"]
+__all__ = ["PRESETS", "Controller", "Forced", "PrismeConfig", "PrismeModel", "Sampling", "generate", "load_model"]
 __version__ = "0.2.0.dev0"  # the one version: pyproject.toml reads it (CHANGELOG: 0.2.0, unreleased)
 
 _LAZY = {"PrismeModel": "prisme.model.prisme", "load_model": "prisme.checkpoint",
-         "generate": "prisme.decoding.generate"}
+         "generate": "prisme.decoding.generate", "Controller": "prisme.model.policy", "Forced": "prisme.model.policy",
+         "Sampling": "prisme.decoding.sampling"}
 
 
 def __getattr__(name: str) -> Any:

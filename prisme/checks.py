@@ -68,6 +68,14 @@ def check_choice(name: str, v: Any, choices: tuple[Any, ...], where: str = "") -
     return v
 
 
+def check_price(name: str, value: Any) -> None:
+    """A price of a policy (`lambda_cost`, `kappa_risk`): None (the config's default) or a finite number >= 0."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0 (or None for the config's default), got {value!r}")
+
+
 def check_max_budget(max_budget: Any, r_max: int, use_workspace: bool = True) -> int:
     """A controller budget: an int in [0, r_max], and 0 for a model without a workspace; returns it."""
     if not is_int(max_budget) or max_budget < 0:

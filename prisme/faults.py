@@ -52,9 +52,9 @@ def compiled_editor_unmasked() -> Iterator[None]:
     from prisme.model import compiled as compile_mod
     from prisme.model.editor import blocks_pass
 
-    def broken(blocks, x, st, rem, S_pos, slots, bank_parts, full):  # noqa: ANN001, ANN202 - blocks_pass's signature
-        K, V, mask, b_idx, rank = bank_parts
-        return blocks_pass(blocks, x, st, rem, S_pos, slots, (K, V, torch.ones_like(mask), b_idx, rank), full)
+    def broken(blocks, x, st, rem, S_pos, slots, bank_read):  # noqa: ANN001, ANN202 - blocks_pass's signature
+        (K, V, mask, b_idx, rank), full = bank_read
+        return blocks_pass(blocks, x, st, rem, S_pos, slots, ((K, V, torch.ones_like(mask), b_idx, rank), full))
 
     original = compile_mod.CompiledEditor.source
     compile_mod.CompiledEditor.source = broken

@@ -291,9 +291,9 @@ def test_new_cache_rejects_bad_sizes(batch, max_len):
 def test_kv_cache_owns_its_lengths_and_rejects_impossible_moves():
     """`advance` and `truncate` are the only ways lengths change; moves past the capacity, a negative count, a count
     per row missing, or a truncation past a row's length are ValueErrors that leave the lengths as they were."""
-    from prisme.model.attention import KVCache
+    from prisme.model.attention import CacheShape, KVCache
 
-    cache = KVCache(n_layer=1, batch_size=2, n_kv_head=1, max_len=8, head_dim=4)
+    cache = KVCache(CacheShape(n_layer=1, n_kv_head=1, head_dim=4), batch_size=2, max_len=8)
     cache.advance([3, 5])
     assert cache.lengths == [3, 5]
     for bad in (lambda: cache.advance([4, 4]), lambda: cache.advance([-1, 0]), lambda: cache.advance([1]),

@@ -26,9 +26,10 @@ from prisme.checkpoint import TrainingState, load_checkpoint, save_checkpoint
 from prisme.config import ADDED_CONFIG_FIELDS, PrismeConfig, complete_config
 from prisme.costs.counting import OpsCounter
 from prisme.model import attention
-from prisme.model.attention import KVCache, LayerKVCache
+from prisme.model.attention import CacheShape, KVCache, LayerKVCache
 from prisme.model.backbone import Backbone
 from prisme.model.compiled import compile_decode
+from prisme.model.policy import Controller, Forced
 
 W = 5
 T = 23
@@ -228,7 +229,7 @@ def test_negative_control_a_ring_one_slot_short_differs():
     x = tokens(cfg.vocab_size)
     want = logits(model, x)
     for chunk in (1, 5):
-        short = KVCache(cfg.n_layer, 2, cfg.n_kv_head, 30, cfg.head_dim, torch.float64, window=W - 1)
+        short = KVCache(CacheShape(cfg.n_layer, cfg.n_kv_head, cfg.head_dim, window=W - 1), 2, 30, torch.float64)
         assert err(cached(model, x, chunk, short), want) > 1e-3
         assert err(cached(model, x, chunk), want) <= 1e-12
 
@@ -523,8 +524,8 @@ def test_prisme_decoding_with_a_windowed_shifted_backbone_equals_forward_policy(
     outs, forced_outs = [], []
     for i in range(0, max(lengths), chunk):
         n_new = [min(max(n - i, 0), chunk) for n in lengths]
-        outs.append(state.decode_step(x[:, i:i + chunk], n_new, max_budget=BUDGET, lambda_cost=0.0))
-        forced_outs.append(forced_state.decode_step(x[:, i:i + chunk], n_new, actions=forced[:, i:i + chunk]))
+        outs.append(state.decode_step(x[:, i:i + chunk], n_new, policy=Controller(max_budget=BUDGET, lambda_cost=0.0)))
+        forced_outs.append(forced_state.decode_step(x[:, i:i + chunk], n_new, policy=Forced(forced[:, i:i + chunk])))
     got = {f: torch.cat([getattr(o, f) for o in outs], 1) for f in ("logits", "actions", "n_edits",
                                                                       "controller_steps")}
     got_forced = torch.cat([o.logits for o in forced_outs], 1)
@@ -547,16 +548,16 @@ def test_decode_state_rewinds_exactly_or_refuses(prisme64):
     model = prisme64
     x = tokens(model.cfg.vocab_size, B=1, n=14)
     state = model.new_decode_state(1, max_len=24)
-    state.decode_step(x[:, :10], max_budget=BUDGET)
+    state.decode_step(x[:, :10], policy=Controller(max_budget=BUDGET))
     with pytest.raises(ValueError, match="key-shift"):
         state.rewind(6)
     assert state.lengths == [10]
-    fresh = model.new_decode_state(1, max_len=24).decode_step(x, max_budget=BUDGET).logits
-    assert err(state.rewind(0).decode_step(x, max_budget=BUDGET).logits, fresh) <= 1e-12
+    fresh = model.new_decode_state(1, max_len=24).decode_step(x, policy=Controller(max_budget=BUDGET)).logits
+    assert err(state.rewind(0).decode_step(x, policy=Controller(max_budget=BUDGET)).logits, fresh) <= 1e-12
     banked = tiny_model(0, ws_init="seed", bank_shift=True)
     bstate = banked.new_decode_state(1, max_len=24)
-    bstate.decode_step(x[:, :10], max_budget=BUDGET)
+    bstate.decode_step(x[:, :10], policy=Controller(max_budget=BUDGET))
     with pytest.raises(ValueError, match="bank shift"):
         bstate.rewind(6)
-    fresh = banked.new_decode_state(1, max_len=24).decode_step(x, max_budget=BUDGET).logits
-    assert err(bstate.rewind(0).decode_step(x, max_budget=BUDGET).logits, fresh) <= 1e-12
+    fresh = banked.new_decode_state(1, max_len=24).decode_step(x, policy=Controller(max_budget=BUDGET)).logits
+    assert err(bstate.rewind(0).decode_step(x, policy=Controller(max_budget=BUDGET)).logits, fresh) <= 1e-12

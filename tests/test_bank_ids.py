@@ -24,6 +24,7 @@ from prisme.costs.traces import position_ops, trace_cost
 from prisme.decoding.generate import generate
 from prisme.model.bank.tables import bank_tables
 from prisme.model.outputs import Streams
+from prisme.model.policy import Controller
 
 EMBED = dict(bank_source="embedding", query_source="embedding", bank_shift=True, router=True, bank_tables=True)
 
@@ -40,8 +41,9 @@ def trio():
 
 def decode(m, toks, budget, lam):
     st = m.new_decode_state(toks.shape[0], 24)
-    outs = [st.prefill(toks[:, :5], logits="all", max_budget=budget, lambda_cost=lam)]
-    outs += [st.decode_step(toks[:, i:i + 1], max_budget=budget, lambda_cost=lam) for i in range(5, toks.shape[1])]
+    outs = [st.prefill(toks[:, :5], logits="all", policy=Controller(max_budget=budget, lambda_cost=lam))]
+    outs += [st.decode_step(toks[:, i:i + 1], policy=Controller(max_budget=budget, lambda_cost=lam))
+             for i in range(5, toks.shape[1])]
     return torch.cat([o.logits for o in outs], 1), torch.cat([o.actions for o in outs], 1)
 
 
@@ -84,8 +86,9 @@ def test_kept_ids_state_holds_the_ids_alone_and_rewinds_to_any_shared_length():
     assert kept.nbytes - st.nbytes == 2 * 24 * 2 * ids.cfg.w * 8 + 2 * 8  # its entries and its shift's ids
     st.prefill(toks[:, :12], logits="none")
     st.rewind(7)  # mid-sequence: no shift memory to lose
-    again = st.prefill(toks[:, 7:12], logits="all", max_budget=1, lambda_cost=0.0)
-    fresh = ids.new_decode_state(2, 24).prefill(toks[:, :12], logits="all", max_budget=1, lambda_cost=0.0)
+    again = st.prefill(toks[:, 7:12], logits="all", policy=Controller(max_budget=1, lambda_cost=0.0))
+    fresh = ids.new_decode_state(2, 24).prefill(toks[:, :12], logits="all",
+                                                policy=Controller(max_budget=1, lambda_cost=0.0))
     torch.testing.assert_close(again.logits, fresh.logits[:, 7:], rtol=0, atol=1e-12)
     kept.prefill(toks[:, :12], logits="none")
     with pytest.raises(ValueError, match="bank shift"):  # the kept entries' shift memory cannot
@@ -122,7 +125,7 @@ def test_kept_ids_price_the_lookups_of_the_whole_context_where_the_workspace_run
             st.bank.view(T, torch.zeros(1, dtype=torch.long))
             ids.query_state(Streams(last.H, last.src, last.ids), decoded=True)
     assert oc.total == sum(read.values()) - costs.bank_lookup_ops(cfg, *costs.bank_reads(cfg, T, True)) == 0
-    out = generate(ids, [[3, 1, 4, 1, 5]], 8, max_budget=1, lambda_cost=0.02)
+    out = generate(ids, [[3, 1, 4, 1, 5]], 8, policy=Controller(max_budget=1, lambda_cost=0.02))
     acts = out.actions[0]
     assert (acts[:, 0] == stop).any() and (acts[:, 0] != stop).any()  # both kinds of position
     ctx = torch.arange(5, 13)

@@ -20,6 +20,7 @@ from tiny_models import tiny_model
 
 import prisme.model.bank.cache as cache_mod
 from prisme.config import PrismeConfig
+from prisme.model.policy import Controller
 
 EMBED = dict(bank_source="embedding", query_source="embedding", bank_key="preceding", router=True)
 CONFIGS = {
@@ -66,8 +67,8 @@ def test_a_preceding_key_is_causal():
 def decode(model, x: torch.Tensor, budget: int, lam: float, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A prompt of 5 by `prefill` (logits at every position), then chunks of `chunk` tokens by `decode_step`."""
     st = model.new_decode_state(x.shape[0], 24)
-    outs = [st.prefill(x[:, :5], logits="all", max_budget=budget, lambda_cost=lam)]
-    outs += [st.decode_step(x[:, i:i + chunk], max_budget=budget, lambda_cost=lam)
+    outs = [st.prefill(x[:, :5], logits="all", policy=Controller(max_budget=budget, lambda_cost=lam))]
+    outs += [st.decode_step(x[:, i:i + chunk], policy=Controller(max_budget=budget, lambda_cost=lam))
              for i in range(5, x.shape[1], chunk)]
     return torch.cat([o.logits for o in outs], 1), torch.cat([o.actions for o in outs], 1)
 

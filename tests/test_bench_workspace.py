@@ -15,6 +15,7 @@ from prisme.cli import main as cli_main
 from prisme.config import PrismeConfig
 from prisme.costs.analytic import token_ops
 from prisme.costs.traces import trace_cost
+from prisme.model.policy import Forced
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def doc(cfg: PrismeConfig) -> dict:
 
 def decode(model, state, tokens, acts, budget):
     """Logits `[B, N, V]` of forced decoding `tokens` `[B, N]` with actions `[B, 1, n]`."""
-    return torch.cat([state.decode_step(tokens[:, i:i + 1], actions=acts, budget=budget).logits
+    return torch.cat([state.decode_step(tokens[:, i:i + 1], policy=Forced(acts, budget=budget)).logits
                       for i in range(tokens.shape[1])], 1)
 
 

@@ -18,6 +18,7 @@ from test_generate import make_model as random_model
 from prisme import faults
 from prisme.config import PrismeConfig
 from prisme.model.compiled import CompiledEditor, compile_editor, uncompile_editor
+from prisme.model.policy import Controller
 from prisme.model.prisme import PrismeModel
 
 TOL = {torch.float64: 1e-10}
@@ -120,7 +121,7 @@ def test_compiled_editor_ragged_batched_decoding_equals_eager(pair64):
         with torch.inference_mode():
             for i, c in chunks:
                 n_new = [min(max(L - i, 0), c) for L in lengths]
-                o = state.decode_step(tokens[:, i:i + c], n_new, max_budget=3, lambda_cost=0.0)
+                o = state.decode_step(tokens[:, i:i + c], n_new, policy=Controller(max_budget=3, lambda_cost=0.0))
                 logits.append(o.logits)
                 actions.append(o.actions)
         outs[name] = torch.cat(logits, 1), torch.cat(actions, 1)

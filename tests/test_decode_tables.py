@@ -27,6 +27,7 @@ from prisme.costs.traces import position_ops, trace_cost
 from prisme.decoding.generate import generate
 from prisme.model.bank.tables import bank_tables, step_entries
 from prisme.model.outputs import Streams
+from prisme.model.policy import Controller
 
 EMBED = dict(bank_source="embedding", query_source="embedding", bank_shift=True, router=True)
 
@@ -64,8 +65,9 @@ def test_decoding_with_tables_equals_forward_policy(budget, lam):
     full = ref.forward_policy(toks, budget, lambda_cost=lam)
     for m in (ref, model):
         st = m.new_decode_state(3, 24)
-        outs = [st.prefill(toks[:, :5], logits="all", max_budget=budget, lambda_cost=lam)]
-        outs += [st.decode_step(toks[:, i:i + 1], max_budget=budget, lambda_cost=lam) for i in range(5, 20)]
+        outs = [st.prefill(toks[:, :5], logits="all", policy=Controller(max_budget=budget, lambda_cost=lam))]
+        outs += [st.decode_step(toks[:, i:i + 1], policy=Controller(max_budget=budget, lambda_cost=lam))
+                 for i in range(5, 20)]
         logits = torch.cat([o.logits for o in outs], 1)
         actions = torch.cat([o.actions for o in outs], 1)
         torch.testing.assert_close(logits, full.logits, rtol=0, atol=1e-12)
@@ -77,8 +79,8 @@ def test_decoding_with_tables_equals_forward_policy(budget, lam):
 def test_ragged_generation_with_tables_equals_without():
     ref, model = pair()
     prompts = [[1, 2, 3, 1, 2], [4, 5], [6, 7, 8, 9, 6, 7, 8]]
-    a = generate(ref, prompts, 6, max_budget=2, lambda_cost=0.02)
-    b = generate(model, prompts, 6, max_budget=2, lambda_cost=0.02)
+    a = generate(ref, prompts, 6, policy=Controller(max_budget=2, lambda_cost=0.02))
+    b = generate(model, prompts, 6, policy=Controller(max_budget=2, lambda_cost=0.02))
     assert a.tokens == b.tokens and a.n_edits == b.n_edits
     assert all(torch.equal(x, y) for x, y in zip(a.actions, b.actions))
 
@@ -224,8 +226,8 @@ def test_the_deployed_step_of_ragged_rows_equals_forward_policy_row_by_row(monke
     def decode(m):
         st = m.new_decode_state(3, 9 + n_steps)
         st.prefill(seqs[:, :9], lens, logits="none")
-        outs = [st.decode_step(torch.stack([seqs[b, lens[b] + i] for b in range(3)]).view(3, 1), max_budget=1,
-                               lambda_cost=lam) for i in range(n_steps)]
+        outs = [st.decode_step(torch.stack([seqs[b, lens[b] + i] for b in range(3)]).view(3, 1),
+                               policy=Controller(max_budget=1, lambda_cost=lam)) for i in range(n_steps)]
         return torch.cat([o.logits for o in outs], 1), torch.cat([o.actions for o in outs], 1)
 
     logits, actions = decode(model)

@@ -11,6 +11,7 @@ import torch
 from conftest import assert_close
 from test_contracts import EDITOR_PATHS, editor_path, make_model, random_actions, random_tokens
 
+from prisme.model.policy import Controller
 from prisme.model.workspace import absorb_stop, slots_of_action
 
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
@@ -90,7 +91,7 @@ def test_batched_ragged_decoding_equals_the_parallel_rollout_on_device(device):
     with torch.inference_mode():
         for i in range(0, 11, 2):
             n_new = [min(max(L - i, 0), 2) for L in lengths]
-            o = state.decode_step(tokens[:, i:i + 2], n_new, max_budget=3, lambda_cost=0.0)
+            o = state.decode_step(tokens[:, i:i + 2], n_new, policy=Controller(max_budget=3, lambda_cost=0.0))
             logits.append(o.logits)
             actions.append(o.actions)
     logits, actions = torch.cat(logits, 1), torch.cat(actions, 1)

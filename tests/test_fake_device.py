@@ -23,6 +23,8 @@ from prisme import checkpoint as ckpt
 from prisme.config import PrismeConfig
 from prisme.data.mqar import MQARConfig, MQARDataset
 from prisme.decoding.generate import generate, generate_stream
+from prisme.decoding.sampling import Sampling
+from prisme.model.policy import Controller
 from prisme.model.prisme import PrismeModel
 from prisme.training.config import StageConfig
 from prisme.training.trainer import train_stage
@@ -124,14 +126,14 @@ def test_ragged_generation_on_a_device_equals_the_cpu_within_its_sync_budget(sam
     torch.manual_seed(0)
     model = PrismeModel(MODEL).eval()
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
-    ref = generate(model, prompts, 6, max_budget=2, **sampling)
+    ref = generate(model, prompts, 6, Controller(2), Sampling(**sampling))
     with FakeDevice() as fd:
         dev_model = model.to(fd.device)
-        out = generate(dev_model, prompts, 6, max_budget=2, **sampling)
+        out = generate(dev_model, prompts, 6, Controller(2), Sampling(**sampling))
         assert out.tokens == ref.tokens and out.n_edits == ref.n_edits and out.ops == ref.ops
         fd.reset()
         counts, uploads = [], []
-        for _ in generate_stream(dev_model, prompts, 6, max_budget=2, **sampling):
+        for _ in generate_stream(dev_model, prompts, 6, policy=Controller(2), sampling=Sampling(**sampling)):
             counts.append(fd.sync_count())
             uploads.append(sum(fd.uploads.values()))
     per_token = max(b - a for a, b in zip(counts, counts[1:]))
@@ -150,7 +152,7 @@ def test_batch_one_decoding_reads_the_device_once_per_token():
     with FakeDevice() as fd:
         dev_model = model.to(fd.device)
         counts, uploads = [], []
-        for _ in generate_stream(dev_model, [[1, 2, 3]], 6, max_budget=0):
+        for _ in generate_stream(dev_model, [[1, 2, 3]], 6, policy=Controller(max_budget=0)):
             counts.append(fd.sync_count())
             uploads.append(sum(fd.uploads.values()))
     assert [b - a for a, b in zip(counts, counts[1:])] == [1] * 5, fd.report()

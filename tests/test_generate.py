@@ -22,8 +22,9 @@ from prisme.config import PrismeConfig
 from prisme.costs.analytic import token_ops
 from prisme.costs.traces import position_ops, trace_cost
 from prisme.decoding.generate import GenerationOutput, calibrate_lambda, generate, generate_stream
-from prisme.decoding.sampling import sample_logits
+from prisme.decoding.sampling import Sampling, sample_logits
 from prisme.model.bank import SourceBank
+from prisme.model.policy import Controller, Forced
 from prisme.model.prisme import PrismeModel
 from prisme.model.state import DecodeState, StepOutput
 
@@ -55,18 +56,20 @@ CASES = {"batch1": [19], "ragged": [19, 11, 15]}
 
 
 def decode_in_chunks(state: DecodeState, tokens: torch.Tensor, lengths: list[int], chunk: int,
-                     **step_kwargs) -> StepOutput:
+                     policy: Controller | Forced | None = None) -> StepOutput:
     """Feed right-padded `tokens` `[B, T]` through `decode_step` `chunk` columns at a time; concatenate the outputs.
 
-    Forced `actions` `[B, T, R]` and `budget` `[B, T]` in step_kwargs are sliced per chunk like the tokens.
+    `Forced` actions `[B, T, R]` and budget `[B, T]` are sliced per chunk like the tokens.
     """
     T = tokens.shape[1]
     outs = []
     for i in range(0, T, chunk):
         n_new = [min(max(L - i, 0), chunk) for L in lengths]
-        kw = {k: v[:, i:i + chunk] if torch.is_tensor(v) and k in ("actions", "budget") else v
-              for k, v in step_kwargs.items()}
-        outs.append(state.decode_step(tokens[:, i:i + chunk], n_new, **kw))
+        part = policy
+        if isinstance(policy, Forced):
+            budget = policy.budget[:, i:i + chunk] if torch.is_tensor(policy.budget) else policy.budget
+            part = Forced(policy.actions[:, i:i + chunk], budget)
+        outs.append(state.decode_step(tokens[:, i:i + chunk], n_new, part))
     return StepOutput(logits=torch.cat([o.logits for o in outs], 1),
                       **{f: torch.cat([getattr(o, f) for o in outs], 1)
                          for f in ("actions", "n_edits", "controller_steps", "positions", "valid")})
@@ -88,9 +91,9 @@ def decode_errors(model: PrismeModel, case: str, chunk: int, refs: list | None =
         actions = torch.full((len(lengths), tokens.shape[1], BUDGET), model.cfg.stop_action)
         for b, (L, ref) in enumerate(zip(lengths, refs)):
             actions[b, :L] = ref.actions[0]
-        out = decode_in_chunks(state, tokens, lengths, chunk, actions=actions)
+        out = decode_in_chunks(state, tokens, lengths, chunk, Forced(actions))
     else:
-        out = decode_in_chunks(state, tokens, lengths, chunk, max_budget=BUDGET, lambda_cost=0.0)
+        out = decode_in_chunks(state, tokens, lengths, chunk, Controller(BUDGET, lambda_cost=0.0))
     err, same = 0.0, True
     for b, (L, ref) in enumerate(zip(lengths, refs)):
         assert out.valid[b, :L].all() and not out.valid[b, L:].any()
@@ -139,9 +142,9 @@ def test_prefill_matches_forward_policy_at_every_and_at_the_last_position(model6
     tokens = random_tokens(model64.cfg.vocab_size, 3, max(lengths))
     refs = parallel_reference(model64, tokens, lengths)
     state = model64.new_decode_state(3, max_len=24)
-    full = state.prefill(tokens, lengths, chunk, logits="all", max_budget=BUDGET, lambda_cost=0.0)
+    full = state.prefill(tokens, lengths, chunk, logits="all", policy=Controller(max_budget=BUDGET, lambda_cost=0.0))
     state.reset()
-    last = state.prefill(tokens, lengths, chunk, logits="last", max_budget=BUDGET, lambda_cost=0.0)
+    last = state.prefill(tokens, lengths, chunk, logits="last", policy=Controller(max_budget=BUDGET, lambda_cost=0.0))
     assert state.lengths == lengths
     for b, (L, ref) in enumerate(zip(lengths, refs)):
         assert_close(full.logits[b, :L], ref.logits[0], 1e-12, "prefill all")
@@ -169,7 +172,7 @@ def test_forced_actions_decode_equals_forward_with_the_same_actions(model64):
     with torch.no_grad():
         ref = model64(tokens, actions, budget)
     state = model64.new_decode_state(2, max_len=12)
-    out = decode_in_chunks(state, tokens, [12, 12], 3, actions=actions, budget=budget)
+    out = decode_in_chunks(state, tokens, [12, 12], 3, Forced(actions, budget))
     assert_close(out.logits, ref.logits, 1e-12, "forced decode")
     assert torch.equal(out.actions, ref.actions)
     assert torch.equal(out.controller_steps, torch.zeros_like(ref.n_edits))
@@ -223,7 +226,7 @@ def test_decode_state_holds_the_shift_memory_in_its_bytes_and_reset_clears_it():
     state = model.new_decode_state(2, max_len=8)
     plain = make_model(torch.float64).new_decode_state(2, max_len=8)
     assert len(state.bank.prev) == 2 and state.nbytes - plain.nbytes == 2 * 2 * model.cfg.d_model * 8
-    state.decode_step(random_tokens(model.cfg.vocab_size, 2, 3), max_budget=1, lambda_cost=0.0)
+    state.decode_step(random_tokens(model.cfg.vocab_size, 2, 3), policy=Controller(max_budget=1, lambda_cost=0.0))
     assert all(p.abs().sum() > 0 for p in state.bank.prev)
     state.reset()
     assert all(p.abs().sum() == 0 for p in state.bank.prev) and state.lengths == [0, 0]
@@ -291,11 +294,11 @@ def test_budget_zero_decoding_is_bitwise_the_backbone_decoder(model64):
         ref = torch.cat([bb.head(bb(tokens[:, i:i + 3], cache)) for i in range(0, 14, 3)], 1)
     for bank in (True, False):
         state = model64.new_decode_state(2, max_len=16, bank=bank)
-        out = decode_in_chunks(state, tokens, [14, 14], 3, max_budget=0)
+        out = decode_in_chunks(state, tokens, [14, 14], 3, Controller(0))
         assert torch.equal(out.logits, ref)
         assert out.actions.shape == (2, 14, 0) and not out.n_edits.any()
     state = model64.new_decode_state(2, max_len=16)
-    out = decode_in_chunks(state, tokens, [14, 14], 3, max_budget=BUDGET, lambda_cost=0.0)
+    out = decode_in_chunks(state, tokens, [14, 14], 3, Controller(BUDGET, lambda_cost=0.0))
     edited = out.n_edits > 0
     assert edited.any() and not torch.equal(out.logits, ref)
     assert torch.equal(out.logits[~edited], ref[~edited])  # positions that stopped at once: bitwise the backbone
@@ -311,7 +314,7 @@ def test_budget_zero_generation_equals_backbone_greedy_decoding(model64):
         for _ in range(8):
             ref.append(nxt)
             nxt = bb.head(bb(torch.tensor([[nxt]]), cache))[0, -1].argmax().item()
-    out = generate(model64, prompt, 8, max_budget=0)
+    out = generate(model64, prompt, 8, policy=Controller(max_budget=0))
     assert out.tokens == [ref]
     assert out.relative_cost == 1.0
     assert out.ops[0] == [token_ops(model64.cfg, 6 + i, controller_steps=0)["total"] for i in range(8)]
@@ -323,18 +326,18 @@ def test_per_token_ops_memo_is_kept_per_model_and_config_and_tells_the_bypass_fr
     contexts cost differently (negative control: a memo keyed on the trace alone would hand the bypass price on), and
     a model given another config prices afresh."""
     prompt = random_tokens(model64.cfg.vocab_size, 1, 6)
-    bypass = generate(model64, prompt, 8, max_budget=0).ops[0]
-    stopped = generate(model64, prompt, 8, max_budget=1, lambda_cost=1e9)
+    bypass = generate(model64, prompt, 8, policy=Controller(max_budget=0)).ops[0]
+    stopped = generate(model64, prompt, 8, policy=Controller(max_budget=1, lambda_cost=1e9))
     assert all(a == [model64.cfg.stop_action] for a in stopped.actions[0].tolist())
     fresh = [position_ops(model64.cfg, 6 + i, [model64.cfg.stop_action], s, model64.cfg.optimised)
              for i, s in enumerate(stopped.controller_steps[0])]
     assert stopped.ops[0] == fresh and fresh != bypass
     cfg, memo = model64.__dict__["_position_ops_memo"]
     assert cfg is model64.cfg and len(memo) >= 16
-    assert generate(model64, prompt, 8, max_budget=0).ops[0] == bypass  # from the memo
+    assert generate(model64, prompt, 8, policy=Controller(max_budget=0)).ops[0] == bypass  # from the memo
     other = PrismeModel(model64.cfg.replace(optimised=not model64.cfg.optimised)).double()
     other.load_state_dict(model64.state_dict())
-    theirs = generate(other, prompt, 8, max_budget=1, lambda_cost=1e9)
+    theirs = generate(other, prompt, 8, policy=Controller(max_budget=1, lambda_cost=1e9))
     assert theirs.ops[0] == [position_ops(other.cfg, 6 + i, [other.cfg.stop_action], s, other.cfg.optimised)
                              for i, s in enumerate(theirs.controller_steps[0])] != fresh
 
@@ -345,7 +348,7 @@ def test_greedy_generation_is_the_argmax_of_forward_policy_with_its_traces_and_c
     that produced it, with the same trace; per-token ops are token_ops at that position's own context."""
     cfg = model64.cfg
     prompts = [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3, 5, 8, 9, 7]]
-    out = generate(model64, prompts, 6, max_budget=BUDGET, lambda_cost=0.0)
+    out = generate(model64, prompts, 6, policy=Controller(max_budget=BUDGET, lambda_cost=0.0))
     assert isinstance(out, GenerationOutput) and out.finish_reasons == ["length"] * 3
     n_all, ops_all, base_all, shifted_ok = [], 0, 0, []
     for b, p in enumerate(prompts):
@@ -372,11 +375,11 @@ def test_greedy_generation_is_the_argmax_of_forward_policy_with_its_traces_and_c
 def test_same_seed_same_sample_and_different_seed_differs(model32):
     """Sampling (temperature 1, top-k 40, top-p 0.95) is a function of the seed: same seed -> same tokens,
     another seed -> other tokens."""
-    kw = dict(temperature=1.0, top_k=40, top_p=0.95, max_budget=2, lambda_cost=0.0)
+    policy, sampled = Controller(2, lambda_cost=0.0), dict(temperature=1.0, top_k=40, top_p=0.95)
     prompts = [[1, 2, 3], [4, 5]]
-    a = generate(model32, prompts, 16, seed=7, **kw)
-    b = generate(model32, prompts, 16, seed=7, **kw)
-    c = generate(model32, prompts, 16, seed=8, **kw)
+    a = generate(model32, prompts, 16, policy, Sampling(seed=7, **sampled))
+    b = generate(model32, prompts, 16, policy, Sampling(seed=7, **sampled))
+    c = generate(model32, prompts, 16, policy, Sampling(seed=8, **sampled))
     assert a.tokens == b.tokens and all(torch.equal(x, y) for x, y in zip(a.actions, b.actions))
     assert a.tokens != c.tokens
 
@@ -397,7 +400,7 @@ def test_sample_logits_filters():
 
 def test_streaming_yields_the_same_tokens_and_traces(model32):
     """generate_stream yields, step by step, the tokens, traces and ops that generate returns at once."""
-    kw = dict(temperature=0.8, seed=3, max_budget=2, lambda_cost=0.0, stop_tokens=[5])
+    kw = dict(policy=Controller(2, lambda_cost=0.0), sampling=Sampling(temperature=0.8, seed=3), stop_tokens=[5])
     prompts = [[1, 2, 3], [4, 5, 6, 7]]
     full = generate(model32, prompts, 10, **kw)
     events = list(generate_stream(model32, prompts, 10, **kw))
@@ -414,7 +417,7 @@ def test_stop_tokens_stop_rows_independently(model64):
     """A row ends right after its first stop token while the other rows go on with exactly the (sampled) tokens they
     would have produced without it."""
     prompts = [[1, 2, 3], [7, 8], [9, 10, 11, 12]]
-    kw = dict(max_budget=BUDGET, lambda_cost=0.0, temperature=1.0, seed=0)
+    kw = dict(policy=Controller(BUDGET, lambda_cost=0.0), sampling=Sampling(temperature=1.0, seed=0))
     free = generate(model64, prompts, 10, **kw)
     row0 = free.tokens[0]
     stop = next(t for i, t in enumerate(row0) if i >= 2 and t not in row0[:i])
@@ -448,7 +451,7 @@ def test_target_cost_bisection_lands_on_the_target(model64):
     assert abs(cal.relative_cost - target) <= 0.02 * target, cal
     assert abs(free.relative_cost - target) > 0.1 * target  # negative control: the unpriced policy misses it
     assert cal.lambda_cost > 0
-    out = generate(model64, prompts, 2, max_budget=BUDGET, target_cost=target)
+    out = generate(model64, prompts, 2, policy=Controller(max_budget=BUDGET, target_cost=target))
     assert out.calibration == cal and out.lambda_cost == cal.lambda_cost
 
 
@@ -473,30 +476,30 @@ def _bad_calls(cfg: PrismeConfig) -> dict:
         "n_new too large": lambda s: s.decode_step(tok, [3, 4]),
         "n_new wrong length": lambda s: s.decode_step(tok, [3]),
         "past capacity": lambda s: s.decode_step(torch.zeros(2, 5, dtype=torch.long)),
-        "budget over r_max": lambda s: s.decode_step(tok, max_budget=R + 1),
-        "negative budget": lambda s: s.decode_step(tok, max_budget=-1),
-        "negative lambda": lambda s: s.decode_step(tok, max_budget=2, lambda_cost=-1.0),
-        "nan kappa": lambda s: s.decode_step(tok, max_budget=2, kappa_risk=float("nan")),
-        "cost of wrong shape": lambda s: s.decode_step(tok, max_budget=2, cost=torch.ones(3)),
-        "actions of wrong shape": lambda s: s.decode_step(tok, actions=torch.zeros(2, 2, 1, dtype=torch.long)),
-        "actions not 3-d": lambda s: s.decode_step(tok, actions=torch.zeros(2, 3, dtype=torch.long)),
-        "more forced steps than r_max": lambda s: s.decode_step(tok, actions=torch.zeros(2, 3, R + 1,
-                                                                                          dtype=torch.long)),
-        "action id out of range": lambda s: s.decode_step(tok, actions=torch.full((2, 3, 1), stop + 2)),
-        "forced step past its budget": lambda s: s.decode_step(tok, actions=torch.zeros(2, 3, 2, dtype=torch.long),
-                                                               budget=1),
-        "actions and max_budget": lambda s: s.decode_step(tok, max_budget=1, actions=torch.zeros(2, 3, 1,
-                                                                                                 dtype=torch.long)),
-        "budget without actions": lambda s: s.decode_step(tok, budget=2),
+        "budget over r_max": lambda s: s.decode_step(tok, policy=Controller(max_budget=R + 1)),
+        "negative budget": lambda s: s.decode_step(tok, policy=Controller(max_budget=-1)),
+        "negative lambda": lambda s: s.decode_step(tok, policy=Controller(max_budget=2, lambda_cost=-1.0)),
+        "nan kappa": lambda s: s.decode_step(tok, policy=Controller(max_budget=2, kappa_risk=float("nan"))),
+        "cost of wrong shape": lambda s: s.decode_step(tok, policy=Controller(max_budget=2, cost=torch.ones(3))),
+        "actions of wrong shape": lambda s: s.decode_step(tok, policy=Forced(torch.zeros(2, 2, 1, dtype=torch.long))),
+        "actions not 3-d": lambda s: s.decode_step(tok, policy=Forced(torch.zeros(2, 3, dtype=torch.long))),
+        "more forced steps than r_max": lambda s: s.decode_step(tok, policy=Forced(torch.zeros(2, 3, R + 1,
+                                                                                          dtype=torch.long))),
+        "action id out of range": lambda s: s.decode_step(tok, policy=Forced(torch.full((2, 3, 1), stop + 2))),
+        "forced step past its budget": lambda s: s.decode_step(tok, policy=Forced(torch.zeros(2, 3, 2,
+                                                                                          dtype=torch.long), budget=1)),
+        "a policy that is no policy": lambda s: s.decode_step(tok, policy={"max_budget": 1}),
+        "a target cost in a decode step": lambda s: s.decode_step(tok, policy=Controller(max_budget=1,
+                                                                                         target_cost=1.5)),
         "prefill length 0": lambda s: s.prefill(tok, [3, 0]),
         "prefill length > T": lambda s: s.prefill(tok, [3, 4]),
         "prefill not padded to the longest": lambda s: s.prefill(tok, [2, 2]),
         "prefill chunk 0": lambda s: s.prefill(tok, chunk_size=0),
         "prefill unknown logits mode": lambda s: s.prefill(tok, logits="first"),
-        "prefill none with a budget": lambda s: s.prefill(tok, logits="none", max_budget=2),
+        "prefill none with a budget": lambda s: s.prefill(tok, logits="none", policy=Controller(max_budget=2)),
         "prefill past capacity": lambda s: s.prefill(torch.zeros(2, 5, dtype=torch.long)),
-        "prefill last actions of wrong shape": lambda s: s.prefill(tok, actions=torch.zeros(2, 3, 1,
-                                                                                            dtype=torch.long)),
+        "prefill last actions of wrong shape": lambda s: s.prefill(tok, policy=Forced(torch.zeros(2, 3, 1,
+                                                                                            dtype=torch.long))),
     }
 
 
@@ -504,7 +507,7 @@ def _bad_calls(cfg: PrismeConfig) -> dict:
 def test_bad_decode_input_raises_value_error_and_leaves_the_state_unchanged(model32, name):
     """Each bad decode_step / prefill argument is a ValueError raised before the caches or lengths change."""
     state = model32.new_decode_state(2, max_len=8)
-    state.prefill(random_tokens(model32.cfg.vocab_size, 2, 4), [4, 2], max_budget=2)
+    state.prefill(random_tokens(model32.cfg.vocab_size, 2, 4), [4, 2], policy=Controller(max_budget=2))
     before = snapshot(state)
     with pytest.raises(ValueError):
         _bad_calls(model32.cfg)[name](state)
@@ -517,7 +520,7 @@ def test_state_check_negative_control_and_capacity_message(model32):
     state = model32.new_decode_state(2, max_len=8)
     state.prefill(random_tokens(model32.cfg.vocab_size, 2, 4), [4, 2])
     before = snapshot(state)
-    state.decode_step(torch.zeros(2, 1, dtype=torch.long), [1, 0], max_budget=2)
+    state.decode_step(torch.zeros(2, 1, dtype=torch.long), [1, 0], policy=Controller(max_budget=2))
     assert not same_state(before, snapshot(state)) and state.lengths == [5, 2]
     with pytest.raises(ValueError, match="capacity"):
         state.decode_step(torch.zeros(2, 4, dtype=torch.long))
@@ -525,7 +528,7 @@ def test_state_check_negative_control_and_capacity_message(model32):
     assert state.lengths == [0, 0] and not state.bank.K.any() and not state.cache.layers[0].k.any()
     bankless = model32.new_decode_state(2, max_len=8, bank=False)
     with pytest.raises(ValueError, match="bank"):
-        bankless.decode_step(torch.zeros(2, 1, dtype=torch.long), max_budget=1)
+        bankless.decode_step(torch.zeros(2, 1, dtype=torch.long), policy=Controller(max_budget=1))
     assert bankless.lengths == [0, 0]
     with pytest.raises(ValueError, match="dtype"):
         model32.new_decode_state(1, dtype=torch.float64)
@@ -551,10 +554,14 @@ def test_state_check_negative_control_and_capacity_message(model32):
     (dict(target_cost=1.0, max_budget=2), "cheapest"),
 ])
 def test_bad_generate_input_raises_value_error(model32, kwargs, match):
-    """Bad prompts, lengths past T_max, sampling knobs out of range and budget conflicts are ValueErrors."""
+    """Bad prompts, lengths past T_max, sampling knobs out of range and budget conflicts are ValueErrors (a policy or
+    sampling setting is one when it is made)."""
     args = dict(prompts=[[1, 2, 3]], max_new_tokens=4) | kwargs
     with pytest.raises(ValueError, match=match):
-        generate(model32, args.pop("prompts"), args.pop("max_new_tokens"), **args)
+        policy = {k: args.pop(k) for k in ("max_budget", "lambda_cost", "kappa_risk", "target_cost") if k in args}
+        sampling = {k: args.pop(k) for k in ("temperature", "top_k", "top_p", "seed") if k in args}
+        generate(model32, args.pop("prompts"), args.pop("max_new_tokens"), Controller(**policy), Sampling(**sampling),
+                 **args)
 
 
 # ---------------------------------------------------------------------- command line
@@ -584,7 +591,7 @@ def test_cli_generate_from_a_checkpoint_matches_the_library(tmp_path, capsys):
     torch.nn.init.normal_(model.readout.U.weight, std=0.5)
     save_checkpoint(tmp_path / "ckpt", model, TrainingState(stage="export", step=0))
     prompt = ByteTokenizer().encode("Mr. Knightley")
-    ref = generate(model, [prompt], 6, max_budget=2, lambda_cost=0.0)
+    ref = generate(model, [prompt], 6, policy=Controller(max_budget=2, lambda_cost=0.0))
     rc = cli.main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--prompt", "Mr. Knightley",
                    "--max-new-tokens", "6", "--budget", "2", "--lambda-cost", "0", "--allow-untrained"])
     assert rc == 0  # the saved workspace was never trained (an export of random weights): allowed, with a warning

@@ -18,6 +18,7 @@ from prisme.checkpoint import TrainingState, save_checkpoint
 from prisme.config import PrismeConfig
 from prisme.data.tokenizers import ByteTokenizer
 from prisme.decoding.generate import generate
+from prisme.model.policy import Controller
 from prisme.model.prisme import PrismeModel
 
 transformers = pytest.importorskip("transformers")
@@ -54,7 +55,7 @@ def test_the_exported_model_gives_prismes_logits(exported):
 def test_the_exported_model_generates_prismes_greedy_tokens(exported):
     model, hf, _ = exported
     prompt = [list(b"It is a"), list(b"Emma W")]
-    want = generate(model, prompt, 4, max_budget=2).tokens
+    want = generate(model, prompt, 4, policy=Controller(max_budget=2)).tokens
     with torch.no_grad():
         got = [hf.generate(torch.tensor([p]), max_new_tokens=4, do_sample=False)[0, len(p):].tolist() for p in prompt]
     assert got == want
@@ -208,4 +209,4 @@ def test_a_padded_batch_gives_each_row_what_it_gets_alone(unbounded, side):
                           eos_token_id=None)[:, L:].tolist()
         single = [hf.generate(torch.tensor([p]), max_new_tokens=4, do_sample=False, eos_token_id=None)[0, len(p):]
                   .tolist() for p in prompts]
-    assert got == single == generate(model, prompts, 4, max_budget=model.cfg.r_max).tokens
+    assert got == single == generate(model, prompts, 4, policy=Controller(max_budget=model.cfg.r_max)).tokens

@@ -11,7 +11,8 @@ import torch
 
 from prisme.config import PrismeConfig
 from prisme.decoding.generate import generate
-from prisme.decoding.sampling import sample_logits
+from prisme.decoding.sampling import Sampling, sample_logits
+from prisme.model.policy import Controller
 from prisme.model.prisme import PrismeModel
 from prisme.training.config import StageConfig
 from prisme.training.trainer import train_stage
@@ -31,9 +32,9 @@ def model() -> PrismeModel:
 def ragged_logits(m: PrismeModel, steps: int = 3) -> torch.Tensor:
     """Logits `[B, 1 + steps, V]` in float32: a ragged prefill at budget 2, then `steps` decode steps."""
     st = m.new_decode_state(2, max_len=16, bank=True)
-    outs = [st.prefill(PROMPTS, LENGTHS, logits="last", max_budget=2).logits.float()]
+    outs = [st.prefill(PROMPTS, LENGTHS, logits="last", policy=Controller(max_budget=2)).logits.float()]
     for s in range(steps):
-        outs.append(st.decode_step(torch.tensor([[10 + s], [20 + s]]), max_budget=2).logits.float())
+        outs.append(st.decode_step(torch.tensor([[10 + s], [20 + s]]), policy=Controller(max_budget=2)).logits.float())
     return torch.cat(outs, 1)
 
 
@@ -60,7 +61,8 @@ def test_half_precision_weights_decode_ragged_rows_close_to_float32(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_generate_with_top_p_on_half_precision_weights(dtype):
-    out = generate(model().to(dtype), [[1, 2, 3, 4], [5, 6]], 5, max_budget=2, temperature=0.8, top_p=0.9, seed=1)
+    out = generate(model().to(dtype), [[1, 2, 3, 4], [5, 6]], 5, policy=Controller(max_budget=2),
+                   sampling=Sampling(temperature=0.8, top_p=0.9, seed=1))
     assert [len(t) for t in out.tokens] == [5, 5] and all(0 <= t < 64 for row in out.tokens for t in row)
 
 

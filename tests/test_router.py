@@ -19,6 +19,7 @@ from prisme.config import PrismeConfig
 from prisme.costs.counting import OpsCounter
 from prisme.data.mqar import MQARConfig
 from prisme.model.outputs import EncodedContext
+from prisme.model.policy import Controller
 from prisme.model.prisme import PrismeModel
 from prisme.model.router import ngram_seen, ngram_seen_at
 from prisme.training.config import StageConfig
@@ -126,8 +127,9 @@ def test_deployed_decode_step_equals_forward_policy_with_several_action_groups_f
 
     def decode(m):
         st = m.new_decode_state(3, 18)
-        outs = [st.prefill(tokens[:, :4], logits="all", max_budget=1, lambda_cost=lam)]
-        outs += [st.decode_step(tokens[:, i:i + 1], max_budget=1, lambda_cost=lam) for i in range(4, 18)]
+        outs = [st.prefill(tokens[:, :4], logits="all", policy=Controller(max_budget=1, lambda_cost=lam))]
+        outs += [st.decode_step(tokens[:, i:i + 1], policy=Controller(max_budget=1, lambda_cost=lam))
+                 for i in range(4, 18)]
         return torch.cat([o.logits for o in outs], 1), torch.cat([o.actions for o in outs], 1)
 
     logits, actions = decode(model)
@@ -136,10 +138,10 @@ def test_deployed_decode_step_equals_forward_policy_with_several_action_groups_f
     fired = full.actions[:, 4:, 0] != cfg.stop_action  # the decode steps' positions
     assert fired.any(0).any() and not fired.any(0).all()  # steps with edits and steps without
     assert len(spans_seen) == int(fired.any(0).sum()) and any(len(s) > 1 for s in spans_seen)  # groups at once
-    monkeypatch.setattr(routed, "one_edit_step", lambda m, ws: False)  # the general path
+    monkeypatch.setattr(routed, "decode_plan", lambda m, ws, Q: "routed")  # the general routed path
     general, _ = decode(model)
     torch.testing.assert_close(general, logits, rtol=0, atol=1e-12)
-    monkeypatch.setattr(routed, "one_edit_step", lambda m, ws: True)
+    monkeypatch.setattr(routed, "decode_plan", lambda m, ws, Q: "budget1" if Q == 1 else "routed")
     monkeypatch.setattr(model.editor, "edit_rows", lambda *a, **k: orig(*a[:7], step=0, remaining=1))
     wrong, _ = decode(model)
     assert (wrong - full.logits).abs().max() > 1e-3
@@ -358,7 +360,7 @@ def test_a_non_finite_or_negative_price_is_a_value_error_naming_cost(cost):
         model.forward_policy(tokens, 2, cost=bad)
     state = model.new_decode_state(1)
     with pytest.raises(ValueError, match="cost"):
-        state.decode_step(tokens, max_budget=2, cost=bad)
+        state.decode_step(tokens, policy=Controller(max_budget=2, cost=bad))
     assert state.lengths == [0]
 
 
@@ -471,7 +473,7 @@ def test_the_deployed_decode_step_ties_to_trace_cost_term_by_term():
         st = model.new_decode_state(B, T + 1)
         st.prefill(tokens[:, :T], logits="none")
         with OpsCounter(model) as oc:
-            out = st.decode_step(tokens[:, T], max_budget=1, lambda_cost=lam)
+            out = st.decode_step(tokens[:, T], policy=Controller(max_budget=1, lambda_cost=lam))
         fired = int(out.n_edits.sum())
         if 0 < fired < B:
             break

@@ -38,6 +38,7 @@ from prisme.checks import one_of, parse_list
 from prisme.config import PrismeConfig
 from prisme.costs import trace_cost
 from prisme.decoding.generate import generate, generate_stream
+from prisme.model.policy import Controller
 from prisme.model.prisme import PrismeModel
 from prisme.model.state import DecodeState
 
@@ -214,8 +215,8 @@ def measure(shape: PlannedShape, batch: int, repeats: int, edit_rate: float, see
     # the price is read on the trajectory decoded: the backbone's greedy tokens, at the positions that generate
     seq = torch.cat([prompts, torch.tensor(generate(model, prompts, n_new).tokens, device=prompts.device)], 1)
     price = deployed_price(model, seq[:, :-1], edit_rate, start=prompt_len - 1)
-    paths = {"backbone": (model, {}), "routed_off": (model, dict(max_budget=1, lambda_cost=OFF_PRICE)),
-             "routed": (model, dict(max_budget=1, lambda_cost=price))}
+    paths = {"backbone": (model, {}), "routed_off": (model, dict(policy=Controller(1, lambda_cost=OFF_PRICE))),
+             "routed": (model, dict(policy=Controller(1, lambda_cost=price)))}
     if compiled is not None:
         paths["off_compiled"], paths["routed_compiled"] = (compiled, paths["routed_off"][1]), (compiled,
                                                                                              paths["routed"][1])

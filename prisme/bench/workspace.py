@@ -76,6 +76,7 @@ from prisme.costs.analytic import BACKBONE, COMPONENTS, SEED_ROWS
 from prisme.costs.counting import OpsCounter
 from prisme.costs.traces import trace_cost
 from prisme.io import environment
+from prisme.model.policy import Forced
 from prisme.model.prisme import PrismeModel
 from prisme.model.state import DecodeState
 
@@ -136,7 +137,7 @@ def _measured_workspace_ops(model: PrismeModel, state: DecodeState, P: int, toke
     """Matmul ops per token of the workspace components in one decode step, counted by `OpsCounter`."""
     state.rewind(P)
     with torch.inference_mode(), OpsCounter(model) as oc:
-        state.decode_step(token, actions=acts, budget=budget)
+        state.decode_step(token, policy=None if acts is None else Forced(acts, budget=budget))
     return sum(oc.by_component[c] for c in (*WORKSPACE_COMPONENTS, "untagged")) / token.shape[0]
 
 
@@ -204,7 +205,7 @@ def time_batch(models: dict[str, PrismeModel], batch: int, P: int, N: int, warmu
 
         def run(p: _Path) -> None:
             for i in range(N):
-                p.state.decode_step(new[:, i:i + 1], actions=p.acts, budget=p.budget)
+                p.state.decode_step(new[:, i:i + 1], policy=None if p.acts is None else Forced(p.acts, p.budget))
             sync()
             splits[p.name].append(dict(st.ns))
 

@@ -15,6 +15,7 @@ import torch
 from prisme.config import PrismeConfig
 from prisme.costs.analytic import SEED_ROWS
 from prisme.evaluation.policies import forced_actions
+from prisme.model.policy import Forced
 from prisme.model.prisme import PrismeModel
 from prisme.model.state import DecodeState
 
@@ -227,8 +228,8 @@ def _paths(models: dict[str, PrismeModel], batch: int, P: int, N: int, prompt: t
 
 def _decode(path: _Path, tokens: torch.Tensor) -> list[torch.Tensor]:
     """Forced decode of `tokens` `[B, N]`, one step at a time, with the path's actions; logits `[B, 1, V]` per step."""
-    return [path.state.decode_step(tokens[:, i:i + 1], actions=path.acts, budget=path.budget).logits
-            for i in range(tokens.shape[1])]
+    policy = None if path.acts is None else Forced(path.acts, path.budget)  # None: the backbone alone
+    return [path.state.decode_step(tokens[:, i:i + 1], policy=policy).logits for i in range(tokens.shape[1])]
 
 
 def rewind_path(path: _Path, length: int) -> _Path:

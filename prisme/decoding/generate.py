@@ -5,6 +5,7 @@ taken, their ops); the price calibration that finds the lambda giving a target c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import random
 import sys
@@ -14,12 +15,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from prisme.checks import check_utf8, is_int
+from prisme.checks import check_max_budget, check_utf8, is_int
 from prisme.costs.traces import TokenPricer, trace_cost
-from prisme.decoding.sampling import sample_logits
+from prisme.decoding.sampling import GREEDY, Sampling, sample_logits
 from prisme.model.backbone import check_tokens
+from prisme.model.policy import BACKBONE, Controller
 from prisme.model.prisme import PrismeModel
-from prisme.model.state import check_price
 
 
 # ====================================================================== generation
@@ -71,41 +72,43 @@ class _Run:
     tokens: torch.Tensor  # [B, P] right-padded prompts
     lengths: list[int]
     max_new_tokens: int
-    temperature: float
-    top_k: int | None
-    top_p: float | None
-    seed: int | None
+    sampling: Sampling
     stop_tokens: frozenset[int]
-    max_budget: int
-    lambda_cost: float
-    kappa_risk: float | None
+    policy: Controller  # with its lambda_cost resolved (the config's, or the calibrated one)
     calibration: Calibration | None
     prefill_chunk_size: int | None
 
+    @property
+    def max_budget(self) -> int:
+        return self.policy.max_budget
+
+    @property
+    def lambda_cost(self) -> float:
+        return self.policy.lambda_cost
+
 
 def generate(model: PrismeModel, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_tokens: int,
-             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-             stop_tokens: Sequence[int] = (), max_budget: int = 0, lambda_cost: float | None = None,
-             kappa_risk: float | None = None, target_cost: float | None = None, stream: bool = False,
-             prefill_chunk_size: int | None = None) -> GenerationOutput | Iterator[GenerationEvent]:
+             policy: Controller | None = None, sampling: Sampling | None = None, stop_tokens: Sequence[int] = (),
+             stream: bool = False, prefill_chunk_size: int | None = None
+             ) -> GenerationOutput | Iterator[GenerationEvent]:
     """Generate up to `max_new_tokens` per prompt with the workspace under the controller.
 
     Args:
         prompts: token ids per row (lists of different lengths are batched right-padded), or a `[B, P]` / `[P]`
             tensor.
-        temperature, top_k, top_p, seed: sampling (temperature 0 = greedy). Each row samples with its own generator
-            seeded from (seed, row index): same seed -> same sample, whatever the other rows do.
+        policy: the workspace's policy (`prisme.model.policy.Controller`; None: the backbone alone): its budget and
+            prices, or a `target_cost`, a mean relative cost per token (ops / backbone-only ops, >= 1) for which
+            lambda_cost is found by bisection on a teacher-forced calibration pass over the prompts
+            (`calibrate_lambda`).
+        sampling: how each token is picked (`prisme.decoding.sampling.Sampling`; None: greedy).
         stop_tokens: a row ends after producing one of these (it is kept in the output).
-        max_budget, lambda_cost, kappa_risk: the controller's budget and prices (max_budget=0: the backbone alone).
-        target_cost: a target mean relative cost per token (ops / backbone-only ops, >= 1); lambda_cost is then found
-            by bisection on a teacher-forced calibration pass over the prompts (`calibrate_lambda`).
         stream: return an iterator of per-step `GenerationEvent`s instead of the finished `GenerationOutput`.
         prefill_chunk_size: backbone chunk size of the prompt prefill (default: one chunk).
 
     All arguments are checked (and lambda calibrated) before anything runs; bad input is a ValueError.
     """
-    run = _prepare(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, max_budget,
-                   lambda_cost, kappa_risk, target_cost, prefill_chunk_size)
+    run = _prepare(model, prompts, max_new_tokens, BACKBONE if policy is None else policy,
+                   GREEDY if sampling is None else sampling, stop_tokens, prefill_chunk_size)
     return _events(run) if stream else _collect(run)
 
 
@@ -217,8 +220,9 @@ def _pad_prompts(prompts: Sequence[Sequence[int]] | torch.Tensor, vocab_size: in
     return tokens, [len(r) for r in rows]
 
 
-def _prepare(model: PrismeModel, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, max_budget,
-             lambda_cost, kappa_risk, target_cost, prefill_chunk_size) -> _Run:
+def _prepare(model: PrismeModel, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_tokens: int,
+             policy: Controller, sampling: Sampling, stop_tokens: Sequence[int], prefill_chunk_size: int | None
+             ) -> _Run:
     cfg = model.cfg
     tokens, lengths = _pad_prompts(prompts, cfg.vocab_size)
     tokens = tokens.to(model.backbone.tok_emb.weight.device)
@@ -227,40 +231,29 @@ def _prepare(model: PrismeModel, prompts, max_new_tokens, temperature, top_k, to
     if max(lengths) + max_new_tokens > cfg.max_seq_len:
         raise ValueError(f"the longest prompt ({max(lengths)} tokens) + max_new_tokens={max_new_tokens} exceeds "
                          f"T_max={cfg.max_seq_len}, the cache capacity")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
-            or temperature < 0:
-        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
-    if top_k is not None and (not is_int(top_k) or top_k < 1):
-        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
-    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
-        raise ValueError(f"top_p must lie in (0, 1], got {top_p!r}")
-    if seed is not None and (not is_int(seed) or not 0 <= seed < 2**62):
-        raise ValueError(f"seed must be None or an int in [0, 2**62), got {seed!r}")
+    if not isinstance(sampling, Sampling):
+        raise ValueError(f"sampling must be a prisme.decoding.sampling.Sampling (or None: greedy), got "
+                         f"{type(sampling).__name__}")
     if isinstance(stop_tokens, (str, bytes)) or not hasattr(stop_tokens, "__iter__"):
         raise ValueError(f"stop_tokens must be a sequence of token ids, got {stop_tokens!r}")
     stops = list(stop_tokens)
     if any(not is_int(t) or not 0 <= t < cfg.vocab_size for t in stops):
         raise ValueError(f"stop_tokens must be ids in [0, {cfg.vocab_size}), got {stops}")
-    if not is_int(max_budget) or max_budget < 0:
-        raise ValueError(f"max_budget must be an int >= 0, got {max_budget!r}")
-    if max_budget > cfg.r_max:
-        raise ValueError(f"max_budget={max_budget} exceeds r_max={cfg.r_max}")
-    if max_budget > 0 and not cfg.use_workspace:
-        raise ValueError("this model has no workspace (use_workspace=False): max_budget must be 0")
-    check_price("lambda_cost", lambda_cost)
-    check_price("kappa_risk", kappa_risk)
+    if not isinstance(policy, Controller):
+        raise ValueError(f"policy must be a prisme.model.policy.Controller (or None: the backbone alone), got "
+                         f"{type(policy).__name__}")
+    check_max_budget(policy.max_budget, cfg.r_max, cfg.use_workspace)
     if prefill_chunk_size is not None and (isinstance(prefill_chunk_size, bool)
                                            or not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1):
         raise ValueError(f"prefill_chunk_size must be a positive int or None, got {prefill_chunk_size!r}")
-    calibration = None
-    if target_cost is not None:
-        if lambda_cost is not None:
-            raise ValueError("give lambda_cost or target_cost, not both")
-        calibration = _calibrate(model, tokens, lengths, max_budget, target_cost, kappa_risk)
-        lambda_cost = calibration.lambda_cost
-    lam = float(cfg.lambda_cost if lambda_cost is None else lambda_cost)
-    return _Run(model, tokens, lengths, max_new_tokens, float(temperature), top_k, top_p, seed, frozenset(stops),
-                max_budget, lam, kappa_risk, calibration, prefill_chunk_size)
+    calibration, lam = None, policy.lambda_cost
+    if policy.target_cost is not None:
+        calibration = _calibrate(model, tokens, lengths, policy.max_budget, policy.target_cost, policy.kappa_risk)
+        lam = calibration.lambda_cost
+    resolved = dataclasses.replace(policy, lambda_cost=float(cfg.lambda_cost if lam is None else lam),
+                                   target_cost=None)
+    return _Run(model, tokens, lengths, max_new_tokens, sampling, frozenset(stops), resolved, calibration,
+                prefill_chunk_size)
 
 
 def _row_seed(seed: int, row: int) -> int:
@@ -274,24 +267,25 @@ def _events(run: _Run) -> Iterator[GenerationEvent]:
     B = len(run.lengths)
     dev = run.tokens.device
     gens = None
-    if run.temperature > 0:  # one generator per row: a row's samples do not depend on the others or on their stops
-        base = random.SystemRandom().randrange(2**62) if run.seed is None else run.seed
+    smp = run.sampling
+    if smp.temperature > 0:  # one generator per row: a row's samples do not depend on the others or on their stops
+        base = random.SystemRandom().randrange(2**62) if smp.seed is None else smp.seed
         gens = [torch.Generator(device=dev).manual_seed(_row_seed(base, b)) for b in range(B)]
     state = model.new_decode_state(B, max_len=max(run.lengths) + run.max_new_tokens - 1, bank=run.max_budget > 0)
-    policy = dict(max_budget=run.max_budget, lambda_cost=run.lambda_cost, kappa_risk=run.kappa_risk)
-    out = state.prefill(run.tokens, run.lengths, run.prefill_chunk_size, logits="last", **policy)
+    policy = run.policy if run.max_budget > 0 else None
+    out = state.prefill(run.tokens, run.lengths, run.prefill_chunk_size, logits="last", policy=policy)
     ops_of = TokenPricer(model, run.max_budget)
     done = [False] * B
     done_t = torch.zeros(B, dtype=torch.bool, device=dev)  # `done` on the device, uploaded only when it changes
     picked = done_t.long()  # replaced at step 0
     for step in range(run.max_new_tokens):
         if step > 0:  # the tokens just picked, still on the device (a finished row's is not read: it appends none)
-            out = state.decode_step(picked.view(B, 1), [0 if d else 1 for d in done], **policy)
+            out = state.decode_step(picked.view(B, 1), [0 if d else 1 for d in done], policy)
         active = [b for b in range(B) if not done[b]]
         if gens is None:
             picked = out.logits[:, -1].argmax(-1)  # [B]
         else:
-            picked = torch.cat([sample_logits(out.logits[b:b + 1, -1], run.temperature, run.top_k, run.top_p, gens[b])
+            picked = torch.cat([sample_logits(out.logits[b:b + 1, -1], smp.temperature, smp.top_k, smp.top_p, gens[b])
                                 if not done[b] else out.positions.new_zeros(1) for b in range(B)])
         acts = out.actions[:, -1]  # [B, R]
         # everything the host needs of this step in one device-to-host copy (one sync per token, not five)
@@ -415,9 +409,9 @@ def main(args: argparse.Namespace) -> int:
     else:
         prompt = tokenizer.encode(check_utf8(args.prompt, "--prompt"))
         decode = tokenizer.decode
-    out = generate(model, [prompt], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, seed=args.seed, max_budget=args.budget, lambda_cost=args.lambda_cost,
-                   kappa_risk=args.kappa_risk, target_cost=args.target_cost)
+    out = generate(model, [prompt], args.max_new_tokens,
+                   Controller(args.budget, args.lambda_cost, args.kappa_risk, target_cost=args.target_cost),
+                   Sampling(args.temperature, args.top_k, args.top_p, args.seed))
     print(args.prompt + decode(out.tokens[0]))
     cal = "" if out.calibration is None else (f", calibrated on the prompt to {out.calibration.relative_cost:.4f} "
                                               f"(target {out.calibration.target_cost})")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -10,6 +12,33 @@ from prisme.checks import is_int, is_number
 
 
 # ====================================================================== sampling
+@dataclass(frozen=True)
+class Sampling:
+    """How `generate` picks each next token, checked when made: temperature 0 is greedy; otherwise softmax(logits /
+    temperature) restricted to the `top_k` largest and then to the `top_p` nucleus. Each row samples with its own
+    generator seeded from (seed, row index): the same seed gives the same sample, whatever the other rows do (None:
+    a fresh seed)."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if self.top_k is not None and (not is_int(self.top_k) or self.top_k < 1):
+            raise ValueError(f"top_k must be a positive int or None, got {self.top_k!r}")
+        p = self.top_p
+        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1):
+            raise ValueError(f"top_p must lie in (0, 1], got {p!r}")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**62):
+            raise ValueError(f"seed must be None or an int in [0, 2**62), got {self.seed!r}")
+
+
+GREEDY = Sampling()
+
 def check_sampling(temperature: Any, top_k: Any, top_p: Any) -> None:
     """ValueError unless temperature is a finite number >= 0, top_k None or an int >= 1, top_p None or in (0, 1]."""
     if not is_number(temperature) or temperature < 0:

@@ -84,7 +84,7 @@ def greedy_oracle(model: PrismeModel, tokens: torch.Tensor, targets: torch.Tenso
             break
         act_c = rep(active)  # [B, P*A]
         a_c = torch.where(act_c, cand, torch.full_like(cand, stop))  # stopped positions run nothing
-        S_c, logits_c, loss_c = candidate_losses(model, S, ctx_c, a_c, r, R - r - 1, y, act_c)  # [B, P*A, ...]
+        S_c, logits_c, loss_c = candidate_losses(model, S, ctx_c, a_c, (r, R - r - 1), y, act_c)  # [B, P*A, ...]
         score = (loss.unsqueeze(-1) - loss_c) - lambda_cost * cost  # [B, P, A]
         best, a = score.max(dim=-1)  # [B, P]
         take = active & (best > 0)

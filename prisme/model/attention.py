@@ -247,17 +247,30 @@ class LayerKVCache:
         return kv + (0 if self.prev is None else self.prev.numel() * self.prev.element_size())
 
 
-class KVCache:
-    """The backbone's decode cache: one `LayerKVCache` per layer plus each row's length (host-side ints).
+@dataclass(frozen=True)
+class CacheShape:
+    """What a backbone's decode cache holds per row: `n_layer` layers of `n_kv_head` heads of `head_dim`.
 
-    window: the attention window W (None: none). Shorter than `max_len`, it makes every layer's K/V a ring of
-    `slots` = W entries (position p in slot p mod W); else `slots` = max_len and slot p holds position p.
+    window: the attention window W (None: none). Shorter than the cache's `max_len`, it makes every layer's K/V a ring
+    of `slots` = W entries (position p in slot p mod W); else `slots` = max_len and slot p holds position p.
     shift_dim: d with a key shift (each layer keeps `prev` `[B, d]`), 0 without.
     """
 
-    def __init__(self, n_layer: int, batch_size: int, n_kv_head: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 window: int | None = None, shift_dim: int = 0):
+    n_layer: int
+    n_kv_head: int
+    head_dim: int
+    window: int | None = None
+    shift_dim: int = 0
+
+
+class KVCache:
+    """The backbone's decode cache: one `LayerKVCache` per layer plus each row's length (host-side ints), for
+    `batch_size` rows of up to `max_len` positions of the `CacheShape` `shape`."""
+
+    def __init__(self, shape: CacheShape, batch_size: int, max_len: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None):
+        n_layer, n_kv_head, head_dim = shape.n_layer, shape.n_kv_head, shape.head_dim
+        window, shift_dim = shape.window, shape.shift_dim
         self.window = window
         self.ring = window is not None and window < max_len
         self.slots = window if self.ring else max_len

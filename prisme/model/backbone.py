@@ -19,7 +19,15 @@ from prisme import checks
 from prisme.checks import is_int
 from prisme.config import PrismeConfig
 from prisme.model import attention as attn
-from prisme.model.attention import CacheStep, CausalSelfAttention, KVCache, LayerKVCache, RMSNorm, linear
+from prisme.model.attention import (
+    CacheShape,
+    CacheStep,
+    CausalSelfAttention,
+    KVCache,
+    LayerKVCache,
+    RMSNorm,
+    linear,
+)
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
@@ -140,9 +148,10 @@ class Backbone(nn.Module):
         if batch_size < 1:
             raise ValueError(f"cache batch_size must be >= 1, got {batch_size}")
         p = self.tok_emb.weight
-        return KVCache(self.cfg.n_layer, batch_size, self.cfg.n_kv_head, max_len, self.cfg.head_dim,
-                       dtype=dtype or p.dtype, device=p.device, window=self.cfg.attn_window,
-                       shift_dim=self.cfg.d_model if self.cfg.key_shift else 0)
+        cfg = self.cfg
+        shift = cfg.d_model if cfg.key_shift else 0
+        shape = CacheShape(cfg.n_layer, cfg.n_kv_head, cfg.head_dim, cfg.attn_window, shift)
+        return KVCache(shape, batch_size, max_len, dtype=dtype or p.dtype, device=p.device)
 
     # ------------------------------------------------------------------ forward
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None,

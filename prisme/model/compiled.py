@@ -324,13 +324,13 @@ class CompiledEditor:
         return self._call(("static", k, torch.is_grad_enabled()), args)
 
     def __call__(self, blocks: Any, x: torch.Tensor, st: torch.Tensor, rem: torch.Tensor, S_pos: torch.Tensor,
-                 slots: torch.Tensor, bank_parts: tuple[torch.Tensor, ...], full: bool
+                 slots: torch.Tensor, bank_read: tuple[tuple[torch.Tensor, ...], bool]
                  ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        args = (blocks, x, st, rem, S_pos, slots, bank_parts, full)
+        args = (blocks, x, st, rem, S_pos, slots, bank_read)
         if x.shape[0] < self.min_positions:
             self.calls["eager_small"] += 1
             return blocks_pass(*args)
-        return self._call((x.shape[1], bool(full), torch.is_grad_enabled()), args)
+        return self._call((x.shape[1], bool(bank_read[1]), torch.is_grad_enabled()), args)
 
     def _call(self, key: tuple[Any, ...], args: tuple[Any, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         if self.failed is None:

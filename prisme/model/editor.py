@@ -129,17 +129,18 @@ class _Bank:
 
 
 def blocks_pass(blocks: nn.ModuleList, x: torch.Tensor, st: torch.Tensor | None, rem: torch.Tensor | None,
-                S_pos: torch.Tensor, slots: torch.Tensor, bank_parts: tuple[torch.Tensor, ...], full: bool,
+                S_pos: torch.Tensor, slots: torch.Tensor, bank_read: tuple[tuple[torch.Tensor, ...], bool],
                 e: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One action group through every editor block, seed accounting: each block reads the K/V of all M slots of the
-    position at its input (S_pos `[N, M, w]` with the group's slots `[N, k]` replaced by x `[N, k, w]`). `e`: each
-    block's step embeddings' sum given instead of st, rem (`EditorBlock.step_embedding`, rows that share a step).
+    position at its input (S_pos `[N, M, w]` with the group's slots `[N, k]` replaced by x `[N, k, w]`) and the bank
+    through `bank_read` = (`BankView.parts()`, `BankView.full`). `e`: each block's step embeddings' sum given instead
+    of st, rem (`EditorBlock.step_embedding`, rows that share a step).
 
     A pure function of tensors (and the bool `full`), so that `prisme.model.compiled.compile_editor` can compile it; the
     eager editor runs the very same function. Returns (x_out `[N, k, w]`, gates: one `[N, k, 1]` per block).
     """
     rows = torch.arange(x.shape[0], device=x.device).unsqueeze(1)  # [N, 1]
-    bank = _Bank(bank_parts, full)
+    bank = _Bank(*bank_read)
     gates = []
     for i, blk in enumerate(blocks):  # block 0's input is S_pos itself (x holds its slots)
         kv = blk.slot_keys_values(S_pos if i == 0 else S_pos.index_put((rows, slots), x.to(S_pos.dtype)))  # [N, M, 2w]
@@ -275,7 +276,7 @@ class SparseEditor(nn.Module):
             return S, EditInfo(0, [], slot_kv)
         dense_group = len(self.group_sizes) - 1
         if self.compiled is not None and self.compiled.static_decode and bank_mask.shape[1] == 1 and S.shape[1] == 1:
-            return self._padded_forward(S, K, V, bank_mask, action, step, remaining, group, counts)
+            return self._padded_forward(S, (K, V, bank_mask), action, step, remaining, (group, counts))
         if slot_kv is not None and sum(counts[1:-1]):  # DENSE rewrites every slot: no cache to reuse
             slot_kv = self._fill_slot_kv(S, slot_kv, (group >= 0) & (group != dense_group))
         S_new = S.clone()
@@ -295,7 +296,7 @@ class SparseEditor(nn.Module):
             cached = slot_kv is not None and g_id != dense_group
             if not cached:  # seed accounting: K/V of all M slots at each block's input
                 run = blocks_pass if self.compiled is None else self.compiled
-                x, gs = run(self.blocks, x, st, rem, S[b_idx, t_idx], slots, bank.parts(), bank.full)
+                x, gs = run(self.blocks, x, st, rem, S[b_idx, t_idx], slots, (bank.parts(), bank.full))
                 for i, g in enumerate(gs):
                     gates[i].append(g)
             else:  # cached K/V of the untouched slots; recompute only the action's slots (none at block 0)
@@ -343,18 +344,21 @@ class SparseEditor(nn.Module):
             S_g = S[i:j]  # [n, M, w]
             m = None if mask is None else mask[i:j].view(n, 1, 1, -1).expand(n, 1, k, mask.shape[-1])  # [n,1,k,Tb]
             x, _ = blocks_pass(self.blocks, S_g[rows, slots], None, None, S_g, slots,
-                               (Kh[i:j], Vh[i:j], m, None, None), True, e)  # full: every row one query, in order
+                               ((Kh[i:j], Vh[i:j], m, None, None), True), e)  # full: every row one query, in order
             out.append(S_g.index_put((rows, slots), x.to(S.dtype)))
         return out[0] if len(out) == 1 else torch.cat(out)
 
-    def _padded_forward(self, S: torch.Tensor, K: torch.Tensor, V: torch.Tensor, bank_mask: torch.Tensor,
-                        action: torch.Tensor, step: torch.Tensor, remaining: torch.Tensor, group: torch.Tensor,
-                        counts: list[int]) -> tuple[torch.Tensor, EditInfo]:
+    def _padded_forward(self, S: torch.Tensor, bank: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                        action: torch.Tensor, step: torch.Tensor, remaining: torch.Tensor,
+                        groups: tuple[torch.Tensor, list[int]]) -> tuple[torch.Tensor, EditInfo]:
         """A decode step (one query per row, Tq = 1) on the compiled editor's fixed-shape graphs: every action group
         present runs on all B rows (rows of other groups, or that STOP, run along on the group's first action's
-        slots) against the whole bank K, V `[B, Tb, w]` (the decode state passes its capacity, so Tb is fixed), and
-        only the rows that took an action of the group are written. Outputs of the other rows are dropped, so idle
-        rows and untouched slots stay bitwise unchanged. Seed accounting (no slot K/V cache)."""
+        slots) against the whole bank (K, V `[B, Tb, w]`, its mask `[B, 1, Tb]`; the decode state passes its
+        capacity, so Tb is fixed), and only the rows that took an action of the group are written (`groups`: each
+        row's action group `[B, 1]` and the count per group, STOP first). Outputs of the other rows are dropped, so
+        idle rows and untouched slots stay bitwise unchanged. Seed accounting (no slot K/V cache)."""
+        K, V, bank_mask = bank
+        group, counts = groups
         B, _, M, w = S.shape
         Tb = K.shape[1]
         nh = self.cfg.n_ws_heads
@@ -373,7 +377,7 @@ class SparseEditor(nn.Module):
             x = S_pos[rows.unsqueeze(1), slots]  # [B, k, w]
             mask = bank_mask.view(B, 1, 1, Tb).expand(B, 1, k, Tb)  # [B, 1, k, Tb]
             x, gs = self.compiled.static(k, self.blocks, x, step[:, 0], remaining[:, 0], S_pos, slots,
-                                         (Kh, Vh, mask, rows, zero), True)
+                                         ((Kh, Vh, mask, rows, zero), True))
             b_act = torch.nonzero(mine).squeeze(1)  # [N]
             S_new[b_act.unsqueeze(1), 0, slots[b_act]] = x[b_act].to(S_new.dtype)
             for i, g in enumerate(gs):

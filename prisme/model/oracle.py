@@ -40,10 +40,11 @@ def repeat_queries(ctx: EncodedContext, A: int) -> EncodedContext:
 
 
 def candidate_losses(model: torch.nn.Module, S: torch.Tensor, ctx_c: EncodedContext, actions: torch.Tensor,
-                     step: int, remaining: int, targets: torch.Tensor, edited: torch.Tensor | None = None,
+                     at: tuple[int, int | torch.Tensor], targets: torch.Tensor, edited: torch.Tensor | None = None,
                      float32: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Apply candidate `actions` `[B, P A]` to the workspace S `[B, P, M, w]` (each position's state repeated A
-    times) on the repeated context `ctx_c` (`repeat_queries`), and score each against `targets` `[B, P]`.
+    times) on the repeated context `ctx_c` (`repeat_queries`) at `at` = (step, remaining budget), and score each
+    against `targets` `[B, P]`.
 
     `edited` `[B, P A]` marks the candidates whose logits go through the readout (default: all); `float32` as in
     `token_ce`. Returns
@@ -51,7 +52,7 @@ def candidate_losses(model: torch.nn.Module, S: torch.Tensor, ctx_c: EncodedCont
     """
     B, P = targets.shape
     A = actions.shape[1] // P
-    S_c, _ = model.apply_action(S.repeat_interleave(A, dim=1), ctx_c, actions, step, remaining)
+    S_c, _ = model.apply_action(S.repeat_interleave(A, dim=1), ctx_c, actions, *at)
     logits_c, _ = model.logits_from_state(S_c, ctx_c, edited)
     loss_c = token_ce(logits_c, targets.repeat_interleave(A, dim=1), float32=float32).view(B, P, A)
     return S_c, logits_c, loss_c

@@ -1,7 +1,13 @@
-"""What a workspace call runs, checked once: a controller policy or forced actions (`StepPolicy`), and what a routed
-decode step reads of the decode state that calls it (`DecodeRows`).
+"""What the workspace runs, as one typed argument: the deployed policy (`Controller`: the controller, and on a
+router model the router at step 0) or forced actions (`Forced`), each checked when it is made; `BACKBONE` is the
+bypass. A decode state checks a policy against its model once per call (`StepPolicy`, what its paths read). Also
+what a routed decode step reads of the decode state that calls it (`DecodeRows`).
 
 Notation: B rows, Q query positions per row, R action steps, A actions.
+
+    state.decode_step(tokens, policy=Controller(max_budget=1, lambda_cost=0.02))
+    state.prefill(prompt, logits="all", policy=Forced(actions, budget=2))
+    generate(model, prompts, 16, policy=Controller(8, target_cost=1.5))
 """
 
 from __future__ import annotations
@@ -12,9 +18,66 @@ from typing import Protocol
 import torch
 import torch.nn as nn
 
+from prisme.checks import check_price, is_int, is_number
 from prisme.config import PrismeConfig
 from prisme.model.attention import KVCache
 from prisme.model.bank import BankCache
+
+
+@dataclass(frozen=True, eq=False)
+class Controller:
+    """The deployed policy: at each position the controller edits (on a router model the router decides step 0 and
+    the controller runs after it where the router fired) until STOP or `max_budget` steps; `max_budget=0` is the
+    backbone alone, bitwise.
+
+    Args:
+        max_budget: steps per position, an int in [0, r_max].
+        lambda_cost: the price of compute (None: the model config's); kappa_risk: the risk aversion (None: the
+            config's).
+        cost: `[A]` price of each action (None: the cost model's proxy at `cfg.cost_context`).
+        target_cost: generation only: find lambda_cost for this mean relative cost per token (ops / backbone ops)
+            on the prompts (`prisme.decoding.generate.calibrate_lambda`), instead of giving it.
+    """
+
+    max_budget: int = 0
+    lambda_cost: float | None = None
+    kappa_risk: float | None = None
+    cost: torch.Tensor | None = None
+    target_cost: float | None = None
+
+    def __post_init__(self) -> None:
+        if not is_int(self.max_budget) or self.max_budget < 0:
+            raise ValueError(f"max_budget must be an int >= 0, got {self.max_budget!r}")
+        check_price("lambda_cost", self.lambda_cost)
+        check_price("kappa_risk", self.kappa_risk)
+        if self.cost is not None and not isinstance(self.cost, torch.Tensor):
+            raise ValueError(f"cost must be None or an [A] tensor of prices per action, got "
+                             f"{type(self.cost).__name__}")
+        if self.target_cost is not None:
+            if self.lambda_cost is not None:
+                raise ValueError("give lambda_cost or target_cost, not both")
+            if not is_number(self.target_cost):
+                raise ValueError(f"target_cost must be a finite number, got {self.target_cost!r}")
+
+
+@dataclass(frozen=True, eq=False)
+class Forced:
+    """Forced actions instead of a policy: `actions` `[B, Q, R]` ids in [0, A+1] (STOP = A pads unused steps and is
+    absorbing, DENSE = A+1; R <= r_max, R = 0 is the bypass), with each position's `budget` (an int or `[B, Q]` in
+    [1, r_max], default R) driving the editor's remaining-budget input."""
+
+    actions: torch.Tensor
+    budget: int | torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.actions, torch.Tensor) or self.actions.dim() != 3:
+            shape = tuple(self.actions.shape) if isinstance(self.actions, torch.Tensor) else type(self.actions).__name__
+            raise ValueError(f"forced actions must be a [B, Q, R] tensor of action ids, got {shape}")
+
+
+BACKBONE = Controller()
+"""The bypass: no workspace step anywhere (the backbone's logits, bitwise)."""
+Policy = Controller | Forced
 
 
 @dataclass

@@ -74,10 +74,29 @@ def fired_groups(scores: torch.Tensor, group_of: list[int]) -> list[tuple[int, l
     return [(g, rs, a) for g, (rs, a) in sorted(by.items())]
 
 
-def one_edit_step(model, ws: StepPolicy) -> bool:
-    """Whether a decode step takes `budget1_step`: the deployed policy (budget 1: the router's action and nothing
-    after it) on the eager editor without a slot K/V cache."""
-    return ws.max_budget == 1 and model.editor.compiled is None and not model.cfg.uses_slot_kv_cache
+PLANS = ("bypass", "budget1", "routed", "static", "general")
+"""How a decode call's workspace runs (`decode_plan`)."""
+
+
+def decode_plan(model, ws: StepPolicy, Q: int) -> str:
+    """The execution plan of a decode call's workspace (Q query positions per row), chosen here and nowhere else:
+
+        bypass: no step at all (the backbone alone): head(H), bitwise;
+        budget1: a router model's deployed policy (budget 1: the router's action and nothing after it), one query
+            per row, on the eager editor without a slot K/V cache: `budget1_step` (`SparseEditor.edit_rows`);
+        routed: any other controller policy of a router model: the router first, `rollout_policy` where it fired;
+        static: the compiled editor's fixed-shape decode (one query per row): the bank read at its capacity;
+        general: the rest (forced actions, a controller without a router): `rollout_*` over the kept rows.
+
+    Every plan computes what `forward_policy` (or `forward`, for forced actions) computes at those positions."""
+    if ws.n_steps == 0:
+        return "bypass"
+    cfg, compiled = model.cfg, model.editor.compiled
+    static = compiled is not None and compiled.static_decode
+    if ws.actions is None and cfg.router and not static:
+        eager = compiled is None and not cfg.uses_slot_kv_cache
+        return "budget1" if Q == 1 and ws.max_budget == 1 and eager else "routed"
+    return "static" if Q == 1 and static else "general"
 
 
 def budget1_step(state: DecodeRows, st: Streams, scores: torch.Tensor, trace: torch.Tensor, n_edits: torch.Tensor
@@ -114,9 +133,9 @@ def budget1_step(state: DecodeRows, st: Streams, scores: torch.Tensor, trace: to
 
 def routed_workspace(state: DecodeRows, st: Streams, pos: torch.Tensor, valid: torch.Tensor | None,
                      ws: StepPolicy, valid_t: torch.Tensor) -> dict[str, torch.Tensor]:
-    """`DecodeState._workspace` for a router model's policy (see the module docstring); valid `[B, Q]` marks real
-    queries (None: all are), `valid_t` is that mask with None made all-True. Returns the fields of its
-    `StepOutput`."""
+    """`DecodeState._workspace` for a router model's policy, plan "budget1" or "routed" (`decode_plan`; see the
+    module docstring); valid `[B, Q]` marks real queries (None: all are), `valid_t` is that mask with None made
+    all-True. Returns the fields of its `StepOutput`."""
     model, cfg = state.model, state.cfg
     H = st.H
     B, Q = pos.shape
@@ -125,7 +144,7 @@ def routed_workspace(state: DecodeRows, st: Streams, pos: torch.Tensor, valid: t
     scores, seen, tok = router_scores(state, st, pos, valid, ws, h)
     trace = torch.full((B, Q, R), stop, dtype=torch.long, device=dev)
     n_edits = steps = torch.zeros(B, Q, dtype=torch.long, device=dev)  # replaced, never written, where some fire
-    if Q == 1 and one_edit_step(model, ws):  # the deployed decode step
+    if decode_plan(model, ws, Q) == "budget1":  # the deployed decode step
         H_edit, trace, n_edits = budget1_step(state, st, scores, trace, n_edits)
         return dict(logits=model.backbone.logits(h) if H_edit is None else model.backbone.head(H_edit),
                     actions=trace, n_edits=n_edits, controller_steps=steps, positions=pos, valid=valid_t)

@@ -22,7 +22,6 @@ Every public entry point checks its whole input before it touches the state: a V
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,8 +32,8 @@ from prisme.checks import check_max_budget, is_int
 from prisme.model.backbone import check_tokens
 from prisme.model.bank import BankCache
 from prisme.model.outputs import Streams
-from prisme.model.policy import StepPolicy
-from prisme.model.routed import routed_workspace
+from prisme.model.policy import Controller, Forced, StepPolicy
+from prisme.model.routed import decode_plan, routed_workspace
 from prisme.model.workspace import check_cost, check_forced
 
 LOGITS_MODES = ("last", "all", "none")
@@ -126,19 +125,16 @@ class DecodeState:
 
     # ------------------------------------------------------------------ public steps
     @torch.no_grad()
-    def decode_step(self, tokens: torch.Tensor, n_new: Sequence[int] | None = None, max_budget: int = 0,
-                    lambda_cost: float | None = None, kappa_risk: float | None = None,
-                    cost: torch.Tensor | None = None, actions: torch.Tensor | None = None,
-                    budget: int | torch.Tensor | None = None) -> StepOutput:
+    def decode_step(self, tokens: torch.Tensor, n_new: Sequence[int] | None = None,
+                    policy: Controller | Forced | None = None) -> StepOutput:
         """Append one chunk to every row and run each new position's workspace.
 
         Args:
             tokens: `[B, C]` (or `[B]`: C = 1) ids, right-padded where `n_new[b] < C`.
             n_new: real tokens per row (default C); a row with 0 takes no part in this step.
-            max_budget, lambda_cost, kappa_risk, cost: the controller policy, as in `forward_policy`
-                (`max_budget=0`: the backbone alone, bitwise).
-            actions: `[B, C, R]` forced actions instead of the controller (STOP absorbing, DENSE allowed, R <= r_max),
-                with `budget` (int or `[B, C]`, default R) as in `PrismeModel.forward`.
+            policy: what the workspace runs at the new positions (`prisme.model.policy`): a `Controller` (as in
+                `forward_policy`), `Forced` actions `[B, C, R]` (as in `PrismeModel.forward`), or None / `BACKBONE`:
+                the backbone alone, bitwise.
         Returns:
             `StepOutput` with logits `[B, C, V]` and the action trace `[B, C, R]`.
         """
@@ -149,14 +145,12 @@ class DecodeState:
         self._check_rows(B)
         n_new = self._check_n_new(n_new, C)
         self._check_capacity(n_new)
-        ws = self._check_workspace(B, C, max_budget, lambda_cost, kappa_risk, cost, actions, budget)
-        return self._step(tokens, n_new, ws)
+        return self._step(tokens, n_new, self._check_policy(B, C, policy))
 
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, lengths: Sequence[int] | torch.Tensor | None = None,
-                chunk_size: int | None = None, logits: str = "last", max_budget: int = 0,
-                lambda_cost: float | None = None, kappa_risk: float | None = None, cost: torch.Tensor | None = None,
-                actions: torch.Tensor | None = None, budget: int | torch.Tensor | None = None) -> StepOutput:
+                chunk_size: int | None = None, logits: str = "last",
+                policy: Controller | Forced | None = None) -> StepOutput:
         """Append prompts `[B, T]` (right-padded; row b has `lengths[b]` real tokens, max(lengths) == T).
 
         Args:
@@ -165,8 +159,7 @@ class DecodeState:
                 "last": each row's last prompt position (Q = 1), the logits the first sampled token needs;
                 "all": every position (Q = T; the same as `decode_step` over the chunks);
                 "none": nowhere (fill the caches only).
-            max_budget, lambda_cost, kappa_risk, cost, actions, budget: as in `decode_step`, for the Q query
-                positions (forced `actions` are `[B, Q, R]`).
+            policy: as in `decode_step`, for the Q query positions (`Forced` actions are `[B, Q, R]`).
         """
         check_tokens(tokens, self.cfg.vocab_size)
         B, T = tokens.shape
@@ -179,9 +172,9 @@ class DecodeState:
             raise ValueError(f"logits must be one of {LOGITS_MODES}, got {logits!r}")
         self._check_capacity(lengths)
         Q = {"all": T, "last": 1, "none": 0}[logits]
-        if logits == "none" and (max_budget != 0 or actions is not None):
-            raise ValueError('prefill(logits="none") runs no workspace: max_budget must be 0 and actions None')
-        ws = self._check_workspace(B, Q, max_budget, lambda_cost, kappa_risk, cost, actions, budget)
+        if logits == "none" and policy is not None and (isinstance(policy, Forced) or policy.max_budget != 0):
+            raise ValueError('prefill(logits="none") runs no workspace: its policy must be None (the backbone alone)')
+        ws = self._check_policy(B, Q, policy)
         chunks = [(i, min(chunk, T - i)) for i in range(0, T, chunk)]
         n_new = [[min(max(n - i, 0), c) for n in lengths] for i, c in chunks]  # real tokens of each chunk per row
         if logits == "all":
@@ -244,11 +237,12 @@ class DecodeState:
         dev = H.device
         valid_t = torch.ones(B, Q, dtype=torch.bool, device=dev) if valid is None else valid
         R = ws.n_steps
-        if R == 0:  # the bypass: the backbone alone, bitwise
+        plan = decode_plan(model, ws, Q)
+        if plan == "bypass":  # the backbone alone, bitwise
             zeros = torch.zeros(B, Q, dtype=torch.long, device=dev)
             return StepOutput(logits=model.backbone.head(H), actions=zeros.unsqueeze(-1)[..., :0], n_edits=zeros,
                               controller_steps=zeros, positions=pos, valid=valid_t)
-        if ws.actions is None and cfg.router and not getattr(model.editor.compiled, "static_decode", False):
+        if plan in ("budget1", "routed"):
             return StepOutput(**routed_workspace(self, st, pos, valid, ws, valid_t))
         lengths = self.lengths
         if keep is not None and len(keep) == 0:  # no row has a new position
@@ -257,9 +251,8 @@ class DecodeState:
             return StepOutput(logits=model.backbone.head(H), actions=stop, n_edits=zeros, controller_steps=zeros,
                               positions=pos, valid=valid_t)
         Tb = max(lengths) if keep is None else max(lengths[b] for b in keep)
-        compiled = getattr(model.editor, "compiled", None)
-        if Q == 1 and compiled is not None and compiled.static_decode:  # fixed shapes: the bank at its capacity
-            Tb = self.max_len  # (the mask hides every key past a row's length)
+        if plan == "static":  # fixed shapes: the bank at its capacity (the mask hides every key past a row's length)
+            Tb = self.max_len
         keep = None if keep is None or len(keep) == B else torch.tensor(keep, dtype=torch.long, device=dev)
         sub = (lambda x: x) if keep is None else (lambda x: x[keep])
         st_q = st if keep is None else Streams(H[keep], {k: v[keep] for k, v in st.src.items()},
@@ -327,17 +320,16 @@ class DecodeState:
                 raise ValueError(f"DecodeState capacity exceeded: row {b} holds {length} positions and {n} more would "
                                  f"pass its max_len={self.max_len} (allocate a larger state, or reset() it)")
 
-    def _check_workspace(self, B: int, Q: int, max_budget: int, lambda_cost: float | None,
-                         kappa_risk: float | None, cost: torch.Tensor | None, actions: torch.Tensor | None,
-                         budget: int | torch.Tensor | None) -> StepPolicy:
+    def _check_policy(self, B: int, Q: int, policy: Controller | Forced | None) -> StepPolicy:
+        """The call's policy checked against this model and state for Q query positions per row."""
         model, cfg = self.model, self.cfg
-        if actions is not None:
-            if max_budget != 0 or lambda_cost is not None or kappa_risk is not None or cost is not None:
-                raise ValueError("give either forced actions or controller arguments (max_budget, lambda_cost, "
-                                 "kappa_risk, cost), not both")
-            if not isinstance(actions, torch.Tensor) or actions.dim() != 3 or tuple(actions.shape[:2]) != (B, Q):
-                shape = tuple(actions.shape) if isinstance(actions, torch.Tensor) else type(actions).__name__
-                raise ValueError(f"forced actions must have shape [B, Q, R] = [{B}, {Q}, R], got {shape}")
+        if policy is None:
+            return StepPolicy()
+        if isinstance(policy, Forced):
+            actions, budget = policy.actions, policy.budget
+            if tuple(actions.shape[:2]) != (B, Q):
+                raise ValueError(f"forced actions must have shape [B, Q, R] = [{B}, {Q}, R], got "
+                                 f"{tuple(actions.shape)}")
             if actions.shape[-1] == 0:
                 return StepPolicy()
             if not cfg.use_workspace or not self.has_bank:
@@ -347,22 +339,16 @@ class DecodeState:
             shape_only = torch.zeros(B, Q, dtype=torch.long, device=actions.device)
             budget = check_forced(cfg, shape_only, actions, budget)  # ids, R <= r_max, budgets in [1, r_max]
             return StepPolicy(actions=actions.long(), budget=budget)
-        if budget is not None:
-            raise ValueError("budget applies to forced actions; the controller's budget is max_budget")
-        check_max_budget(max_budget, cfg.r_max)
-        check_price("lambda_cost", lambda_cost)
-        check_price("kappa_risk", kappa_risk)
-        if max_budget == 0:
+        if not isinstance(policy, Controller):
+            raise ValueError(f"policy must be a prisme.model.policy.Controller or Forced (or None: the backbone "
+                             f"alone), got {type(policy).__name__}")
+        if policy.target_cost is not None:
+            raise ValueError("target_cost is found by calibration in generate(); a decode step takes lambda_cost")
+        check_max_budget(policy.max_budget, cfg.r_max)
+        if policy.max_budget == 0:
             return StepPolicy()
-        check_max_budget(max_budget, cfg.r_max, cfg.use_workspace)
+        check_max_budget(policy.max_budget, cfg.r_max, cfg.use_workspace)
         if not self.has_bank:
             raise ValueError("this DecodeState was allocated without a source bank (bank=False): max_budget must be 0")
-        return StepPolicy(max_budget=max_budget, lambda_cost=lambda_cost, kappa_risk=kappa_risk,
-                          cost=check_cost(cost, model.action_cost))
-
-
-def check_price(name: str, value: float | None) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a finite number >= 0 (or None for the config's default), got {value!r}")
+        return StepPolicy(max_budget=policy.max_budget, lambda_cost=policy.lambda_cost, kappa_risk=policy.kappa_risk,
+                          cost=check_cost(policy.cost, model.action_cost))

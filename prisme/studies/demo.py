@@ -91,10 +91,12 @@ def _sample(model: torch.nn.Module, prompt: str, n_tokens: int, max_budget: int,
             seed: int = 0) -> tuple[str, dict[str, Any]]:
     """A sampled continuation with the controller (`SAMPLING`), reproducible from `seed`."""
     from prisme.decoding.generate import generate
+    from prisme.decoding.sampling import Sampling
+    from prisme.model.policy import Controller
 
     tok = ByteTokenizer()
-    out = generate(model, [tok.encode(prompt)], n_tokens, max_budget=max_budget, kappa_risk=kappa_risk, seed=seed,
-                   **SAMPLING)
+    out = generate(model, [tok.encode(prompt)], n_tokens, Controller(max_budget, kappa_risk=kappa_risk),
+                   Sampling(seed=seed, **SAMPLING))
     return tok.decode(out.tokens[0]), {"relative_cost": out.relative_cost, "lambda_cost": out.lambda_cost,
                                        "mean_edits": sum(out.n_edits[0]) / max(1, len(out.n_edits[0])), **SAMPLING}
 

@@ -342,6 +342,7 @@ def decode_speed(frontier: dict[str, Any], mcfg: MQARConfig, batches: tuple[int,
     the same numbers, K and V looked up where the router fires)."""
     from prisme.checkpoint import load_model
     from prisme.decoding.generate import generate
+    from prisme.model.policy import Controller
     from prisme.model.prisme import PrismeModel
     from prisme.model.state import DecodeState
 
@@ -364,7 +365,7 @@ def decode_speed(frontier: dict[str, Any], mcfg: MQARConfig, batches: tuple[int,
         times: dict[str, list[float]] = {k: [] for k in models}
         for _ in range(repeats + 1):  # the first round warms up
             for k, m in models.items():
-                kw = dict(max_budget=1, lambda_cost=picks[k]["lambda"][0]) if k != "dense" else {}
+                kw = dict(policy=Controller(1, lambda_cost=picks[k]["lambda"][0])) if k != "dense" else {}
                 t0 = time.perf_counter()
                 generate(m, x[:, :P], new, **kw)
                 times[k].append(time.perf_counter() - t0)

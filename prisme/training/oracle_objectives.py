@@ -97,7 +97,7 @@ class ControllerObjective(nn.Module):
         cand = torch.where(rep(valid), cand, cfg.stop_action) if zero else cand  # STOP: the editor skips them
         for r in range(b_budget if n_steps is None else min(n_steps, b_budget)):
             with torch.no_grad():
-                S_c, _, loss_c = candidate_losses(model, S, ctx_a, cand, r, b_budget - r - 1, yq,
+                S_c, _, loss_c = candidate_losses(model, S, ctx_a, cand, (r, b_budget - r - 1), yq,
                                                   rep(valid) if zero else None, float32=True)  # [b, P, A] losses
                 dL = loss_cur.unsqueeze(-1) - loss_c  # [b, P, A]
                 if self.unlabelled_zero:  # no label: no edit there changes the scored loss
