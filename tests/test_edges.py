@@ -577,7 +577,7 @@ def test_an_interrupted_text_study_stops_and_continues(tmp_path):
     out = tmp_path / "text"
     cmd = [sys.executable, "-c", TINY_TEXT, "study", "text", "--sources", "residual", "--seeds", "3", "--scale",
            "0.01", "--frontier", "2", "--val-batches", "1", "--held-out", str(held), "--jobs", "2", "--out",
-           str(out), "--no-progress"]
+           str(out), "--no-progress", "--confirm-seeds", "none"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 180
     while time.time() < deadline and p.poll() is None and not list(out.rglob("metrics.jsonl")):

@@ -99,6 +99,11 @@ def add_study_parsers(sub: Any, add_compile: Callable[[argparse.ArgumentParser],
                    help="copy the finished runs of the text study in FOLDER (or a demo's FOLDER/text) that trained "
                         "exactly as these settings would instead of training them again; every run is scored again "
                         "(e.g. on another --held-out text, with other --val-batches or --ngram)")
+    t.add_argument("--confirm-seeds", default=None, metavar="S1,S2,...",
+                   help="the fresh seeds of the confirmation pass: the runs that decide each verdict (the workspace "
+                        "row closest to the dense frontier and the dense models it is compared with) train again on "
+                        "them and the verdict is restated (default: the 3 seeds after the largest study seed; for a "
+                        "study folder started without a pass, none; none or 0: no pass); a study seed is an error")
     add_compile(t)
     add_executor(t)
     t.set_defaults(func=run_study)
@@ -153,8 +158,9 @@ def text_config(args: Any) -> Any:
     from prisme.checks import one_of, parse_list
     from prisme.config import PrismeConfig
     from prisme.data.text import HELD_OUT_TEXT
+    from prisme.studies.recall_confirm import parse_confirm_seeds
     from prisme.studies.recall_setup import parse_seeds
-    from prisme.studies.text_setup import SOURCES, TextStudyConfig, parse_frontier
+    from prisme.studies.text_setup import DEFAULT_SEEDS, SOURCES, TextStudyConfig, parse_frontier
 
     opt = lambda name: getattr(args, name, None)  # noqa: E731 - an option the caller may leave out
     if opt("seeds") is not None and opt("seed") is not None:
@@ -173,9 +179,12 @@ def text_config(args: Any) -> Any:
                  args.sources, "--sources", one_of(SOURCES), example="residual,embedding", distinct=True),
              "context_frontier" if opt("context") else "frontier": None if opt("frontier") is None
              else parse_frontier(args.frontier)}
-    cfg = TextStudyConfig(**{k: v for k, v in given.items() if v is not None}, scale=args.scale,
-                          out_dir=args.out or "runs/text", jobs=args.jobs or 0,
-                          threads=1 if opt("threads") is None else args.threads, progress=not args.no_progress,
+    out = args.out or "runs/text"
+    confirm = parse_confirm_seeds(opt("confirm_seeds"))
+    given["confirm_seeds"] = default_confirm_seeds(out, seeds or DEFAULT_SEEDS) if confirm is None else confirm
+    cfg = TextStudyConfig(**{k: v for k, v in given.items() if v is not None}, scale=args.scale, out_dir=out,
+                          jobs=args.jobs or 0, threads=1 if opt("threads") is None else args.threads,
+                          progress=not args.no_progress,
                           executor=opt("executor") or "local", address=opt("address"),
                           val_batches=None if val.lower() == "all" else int(val),
                           held_out=held_out, compile=opt("compile") or "off", window=opt("window"),
@@ -183,6 +192,25 @@ def text_config(args: Any) -> Any:
                           reuse=opt("reuse"), corpus=corpus, prisme_layers=opt("prisme_layers"),
                           workspace_steps=opt("workspace_steps"))
     return cfg.validate(PrismeConfig.from_name("demo"))  # before anything trains
+
+
+def default_confirm_seeds(out: str, seeds: list[int]) -> list[int]:
+    """`prisme study text` without `--confirm-seeds`: the 3 seeds after the largest study seed; for a folder where a
+    text study was started with these seeds, the fresh seeds it was started with (none when it was started without a
+    confirmation pass, before the option existed or with `--confirm-seeds none`): a rerun continues it."""
+    import sys
+
+    from prisme.studies.recall_confirm import seeds_after
+    from prisme.studies.records import recorded_study
+
+    study = (recorded_study(out) or {}).get("study")
+    if not isinstance(study, dict) or study.get("seeds") != list(seeds):
+        return seeds_after(seeds)
+    fresh = list(study.get("confirm_seeds") or [])
+    if not fresh:
+        print(f"the text study in {out} was started without a confirmation pass: it continues without one (to add "
+              f"one, start a study in another --out with --reuse {out} and --confirm-seeds)", file=sys.stderr)
+    return fresh
 
 
 def recall_args(args: argparse.Namespace) -> argparse.Namespace:

@@ -63,6 +63,16 @@ def _count(e: dict[str, Any], key: str) -> str:
     return f"{e[f'{key}_below']}/{len(e['seeds'])}"
 
 
+def closest_row(summary: list[dict[str, Any]], source: str, split: str) -> dict[str, Any] | None:
+    """The summary entry of `source`'s workspace row closest to beating the dense frontier on `split`: below it on
+    the most seeds, then with the lowest worst upper end of its gap interval (None: no row has a gap). Its verdict is
+    whether it is below on every seed."""
+    gapped = [e for e in summary if e["source"] == source and e["split"] == split and _workspace_row(e)
+              and "frontier_gap" in e]
+    return min(gapped, key=lambda e: (-e["frontier_gap_below"], max(d["hi"] for d in e["frontier_gap"])),
+               default=None)
+
+
 def verdicts(doc: dict[str, Any]) -> list[str]:
     """Sentences that follow from the per-seed intervals: each frontier model against the matched backbone; per
     source and split the workspace row closest to beating the dense frontier, the best against the matched backbone,
@@ -80,9 +90,8 @@ def verdicts(doc: dict[str, Any]) -> list[str]:
     for src in doc["seeds"][next(iter(doc["seeds"]))]["sources"]:
         for split in ("val", "held_out"):
             ws = [e for e in summary if e["source"] == src and e["split"] == split and _workspace_row(e)]
-            gapped = [e for e in ws if "frontier_gap" in e]
-            if gapped:
-                best = min(gapped, key=lambda e: (-e["frontier_gap_below"], max(d["hi"] for d in e["frontier_gap"])))
+            best = closest_row(summary, src, split)
+            if best is not None:
                 every = best["frontier_gap_below"] == n
                 lines.append(f"{split}, {src} bank: the workspace's row closest to the dense frontier, "
                              f"{best['policy']} ({sum(best['relative_ops']) / n:.2f}x ops), is below it on "
@@ -123,7 +132,31 @@ def format_report(doc: dict[str, Any]) -> str:
         if table:
             parts.append(table)
     parts.append("\n".join(doc["verdicts"]))
+    if doc.get("confirmation"):
+        parts.append(confirmation_text(doc["confirmation"]))
     return "\n\n".join(parts)
+
+
+def _uppers(s: dict[str, Any]) -> str:
+    return f"below on {s['below']}/{len(s['seeds'])}, upper ends " + " ".join(f"{u:+.4f}" for u in s["upper"])
+
+
+def confirmation_text(block: dict[str, Any]) -> str:
+    """The confirmation pass (`text_confirm.confirmation_block`) for humans: per deciding row the dense models it is
+    compared with, its gap's upper ends per seed on both sets, and the restated verdict with its worst seed."""
+    seeds = lambda xs: ", ".join(map(str, xs))  # noqa: E731
+    lines = [f"== confirmation on fresh seeds {seeds(block['seeds'])} (the study's: {seeds(block['study_seeds'])}): "
+             f"the row closest to the dense frontier, per source and split, trained and scored again =="]
+    for r in block["rows"]:
+        ops = sum(r["study"]["relative_ops"]) / len(r["study"]["seeds"])
+        lines += [f"{r['split']}, {r['source']} bank: {r['policy']} ({ops:.2f}x ops) against "
+                  f"{', '.join(r['compared_with']) or '-'}",
+                  f"  study seeds: {_uppers(r['study'])}",
+                  f"  fresh seeds: {_uppers(r['fresh']) if r['fresh'] else 'not scored'}"]
+        m = r["margin"]
+        worst = "" if m is None else f"; worst seed {m['seed']} ({m['set']}), upper end {m['upper']:+.4f}"
+        lines.append(f"  -> {r['status']}{worst}")
+    return "\n".join(lines)
 
 
 def _describe(c: dict[str, Any]) -> str:

@@ -81,6 +81,8 @@ class TextStudyConfig:
     compile: str = "off"  # the editor under torch.compile in stages 2-3 and the evaluation ("auto" | "strict")
     reuse: str | None = None  # a text study folder whose finished runs trained as this study's would: copied, not
     #   trained again (every run is scored anew: another held-out text, other scoring settings)
+    confirm_seeds: list[int] | None = None  # the confirmation pass's fresh seeds (`text_confirm`): the runs that decide
+    #   the verdicts train again on them (None or []: no pass; the command line's default: the 3 after the largest seed)
     # --- long contexts (`--context T`): windows of T bytes; PRISME's backbone is local (`context_model`: a 64-byte
     # attention window with the key shift) and its workspace reads the whole context where its router fires
     context: int | None = None  # None: the T = 128 study above
@@ -112,6 +114,12 @@ class TextStudyConfig:
         need(len(self.sources) > 0 and all(s in SOURCES for s in self.sources),
              f"sources (--sources) must be a non-empty list from {sorted(SOURCES)}, got {self.sources!r}")
         check_seeds(self.seeds, "text study: ")
+        fresh = self.confirm_seeds or []
+        need(isinstance(fresh, list) and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in fresh)
+             and len(set(fresh)) == len(fresh), f"--confirm-seeds must be distinct ints >= 0, got "
+             f"{self.confirm_seeds!r}")
+        need(not set(fresh) & set(self.seeds), f"--confirm-seeds {','.join(map(str, fresh))} overlap the study's seeds "
+             f"(--seeds) {','.join(map(str, self.seeds))}: the confirmation pass trains on fresh seeds")
         need(isinstance(self.frontier, list) and len(self.frontier) > 0 and all(frontier_entry_ok(f)
                                                                            for f in self.frontier),
              f"frontier (--frontier) must be a non-empty list of [n_layer >= 1, d_model >= 1 or null(, key_shift "
