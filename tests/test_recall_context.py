@@ -416,3 +416,67 @@ def _finished(folder: str) -> str:
 
     Path(folder).mkdir(parents=True)
     return folder
+
+
+def _strip_training(doc):
+    """A document or kept result as written before training compute was recorded."""
+    from prisme.studies.recall_training import FIELDS
+
+    if isinstance(doc, list):
+        return [_strip_training(v) for v in doc]
+    if not isinstance(doc, dict):
+        return doc
+    return {k: _strip_training(v) for k, v in doc.items() if not k.startswith("training_") and k not in FIELDS}
+
+
+def test_a_tiny_long_context_study_records_training_compute_plots_it_and_older_folders_still_load(tmp_path):
+    """Each run's result holds the analytic ops of every stage it trained (warm-ups at T = 32 included) and its
+    logged training time x threads; each frontier entry per seed and their mean; the table a column of each; the
+    training-compute plots beside the frontier's. A folder made before these fields (kept results and document
+    stripped of them) prints ("-" in the columns), plots, resumes and re-scores (`--evaluate-only`) with the same
+    training compute as the study that made it."""
+    from prisme.studies.recall import run_study
+    from prisme.studies.recall_report import format_table, plot_frontier
+    from prisme.studies.recall_setup import study_config
+    from prisme.studies.runner import STUDY_DIR
+    from prisme.training.compute import stage_compute
+
+    out = tmp_path / "s"
+    settings = {"frontier": True, "quick": True, "seeds": [0], "jobs": 1, "out_dir": str(out), "contexts": [96],
+                "context_dense": [{"depths": [1], "widths": [8]}], "confirm_seeds": [], "eval_sequences": 32,
+                "calibration_sequences": 32, "router_lambdas": [0.01, 0.1]}
+    cfg = study_config(settings)
+    doc = run_study(cfg, progress=False)
+    planned = {t.folder: t for t in plan_tasks(cfg, load_recipe(cfg)[0]) if isinstance(t, (DenseTask, FamilyTask))}
+    kept = {json.loads(p.read_text())["task"]["folder"]: json.loads(p.read_text())["entry"]
+            for p in (out / STUDY_DIR / "done").glob("*.json")}
+    stages = {"dense": [("backbone", 32), ("backbone", 96)],
+              "family": [("backbone", 32), ("workspace", 32), ("workspace", 96), ("router", 96)]}
+    for folder, t in planned.items():
+        e = kept[folder]
+        assert [(s["stage"], s["seq_len"]) for s in e["training_stages"]] == stages[t.kind]
+        assert e["training_ops"] == pytest.approx(sum(stage_compute(t.model, s).ops for s in t.stages), rel=1e-12)
+        assert e["training_s"] > 0 and e["training_core_s"] == e["training_s"] * e["threads"] == e["training_s"]
+    f = doc["frontier"]
+    for e in f["dense"] + f["prisme"]:
+        assert e["training_ops"] == e["training_ops_per_seed"][0] > 0 and len(e["training_ops_per_seed"]) == 1
+        assert e["training_core_s"] == e["training_core_s_per_seed"][0] > 0
+    assert f["prisme"][0]["training_ops"] > f["dense"][0]["training_ops"] and "training_ops_prisme_over_dense" in f
+    text = format_table(doc)
+    assert "train ops" in text and "core-s" in text and f"{f['dense'][0]['training_ops']:.3g}" in text
+    assert all((out / name).stat().st_size > 0 for name in ("recall_frontier_training.png",
+                                                            "recall_frontier_training_T96.png"))
+
+    old = _strip_training(doc)  # an older folder: its document and its kept results without the fields
+    assert "train ops" in format_table(old) and "training_ops" not in json.dumps(old)
+    plot_frontier(old, tmp_path / "old.png", training=True)
+    assert (tmp_path / "old.png").stat().st_size > 0
+    for p in (out / STUDY_DIR / "done").glob("*.json"):
+        p.write_text(json.dumps(_strip_training(json.loads(p.read_text()))))
+    want = [(e["training_ops"], e["training_core_s"]) for e in f["dense"] + f["prisme"]]
+    resumed = run_study(cfg, progress=False, resume=True)["frontier"]
+    assert [(e["training_ops"], e["training_core_s"]) for e in resumed["dense"] + resumed["prisme"]] == want
+    again = run_study(study_config({**settings, "evaluate_only": True}), progress=False)["frontier"]
+    assert [(e["training_ops"], e["training_core_s"]) for e in again["dense"] + again["prisme"]] == want
+    assert [e["accuracy"] for e in again["dense"] + again["prisme"]] == \
+        [e["accuracy"] for e in f["dense"] + f["prisme"]]

@@ -310,10 +310,12 @@ def finish_study(cfg: RecallStudyConfig, recipe: Recipe, results: dict[str, Any]
         doc = {**assemble_frontier_study(cfg, recipe, done, total_s, jobs), "scored": scored}
         write_text_atomic(out / "recall.json", json.dumps(doc, indent=2, allow_nan=False) + "\n")
         plot_frontier(doc, out / "recall_frontier.png")
+        plot_frontier(doc, out / "recall_frontier_training.png", training=True)  # against training compute
         if "contexts" in doc:
             plot_ratio(doc, out / "recall_context_ratio.png")
-            for c in doc["contexts"]:  # accuracy against ops at each length
+            for c in doc["contexts"]:  # accuracy against ops, and against training compute, at each length
                 plot_frontier({"frontier": c["frontier"]}, out / f"recall_frontier_T{c['T']}.png")
+                plot_frontier({"frontier": c["frontier"]}, out / f"recall_frontier_training_T{c['T']}.png", True)
         return doc
     doc = {**assemble(cfg, recipe, done, total_s, jobs), "scored": scored}
     write_text_atomic(out / "recall.json", json.dumps(doc, indent=2, allow_nan=False) + "\n")

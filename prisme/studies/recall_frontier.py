@@ -31,6 +31,7 @@ from prisme.costs.analytic import router_ops, router_share_of_layer
 from prisme.costs.traces import trace_cost
 from prisme.data.mqar import MQARConfig, make_mqar_batch
 from prisme.evaluation.policies import Backbone
+from prisme.studies import recall_training as training
 from prisme.studies.recall_eval import calibrated_policy, forced_row, score
 from prisme.studies.recall_setup import (
     DENSE_OPTIONS,
@@ -197,7 +198,7 @@ def _entry(cfg_model: dict[str, Any], runs: list[dict[str, Any]], ref: float, ne
     return {"n_layer": cfg_model["n_layer"], "d_model": cfg_model["d_model"], "w": None, "ops_per_token": ops,
             "ops_ratio": ops / ref, "accuracy": acc, "seeds": [r["seed"] for r in runs],
             "seeds_at_95": sum(a >= TARGET_ACCURACY for a in acc),
-            "passes": sum(a >= TARGET_ACCURACY for a in acc) >= need}
+            "passes": sum(a >= TARGET_ACCURACY for a in acc) >= need} | training.training_entry(runs)
 
 
 # ------------------------------------------------------------------------------------------------------------ tasks
@@ -223,7 +224,7 @@ class FrontierMember(RecallTask):
 
     def evaluate(self, model: torch.nn.Module, checkpoint: str) -> dict[str, Any]:
         return self.score(model) | {"seed": self.seed, "checkpoint": checkpoint, "model": model.cfg.to_dict(),
-                                    "steps": self.stage_steps()}
+                                    "steps": self.stage_steps()} | training.training_record(self)
 
     def frontier_entry(self, cfg_model: dict[str, Any], runs: list[dict[str, Any]], ref: float,
                        need: int) -> dict[str, Any]:
@@ -304,7 +305,7 @@ def assemble_frontier(cfg: RecallStudyConfig, recipe: Recipe, done: list[tuple[R
     parts: dict[str, list[dict[str, Any]]] = {"dense": [], "prisme": []}
     first_models = []  # (entry, the model of its first run)
     for (section, _), members in groups.items():
-        runs = sorted((e for _, e in members), key=lambda e: cfg.seeds.index(e["seed"]))
+        runs = sorted((training.with_training(t, e) for t, e in members), key=lambda e: cfg.seeds.index(e["seed"]))
         entry = members[0][0].frontier_entry(members[-1][1]["model"], runs, ref, need) | {
             "checkpoints": [e["checkpoint"] for e in runs]}
         parts[section].append(entry)
@@ -327,7 +328,7 @@ def assemble_frontier(cfg: RecallStudyConfig, recipe: Recipe, done: list[tuple[R
             "seeds_needed": need, "target_accuracy": TARGET_ACCURACY, "dense": dense, "prisme": family,
             "verdict": {"dense_best": best_d, "prisme_best": best_p, "ops_ratio_prisme_over_dense": ratio},
             "margins": {k: e and margins(e["accuracy"], need) for k, e in (("dense", best_d), ("prisme", best_p))},
-            "router": router}
+            "router": router, "training_ops_prisme_over_dense": training.training_ratio(best_d, best_p)}
 
 
 @torch.no_grad()
@@ -387,7 +388,8 @@ def format_frontier(doc: dict[str, Any]) -> str:
     lines = [f"dense frontier and PRISME family (ops/token / the 1-layer d=64 backbone's "
              f"{f['reference']['ops_per_token']:,.0f}; pass = >= 95% on >= {f['seeds_needed']} seeds)", ""]
     wide = max([8] + [len(k + _options(e)) + 1 for k in ("dense", "prisme") for e in f[k]])
-    head = f"{'family':<{wide}}{'L':>3}{'d':>5}{'w':>5}{'ops':>8}  {'accuracy per seed':<44}{'@95':>4}  extra"
+    head = (f"{'family':<{wide}}{'L':>3}{'d':>5}{'w':>5}{'ops':>8}{training.TABLE_HEAD}  {'accuracy per seed':<44}"
+            f"{'@95':>4}  extra")
     lines += [head, "-" * (len(head) + 30)]
     for kind, entries in (("dense", f["dense"]), ("prisme", f["prisme"])):
         for e in entries:
@@ -399,7 +401,7 @@ def format_frontier(doc: dict[str, Any]) -> str:
                          f"{min(e['query_edit_share']):.2f}-{max(e['query_edit_share']):.2f}")
             w = e["w"] if e["w"] else "-"
             lines.append(f"{kind + _options(e):<{wide}}{e['n_layer']:>3}{e['d_model']:>5}{w:>5}"
-                         f"{e['ops_ratio']:>8.3f}  {acc:<44}{e['seeds_at_95']:>4}  {extra}")
+                         f"{e['ops_ratio']:>8.3f}{training.table_cells(e)}  {acc:<44}{e['seeds_at_95']:>4}  {extra}")
     v = f["verdict"]
 
     def name(e: dict[str, Any] | None) -> str:
@@ -417,6 +419,7 @@ def format_frontier(doc: dict[str, Any]) -> str:
         r = v["ops_ratio_prisme_over_dense"]
         verdict = "beats" if r < 1 else "does not beat"
         lines.append(f"PRISME / dense ops: {r:.3f} -> PRISME {verdict} the dense frontier")
+    lines += training.ratio_line(f)
     if f["router"]:
         rt = f["router"]
         lines.append(f"router: {rt['ops_per_position']} ops per position at T={rt['context']} = "

@@ -178,33 +178,50 @@ def plot_accuracy_vs_ops(doc: dict[str, Any], path: Path) -> None:
                     "accuracy on query positions", "MQAR: 1-layer backbone + workspace, every seed", "lower right")
 
 
-def plot_frontier(doc: dict[str, Any], path: Path) -> None:
+def plot_frontier(doc: dict[str, Any], path: Path, training: bool = False) -> None:
     """Accuracy against ops per token (x the reference backbone) of every dense and PRISME configuration, one point
-    per seed at the configuration's mean ops, the per-seed mean joined within each family."""
+    per seed at the configuration's mean ops, the per-seed mean joined within each family. With `training`, against
+    training compute instead: each seed at its run's analytic training ops (every stage, warm-ups included); entries
+    without them (a document made before they were recorded) are left out."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     f = doc["frontier"]
+
+    def xs(e: dict[str, Any]) -> list[float] | None:  # the x of each seed
+        per_seed = e.get("training_ops_per_seed") if training else [e["ops_ratio"]] * len(e["accuracy"])
+        return None if not per_seed or None in per_seed else per_seed
+
     fig, ax = plt.subplots(figsize=(7.5, 5), dpi=120)
+    shown = 0
     for kind, entries, col in (("dense", f["dense"], "C0"), ("prisme", f["prisme"], "C3")):
+        entries = [e for e in entries if xs(e)]
+        shown += len(entries)
         for L in sorted({e["n_layer"] for e in entries}):
-            es = sorted((e for e in entries if e["n_layer"] == L), key=lambda e: e["ops_ratio"])
+            es = sorted((e for e in entries if e["n_layer"] == L), key=lambda e: sum(xs(e)))
             label = f"{kind}, {L} layer{'s' if L > 1 else ''}" if kind == "dense" else "PRISME + router (1 layer)"
             marker = {1: "s", 2: "o"}.get(L, "^") if kind == "dense" else "*"
-            ax.plot([e["ops_ratio"] for e in es], [sum(e["accuracy"]) / len(e["accuracy"]) for e in es], "-",
-                    color=col, alpha=0.4 if L == 1 and kind == "dense" else 0.8)
+            ax.plot([sum(xs(e)) / len(xs(e)) for e in es], [sum(e["accuracy"]) / len(e["accuracy"]) for e in es],
+                    "-", color=col, alpha=0.4 if L == 1 and kind == "dense" else 0.8)
             for i, e in enumerate(es):
-                ax.scatter([e["ops_ratio"]] * len(e["accuracy"]), e["accuracy"], marker=marker, color=col, s=28,
-                           alpha=0.7, label=label if i == 0 else None)
+                ax.scatter(xs(e), e["accuracy"], marker=marker, color=col, s=28, alpha=0.7,
+                           label=label if i == 0 else None)
                 tag = f"d{e['d_model']}" + (f"/w{e['w']}" if e["w"] else "")
-                ax.annotate(tag, (e["ops_ratio"], max(e["accuracy"])), fontsize=6, xytext=(2, 3),
+                ax.annotate(tag, (sum(xs(e)) / len(xs(e)), max(e["accuracy"])), fontsize=6, xytext=(2, 3),
                             textcoords="offset points")
-    ax.axhline(TARGET_ACCURACY, color="gray", ls=":", lw=1)
-    finish_log_plot(fig, ax, path, f"ops per token / 1-layer d=64 backbone ({f['reference']['ops_per_token']:,.0f})",
-                    "accuracy on query positions (each seed)", "MQAR: the dense frontier and PRISME with its router",
-                    "center right")
+    if not shown:  # a document made before training compute was recorded (or an empty frontier)
+        ax.text(0.5, 0.5, "no training compute recorded" if training else "no entry", ha="center",
+                transform=ax.transAxes)
+    ax.axhline(TARGET_ACCURACY, color="gray", ls=":", lw=1, label=None if shown else "95%")
+    if training:
+        xlabel, title = ("training ops per run (analytic, every stage: forward x3 trained, x2 gradient through, x1 "
+                         "frozen)"), "MQAR: accuracy against training compute, dense frontier and PRISME"
+    else:
+        xlabel = f"ops per token / 1-layer d=64 backbone ({f['reference']['ops_per_token']:,.0f})"
+        title = "MQAR: the dense frontier and PRISME with its router"
+    finish_log_plot(fig, ax, path, xlabel, "accuracy on query positions (each seed)", title, "center right")
 
 
 @torch.no_grad()
