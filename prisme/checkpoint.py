@@ -22,14 +22,14 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from prisme.checks import is_int
-from prisme.config import PrismeConfig, complete_config
+from prisme.config import PrismeConfig, complete_config, moved_fields
 from prisme.data.tokenizers import TOKENIZER_FILE, ByteTokenizer, tokenizer_from_record, tokenizer_record
 from prisme.io import current_umask, fsync_dir, json_default, loads_config, write_file, write_text_atomic
 
@@ -58,6 +58,8 @@ class CheckpointMeta:
     optimizer_state: dict[str, Any] | None = None  # loaded by `load_checkpoint(..., load_optimizer=True)`
     optimizer_sha256: str | None = None  # what state.json records of optimizer.pt (None: written before it did)
     tokenizer: dict[str, Any] | None = None  # state.json's tokenizer record (None: written before it had one)
+    moved: dict[str, Any] = field(default_factory=dict)  # config.json's fields that moved out of PrismeConfig, where
+    #   they changed something (`config.MOVED_CONFIG_FIELDS`): the loaded model's decode options and default price
 
 
 # ---------------------------------------------------------------------------------------------------------------- RNG
@@ -287,7 +289,8 @@ def read_meta(path: str | Path) -> CheckpointMeta:
         raise ValueError(f"{p} has checkpoint schema version {state['schema_version']}, but this prisme reads "
                          f"version {SCHEMA_VERSION}; load it with the prisme version that wrote it and re-export")
     try:
-        cfg = PrismeConfig.from_dict(complete_config(_read_json_object(p / CONFIG), p / CONFIG))
+        d, moved = moved_fields(complete_config(_read_json_object(p / CONFIG), p / CONFIG))
+        cfg = PrismeConfig.from_dict(d)
     except ValueError as e:
         raise ValueError(f"{p / CONFIG}: {e}") from None
     step = state.get("step", 0)
@@ -296,7 +299,8 @@ def read_meta(path: str | Path) -> CheckpointMeta:
     return CheckpointMeta(path=p, config=cfg, schema_version=state["schema_version"], stage=state.get("stage", "?"),
                           step=step, stage_config=state.get("stage_config", {}),
                           rng=state.get("rng", {}), metrics=state.get("metrics", {}), extra=state.get("extra", {}),
-                          optimizer_sha256=state.get("optimizer_sha256"), tokenizer=state.get("tokenizer"))
+                          optimizer_sha256=state.get("optimizer_sha256"), tokenizer=state.get("tokenizer"),
+                          moved=moved)
 
 
 # The parameter groups each stage's checkpoint has trained, for checkpoints written before `trained_groups` was
@@ -351,9 +355,13 @@ def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu
         load_optimizer: also read optimizer.pt into `meta.optimizer_state` (None when the checkpoint has none).
         verify: check the weights against the sha256 recorded at save time.
     Returns:
-        (PrismeModel in the saved dtype on `map_location`, in eval mode, CheckpointMeta).
+        (PrismeModel in the saved dtype on `map_location`, in eval mode, CheckpointMeta). A config.json written before
+        `bank_tables`, `bank_store`, `lambda_cost` and `kappa_risk` left PrismeConfig gives their values to the model:
+        its `decode_options` and `default_price`, so that it decodes and prices as it did.
     """
+    from prisme.model.policy import Price
     from prisme.model.prisme import PrismeModel
+    from prisme.options import DecodeOptions
 
     try:
         dev = torch.device(map_location)
@@ -371,7 +379,9 @@ def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu
                              f"this config, drop the model override, or (a backbone for another workspace design) "
                              f"pass --rebase")
     tensors = _read_weights(p, verify)
-    model = PrismeModel(meta.config)
+    decode = {f.name for f in fields(DecodeOptions)}  # the rest of the moved fields are prices
+    model = PrismeModel(meta.config, DecodeOptions(**{k: v for k, v in meta.moved.items() if k in decode}),
+                        Price(**{k: v for k, v in meta.moved.items() if k not in decode}))
     expected = model.state_dict()
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))

@@ -69,11 +69,11 @@ def check_choice(name: str, v: Any, choices: tuple[Any, ...], where: str = "") -
 
 
 def check_price(name: str, value: Any) -> None:
-    """A price of a policy (`lambda_cost`, `kappa_risk`): None (the config's default) or a finite number >= 0."""
+    """A price of a policy (`lambda_cost`, `kappa_risk`): None (the model's default) or a finite number >= 0."""
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a finite number >= 0 (or None for the config's default), got {value!r}")
+        raise ValueError(f"{name} must be a finite number >= 0 (or None for the model's default), got {value!r}")
 
 
 def check_max_budget(max_budget: Any, r_max: int, use_workspace: bool = True) -> int:

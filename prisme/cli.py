@@ -209,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--controller-budget", type=int, default=None,
                    help="max edits per position of the controller rows (default r_max)")
     s.add_argument("--kappa-risk", type=float, default=None, help="the controller rows' risk aversion "
-                   "(default: the config's)")
+                   "(default: the model's, 0)")
     s.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples of the paired intervals")
     s.add_argument("--bootstrap-seed", type=int, default=0, help="seed of the bootstrap resamples")
     s.add_argument("--reference", action="append", default=None, metavar="NAME=CKPT",
@@ -246,8 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "checkpoint's own tokenizer, or 'byte' for a preset")
     s.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
     s.add_argument("--budget", type=int, default=0, help="controller budget per token, 0..r_max (0 = backbone only)")
-    s.add_argument("--lambda-cost", type=float, default=None, help="price of compute (default: the config's)")
-    s.add_argument("--kappa-risk", type=float, default=None, help="risk aversion (default: the config's)")
+    s.add_argument("--lambda-cost", type=float, default=None, help="price of compute (default: the model's, 0)")
+    s.add_argument("--kappa-risk", type=float, default=None, help="risk aversion (default: the model's, 0)")
     s.add_argument("--target-cost", type=float, default=None,
                    help="target mean ops per token relative to the backbone (>= 1); lambda found by bisection")
     s.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
@@ -353,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the whole model (workspace, controller, router) for trust_remote_code, with a model card")
     s.add_argument("--budget", type=int, default=None,
                    help="with --workspace: the exported policy's budget (default: the one its stages trained)")
-    s.add_argument("--lambda-cost", type=float, default=None, help="with --workspace: its price (default: config's)")
+    s.add_argument("--lambda-cost", type=float, default=None, help="with --workspace: its price (default: the model's)")
     s.set_defaults(func=_cmd_export_hf)
 
     add_study_parsers(sub, _add_compile, _cmd_study, _cmd_demo)

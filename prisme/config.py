@@ -17,7 +17,6 @@ from prisme.checks import check_fields
 from prisme.io import loads_config
 
 FAMILIES = ("llama", "gpt2")
-BANK_STORES = ("entries", "ids")  # `PrismeConfig.bank_store`
 BANK_KEYS = ("current", "preceding")  # `PrismeConfig.bank_key`
 
 
@@ -100,8 +99,6 @@ class PrismeConfig:
     r_max: int = 8  # hard cap on actions per position
     cost_context: int | None = None  # context T at which the controller's price vector is computed (default T_max)
     gate_bias_init: float = 2.0  # editor gate bias at init (sigma(2) ~ 0.88: the path starts open)
-    lambda_cost: float = 0.0  # default price of compute for the controller
-    kappa_risk: float = 0.0  # default risk aversion for the controller
     optimised: bool = True  # folded readout keys, the controller projects M slots; False = every op seed 000 counts
     slot_kv_cache: bool = False  # with `optimised`: the editor keeps each position's slot K/V and projects only the
     #   slots an action changes. Off by default: it does fewer ops but ran slower on CPU at every preset's shape
@@ -131,12 +128,6 @@ class PrismeConfig:
     #   comparisons per earlier position, no weights); 0 = its head reads norm(H) only
     router_token: bool = False  # the router also adds a learned value per action of the current token (a [V, A]
     #   table: one lookup and A adds per position): what is at the position, beside what the stream says of it
-    bank_tables: bool = False  # decoding serves the bank's and the query's projections of the token embeddings
-    #   (K, V, the shift's K', z of each "embedding" term) from per-vocabulary tables [V, w] (exact: that stream is a
-    #   function of the token), and the cost model prices them as lookups (llama family: gpt2 adds positions)
-    bank_store: str = "entries"  # what a decode state keeps of the bank: "entries" (K and V of every position) or
-    #   "ids" (bank_tables with an "embedding" bank: its token ids only; K and V are looked up where the workspace
-    #   runs, and the cost model prices those lookups there instead of one entry at every position)
     extra: dict[str, Any] = field(default_factory=dict)  # free-form metadata carried in checkpoints
 
     def __post_init__(self) -> None:
@@ -278,17 +269,6 @@ class PrismeConfig:
         need(not self.router or self.use_workspace, "router=True needs a workspace (use_workspace=True)")
         need(isinstance(self.router_token, bool), f"router_token must be a bool, got {self.router_token!r}")
         need(not self.router_token or self.router, "router_token=True needs a router (router=True)")
-        need(isinstance(self.bank_tables, bool), f"bank_tables must be a bool, got {self.bank_tables!r}")
-        if self.bank_tables:
-            need(self.use_workspace and self.family == "llama" and "embedding" in self.bank_terms + self.query_terms,
-                 "bank_tables=True needs a llama workspace model whose bank_source or query_source reads 'embedding'")
-        need(self.bank_store in BANK_STORES, f"bank_store must be one of {BANK_STORES}, got {self.bank_store!r}")
-        if self.bank_store == "ids":
-            need(self.bank_tables and set(self.bank_terms) == {"embedding"},
-                 f"bank_store='ids' keeps token ids only: it needs bank_tables=True and bank_source='embedding', got "
-                 f"bank_tables={self.bank_tables}, bank_source={self.bank_source!r}")
-        need(self.lambda_cost >= 0, f"lambda_cost must be >= 0, got {self.lambda_cost}")
-        need(self.kappa_risk >= 0, f"kappa_risk must be >= 0, got {self.kappa_risk}")
         return self
 
     # ------------------------------------------------------------------ serialisation
@@ -297,6 +277,12 @@ class PrismeConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PrismeConfig:
+        """The config of a dict of its fields. A field that has moved out (`MOVED_CONFIG_FIELDS`) is read where it
+        holds the value at which it changed nothing; at another value it is a ValueError saying where it went."""
+        d, moved = moved_fields(d)
+        if moved:
+            raise ValueError(f"{sorted(moved)} are no PrismeConfig fields any more: {MOVED_TO} "
+                             f"(`prisme.checkpoint.load_model` moves them from an older checkpoint's config.json)")
         reject_unknown_fields(cls, d)
         return cls(**d).validate()
 
@@ -388,13 +374,38 @@ PRESETS: dict[str, dict[str, Any]] = {
 # without them computed (the migration table): any other field missing from a config.json is an error, never a
 # silent default (a missing `bank_source` would rebuild another model).
 ADDED_CONFIG_FIELDS: dict[str, Any] = {"slot_kv_cache": False, "router": False, "router_ngram": 1, "key_shift": False,
-                                       "attn_window": None, "bank_tables": False, "bank_store": "entries",
-                                       "router_token": False, "bank_key": "current"}
+                                       "attn_window": None, "router_token": False, "bank_key": "current"}
+
+# Fields PrismeConfig had and no longer has, each with the value at which it changed nothing: they choose how a decode
+# state keeps the bank (`prisme.options.DecodeOptions`) and a controller's default price (`prisme.model.policy.Price`),
+# not the model.
+# A config dict that holds them (a checkpoint, an export or a study's record written before they moved) still reads:
+# `moved_fields` takes them out, and `prisme.checkpoint.load_checkpoint` gives the model it builds those at another
+# value (its `decode_options`, its `default_price`), so that it decodes and prices as before.
+MOVED_CONFIG_FIELDS: dict[str, Any] = {"bank_tables": False, "bank_store": "entries", "lambda_cost": 0.0,
+                                       "kappa_risk": 0.0}
+MOVED_TO = ("bank_tables and bank_store are DecodeOptions (`model.new_decode_state(..., options=DecodeOptions(...))`), "
+            "lambda_cost and kappa_risk a policy's prices (`Controller(lambda_cost=..., kappa_risk=...)`)")
+
+
+def moved_fields(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(`d` without the fields of `MOVED_CONFIG_FIELDS`, those of them it held at another value than the one at which
+    they changed nothing)."""
+    moved = {k: v for k, v in d.items() if k in MOVED_CONFIG_FIELDS and v != MOVED_CONFIG_FIELDS[k]}
+    return {k: v for k, v in d.items() if k not in MOVED_CONFIG_FIELDS}, moved
+
+
+def current_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """A recorded config dict as this version writes it: the fields added since filled in (`with_added_fields`), the
+    moved ones dropped where they changed nothing (kept otherwise, so that a comparison with a config of today names
+    them: such a record ran something a config alone no longer says)."""
+    kept, moved = moved_fields(with_added_fields(d))
+    return {**kept, **moved}
 
 
 def complete_config(d: dict[str, Any], where: Path | str = "config.json") -> dict[str, Any]:
     """A checkpoint's config dict with the fields of `ADDED_CONFIG_FIELDS` filled in where missing; ValueError naming
-    every other missing field."""
+    every other missing field. Moved fields (`MOVED_CONFIG_FIELDS`) stay: `moved_fields` takes them out."""
     missing = sorted({f.name for f in dataclasses.fields(PrismeConfig)} - set(d) - set(ADDED_CONFIG_FIELDS))
     if missing:
         raise ValueError(f"{where} lacks the field(s) {missing}: the checkpoint's config is incomplete (a default "

@@ -34,7 +34,7 @@ def export_hf_full(checkpoint: str | Path, folder: str | Path, max_budget: int |
                    lambda_cost: float | None = None) -> Path:
     """Write `checkpoint`'s whole model to `folder` (see the module docstring). The exported policy runs the
     controller at `max_budget` (default: the largest budget its stages trained, 0 when no workspace was trained)
-    and `lambda_cost` (default: the config's)."""
+    and `lambda_cost` (default: the model's default price, and its kappa_risk with it)."""
     transformers_module()  # an ImportError naming the extra, before anything is written
     path = find_model_checkpoint(checkpoint)
     model, meta = load_model(path)
@@ -52,7 +52,8 @@ def export_hf_full(checkpoint: str | Path, folder: str | Path, max_budget: int |
     folder.mkdir(parents=True, exist_ok=True)
     from safetensors.torch import save_file
 
-    policy = {"max_budget": max_budget, "lambda_cost": cfg.lambda_cost if lambda_cost is None else lambda_cost}
+    lam, kap = model.default_price.fill(lambda_cost, None)
+    policy = {"max_budget": max_budget, "lambda_cost": lam, "kappa_risk": kap}
     recorded = {"prisme": cfg.to_dict(), "policy": policy, "vocab_size": cfg.vocab_size}
     save_file({f"prisme.{k}": v.detach().contiguous() for k, v in model.state_dict().items()},
               str(folder / WEIGHTS), metadata={"format": "pt", RECORD: json.dumps(recorded, sort_keys=True)})
@@ -186,8 +187,8 @@ workspace ({cfg.n_slots} slots of width {cfg.w}) that a value controller edits u
   batch {sc.get("batch_size", "?")}, sequence {sc.get("seq_len", "?")}, lr {sc.get("lr", "?")},
   seed {sc.get("seed", "?")}.
 - Last recorded metrics: {metrics}.
-- Exported policy: the controller at budget {policy["max_budget"]}, price {policy["lambda_cost"]}
-  (budget 0 = the backbone alone, bitwise).
+- Exported policy: the controller at budget {policy["max_budget"]}, price {policy["lambda_cost"]}, risk aversion
+  {policy["kappa_risk"]} (budget 0 = the backbone alone, bitwise).
 - Cost: the backbone alone costs {ops:,.0f} ops per token at context {cfg.max_seq_len} (PRISME's analytic cost model);
   every edit adds the editor's and readout's ops: `prisme costs --preset ...` and `prisme eval` give the table and
   each policy's loss with paired 95% intervals.

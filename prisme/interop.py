@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from prisme.config import PrismeConfig
+from prisme.config import PrismeConfig, moved_fields
 from prisme.model.backbone import Backbone
 
 if TYPE_CHECKING:
@@ -241,6 +241,7 @@ def prisme_config_from_hf(hf_cfg: Any, **overrides: Any) -> PrismeConfig:
     fields.update(vocab_size=hf_cfg.vocab_size, n_layer=hf_cfg.num_hidden_layers,
                   tie_embeddings=bool(hf_cfg.tie_word_embeddings), init_std=float(hf_cfg.initializer_range))
     carried = dict(getattr(hf_cfg, "prisme_config", None) or {})  # written by to_hf: name and workspace fields
+    carried, _ = moved_fields(carried)  # (an older export's decode options and prices: nothing a backbone reads)
     cfg = PrismeConfig.from_dict({"name": f"hf-{kind}", **carried, **fields, **overrides})
     check_hf_backbone(cfg)
     return cfg

@@ -1,4 +1,4 @@
-"""A decode state that keeps the bank as token ids (`cfg.bank_store = "ids"`, `bank.tables.entries_from_ids`).
+"""A decode state that keeps the bank as token ids (`DecodeOptions(bank_store="ids")`, `bank.tables.entries_from_ids`).
 
 * decoding equals teacher-forced `forward_policy` in float64 and the state that keeps every entry, at prices where
   the router never fires, fires sometimes and always (negative control: a lookup whose shift reads the position's
@@ -7,7 +7,7 @@
 * the cost model charges nothing for a position's own entry and, where its workspace runs, the lookups of its whole
   context: tied to the counted FLOPs of the lookups (none: they are the named allowance) and to generation's
   per-token ops;
-* a config that cannot serve its bank from ids is a ValueError naming the fields.
+* options, or a config, that cannot serve the bank from ids are a ValueError naming the fields.
 """
 
 from __future__ import annotations
@@ -25,15 +25,17 @@ from prisme.decoding.generate import generate
 from prisme.model.bank.tables import bank_tables
 from prisme.model.outputs import Streams
 from prisme.model.policy import Controller
+from prisme.options import DecodeOptions
 
-EMBED = dict(bank_source="embedding", query_source="embedding", bank_shift=True, router=True, bank_tables=True)
+EMBED = dict(bank_source="embedding", query_source="embedding", bank_shift=True, router=True)
+ENTRIES, IDS = DecodeOptions(bank_tables=True), DecodeOptions(bank_tables=True, bank_store="ids")
 
 
 def trio():
     """(no tables, kept entries, kept ids) float64 router models with the same weights."""
-    ref = tiny_model(0, **{**EMBED, "bank_tables": False})
-    entries = tiny_model(0, **EMBED)
-    ids = tiny_model(0, **EMBED, bank_store="ids")
+    ref = tiny_model(0, **EMBED)
+    entries = tiny_model(0, decode=ENTRIES, **EMBED)
+    ids = tiny_model(0, decode=IDS, **EMBED)
     entries.load_state_dict(ref.state_dict())
     ids.load_state_dict(ref.state_dict())
     return ref, entries, ids
@@ -98,22 +100,23 @@ def test_kept_ids_state_holds_the_ids_alone_and_rewinds_to_any_shared_length():
 def test_kept_ids_price_the_lookups_of_the_whole_context_where_the_workspace_runs():
     _, entries, ids = trio()
     cfg, w, T = ids.cfg, ids.cfg.w, 9
-    assert costs.bank_ops(cfg, T, reads=False) == {"bank_projection": 0, "bank_shift": 0}
-    read = costs.bank_ops(cfg, T, reads=True)
+    assert costs.bank_ops(cfg, T, reads=False, decode=IDS) == {"bank_projection": 0, "bank_shift": 0}
+    read = costs.bank_ops(cfg, T, reads=True, decode=IDS)
     assert read == {"bank_projection": T * 2 * w + w, "bank_shift": T * w}
-    assert costs.bank_lookup_ops(cfg, *costs.bank_reads(cfg, T, True)) == sum(read.values())  # lookups only
-    assert costs.bank_ops(entries.cfg, T, reads=False) == {"bank_projection": 3 * w, "bank_shift": w}
+    assert costs.bank_lookup_ops(cfg, *costs.bank_reads(cfg, T, True, IDS), IDS) == sum(read.values())  # lookups
+    assert costs.bank_ops(entries.cfg, T, reads=False, decode=ENTRIES) == {"bank_projection": 3 * w, "bank_shift": w}
     stop = cfg.stop_action
     # a router STOP pays the router alone; a fired position its whole context's lookups (entries: one entry each)
-    stopped = costs.token_ops(cfg, T, [], controller_steps=0, router=True)
-    fired = costs.token_ops(cfg, T, [1], controller_steps=0, router=True)
-    base = costs.token_ops(entries.cfg, T, [1], controller_steps=0, router=True)
+    stopped = costs.token_ops(cfg, T, [], controller_steps=0, router=True, decode=IDS)
+    fired = costs.token_ops(cfg, T, [1], controller_steps=0, router=True, decode=IDS)
+    base = costs.token_ops(entries.cfg, T, [1], controller_steps=0, router=True, decode=ENTRIES)
     assert stopped["bank_projection"] == stopped["bank_shift"] == 0 and stopped["router"] > 0
     assert fired["total"] - base["total"] == sum(read.values()) - 4 * w
     # a position the router stopped is priced the same by every path (not as a forced all-STOP trace, which reads)
-    assert position_ops(cfg, T, [stop], 0, cfg.optimised, router=True) == stopped["total"]
-    assert trace_cost(cfg, [[stop]], [T], [0], cfg.optimised, router=True).total_ops == stopped["total"]
-    assert position_ops(cfg, T, [stop], 0, cfg.optimised) == stopped["total"] - stopped["router"] + sum(read.values())
+    assert position_ops(cfg, T, [stop], 0, cfg.optimised, True, IDS) == stopped["total"]
+    assert trace_cost(cfg, [[stop]], [T], [0], cfg.optimised, True, IDS).total_ops == stopped["total"]
+    assert position_ops(cfg, T, [stop], 0, cfg.optimised, decode=IDS) == stopped["total"] - stopped["router"] + sum(
+        read.values())
     toks = torch.randint(0, 64, (1, T), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         st = ids.new_decode_state(1, 16)
@@ -123,21 +126,28 @@ def test_kept_ids_price_the_lookups_of_the_whole_context_where_the_workspace_run
         bank_tables(ids.bank)  # built outside the counted step
         with OpsCounter(ids) as oc:
             st.bank.view(T, torch.zeros(1, dtype=torch.long))
-            ids.query_state(Streams(last.H, last.src, last.ids), decoded=True)
-    assert oc.total == sum(read.values()) - costs.bank_lookup_ops(cfg, *costs.bank_reads(cfg, T, True)) == 0
+            ids.query_state(Streams(last.H, last.src, last.ids), IDS)
+    assert oc.total == sum(read.values()) - costs.bank_lookup_ops(cfg, *costs.bank_reads(cfg, T, True, IDS), IDS) == 0
     out = generate(ids, [[3, 1, 4, 1, 5]], 8, policy=Controller(max_budget=1, lambda_cost=0.02))
     acts = out.actions[0]
     assert (acts[:, 0] == stop).any() and (acts[:, 0] != stop).any()  # both kinds of position
     ctx = torch.arange(5, 13)
-    want = trace_cost(cfg, acts, ctx, torch.tensor(out.controller_steps[0]), cfg.optimised, router=True)
+    want = trace_cost(cfg, acts, ctx, torch.tensor(out.controller_steps[0]), cfg.optimised, True, IDS)
     assert sum(out.ops[0]) == want.total_ops
+    assert sum(out.ops[0]) != trace_cost(cfg, acts, ctx, torch.tensor(out.controller_steps[0]), cfg.optimised,
+                                         True).total_ops  # control: priced as kept entries, it differs
 
 
-@pytest.mark.parametrize("fields, match", [
-    (dict(bank_store="ids"), "bank_store"),
-    (dict(bank_store="ids", bank_source="residual", bank_tables=True, query_source="embedding"), "bank_source"),
-    (dict(bank_store="tables"), "bank_store must be one of"),
+@pytest.mark.parametrize("options, fields, match", [
+    (dict(bank_store="ids"), {}, "bank_store"),
+    (dict(bank_store="ids", bank_tables=True), dict(bank_source="residual", query_source="embedding"), "bank_source"),
+    (dict(bank_store="tables"), {}, "bank_store must be one of"),
 ])
-def test_a_bank_that_ids_cannot_serve_is_refused(fields, match):
+def test_a_bank_that_ids_cannot_serve_is_refused(options, fields, match):
+    """Options that cannot keep ids are refused when made; options a model cannot use, when they meet it (the model's
+    default options, or a decode state's)."""
     with pytest.raises(ValueError, match=match):
-        tiny_model(0, **fields)
+        tiny_model(0, decode=DecodeOptions(**options), **fields)
+    if fields:
+        with pytest.raises(ValueError, match=match):
+            tiny_model(0, **fields).new_decode_state(1, options=DecodeOptions(**options))

@@ -21,12 +21,13 @@ from tiny_models import tiny_model
 import prisme.model.bank.cache as cache_mod
 from prisme.config import PrismeConfig
 from prisme.model.policy import Controller
+from prisme.options import DecodeOptions
 
 EMBED = dict(bank_source="embedding", query_source="embedding", bank_key="preceding", router=True)
 CONFIGS = {
     "embedding": EMBED,
-    "tables": {**EMBED, "bank_tables": True},
-    "ids": {**EMBED, "bank_tables": True, "bank_store": "ids"},
+    "tables": {**EMBED, "decode": DecodeOptions(bank_tables=True)},
+    "ids": {**EMBED, "decode": DecodeOptions(bank_tables=True, bank_store="ids")},
     "residual": dict(bank_key="preceding", router=True),
     "controller": dict(bank_source="embedding", query_source="embedding", bank_key="preceding"),  # no router
 }
@@ -93,8 +94,8 @@ def test_negative_control_a_cache_that_forgets_the_previous_position_differs(mon
     x = tokens()
     full = model.forward_policy(x, 1, lambda_cost=0.0)
     original = cache_mod.step_entries
-    monkeypatch.setattr(cache_mod, "step_entries", lambda bank, st, toks, prev, out=None: original(bank, st, toks,
-                                                                                                    None, out))
+    monkeypatch.setattr(cache_mod, "step_entries", lambda bank, options, st, toks, prev, out=None: original(
+        bank, options, st, toks, None, out))
     logits, _ = decode(model, x, 1, 0.0, 1)
     assert not torch.allclose(logits, full.logits, rtol=0, atol=1e-6)
 

@@ -219,3 +219,61 @@ def test_a_checkpoint_saved_by_the_flat_layout_loads_and_computes_the_same_logit
     assert float((got - want).abs().max()) < 1e-5
     assert policy.tolist() == expected["policy_actions"]
     assert float((far - want).abs().max()) > 1e-2
+
+
+# ---------------------------------------------------------------------- fields that moved out of PrismeConfig
+def _written_before_the_move(tmp_path: Path, **old) -> tuple[PrismeModel, Path]:
+    """A float64 router model whose bank reads the embeddings, saved, with its config.json holding the fields that
+    have since left PrismeConfig (`old`), as a checkpoint written before they moved holds them."""
+    from tiny_models import tiny_model
+
+    model = tiny_model(0, bank_source="embedding", query_source="embedding", bank_shift=True, router=True)
+    path = _save(model, tmp_path)
+    d = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**d, **old}))
+    return model, path
+
+
+def _decoded(model: PrismeModel, tokens: torch.Tensor, **policy) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Logits and traces of a chunked decode (the model's default decode options), and generation's ops per token."""
+    from prisme.decoding.generate import generate
+    from prisme.model.policy import Controller
+
+    st = model.new_decode_state(tokens.shape[0], 24)
+    outs = [st.prefill(tokens[:, :5], logits="all", policy=Controller(2, **policy))]
+    outs += [st.decode_step(tokens[:, i:i + 1], policy=Controller(2, **policy)) for i in range(5, tokens.shape[1])]
+    ops = generate(model, tokens[:1, :6].tolist(), 8, policy=Controller(2, **policy)).ops[0]
+    return torch.cat([o.logits for o in outs], 1), torch.cat([o.actions for o in outs], 1), ops
+
+
+def test_a_checkpoint_written_before_decode_options_and_prices_moved_decodes_as_it_did(tmp_path, monkeypatch):
+    """An older config.json holding `bank_tables`, `bank_store`, `lambda_cost` and `kappa_risk` loads: the decode
+    options become the model's `decode_options` and the prices its `default_price`, so that it decodes (float64,
+    bitwise) and prices exactly as the same weights given those options and prices explicitly. The fields at their
+    old defaults load as a config without them. Negative control: a reader that drops the moved fields decodes and
+    prices otherwise."""
+    from prisme.config import MOVED_CONFIG_FIELDS
+    from prisme.model.policy import Price
+    from prisme.options import DecodeOptions
+
+    old = dict(bank_tables=True, bank_store="ids", lambda_cost=0.05, kappa_risk=0.1)
+    model, path = _written_before_the_move(tmp_path / "moved", **old)
+    assert ckpt.read_meta(path).moved == old
+    loaded, _ = ckpt.load_model(path)
+    assert loaded.decode_options == DecodeOptions(bank_tables=True, bank_store="ids")
+    assert loaded.default_price == Price(lambda_cost=0.05, kappa_risk=0.1)
+    explicit = PrismeModel(model.cfg, DecodeOptions(bank_tables=True, bank_store="ids")).double().eval()
+    explicit.load_state_dict(model.state_dict())
+    tokens = torch.randint(0, 64, (3, 20), generator=torch.Generator().manual_seed(3))
+    want = _decoded(explicit, tokens, lambda_cost=0.05, kappa_risk=0.1)
+    got = _decoded(loaded, tokens)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and got[2] == want[2]
+    assert loaded.new_decode_state(1).bank.KV is None  # the ids alone
+    _, plain = _written_before_the_move(tmp_path / "defaults", **MOVED_CONFIG_FIELDS)
+    assert ckpt.read_meta(plain).moved == {} and ckpt.load_model(plain)[0].decode_options == DecodeOptions()
+    monkeypatch.setattr(ckpt, "moved_fields", lambda d: ({k: v for k, v in d.items() if k not in old}, {}))
+    dropped, _ = ckpt.load_model(path)
+    lost = _decoded(dropped, tokens)
+    assert not torch.equal(lost[1], want[1]) and lost[2] != want[2]
+    with pytest.raises(ValueError, match="lambda_cost"):  # the config alone cannot hold them
+        PrismeConfig.from_dict({**model.cfg.to_dict(), **old})

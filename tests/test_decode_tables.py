@@ -1,5 +1,6 @@
 """The decode step of a router model (`prisme.model.routed`), per-vocabulary bank tables (`prisme.model.bank.tables`,
-`cfg.bank_tables`), their price in the cost model, generation's per-token ops and `prisme bench decode`'s JSON.
+the decode option `bank_tables`), their price in the cost model, generation's per-token ops and `prisme bench
+decode`'s JSON.
 
 * tables equal the projections of every token's normed embedding in float64, and follow weight changes (negative
   control: a stale table no longer equals them);
@@ -28,14 +29,16 @@ from prisme.decoding.generate import generate
 from prisme.model.bank.tables import bank_tables, step_entries
 from prisme.model.outputs import Streams
 from prisme.model.policy import Controller
+from prisme.options import DecodeOptions
 
 EMBED = dict(bank_source="embedding", query_source="embedding", bank_shift=True, router=True)
+TABLES = DecodeOptions(bank_tables=True)
 
 
 def pair(**extra):
     """(without tables, with tables) float64 router models with the same weights."""
     ref = tiny_model(0, **EMBED, **extra)
-    tab = tiny_model(0, **EMBED, **extra, bank_tables=True)
+    tab = tiny_model(0, decode=TABLES, **EMBED, **extra)
     tab.load_state_dict(ref.state_dict())
     return ref, tab
 
@@ -91,7 +94,7 @@ def test_bank_lookups_tie_to_counted_flops(tables):
     (the negative control) the same step counts every projection."""
     ref, model = pair()
     m = model if tables else ref
-    cfg = m.cfg
+    cfg, decode = m.cfg, m.decode_options
     toks = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         st = m.streams(toks)
@@ -99,30 +102,34 @@ def test_bank_lookups_tie_to_counted_flops(tables):
         prev = [toks[:, 3]] if tables else [m.bank.inputs(st)[0][:, 3]]
         bank_tables(m.bank) if tables else None  # built outside the counted step
         with OpsCounter(m) as oc:
-            step_entries(m.bank, last, last.ids, prev)
-            m.query_state(Streams(last.H, last.src, last.ids), decoded=True)
-    expected = costs.bank_ops(cfg)
-    assert oc.total == sum(expected.values()) - costs.bank_lookup_ops(cfg)
+            step_entries(m.bank, decode, last, last.ids, prev)
+            m.query_state(Streams(last.H, last.src, last.ids), decode)
+    expected = costs.bank_ops(cfg, decode=decode)
+    assert oc.total == sum(expected.values()) - costs.bank_lookup_ops(cfg, decode=decode)
     if tables:
-        assert costs.bank_lookup_ops(cfg) == 4 * cfg.w and oc.total == 0
+        assert costs.bank_lookup_ops(cfg, decode=decode) == 4 * cfg.w and oc.total == 0
         assert expected == {"bank_projection": 3 * cfg.w, "bank_shift": cfg.w}
     else:
-        assert costs.bank_lookup_ops(cfg) == 0 and expected["bank_projection"] == 3 * 2 * cfg.d_model * cfg.w
+        assert costs.bank_lookup_ops(cfg, decode=decode) == 0
+        assert expected["bank_projection"] == 3 * 2 * cfg.d_model * cfg.w
 
 
 def test_tables_need_an_embedding_source():
+    """A model, or a decode state, whose bank and query read no embedding cannot be served from tables."""
     with pytest.raises(ValueError, match="bank_tables"):
-        tiny_model(0, bank_tables=True)
+        tiny_model(0, decode=TABLES)
+    with pytest.raises(ValueError, match="bank_tables"):
+        tiny_model(0).new_decode_state(1, options=TABLES)
 
 
 def test_position_ops_equals_trace_cost():
-    model = tiny_model(0, **EMBED, bank_tables=True)
-    cfg = model.cfg
+    model = tiny_model(0, decode=TABLES, **EMBED)
+    cfg, decode = model.cfg, model.decode_options
     stop, dense = cfg.stop_action, cfg.dense_action
     for acts, steps in (([stop, stop], 0), ([1, stop], 0), ([cfg.n_slots, 2], 1), ([dense, stop], 0)):
         for router in (True, False):
-            want = trace_cost(cfg, [acts], [9], [steps], cfg.optimised, router=router).total_ops
-            assert position_ops(cfg, 9, acts, steps, cfg.optimised, router) == want
+            want = trace_cost(cfg, [acts], [9], [steps], cfg.optimised, router, decode).total_ops
+            assert position_ops(cfg, 9, acts, steps, cfg.optimised, router, decode) == want
     assert position_ops(cfg, 9, None) == trace_cost(cfg, None, [9]).total_ops
 
 
@@ -184,14 +191,15 @@ def test_bench_decode_times_the_recall_winners_of_each_length():
     assert (p1k.cfg.d_model, p1k.cfg.w, p1k.cfg.attn_window, p1k.cfg.max_seq_len) == (16, 32, 64, 1024)
     assert p1k.cfg.key_shift and p1k.cfg.router_token  # the long-context study's member, not the T = 32 one
     assert (d1k.cfg.n_layer, d1k.cfg.d_model, d1k.cfg.key_shift, d1k.cfg.attn_window) == (1, 16, True, None)
-    assert p1k.cfg.bank_tables and prompt_length(n1k, None) == LONG_PROMPT < 1024 - 3 and prompt_length(n32, None) == 8
-    assert prompt_length(n1k, 5) == 5 and p1k.cfg.bank_store == "entries"
+    assert p1k.decode_options.bank_tables and prompt_length(n1k, None) == LONG_PROMPT < 1024 - 3
+    assert prompt_length(n32, None) == 8
+    assert prompt_length(n1k, 5) == 5 and p1k.decode_options.bank_store == "entries"
     (n8, p8, d8), = shapes(["recall_T1024_d8"], True, 0)  # the study's cheapest passing member, same rival
     assert (p8.cfg.d_model, p8.cfg.w, p8.cfg.attn_window, p8.cfg.key_shift, p8.cfg.router_token) == (8, 32, 64, True,
                                                                                                        True)
     assert d8.cfg == d1k.cfg and prompt_length(n8, None) == LONG_PROMPT
     (_, ids, _), = shapes(["recall_T1024"], True, 0, "ids")
-    assert ids.cfg.bank_store == "ids" and ids.new_decode_state(1).bank.KV is None  # the ids alone
+    assert ids.decode_options.bank_store == "ids" and ids.new_decode_state(1).bank.KV is None  # the ids alone
     with pytest.raises(ValueError, match="unknown shape"):
         shapes(["recall_T64"], True, 0)
     from prisme.bench.decode import edit_rate  # each shape's deployed edit rate, unless --edit-rate is given
@@ -219,7 +227,7 @@ def test_the_deployed_step_of_ragged_rows_equals_forward_policy_row_by_row(monke
     the longest; rows of one length read their whole bank without a mask) what `forward_policy` computes on each row
     alone, in float64 to 1e-12 with the same traces, with kept entries and kept ids. Negative control: a fired row
     that reads the bank without its mask (keys past its length) differs."""
-    model = tiny_model(0, **EMBED, bank_tables=True, bank_store=store)
+    model = tiny_model(0, decode=DecodeOptions(bank_tables=True, bank_store=store), **EMBED)
     lens, n_steps, lam = [6, 3, 9], 8, 0.02
     seqs = torch.randint(0, 64, (3, 9 + n_steps), generator=torch.Generator().manual_seed(7))
 

@@ -445,12 +445,13 @@ def test_evaluate_only_rescores_with_the_settings_the_study_was_run_with(quick_s
 
 
 def test_evaluate_only_rescores_a_study_recorded_before_a_config_field_was_added(quick_study, tmp_path, capsys):
-    """A study recorded before a `PrismeConfig` field existed (`ADDED_CONFIG_FIELDS`, e.g. `bank_key`) re-scores with
-    --evaluate-only to the same scores: the record is read at the values it ran with. Negative control: a record whose
-    model differs in a real field (d_model) is refused, naming it."""
+    """A study recorded before a `PrismeConfig` field existed (`ADDED_CONFIG_FIELDS`, e.g. `bank_key`), and before
+    the decode options and prices left it (`MOVED_CONFIG_FIELDS`, held at their defaults by its record and its
+    checkpoints' config.json), re-scores with --evaluate-only to the same scores: the record is read at the values it
+    ran with. Negative control: a record whose model differs in a real field (d_model) is refused, naming it."""
     import shutil
 
-    from prisme.config import ADDED_CONFIG_FIELDS
+    from prisme.config import ADDED_CONFIG_FIELDS, MOVED_CONFIG_FIELDS
 
     configs, src = quick_study
     out = tmp_path / "older"
@@ -460,7 +461,10 @@ def test_evaluate_only_rescores_a_study_recorded_before_a_config_field_was_added
     for run in settings["runs"].values():
         for field in ADDED_CONFIG_FIELDS:
             run["model"].pop(field, None)
+        run["model"].update(MOVED_CONFIG_FIELDS)
     record.write_text(json.dumps(settings))
+    for config in out.rglob("config.json"):  # each checkpoint's, as that version wrote it
+        config.write_text(json.dumps({**json.loads(config.read_text()), **MOVED_CONFIG_FIELDS}))
     before = json.loads((out / "recall.json").read_text())
     rc, _ = run_cli(*recall_cmd(out, configs, "--jobs", "1", "--evaluate-only", "--seeds", "0")[3:])
     assert rc == 0, capsys.readouterr().err

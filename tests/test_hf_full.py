@@ -186,6 +186,49 @@ def test_weights_that_do_not_fit_and_an_edited_config_object_are_named(unbounded
     assert load(folder).config.policy["max_budget"] == unbounded[0].cfg.r_max
 
 
+def as_written_before_the_prices_moved(folder, out, **moved):
+    """A copy of an export as `export-hf --workspace` wrote it while PrismeConfig still held `bank_tables`,
+    `bank_store`, `lambda_cost` and `kappa_risk` (at their defaults, or at `moved`): in config.json's and the weights'
+    record of the config, no kappa_risk in the policy, and that version's modeling code."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from prisme.config import MOVED_CONFIG_FIELDS
+    from prisme.hf_full import RECORD, REMOTE
+
+    shutil.copytree(folder, out)
+    old = {**MOVED_CONFIG_FIELDS, **moved}
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    for entries in (json.loads(meta[RECORD]), json.loads((out / "config.json").read_text())):
+        entries["prisme"].update(old)
+        entries["policy"].pop("kappa_risk")
+        if "torch_dtype" in entries:
+            (out / "config.json").write_text(json.dumps(entries))
+        else:
+            meta[RECORD] = json.dumps(entries, sort_keys=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata=meta)
+    code = (REMOTE / "modeling_prisme.py.tmpl").read_text().splitlines(keepends=True)  # that version's forward:
+    kap = [line for line in code if line.lstrip().startswith("kap = ")]  # no kappa_risk read, none passed
+    assert len(kap) == 1 and sum(", kappa_risk=kap" in line for line in code) == 1
+    (out / "modeling_prisme.py").write_text("".join(code).replace(kap[0], "").replace(", kappa_risk=kap", ""))
+    return out
+
+
+def test_an_export_written_before_the_prices_and_decode_options_moved_still_loads(unbounded, tmp_path):
+    """An export whose config still holds the fields that left PrismeConfig, at the values every export had, loads
+    (its own modeling code reading it with this prisme) and gives the same logits as a fresh export. Negative
+    control: one holding a price that changed something is refused naming it, never silently run at another price."""
+    model, folder = unbounded
+    old = load(as_written_before_the_prices_moved(folder, tmp_path / "old"))
+    x = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(old(x).logits, load(folder)(x).logits)
+        assert float((old(x).logits - model.forward_policy(x, model.cfg.r_max).logits).abs().max()) <= 1e-5
+    with pytest.raises(ValueError, match="kappa_risk"):
+        load(as_written_before_the_prices_moved(folder, tmp_path / "priced", kappa_risk=0.5))
+
+
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_a_padded_batch_gives_each_row_what_it_gets_alone(unbounded, side):
     """`attention_mask` was ignored: a padded row was continued differently from the same prompt alone. Now the

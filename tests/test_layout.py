@@ -17,7 +17,7 @@ LAYOUT_DOC = PACKAGE.parent / "docs" / "layout.md"  # the layout section the REA
 # Lowest first. A module may import its own layer and the layers below it, never one above.
 LAYERS = (
     ("prisme.checks", "prisme.devices", "prisme.io", "prisme.stats"),
-    ("prisme.config",),
+    ("prisme.config", "prisme.options"),
     ("prisme.costs", "prisme.data"),
     ("prisme.model",),
     ("prisme.checkpoint", "prisme.interop", "prisme.faults", "prisme.rebase", "prisme.hf_full"),

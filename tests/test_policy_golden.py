@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from prisme.checkpoint import load_model
-from prisme.config import ADDED_CONFIG_FIELDS
+from prisme.config import ADDED_CONFIG_FIELDS, MOVED_CONFIG_FIELDS
 from prisme.evaluation.policies import PolicySettings, standard_policies
 from prisme.evaluation.run import EvalOptions, evaluate_policies
 from prisme.model.prisme import PrismeModel
@@ -42,6 +42,8 @@ def differences(old, new, path: str = "") -> list[str]:
             if k not in old and path.endswith("/config") and (new[k] in (False, None)
                                                               or new[k] == ADDED_CONFIG_FIELDS.get(k, ...)):
                 continue  # a model option added since, off (or at the value that reproduces the record)
+            if k not in new and path.endswith("/config") and old[k] == MOVED_CONFIG_FIELDS.get(k, ...):
+                continue  # a field that left the model config since, at the value where it changed nothing
             if k not in old or k not in new:
                 out.append(f"{path}/{k}: only in {'the record' if k in old else 'the new rows'}")
             else:

@@ -22,6 +22,7 @@ from prisme.model.outputs import EncodedContext
 from prisme.model.policy import Controller
 from prisme.model.prisme import PrismeModel
 from prisme.model.router import ngram_seen, ngram_seen_at
+from prisme.options import DecodeOptions
 from prisme.training.config import StageConfig
 from prisme.training.trainer import train_stage
 
@@ -115,7 +116,8 @@ def test_deployed_decode_step_equals_forward_policy_with_several_action_groups_f
     path gives the same numbers. Negative control: an edit at the wrong remaining budget differs."""
     import prisme.model.routed as routed
 
-    extra = dict(bank_source="embedding", query_source="embedding", bank_tables=True) if tables else {}
+    extra = dict(bank_source="embedding", query_source="embedding", decode=DecodeOptions(bank_tables=True)) \
+        if tables else {}
     model = tiny_model(0, **ROUTER, **extra)
     cfg = model.cfg
     tokens = torch.randint(0, cfg.vocab_size, (3, 18), generator=torch.Generator().manual_seed(2))

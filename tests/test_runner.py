@@ -167,7 +167,7 @@ def test_a_pruned_task_is_not_started_and_neither_is_what_needs_it(jobs):
 
 def test_a_study_recorded_before_a_config_field_existed_continues(tmp_path):
     """`open_study` compares the recorded settings with every model config completed by the fields added since
-    (`config.ADDED_CONFIG_FIELDS`, at the values that reproduce the record): a record without `bank_store` continues.
+    (`config.ADDED_CONFIG_FIELDS`, at the values that reproduce the record): a record without `bank_key` continues.
     Negative controls: a record whose field differs (or whose added field is set to another value) is refused, naming
     it."""
     from prisme.config import PrismeConfig
@@ -175,12 +175,38 @@ def test_a_study_recorded_before_a_config_field_existed_continues(tmp_path):
 
     model = PrismeConfig.from_name("tiny").to_dict()
     now = {"runs": {"a": {"model": model, "steps": 10}}}
-    old = {"runs": {"a": {"model": {k: v for k, v in model.items() if k != "bank_store"}, "steps": 10}}}
+    old = {"runs": {"a": {"model": {k: v for k, v in model.items() if k != "bank_key"}, "steps": 10}}}
     record_study(tmp_path / "s", old)
     assert open_study(tmp_path / "s", now, resume=True)
-    for changed in ({**model, "d_model": 64}, {**model, "bank_store": "ids"}):
+    for changed in ({**model, "d_model": 64}, {**model, "bank_key": "preceding"}):
         with pytest.raises(ValueError, match="other settings .*runs.a"):
             open_study(tmp_path / "s", {"runs": {"a": {"model": changed, "steps": 10}}}, resume=True)
+
+
+def test_a_study_recorded_before_decode_options_and_prices_left_the_config_continues(tmp_path):
+    """A study recorded while PrismeConfig still held `bank_tables`, `bank_store`, `lambda_cost`, `kappa_risk` (each
+    run's model config holds them, at their defaults, as every record did) continues with today's settings, which
+    lack them, and `reuse_runs` copies its finished runs (`migrated` drops them where they changed nothing). Negative
+    control: a record whose model held a price that changed something is refused naming the field, and not copied."""
+    from prisme.config import MOVED_CONFIG_FIELDS, PrismeConfig
+    from prisme.studies.runner import STUDY_DIR, open_study, record_study, reuse_runs
+
+    model = PrismeConfig.from_name("tiny").to_dict()
+    now = {"runs": {"a": {"model": model, "steps": 10}}}
+    assert not set(MOVED_CONFIG_FIELDS) & set(model)
+    for name, moved in (("before", MOVED_CONFIG_FIELDS), ("priced", {**MOVED_CONFIG_FIELDS, "lambda_cost": 0.1})):
+        src = tmp_path / name
+        record_study(src, {"runs": {"a": {"model": {**model, **moved}, "steps": 10}}})
+        run_tasks([Task(str(src / "a"), make_run, (str(src / "a"),))], jobs=1, store=src / STUDY_DIR / "done")
+        record_study(tmp_path / f"{name}_reused", now)
+        copied = reuse_runs(src, tmp_path / f"{name}_reused", now, [str(tmp_path / f"{name}_reused" / "a")])
+        if name == "before":
+            assert open_study(src, now, resume=True)
+            assert copied == [str(tmp_path / "before_reused" / "a")]
+        else:
+            with pytest.raises(ValueError, match="other settings .*runs.a.model.lambda_cost"):
+                open_study(src, now, resume=True)
+            assert copied == []
 
 
 def make_run(folder: str) -> str:

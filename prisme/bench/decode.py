@@ -41,6 +41,7 @@ from prisme.decoding.generate import generate, generate_stream
 from prisme.model.policy import Controller
 from prisme.model.prisme import PrismeModel
 from prisme.model.state import DecodeState
+from prisme.options import DecodeOptions
 
 PARTS = ("backbone", "bank", "router", "decision", "editor", "readout", "loop")
 PART_TERMS = {"backbone": ("backbone_linear", "backbone_attention", "backbone_key_shift"),
@@ -65,7 +66,8 @@ def shapes(names: list[str], tables: bool, seed: int, store: str = "entries"
     at T = 1,024: PRISME d=16/w=32 on a 64-position-window key-shift backbone with a router that reads the token, the
     study's member; dense 1 layer d=16 with the key shift and global attention), recall_T1024_d8 (the same with the
     study's cheapest passing member, d=8), recall_d24_w32 (the winners before the key shift: PRISME d=24/w=32, dense 2
-    layers d=24), demo, tiny."""
+    layers d=24), demo, tiny. A recall shape's PRISME model decodes with its bank served from tables (`tables`) and
+    kept as `store` (its `decode_options`)."""
     out = []
     for name in names:
         dense = None
@@ -86,13 +88,13 @@ def shapes(names: list[str], tables: bool, seed: int, store: str = "entries"
                          if family_entry(e, "context_family").d == LONG_MEMBER[name])
                 cfg = family_config(r, m.d, m.w, m.attn_window, m.key_shift, m.router_token)
                 dense_cfg = dense_config(r, 1, 16, True)
-            cfg = cfg.replace(bank_tables=tables, bank_store=store)
+            decode = DecodeOptions(bank_tables=tables, bank_store=store)
             dense = _seeded(dense_cfg, seed)
         elif name in ("demo", "tiny"):
-            cfg = PrismeConfig.from_name(name, router=True)
+            cfg, decode = PrismeConfig.from_name(name, router=True), None
         else:
             raise ValueError(f"--shapes: unknown shape {name!r} ({', '.join(SHAPES)})")
-        out.append((name, _seeded(cfg, seed), dense))
+        out.append((name, _seeded(cfg, seed, decode), dense))
     return out
 
 
@@ -111,10 +113,10 @@ def prompt_length(name: str, given: int | None) -> int:
     return given if given is not None else LONG_PROMPT if name in LONG_MEMBER else 8
 
 
-def _seeded(cfg: PrismeConfig, seed: int) -> PrismeModel:
+def _seeded(cfg: PrismeConfig, seed: int, decode: DecodeOptions | None = None) -> PrismeModel:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return PrismeModel(cfg).eval()
+        return PrismeModel(cfg, decode).eval()
 
 
 @torch.no_grad()
@@ -187,7 +189,7 @@ def compiled_copy(model: PrismeModel) -> PrismeModel:
     decode graphs, every action group present run on all rows; the router's decision and the backbone stay eager)."""
     from prisme.model.compiled import compile_editor
 
-    twin = PrismeModel(model.cfg).to(model.backbone.tok_emb.weight.dtype).eval()
+    twin = PrismeModel(model.cfg, model.decode_options).to(model.backbone.tok_emb.weight.dtype).eval()
     twin.load_state_dict(model.state_dict())
     compile_editor(twin)
     return twin
@@ -236,7 +238,7 @@ def measure(shape: PlannedShape, batch: int, repeats: int, edit_rate: float, see
         ctx = [p + i for p, row in zip(out.prompt_lengths, out.tokens) for i in range(len(row))]  # own contexts
         tc = trace_cost(m.cfg, torch.cat(out.actions) if policy else None, ctx,
                         [s for row in out.controller_steps for s in row], m.cfg.optimised,
-                        router=m.cfg.router and bool(policy))
+                        m.cfg.router and bool(policy), m.decode_options)  # as its decode state ran
         per = tc.per_token_by_component
         timer = PartTimer(m) if m.cfg.use_workspace else None
         try:
@@ -261,7 +263,8 @@ def measure(shape: PlannedShape, batch: int, repeats: int, edit_rate: float, see
         row["ops_ratio"] = row["ops_per_token"] / base["ops_per_token"]
         row["t_over_ops"] = row["time_ratio"] / row["ops_ratio"]
     return {"shape": name, "batch": batch, "deployed_price": price, "model": model_facts(model),
-            "bank_tables": bool(cfg.bank_tables), "bank_store": cfg.bank_store, "rows": rows}
+            "bank_tables": model.decode_options.bank_tables, "bank_store": model.decode_options.bank_store,
+            "rows": rows}
 
 
 # ------------------------------------------------------------------------------------------------------------ output

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from prisme.config import PrismeConfig
+from prisme.options import PROJECTED, DecodeOptions
 
 COMPONENTS = ("backbone_linear", "backbone_attention", "lm_head", "bank_projection", "editor_source_attn",
               "editor_slot_attn", "editor_ffn", "editor_gate", "controller", "readout")
@@ -275,56 +276,52 @@ def readout_ops(cfg: PrismeConfig, optimised: bool = False) -> int:
     return 2 * w * w + 2 * (2 * M * w * w + 4 * M * w) + 2 * w * cfg.d_model
 
 
-def _served(terms: tuple[str, ...], cfg: PrismeConfig) -> int:
-    """How many of `terms` decoding serves from per-vocabulary tables (`cfg.bank_tables`: the "embedding" term)."""
-    return terms.count("embedding") if cfg.bank_tables else 0
-
-
-def bank_projection_ops(cfg: PrismeConfig, entries: int = 1, query: bool = True) -> int:
-    """K, V and z of the new position: three d -> w projections (seed 000), one K and one V per bank source term
-    and one z projection per query source term; with `cfg.bank_tables`, each of an embedding term's is a lookup of
-    a w-row of its table (`prisme.model.bank.tables`), w ops (one per element read). `entries`: bank entries computed
-    (`bank_reads`), `query`: whether z is."""
-    nb, nq = _served(cfg.bank_terms, cfg), _served(cfg.query_terms, cfg)
+def bank_projection_ops(cfg: PrismeConfig, entries: int = 1, query: bool = True,
+                        decode: DecodeOptions = PROJECTED) -> int:
+    """K, V and z of the new position: three d -> w projections (seed 000), one K and one V per bank source term and
+    one z projection per query source term; where a decode state serves them from tables (`decode.bank_tables`), an
+    embedding term's are lookups of w-rows, w ops each. `entries`: those computed (`bank_reads`), `query`: z is."""
+    nb, nq = decode.served(cfg.bank_terms), decode.served(cfg.query_terms)
     projected = 2 * (len(cfg.bank_terms) - nb) * entries + (len(cfg.query_terms) - nq) * query
     return projected * 2 * cfg.d_model * cfg.w + (2 * nb * entries + nq * query) * cfg.w
 
 
-def bank_shift_ops(cfg: PrismeConfig, entries: int = 1) -> int:
+def bank_shift_ops(cfg: PrismeConfig, entries: int = 1, decode: DecodeOptions = PROJECTED) -> int:
     """The token shift's key projection W_K' n(X_{j-1}) of each computed entry, per bank source term (0 without it);
     a lookup (w ops) for a term served from its table."""
     if not cfg.bank_shift:
         return 0
-    nb = _served(cfg.bank_terms, cfg)
+    nb = decode.served(cfg.bank_terms)
     return ((len(cfg.bank_terms) - nb) * 2 * cfg.d_model * cfg.w + nb * cfg.w) * entries
 
 
-def bank_lookup_ops(cfg: PrismeConfig, entries: int = 1, query: bool = True) -> int:
-    """The part of `bank_ops` that is table lookups (`cfg.bank_tables`), not matmuls: a named allowance in the tie
+def bank_lookup_ops(cfg: PrismeConfig, entries: int = 1, query: bool = True, decode: DecodeOptions = PROJECTED
+                    ) -> int:
+    """The part of `bank_ops` that is table lookups (`decode.bank_tables`), not matmuls: a named allowance in the tie
     to counted FLOPs (0 without tables)."""
-    nb, nq = _served(cfg.bank_terms, cfg), _served(cfg.query_terms, cfg)
+    nb, nq = decode.served(cfg.bank_terms), decode.served(cfg.query_terms)
     return ((2 * nb + (nb if cfg.bank_shift else 0)) * entries + nq * query) * cfg.w
 
 
-def bank_reads(cfg: PrismeConfig, T: int | None, reads: bool) -> tuple[int, bool]:
-    """(bank entries a position computes, whether it computes its query's z). Kept entries (`bank_store`
+def bank_reads(cfg: PrismeConfig, T: int | None, reads: bool, decode: DecodeOptions = PROJECTED) -> tuple[int, bool]:
+    """(bank entries a position computes, whether it computes its query's z). Kept entries (`decode.bank_store`
     "entries"): its own, and z (at every position a policy prices). Kept ids ("ids"): nothing where its workspace
     does not run; where it runs (`reads`), the lookups of every entry of its context (T) and z."""
-    if cfg.bank_store == "entries":
+    if decode.bank_store == "entries":
         return 1, True
     if not reads:
         return 0, False
     return _check_T(cfg, T), True
 
 
-def bank_ops(cfg: PrismeConfig, T: int | None = None, reads: bool = True) -> dict[str, int]:
-    """The source bank's terms for one position at context T whose workspace runs (`reads`) or not:
-    `bank_projection` (and `bank_shift` where the bank has one), as `bank_reads` counts them (T matters only with
-    `bank_store="ids"`)."""
-    entries, query = bank_reads(cfg, T, reads)
-    out = {"bank_projection": bank_projection_ops(cfg, entries, query)}
+def bank_ops(cfg: PrismeConfig, T: int | None = None, reads: bool = True, decode: DecodeOptions = PROJECTED
+             ) -> dict[str, int]:
+    """The source bank's terms for one position at context T whose workspace runs (`reads`) or not, in a decode state
+    with options `decode`: `bank_projection` (and `bank_shift` where the bank has one), as `bank_reads` counts them."""
+    entries, query = bank_reads(cfg, T, reads, decode)
+    out = {"bank_projection": bank_projection_ops(cfg, entries, query, decode)}
     if cfg.bank_shift:
-        out["bank_shift"] = bank_shift_ops(cfg, entries)
+        out["bank_shift"] = bank_shift_ops(cfg, entries, decode)
     return out
 
 
@@ -352,18 +349,18 @@ def finish_row(row: dict[str, int], cfg: PrismeConfig) -> dict[str, int]:
 
 
 def token_ops(cfg: PrismeConfig, T: int, ks: Sequence[int] = (), controller_steps: int | None = None,
-              readout: bool | None = None, optimised: bool = False,
-              dense: Sequence[bool] | None = None, router: bool = False) -> dict[str, int]:
+              optimised: bool = False, dense: Sequence[bool] | None = None, router: bool = False,
+              decode: DecodeOptions = PROJECTED) -> dict[str, int]:
     """Ops for one generated token at context T whose workspace applied actions of `ks` slots each, in order.
 
     Args:
         ks: slots per applied action (empty: no edit).
         controller_steps: controller evaluations (default min(n + 1, r_max), the seed's rows; 0 for forced runs).
-        readout: whether the readout ran (default: n >= 1).
         optimised: the optimised column; the slot K/V cache state is followed through the sequence of actions.
         dense: per action, whether it is DENSE (default: k == M).
         router: the router decided step 0 (`cfg.router` policies): the position pays the router and the bank
             whether it edits or not; `controller_steps` then counts the controller's evaluations from step 1 on.
+        decode: the decode state's options (`bank_ops`).
     Returns:
         The components (`components(cfg)`: seed 000's ten, plus `bank_shift` with a shifted bank) plus `backbone`,
         `workspace` and `total`. No workspace term is charged when `ks` is
@@ -385,7 +382,7 @@ def token_ops(cfg: PrismeConfig, T: int, ks: Sequence[int] = (), controller_step
         raise ValueError(f"router=True prices a router, but {cfg.name!r} has none (cfg.router=False)")
     if n == 0 and steps == 0 and not router:
         return finish_row(row, cfg)
-    row.update(bank_ops(cfg, T, reads=n > 0 or steps > 0))
+    row.update(bank_ops(cfg, T, n > 0 or steps > 0, decode))
     if router:
         row["router"] = router_ops(cfg, T)
     ready = False  # optimised path: does the position hold its slot K/V cache?
@@ -400,7 +397,7 @@ def token_ops(cfg: PrismeConfig, T: int, ks: Sequence[int] = (), controller_step
         row["controller_bank"] = controller_bank_ops(cfg, T)
     if steps > 0 and cfg.controller_entropy:
         row["controller_entropy"] = controller_entropy_ops(cfg)
-    if n > 0 if readout is None else readout:
+    if n > 0:
         row["readout"] = readout_ops(cfg, optimised)
     return finish_row(row, cfg)
 

@@ -11,6 +11,7 @@ import torch
 
 from prisme.config import PrismeConfig
 from prisme.costs.analytic import bank_ops, components, finish_row, token_ops
+from prisme.options import PROJECTED, DecodeOptions
 
 
 @dataclass
@@ -37,7 +38,7 @@ class TraceCost:
 
 
 def trace_cost(cfg: PrismeConfig, actions: Any, contexts: Any, controller_steps: Any = None,
-               optimised: bool = False, router: bool = False) -> TraceCost:
+               optimised: bool = False, router: bool = False, decode: DecodeOptions = PROJECTED) -> TraceCost:
     """Cost of actual traces by SPEC §6's rules.
 
     Args:
@@ -47,6 +48,7 @@ def trace_cost(cfg: PrismeConfig, actions: Any, contexts: Any, controller_steps:
         controller_steps: `[N]` controller evaluations per position (None or zeros for forced policies).
         router: the trace is a routed policy's (`cfg.router`): every position pays the router and the bank projection
             (the router decided step 0 there), and the controller only its own steps.
+        decode: the options of the decode state that runs it (`prisme.costs.analytic.bank_ops`: the bank's terms).
     Rules: a position with n >= 1 actions pays them, its controller steps (`min(n + 1, budget)` under the
     controller), the bank projection and the readout; one the controller stopped at once pays the bank projection
     and one controller step, no readout; forced policies pay no controller (an all-STOP forced position still pays
@@ -78,9 +80,9 @@ def trace_cost(cfg: PrismeConfig, actions: Any, contexts: Any, controller_steps:
         T, n_steps, kinds = int(key[0]), int(key[1]), [k for k in key[2:] if k != 0]
         ks = [cfg.n_slots if k == -1 else k for k in kinds]
         row = token_ops(cfg, T, ks, controller_steps=n_steps, optimised=optimised, dense=[k == -1 for k in kinds],
-                        router=router and kinds_t is not None)
+                        router=router and kinds_t is not None, decode=decode)
         if kinds_t is not None and not ks and n_steps == 0 and not router:  # forced, all STOP: the bank still runs
-            row = finish_row({**row, **bank_ops(cfg, T)}, cfg)
+            row = finish_row({**row, **bank_ops(cfg, T, decode=decode)}, cfg)
         for c in comps:
             comp[c] += row[c] * count
         base += row["backbone"] * count
@@ -122,9 +124,9 @@ def _kinds(cfg: PrismeConfig, acts: torch.Tensor) -> torch.Tensor:
 
 
 def position_ops(cfg: PrismeConfig, context: int, actions: list[int] | None, controller_steps: int = 0,
-                 optimised: bool = False, router: bool = False) -> int:
-    """`trace_cost(cfg, [actions], [context], [controller_steps], optimised, router).total_ops` of one position, from
-    Python ints (no tensor work: what generation prices once per token)."""
+                 optimised: bool = False, router: bool = False, decode: DecodeOptions = PROJECTED) -> int:
+    """`trace_cost(cfg, [actions], [context], [controller_steps], optimised, router, decode).total_ops` of one
+    position, from Python ints (no tensor work: what generation prices once per token)."""
     stop, dense_id, A, M = cfg.stop_action, cfg.dense_action, cfg.n_actions, cfg.n_slots
     ks: list[int] = []
     dense: list[bool] = []
@@ -137,21 +139,22 @@ def position_ops(cfg: PrismeConfig, context: int, actions: list[int] | None, con
         dense.append(a == dense_id)
     traced = bool(actions)
     row = token_ops(cfg, context, ks, controller_steps=controller_steps, optimised=optimised, dense=dense,
-                    router=router and traced)
+                    router=router and traced, decode=decode)
     if traced and not ks and controller_steps == 0 and not router:  # forced, all STOP: the bank still runs
-        row = finish_row({**row, **bank_ops(cfg, context)}, cfg)
+        row = finish_row({**row, **bank_ops(cfg, context, decode=decode)}, cfg)
     return int(row["total"])
 
 
 class TokenPricer:
-    """`position_ops` of generated positions (what `prisme.generate` reports per token), memoised on (bypass, context,
-    trace, controller steps) per model and config (they depend on nothing else), so that later calls price a token
-    by one dict lookup. `max_budget == 0` prices the bypass (the backbone alone)."""
+    """`position_ops` of generated positions (what `prisme.generate` reports per token) in a decode state with options
+    `decode`, memoised on (bypass, options, context, trace, controller steps) per model and config (they depend on
+    nothing else), so that later calls price a token by one dict lookup. `max_budget == 0` prices the bypass (the
+    backbone alone)."""
 
     MAX_MEMO = 1 << 16  # entries kept per model (contexts x traces seen); cleared when full
 
-    def __init__(self, model: Any, max_budget: int):
-        self.cfg, self.bypass = model.cfg, max_budget == 0
+    def __init__(self, model: Any, max_budget: int, decode: DecodeOptions = PROJECTED):
+        self.cfg, self.bypass, self.decode = model.cfg, max_budget == 0, decode
         cfg, memo = model.__dict__.get("_position_ops_memo", (None, None))
         if cfg is not model.cfg or len(memo) > self.MAX_MEMO:
             memo = {}
@@ -159,9 +162,9 @@ class TokenPricer:
         self.memo: dict[tuple, int] = memo
 
     def __call__(self, context: int, actions: list[int], steps: int) -> int:
-        key = (self.bypass, context, tuple(actions), steps)
+        key = (self.bypass, self.decode, context, tuple(actions), steps)
         ops = self.memo.get(key)
         if ops is None:  # `trace_cost` of the one position, from its ints
             ops = self.memo[key] = position_ops(self.cfg, context, None if self.bypass else actions, steps,
-                                                self.cfg.optimised, router=self.cfg.router)
+                                                self.cfg.optimised, self.cfg.router, self.decode)
         return ops

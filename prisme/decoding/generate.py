@@ -74,7 +74,7 @@ class _Run:
     max_new_tokens: int
     sampling: Sampling
     stop_tokens: frozenset[int]
-    policy: Controller  # with its lambda_cost resolved (the config's, or the calibrated one)
+    policy: Controller  # with its lambda_cost resolved (the model's default, or the calibrated one)
     calibration: Calibration | None
     prefill_chunk_size: int | None
 
@@ -146,7 +146,8 @@ def _calibrate(model: PrismeModel, tokens: torch.Tensor, lengths: list[int], max
     N = contexts.numel()
     stop_all = torch.full((N, max_budget), cfg.stop_action, dtype=torch.long)
     steps0 = torch.full((N,), 0 if cfg.router else 1, dtype=torch.long)  # the router decides step 0 alone
-    floor = trace_cost(cfg, stop_all, contexts, steps0, cfg.optimised, router=cfg.router).relative
+    decode = model.decode_options  # what generation's decode state runs with
+    floor = trace_cost(cfg, stop_all, contexts, steps0, cfg.optimised, cfg.router, decode).relative
     if target_cost < floor * (1 - rel_tol):
         raise ValueError(f"target_cost={target_cost} is below the cheapest controller policy's cost {floor:.6f} "
                          f"(every position stopping at once); use max_budget=0 for the backbone alone")
@@ -154,8 +155,8 @@ def _calibrate(model: PrismeModel, tokens: torch.Tensor, lengths: list[int], max
 
     def cost_at(lam: float) -> float:
         out = model.forward_policy(tokens, max_budget, lambda_cost=lam, kappa_risk=kappa_risk)
-        rel = trace_cost(cfg, out.actions[valid], contexts, out.controller_steps[valid], cfg.optimised,
-                         router=cfg.router).relative
+        rel = trace_cost(cfg, out.actions[valid], contexts, out.controller_steps[valid], cfg.optimised, cfg.router,
+                         decode).relative
         probes.append((lam, rel))
         return rel
 
@@ -250,7 +251,7 @@ def _prepare(model: PrismeModel, prompts: Sequence[Sequence[int]] | torch.Tensor
     if policy.target_cost is not None:
         calibration = _calibrate(model, tokens, lengths, policy.max_budget, policy.target_cost, policy.kappa_risk)
         lam = calibration.lambda_cost
-    resolved = dataclasses.replace(policy, lambda_cost=float(cfg.lambda_cost if lam is None else lam),
+    resolved = dataclasses.replace(policy, lambda_cost=float(model.default_price.fill(lam, None)[0]),
                                    target_cost=None)
     return _Run(model, tokens, lengths, max_new_tokens, sampling, frozenset(stops), resolved, calibration,
                 prefill_chunk_size)
@@ -274,7 +275,7 @@ def _events(run: _Run) -> Iterator[GenerationEvent]:
     state = model.new_decode_state(B, max_len=max(run.lengths) + run.max_new_tokens - 1, bank=run.max_budget > 0)
     policy = run.policy if run.max_budget > 0 else None
     out = state.prefill(run.tokens, run.lengths, run.prefill_chunk_size, logits="last", policy=policy)
-    ops_of = TokenPricer(model, run.max_budget)
+    ops_of = TokenPricer(model, run.max_budget, state.options)
     done = [False] * B
     done_t = torch.zeros(B, dtype=torch.bool, device=dev)  # `done` on the device, uploaded only when it changes
     picked = done_t.long()  # replaced at step 0
@@ -335,7 +336,7 @@ def _collect(run: _Run) -> GenerationOutput:
     actions = [torch.stack(a) for a in acts]  # [n_b, R] each
     flat = None if run.max_budget == 0 else torch.cat(actions)
     cost = trace_cost(cfg, flat, [c for row in contexts for c in row], [s for row in steps for s in row],
-                      cfg.optimised, router=cfg.router)
+                      cfg.optimised, cfg.router, run.model.decode_options)  # the options its decode state ran with
     return GenerationOutput(tokens=toks, prompt_lengths=list(run.lengths), actions=actions, n_edits=n_edits,
                             controller_steps=steps, ops=ops, relative_cost=cost.relative, lambda_cost=run.lambda_cost,
                             finish_reasons=reasons, calibration=run.calibration)

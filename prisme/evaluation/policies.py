@@ -367,7 +367,7 @@ class PolicySettings:
     oracle_lambdas: Sequence[float] | None = None  # the oracle's prices (default: lambdas)
     oracle_positions: int | None = 16  # labelled positions per sequence the oracle samples (None: all)
     controller_budget: int | None = None  # max_budget of the controller, equal-edits and oracle rows (default r_max)
-    kappa_risk: float | None = None  # the controller's risk aversion (default: the config's)
+    kappa_risk: float | None = None  # the controller's risk aversion (default: the model's default price)
 
     def __post_init__(self) -> None:
         kappa = self.kappa_risk

@@ -47,6 +47,7 @@ from prisme.evaluation.slices import SliceSums, ar_slice_labels, slice_edges, sl
 from prisme.io import environment
 from prisme.model.oracle import token_ce
 from prisme.model.prisme import PrismeModel
+from prisme.options import PROJECTED, DecodeOptions
 from prisme.stats import (
     N_BOOT,
     PairedDelta,
@@ -139,11 +140,12 @@ class _Acc:
         if steps is not None:
             self.steps.append(steps.reshape(N).cpu())
 
-    def cost(self, cfg: PrismeConfig, optimised: bool) -> TraceCost:
+    def cost(self, cfg: PrismeConfig, optimised: bool, decode: DecodeOptions = PROJECTED) -> TraceCost:
+        """The row's traces priced by `cfg`'s cost model, as a decode state with options `decode` runs them."""
         ctx = torch.cat(self.contexts)
         acts = torch.cat(self.actions) if self.actions else None
         steps = torch.cat(self.steps) if self.steps else None
-        return trace_cost(cfg, acts, ctx, steps, optimised=optimised, router=self.routed)
+        return trace_cost(cfg, acts, ctx, steps, optimised, self.routed, decode)
 
 
 def _check_options(model: PrismeModel, data: Any, options: EvalOptions) -> int:
@@ -370,8 +372,9 @@ def _finish_rows(model: PrismeModel, plan: list[Row], accs: dict[str, _Acc], opt
         if not math.isfinite(loss):
             raise ValueError(f"policy {p.name}: non-finite validation loss {loss}")
         own_cfg = p.policy.priced_by(model)
-        own = acc.cost(own_cfg, cfg.optimised)
-        alt = acc.cost(own_cfg, not cfg.optimised)
+        decode = model.decode_options if own_cfg is cfg else PROJECTED  # as this model decodes
+        own = acc.cost(own_cfg, cfg.optimised, decode)
+        alt = acc.cost(own_cfg, not cfg.optimised, decode)
         if own_cfg is not cfg:  # another model: relative to this model's backbone on the same positions
             base_ops = acc.cost(cfg, cfg.optimised).backbone_ops
             rel, rel_alt = own.total_ops / base_ops, alt.total_ops / base_ops

@@ -131,22 +131,21 @@ class ValueController(nn.Module):
         risk = F.softplus((h[..., half:] * phi[..., half:]).sum(-1) + self.b_r)
         return ControllerOutput(value=value, risk=risk)
 
-    def select(self, preds: ControllerOutput, cost: torch.Tensor, lambda_cost: float | None = None,
-               kappa_risk: float | None = None) -> torch.Tensor:
+    def select(self, preds: ControllerOutput, cost: torch.Tensor, lambda_cost: float = 0.0,
+               kappa_risk: float = 0.0) -> torch.Tensor:
         """argmax_a value - lambda cost - kappa risk, or STOP when no score beats STOP's 0 (ties go to STOP).
 
         With `cfg.controller_select="mean"` the STOP decision compares the mean score over the A actions with 0
         instead of the best one (the max of A noisy estimates is biased up, so the seed's rule edits where the noise
         is largest); the action taken is still the argmax.
 
-        cost `[A]` is the action's price (the cost model's `action_cost_proxy`). Returns `[...]` long.
+        cost `[A]` is the action's price (the cost model's `action_cost_proxy`); lambda_cost, kappa_risk the policy's
+        prices (a model's rollout fills in its default price, `PrismeModel.default_price`). Returns `[...]` long.
         """
-        lam = self.cfg.lambda_cost if lambda_cost is None else lambda_cost
-        kap = self.cfg.kappa_risk if kappa_risk is None else kappa_risk
-        for name, v in (("lambda_cost", lam), ("kappa_risk", kap)):
+        for name, v in (("lambda_cost", lambda_cost), ("kappa_risk", kappa_risk)):
             if not is_number(v) or v < 0:  # NaN or inf would silently turn every action into STOP
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
-        lam, kap = float(lam), float(kap)
+        lam, kap = float(lambda_cost), float(kappa_risk)
         score = preds.value - lam * cost - kap * preds.risk  # [..., A]
         # edit or STOP by the best score, or ("mean") by the action-averaged one: no winner's curse
         return argmax_or_stop(score, self.cfg.stop_action, by_mean=self.cfg.controller_select == "mean")

@@ -1,7 +1,8 @@
 """What the workspace runs, as one typed argument: the deployed policy (`Controller`: the controller, and on a
 router model the router at step 0) or forced actions (`Forced`), each checked when it is made; `BACKBONE` is the
-bypass. A decode state checks a policy against its model once per call (`StepPolicy`, what its paths read). Also
-what a routed decode step reads of the decode state that calls it (`DecodeRows`).
+bypass. A controller given no price runs at its model's default (`Price`: 0.0 unless the model was loaded from a
+checkpoint whose config set one). A decode state checks a policy against its model once per call (`StepPolicy`, what
+its paths read). Also what a routed decode step reads of the decode state that calls it (`DecodeRows`).
 
 Notation: B rows, Q query positions per row, R action steps, A actions.
 
@@ -22,6 +23,7 @@ from prisme.checks import check_price, is_int, is_number
 from prisme.config import PrismeConfig
 from prisme.model.attention import KVCache
 from prisme.model.bank import BankCache
+from prisme.options import DecodeOptions
 
 
 @dataclass(frozen=True, eq=False)
@@ -32,8 +34,8 @@ class Controller:
 
     Args:
         max_budget: steps per position, an int in [0, r_max].
-        lambda_cost: the price of compute (None: the model config's); kappa_risk: the risk aversion (None: the
-            config's).
+        lambda_cost: the price of compute (None: the model's default, `Price`); kappa_risk: the risk aversion (None:
+            the model's default).
         cost: `[A]` price of each action (None: the cost model's proxy at `cfg.cost_context`).
         target_cost: generation only: find lambda_cost for this mean relative cost per token (ops / backbone ops)
             on the prompts (`prisme.decoding.generate.calibrate_lambda`), instead of giving it.
@@ -58,6 +60,26 @@ class Controller:
                 raise ValueError("give lambda_cost or target_cost, not both")
             if not is_number(self.target_cost):
                 raise ValueError(f"target_cost must be a finite number, got {self.target_cost!r}")
+
+
+@dataclass(frozen=True)
+class Price:
+    """A model's default prices (`PrismeModel.default_price`): what a controller given none runs at. 0.0 each, unless
+    the model was loaded from a checkpoint whose config still held them (`prisme.config.MOVED_CONFIG_FIELDS`)."""
+
+    lambda_cost: float = 0.0
+    kappa_risk: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("lambda_cost", "kappa_risk"):
+            if getattr(self, name) is None:
+                raise ValueError(f"a default price is a number: {name} must be a finite number >= 0, got None")
+            check_price(name, getattr(self, name))
+
+    def fill(self, lambda_cost: float | None, kappa_risk: float | None) -> tuple[float, float]:
+        """(lambda_cost, kappa_risk), each given value or else this default."""
+        return (self.lambda_cost if lambda_cost is None else lambda_cost,
+                self.kappa_risk if kappa_risk is None else kappa_risk)
 
 
 @dataclass(frozen=True, eq=False)
@@ -117,6 +139,7 @@ class DecodeRows(Protocol):
     cfg: PrismeConfig
     cache: KVCache  # the backbone's
     bank: BankCache
+    options: DecodeOptions
 
     @property
     def lengths(self) -> list[int]: ...

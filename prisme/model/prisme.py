@@ -30,17 +30,30 @@ from prisme.model.controller import ValueController
 from prisme.model.editor import EditInfo, SlotKV, SparseEditor
 from prisme.model.groups import ParameterGroups
 from prisme.model.outputs import EncodedContext, PrismeOutput, Rollout, Streams
+from prisme.model.policy import Price
 from prisme.model.readout import DifferentialReadout
 from prisme.model.router import Router, ngram_seen, ngram_seen_at
 from prisme.model.state import DecodeState
 from prisme.model.workspace import absorb_stop, bank_mask, check_cost, check_forced, init_workspace, slot_counts
+from prisme.options import DecodeOptions
 
 
 class PrismeModel(ParameterGroups, nn.Module):
-    def __init__(self, cfg: PrismeConfig):
+    """The model of `cfg`. Two runtime defaults ride along, apart from the architecture: `decode_options`, how a decode
+    state keeps the bank unless it is given its own (`new_decode_state`), and `default_price`, what a controller given
+    no price runs at (0.0 each; a checkpoint whose config still set them gives them to the model it loads)."""
+
+    def __init__(self, cfg: PrismeConfig, decode_options: DecodeOptions | None = None,
+                 default_price: Price | None = None):
         super().__init__()
         cfg.validate()
         self.cfg = cfg
+        for name, v, kind in (("decode_options", decode_options, DecodeOptions),
+                              ("default_price", default_price, Price)):
+            if v is not None and not isinstance(v, kind):
+                raise ValueError(f"{name} must be a {kind.__module__}.{kind.__name__} or None, got {type(v).__name__}")
+        self.decode_options = (DecodeOptions() if decode_options is None else decode_options).check(cfg)
+        self.default_price = Price() if default_price is None else default_price
         self.backbone = Backbone(cfg)
         if cfg.use_workspace:
             from prisme.costs.analytic import action_cost_proxy
@@ -114,10 +127,12 @@ class PrismeModel(ParameterGroups, nn.Module):
         terms = dict.fromkeys(self.cfg.bank_terms + self.cfg.query_terms + self.cfg.controller_terms)
         return Streams(H, {t: H if source_layer(t, L) == L else kept[source_layer(t, L)] for t in terms}, tokens)
 
-    def query_state(self, st: Streams | torch.Tensor, decoded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def query_state(self, st: Streams | torch.Tensor, decode: DecodeOptions | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """z `[B, Tq, w]` and S0 `[B, Tq, M, w]` of query positions (`Streams`, or H for the seed's sources);
-        `decoded`: queries of a decode step (`st.ids` set), an embedding term served from its table."""
-        z = decoded_query(self.bank, st) if decoded else self.bank.query(st)
+        `decode`: the options of the decode state whose queries these are (`st.ids` set; an embedding term served
+        from its table where they say so), None: the bank's own projections."""
+        z = self.bank.query(st) if decode is None else decoded_query(self.bank, decode, st)
         return z, init_workspace(self._parameters["slot_embed"], z)
 
     def encode(self, tokens: torch.Tensor) -> EncodedContext:
@@ -287,8 +302,9 @@ class PrismeModel(ParameterGroups, nn.Module):
         ctrl_steps = torch.zeros(B, Tq, dtype=torch.long, device=dev)
         budget = torch.full((B, Tq), max_budget, dtype=torch.long, device=dev)
         routed = cfg.router
+        lambda_cost, kappa_risk = self.default_price.fill(lambda_cost, kappa_risk)
         if routed and first is None:  # step 0: the router at every position, nothing else
-            lam = check_number("lambda_cost", cfg.lambda_cost if lambda_cost is None else lambda_cost, lo=0)
+            lam = check_number("lambda_cost", lambda_cost, lo=0)
             first = self.router.select(self.router_values(ctx), cost, lam)  # [B, Tq]
         infos = []
         zc = match = None
@@ -383,6 +399,7 @@ class PrismeModel(ParameterGroups, nn.Module):
         return out
 
     def new_decode_state(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None,
-                         bank: bool | None = None) -> DecodeState:
-        """Allocate a `prisme.model.state.DecodeState` (backbone KV cache, source bank, per-row lengths)."""
-        return DecodeState(self, batch_size, max_len, dtype, bank)
+                         bank: bool | None = None, options: DecodeOptions | None = None) -> DecodeState:
+        """Allocate a `prisme.model.state.DecodeState` (backbone KV cache, source bank, per-row lengths); `options`:
+        how it keeps the bank (`prisme.options.DecodeOptions`; None: `self.decode_options`)."""
+        return DecodeState(self, batch_size, max_len, dtype, bank, options)

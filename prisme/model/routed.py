@@ -31,7 +31,7 @@ def router_scores(state: DecodeRows, st: Streams, pos: torch.Tensor, valid: torc
     the token it read `[B, Q]` (None where it reads none). A query fires iff its best score is > 0, with its first
     best action as step 0 (padding's scores are -1: it never fires); `normed` is the backbone's final norm of `st.H`
     where the step has it (the decision reads it instead of norming H again)."""
-    model, cfg = state.model, state.cfg
+    model = state.model
     seen = tok = None
     kept = state.bank.ids
     if kept is not None:
@@ -42,10 +42,10 @@ def router_scores(state: DecodeRows, st: Streams, pos: torch.Tensor, valid: torc
             Tb = max(lengths)
             ids, at = kept.narrow(1, 0, Tb), pos.clamp(max=Tb - 1)  # [B, Q] each below (padding: dropped)
         seen, tok = model.router_seen(ids, at), model.router_tok(ids, at)
-    lam = cfg.lambda_cost if ws.lambda_cost is None else ws.lambda_cost  # checked with the policy
     mods = model._modules  # (registry reads: this runs at every decode step)
     shared = None if normed is None else (normed, mods["backbone"]._modules["norm"])
-    scores = mods["router"].scores(st.H, seen, ws.cost, lam, shared, tok)  # [B, Q, A]
+    scores = mods["router"].scores(st.H, seen, ws.cost, ws.lambda_cost, shared, tok)  # [B, Q, A]: the price checked
+    #   with the policy, the model's default filled in
     if valid is not None:
         scores = scores.masked_fill(~valid.unsqueeze(-1), -1.0)
     return scores, seen, tok
@@ -122,7 +122,7 @@ def budget1_step(state: DecodeRows, st: Streams, scores: torch.Tensor, trace: to
     lengths = state.lengths
     Tb = max(lengths)
     K, V = state.bank.view(Tb, b)  # [N, Tb, w] each
-    z, S0 = model.query_state(st_n, decoded=True)  # [N, 1, w], [N, 1, M, w]
+    z, S0 = model.query_state(st_n, state.options)  # [N, 1, w], [N, 1, M, w]
     mask = None if all(lengths[r] == Tb for r in rows) else (  # None: each row reads its whole bank
         torch.arange(Tb, device=b.device) < state.cache.lengths_tensor(b.device)[b].unsqueeze(1))  # [N, Tb]
     S = model.editor.edit_rows(S0[:, 0], K, V, mask, a, spans, step=0, remaining=0)  # [N, M, w]
@@ -166,7 +166,7 @@ def routed_workspace(state: DecodeRows, st: Streams, pos: torch.Tensor, valid: t
     st_n = Streams(one(H), {k: one(v) for k, v in st.src.items()}, None if st.ids is None else one(st.ids))
     pos_n = one(pos)  # [N, 1]
     K, V = state.bank.view(Tb, b)  # [N, Tb, w] each
-    z, S0 = model.query_state(st_n, decoded=True)  # [N, 1, w], [N, 1, M, w]
+    z, S0 = model.query_state(st_n, state.options)  # [N, 1, w], [N, 1, M, w]
     mask = model.bank_mask(N, 1, Tb, pos_n, state.cache.lengths_tensor(dev)[b], dev)  # [N, 1, Tb]
     ctx = model.context(st_n, K, V, mask, (z, S0), (None if seen is None else one(seen),
                                                     None if tok is None else one(tok)))

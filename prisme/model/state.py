@@ -5,7 +5,7 @@ Notation: B rows, C new tokens per row in one call (a chunk), Q query positions 
 position, T_max the state's capacity, V vocab, d backbone width, w workspace width.
 
 A `DecodeState` (allocated by `PrismeModel.new_decode_state`) owns the backbone's KV cache, the source bank's cache
-(`bank`: `prisme.model.bank.BankCache`, its entries or token ids) and each row's length.
+(`bank`: `prisme.model.bank.BankCache`, its entries or token ids, as its `DecodeOptions` say) and each row's length.
 Every new position takes the same path as in the parallel `forward_policy`: one backbone step with the cache; its bank
 entry appended (only new positions are projected); then its own workspace, run by the model's own methods on an
 `EncodedContext` whose queries are the new positions and whose bank is the cache (`rollout_policy`, or
@@ -35,6 +35,7 @@ from prisme.model.outputs import Streams
 from prisme.model.policy import Controller, Forced, StepPolicy
 from prisme.model.routed import decode_plan, routed_workspace
 from prisme.model.workspace import check_cost, check_forced
+from prisme.options import DecodeOptions
 
 LOGITS_MODES = ("last", "all", "none")
 
@@ -62,10 +63,12 @@ class DecodeState:
         dtype: must be the model's parameter dtype (default); convert the model with `model.to(dtype)` first.
         bank: keep the source bank (default: the model has a workspace). A state without one decodes with the
             backbone alone (`max_budget=0`) and pays nothing for the bank, as the cost model's budget-0 row assumes.
+        options: how the bank is kept and served (`prisme.options.DecodeOptions`; default: the model's
+            `decode_options`), checked against the model.
     """
 
     def __init__(self, model: nn.Module, batch_size: int, max_len: int | None = None,
-                 dtype: torch.dtype | None = None, bank: bool | None = None):
+                 dtype: torch.dtype | None = None, bank: bool | None = None, options: DecodeOptions | None = None):
         cfg = model.cfg
         param = model.backbone.tok_emb.weight
         if not is_int(batch_size) or batch_size < 1:
@@ -78,6 +81,11 @@ class DecodeState:
         bank = cfg.use_workspace if bank is None else bool(bank)
         if bank and not cfg.use_workspace:
             raise ValueError("this model has no workspace (use_workspace=False): a source bank cannot be kept")
+        options = model.decode_options if options is None else options
+        if not isinstance(options, DecodeOptions):
+            raise ValueError(f"options must be a prisme.options.DecodeOptions (or None: the model's), got "
+                             f"{type(options).__name__}")
+        self.options = options.check(cfg)
         self.model = model
         self.cfg = cfg
         self.cache = model.backbone.new_cache(batch_size, max_len, param.dtype)
@@ -85,7 +93,7 @@ class DecodeState:
         self.max_len = self.cache.max_len
         self.has_bank = bank
         reads_ids = cfg.router and (cfg.router_ngram > 0 or cfg.router_token)  # the router's features read the ids
-        self.bank = BankCache(model.bank, batch_size, self.max_len, param, reads_ids) if bank else None
+        self.bank = BankCache(model.bank, batch_size, self.max_len, param, reads_ids, options) if bank else None
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -264,7 +272,7 @@ class DecodeState:
         ids = self.bank.ids
         ids_q = None if ids is None else sub(ids.narrow(1, 0, Tb))  # [b, Tb]
         router_in = (None, None) if ids_q is None else model.router_inputs(ids_q, pos_q)
-        ctx = model.context(st_q, K, V, mask, model.query_state(st_q, decoded=True), router_in)
+        ctx = model.context(st_q, K, V, mask, model.query_state(st_q, self.options), router_in)
         if ws.actions is not None:
             w_sub = ws.rows(keep) if keep is not None else ws
             roll = model.rollout_forced(ctx, w_sub.actions, w_sub.budget)
@@ -350,5 +358,6 @@ class DecodeState:
         check_max_budget(policy.max_budget, cfg.r_max, cfg.use_workspace)
         if not self.has_bank:
             raise ValueError("this DecodeState was allocated without a source bank (bank=False): max_budget must be 0")
-        return StepPolicy(max_budget=policy.max_budget, lambda_cost=policy.lambda_cost, kappa_risk=policy.kappa_risk,
+        lam, kap = model.default_price.fill(policy.lambda_cost, policy.kappa_risk)
+        return StepPolicy(max_budget=policy.max_budget, lambda_cost=lam, kappa_risk=kap,
                           cost=check_cost(policy.cost, model.action_cost))

@@ -346,6 +346,7 @@ def decode_speed(frontier: dict[str, Any], mcfg: MQARConfig, batches: tuple[int,
     from prisme.model.policy import Controller
     from prisme.model.prisme import PrismeModel
     from prisme.model.state import DecodeState
+    from prisme.options import DecodeOptions
 
     v = frontier["verdict"]
     picks = {k: v[f"{k}_best"] for k in ("dense", "prisme") if v[f"{k}_best"] is not None}
@@ -354,7 +355,7 @@ def decode_speed(frontier: dict[str, Any], mcfg: MQARConfig, batches: tuple[int,
     models = {k: load_model(e["checkpoints"][0])[0].eval() for k, e in picks.items()}
     if "prisme" in models and set(models["prisme"].cfg.bank_terms) == {"embedding"}:
         m = models["prisme"]
-        ids = PrismeModel(m.cfg.replace(bank_tables=True, bank_store="ids")).to(m.backbone.tok_emb.weight.dtype)
+        ids = PrismeModel(m.cfg, DecodeOptions(bank_tables=True, bank_store="ids")).to(m.backbone.tok_emb.weight.dtype)
         ids.load_state_dict(m.state_dict())
         models["prisme_ids"], picks["prisme_ids"] = ids.eval(), picks["prisme"]
     P = mcfg.query_start + 1

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from prisme.config import with_added_fields
+from prisme.config import current_fields
 from prisme.io import write_text_atomic
 from prisme.training.config import stage_with_added_fields
 
@@ -115,8 +115,9 @@ def open_study(out: str | Path, settings: dict[str, Any], resume: bool = False, 
 def migrated(settings: Any) -> Any:
     """Recorded settings with every model config (a "model" entry) given the fields added to `PrismeConfig` since, and
     every stage config (a "stages" entry) those added to `StageConfig`, at the values that reproduce what it ran
-    (`config.ADDED_CONFIG_FIELDS`, `training.config.ADDED_STAGE_FIELDS`): a study started before a field existed
-    continues."""
+    (`config.ADDED_CONFIG_FIELDS`, `training.config.ADDED_STAGE_FIELDS`), and the model fields that moved out of
+    `PrismeConfig` dropped where they changed nothing (`config.current_fields`): a study started before a field
+    existed, or before one moved, continues."""
     if isinstance(settings, list):
         return [migrated(v) for v in settings]
     if not isinstance(settings, dict):
@@ -124,7 +125,7 @@ def migrated(settings: Any) -> Any:
     out = {k: migrated(v) for k, v in settings.items()}
     model = out.get("model")
     if isinstance(model, dict) and "d_model" in model:
-        out["model"] = with_added_fields(model)
+        out["model"] = current_fields(model)
     if isinstance(out.get("stages"), list):
         out["stages"] = [stage_with_added_fields(s) if isinstance(s, dict) and "stage" in s else s
                          for s in out["stages"]]

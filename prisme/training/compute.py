@@ -216,8 +216,6 @@ STAGE_PARTS = {BackboneObjective: _backbone_stage, WorkspaceObjective: _workspac
 
 def stage_compute(cfg: PrismeConfig, scfg: StageConfig) -> StageCompute:
     """The analytic training compute of stage `scfg` on model `cfg` (the module docstring's convention)."""
-    if cfg.bank_tables or cfg.bank_store != "entries":  # decoding options: training projects every entry
-        cfg = cfg.replace(bank_tables=False, bank_store="entries")
     lab = stage_labels(cfg, scfg)
     parts = STAGE_PARTS[scfg.spec.objective](cfg, scfg, lab)
     return StageCompute(scfg.stage, scfg.steps, scfg.batch_size, lab.seq_len, parts)

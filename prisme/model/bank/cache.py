@@ -4,10 +4,10 @@ Notation: B rows, C new positions per row in one call, T_max the state's capacit
 width.
 
 A cache keeps, per row and position, either the bank's entries (K and V side by side in one buffer `KV`
-`[B, T_max, 2w]`, so a step writes each entry once; `K`, `V` are views of it) or, with `bank_store="ids"` (an
-"embedding" bank served from its tables), the token ids alone `[B, T_max]`, from which `view` looks the entries up
-where the workspace runs. Where a key reads the position before its own (`bank_shift`, `bank_key="preceding"`) it
-also keeps each bank term's memory of the row's last position
+`[B, T_max, 2w]`, so a step writes each entry once; `K`, `V` are views of it) or, with the decode option
+`bank_store="ids"` (`prisme.options.DecodeOptions`: an "embedding" bank served from its tables), the token ids alone
+`[B, T_max]`, from which `view` looks the entries up where the workspace runs. Where a key reads the position before
+its own (`bank_shift`, `bank_key="preceding"`) it also keeps each bank term's memory of the row's last position
 (`prev`: the normed stream `[B, d]`, or the previous id `[B]` of a table term). The router's features read the
 token ids (`ids`), which the cache keeps for them too. Only new positions are projected (or looked up): a chunk's
 entries are computed once and never again.
@@ -20,6 +20,7 @@ import torch
 from prisme.model.bank.source import SourceBank
 from prisme.model.bank.tables import clear_shift_memory, entries_from_ids, shift_memory, step_entries
 from prisme.model.outputs import Streams
+from prisme.options import DecodeOptions
 
 
 class BankCache:
@@ -30,15 +31,17 @@ class BankCache:
         batch_size, max_len: rows B and capacity T_max.
         like: a parameter of the model (the buffers take its dtype and device).
         keep_ids: keep the token ids (the router's features read them); a bank kept as ids keeps them anyway.
+        options: how the bank is kept and served (`DecodeOptions`, already checked against the model).
     """
 
-    def __init__(self, bank: SourceBank, batch_size: int, max_len: int, like: torch.Tensor, keep_ids: bool):
+    def __init__(self, bank: SourceBank, batch_size: int, max_len: int, like: torch.Tensor, keep_ids: bool,
+                 options: DecodeOptions):
         cfg = bank.cfg
-        self.bank, self.cfg = bank, cfg
-        entries = cfg.bank_store == "entries"
+        self.bank, self.cfg, self.options = bank, cfg, options
+        entries = options.bank_store == "entries"
         self.KV = like.new_zeros(batch_size, max_len, 2 * cfg.w) if entries else None  # [B, T_max, 2w]
         self.K, self.V = self.KV.split(cfg.w, -1) if entries else (None, None)  # [B, T_max, w] views each
-        self.prev = shift_memory(cfg, batch_size, like) if entries else []  # ids kept: the previous id itself
+        self.prev = shift_memory(cfg, options, batch_size, like) if entries else []  # ids: the previous id itself
         keep_ids = keep_ids or not entries
         self.ids = torch.zeros(batch_size, max_len, dtype=torch.long, device=like.device) if keep_ids else None
 
@@ -73,7 +76,7 @@ class BankCache:
         if self.KV is not None:
             # only the new positions are projected (or looked up); hs: what each term's shift memory keeps
             at = self.KV.narrow(1, start[0], C) if start_t is None else None  # written in place where it can be
-            KV, hs = step_entries(self.bank, st, tokens, self.prev if self.prev else None, at)  # [B, C, 2w]
+            KV, hs = step_entries(self.bank, self.options, st, tokens, self.prev or None, at)  # [B, C, 2w]
             entries += [(self.KV, KV)] if at is None else []
             if self.prev and full:  # the shift's memory: each row's last position
                 for p, h in zip(self.prev, hs):
@@ -102,7 +105,7 @@ class BankCache:
 
     def forget_shift(self) -> None:
         """The shift memories back to "no previous position" (a state rewound to 0)."""
-        clear_shift_memory(self.cfg, self.prev)
+        clear_shift_memory(self.cfg, self.options, self.prev)
 
     def reset(self) -> None:
         """Zero every buffer, so stale entries can never leak."""

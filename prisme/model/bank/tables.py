@@ -1,5 +1,5 @@
-"""Per-vocabulary bank tables (`cfg.bank_tables`): the bank's and the query's projections of the token embeddings,
-served by lookup in decoding.
+"""Per-vocabulary bank tables (`DecodeOptions.bank_tables`): the bank's and the query's projections of the token
+embeddings, served by lookup in decoding.
 
 Notation: B rows, C new positions, V vocab, d backbone width, w workspace width.
 
@@ -26,11 +26,7 @@ import torch.nn.functional as F
 
 from prisme.model.bank.source import SourceBank, lagged, reads_previous
 from prisme.model.outputs import Streams
-
-
-def table_terms(cfg) -> frozenset[str]:
-    """The source terms served from tables: "embedding", where `cfg.bank_tables` is on."""
-    return frozenset({"embedding"}) if cfg.bank_tables else frozenset()
+from prisme.options import DecodeOptions
 
 
 def _modules(bank: SourceBank) -> dict[str, torch.nn.Module]:
@@ -93,8 +89,9 @@ def clear_bank_tables(bank: SourceBank) -> None:
     bank.__dict__.pop("_table_cache", None)
 
 
-def step_entries(bank: SourceBank, st: Streams, tokens: torch.Tensor, prev: list[torch.Tensor] | None,
-                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def step_entries(bank: SourceBank, options: DecodeOptions, st: Streams, tokens: torch.Tensor,
+                 prev: list[torch.Tensor] | None, out: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Bank keys and values side by side `[B, C, 2w]` (K, then V) of the new positions of `st` (its tokens `[B, C]`),
     and what each bank term's shift memory keeps of them (the normed stream `[B, C, d]`, or the token ids `[B, C]`
     of a table term).
@@ -102,9 +99,9 @@ def step_entries(bank: SourceBank, st: Streams, tokens: torch.Tensor, prev: list
     `prev`: each term's memory of the position before the chunk (`BankCache.prev`), None at position 0 or without
     a shift. `out` `[B, C, 2w]` (e.g. the bank's own slice for these positions): the entries are written there and it
     is returned (a bank served by one table term writes it in the call that sums its two lookups). Without
-    `cfg.bank_tables` this is `SourceBank.inputs` + `SourceBank.from_inputs`, unchanged."""
+    `options.bank_tables` this is `SourceBank.inputs` + `SourceBank.from_inputs`, unchanged."""
     cfg = bank.cfg
-    served = table_terms(cfg)
+    served = options.table_terms
     if not served.intersection(cfg.bank_terms):
         hs = bank.inputs(st)
         KV = torch.cat(bank.from_inputs(hs, prev), -1)
@@ -137,8 +134,8 @@ def step_entries(bank: SourceBank, st: Streams, tokens: torch.Tensor, prev: list
 
 
 def entries_from_ids(bank: SourceBank, ids: torch.Tensor) -> torch.Tensor:
-    """The bank entries `[b, Tb, 2w]` (K, then V) of positions 0..Tb-1 from their token ids `[b, Tb]` alone
-    (`cfg.bank_store == "ids"`: an "embedding" bank served by its tables): the same sums `step_entries` writes,
+    """The bank entries `[b, Tb, 2w]` (K, then V) of positions 0..Tb-1 from their token ids `[b, Tb]` alone (the
+    decode option `bank_store="ids"`: an "embedding" bank served by its tables): the same sums `step_entries` writes,
     K_tab + shifted K_tab' of the previous id (none before position 0), V_tab + 0."""
     tabs = bank_tables(bank)
     kv = F.embedding(ids, tabs["KV"])  # [b, Tb, 2w]
@@ -148,10 +145,11 @@ def entries_from_ids(bank: SourceBank, ids: torch.Tensor) -> torch.Tensor:
     return kv.add_(F.embedding(before, tabs["S2"]))
 
 
-def decoded_query(bank: SourceBank, st: Streams) -> torch.Tensor:
-    """`SourceBank.query` of decoded queries (`st.ids` `[B, Q]` set), the embedding term from its table."""
+def decoded_query(bank: SourceBank, options: DecodeOptions, st: Streams) -> torch.Tensor:
+    """`SourceBank.query` of decoded queries (`st.ids` `[B, Q]` set), the embedding term from its table where
+    `options` serve it so."""
     cfg = bank.cfg
-    if not cfg.bank_tables or "embedding" not in cfg.query_terms:  # (`table_terms`)
+    if "embedding" not in options.table_terms or "embedding" not in cfg.query_terms:
         return bank.query(st)
     tab = bank_tables(bank)["P"]
     z = None
@@ -164,17 +162,17 @@ def decoded_query(bank: SourceBank, st: Streams) -> torch.Tensor:
     return bank.finish_query(z)
 
 
-def shift_memory(cfg, batch: int, like: torch.Tensor) -> list[torch.Tensor]:
+def shift_memory(cfg, options: DecodeOptions, batch: int, like: torch.Tensor) -> list[torch.Tensor]:
     """A fresh shift memory per bank term: zeros `[B, d]`, or `[B]` ids (V: no previous position) for a table term;
     none where no key reads the position before (`reads_previous`)."""
     if not reads_previous(cfg):
         return []
-    served = table_terms(cfg)
+    served = options.table_terms
     return [torch.full((batch,), cfg.vocab_size, dtype=torch.long, device=like.device) if t in served
             else like.new_zeros(batch, cfg.d_model) for t in cfg.bank_terms]
 
 
-def clear_shift_memory(cfg, prev: list[torch.Tensor]) -> None:
+def clear_shift_memory(cfg, options: DecodeOptions, prev: list[torch.Tensor]) -> None:
     """Set each term's shift memory (`shift_memory`) back to "no previous position", in place."""
     for p, t in zip(prev, cfg.bank_terms):
-        p.fill_(cfg.vocab_size if t in table_terms(cfg) else 0)
+        p.fill_(cfg.vocab_size if t in options.table_terms else 0)
