@@ -1,9 +1,9 @@
 """PRISME: language models with an adaptive, sparse, per-token workspace.
 
 The public face: `PrismeConfig` (and `PRESETS`), `PrismeModel`, `load_model` (a checkpoint folder -> (model, meta)),
-`generate`, and what a call runs: the policies `Controller` and `Forced`, the `Sampling` of generation and a decode
-state's `DecodeOptions`. The model, checkpoint and generation modules load on first use, so `import prisme` stays
-light.
+`generate`, and what a call runs: the policies `Controller` and `Forced`, the `Sampling` of generation, a decode
+state's `DecodeOptions` and the editor's `ExecutionOptions`. The model, checkpoint and generation modules load on
+first use, so `import prisme` stays light.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 from prisme.config import PRESETS, PrismeConfig
-from prisme.options import DecodeOptions
+from prisme.options import DecodeOptions, ExecutionOptions
 
-__all__ = ["PRESETS", "Controller", "DecodeOptions", "Forced", "PrismeConfig", "PrismeModel", "Sampling", "generate",
-           "load_model"]
+__all__ = ["PRESETS", "Controller", "DecodeOptions", "ExecutionOptions", "Forced", "PrismeConfig", "PrismeModel",
+           "Sampling", "generate", "load_model"]
 __version__ = "0.2.0.dev0"  # the one version: pyproject.toml reads it (CHANGELOG: 0.2.0, unreleased)
 
 _LAZY = {"PrismeModel": "prisme.model.prisme", "load_model": "prisme.checkpoint",

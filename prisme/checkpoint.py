@@ -356,12 +356,12 @@ def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu
         verify: check the weights against the sha256 recorded at save time.
     Returns:
         (PrismeModel in the saved dtype on `map_location`, in eval mode, CheckpointMeta). A config.json written before
-        `bank_tables`, `bank_store`, `lambda_cost` and `kappa_risk` left PrismeConfig gives their values to the model:
-        its `decode_options` and `default_price`, so that it decodes and prices as it did.
+        `bank_tables`, `bank_store`, `slot_kv_cache`, `lambda_cost` and `kappa_risk` left PrismeConfig gives their
+        values to the model: its `decode_options`, `execution` and `default_price`, so that it runs as it did.
     """
     from prisme.model.policy import Price
     from prisme.model.prisme import PrismeModel
-    from prisme.options import DecodeOptions
+    from prisme.options import DecodeOptions, ExecutionOptions
 
     try:
         dev = torch.device(map_location)
@@ -379,9 +379,9 @@ def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu
                              f"this config, drop the model override, or (a backbone for another workspace design) "
                              f"pass --rebase")
     tensors = _read_weights(p, verify)
-    decode = {f.name for f in fields(DecodeOptions)}  # the rest of the moved fields are prices
-    model = PrismeModel(meta.config, DecodeOptions(**{k: v for k, v in meta.moved.items() if k in decode}),
-                        Price(**{k: v for k, v in meta.moved.items() if k not in decode}))
+    moved = {kind: {k: v for k, v in meta.moved.items() if k in {f.name for f in fields(kind)}}
+             for kind in (DecodeOptions, Price, ExecutionOptions)}  # each moved field is one of theirs
+    model = PrismeModel(meta.config, *(kind(**v) for kind, v in moved.items()))
     expected = model.state_dict()
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))

@@ -267,7 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="add the optimised column (folded readout, M-slot controller projection) and the saving "
                         "per row")
     s.add_argument("--slot-kv-cache", action="store_true",
-                   help="with --optimised: price the editor's slot K/V cache too (cfg.slot_kv_cache; off by default)")
+                   help="with --optimised: price the editor's slot K/V cache too (ExecutionOptions.slot_kv_cache; off "
+                        "by default)")
     s.add_argument("--json", action="store_true", help="print one JSON document in seed 000's layout instead")
     s.set_defaults(func=_cmd_costs)
 

@@ -100,9 +100,7 @@ class PrismeConfig:
     cost_context: int | None = None  # context T at which the controller's price vector is computed (default T_max)
     gate_bias_init: float = 2.0  # editor gate bias at init (sigma(2) ~ 0.88: the path starts open)
     optimised: bool = True  # folded readout keys, the controller projects M slots; False = every op seed 000 counts
-    slot_kv_cache: bool = False  # with `optimised`: the editor keeps each position's slot K/V and projects only the
-    #   slots an action changes. Off by default: it does fewer ops but ran slower on CPU at every preset's shape
-    #   measured (docs/benchmarks.md), so the editor recomputes every slot's K/V, as the seed counts
+    #   (the editor's slot K/V cache is an execution option: `prisme.options.ExecutionOptions.slot_kv_cache`)
     z_norm: bool = True  # z = rms_normalise(P(norm(H))): keeps S0 at a fixed scale so edits stay visible
     ws_init: str = "fan_in"  # workspace weights: "fan_in" (std 1/sqrt(fan_in), slots start alike) or "seed" (init_std)
     # --- what the workspace reads (SPEC §3 source bank; defaults are the seed's)
@@ -208,11 +206,6 @@ class PrismeConfig:
         return (self.bank_terms == ("residual",) and self.query_terms == ("residual",) and not self.bank_shift
                 and self.bank_key == "current" and self.controller_source is None and not self.controller_bank
                 and not self.controller_entropy)
-
-    @property
-    def uses_slot_kv_cache(self) -> bool:
-        """Whether the editor keeps the slot K/V cache (the optimised column counts it only then)."""
-        return self.optimised and self.slot_kv_cache
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> PrismeConfig:
@@ -373,18 +366,19 @@ PRESETS: dict[str, dict[str, Any]] = {
 # PrismeConfig fields added since schema version 1 was written, with the value that reproduces what a checkpoint
 # without them computed (the migration table): any other field missing from a config.json is an error, never a
 # silent default (a missing `bank_source` would rebuild another model).
-ADDED_CONFIG_FIELDS: dict[str, Any] = {"slot_kv_cache": False, "router": False, "router_ngram": 1, "key_shift": False,
-                                       "attn_window": None, "router_token": False, "bank_key": "current"}
+ADDED_CONFIG_FIELDS: dict[str, Any] = {"router": False, "router_ngram": 1, "key_shift": False, "attn_window": None,
+                                       "router_token": False, "bank_key": "current"}
 
 # Fields PrismeConfig had and no longer has, each with the value at which it changed nothing: they choose how a decode
-# state keeps the bank (`prisme.options.DecodeOptions`) and a controller's default price (`prisme.model.policy.Price`),
-# not the model.
+# state keeps the bank (`prisme.options.DecodeOptions`), how the editor runs (`prisme.options.ExecutionOptions`) and
+# a controller's default price (`prisme.model.policy.Price`), not the model.
 # A config dict that holds them (a checkpoint, an export or a study's record written before they moved) still reads:
 # `moved_fields` takes them out, and `prisme.checkpoint.load_checkpoint` gives the model it builds those at another
-# value (its `decode_options`, its `default_price`), so that it decodes and prices as before.
-MOVED_CONFIG_FIELDS: dict[str, Any] = {"bank_tables": False, "bank_store": "entries", "lambda_cost": 0.0,
-                                       "kappa_risk": 0.0}
+# value (its `decode_options`, `execution`, `default_price`), so that it decodes, runs and prices as before.
+MOVED_CONFIG_FIELDS: dict[str, Any] = {"bank_tables": False, "bank_store": "entries", "slot_kv_cache": False,
+                                       "lambda_cost": 0.0, "kappa_risk": 0.0}
 MOVED_TO = ("bank_tables and bank_store are DecodeOptions (`model.new_decode_state(..., options=DecodeOptions(...))`), "
+            "slot_kv_cache an ExecutionOptions (`model.set_execution(ExecutionOptions(slot_kv_cache=True))`), "
             "lambda_cost and kappa_risk a policy's prices (`Controller(lambda_cost=..., kappa_risk=...)`)")
 
 

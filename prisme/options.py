@@ -1,15 +1,17 @@
-"""Decode options: how a decode state keeps and serves the source bank, a runtime choice apart from the architecture
-(`PrismeConfig`). Every choice decodes the same numbers (tests/test_decode_tables.py, test_bank_ids.py); the cost
-model prices what each one computes (`prisme.costs.analytic.bank_ops`).
+"""Runtime options, apart from the architecture (`PrismeConfig`): how a decode state keeps and serves the source bank
+(`DecodeOptions`) and how the editor runs (`ExecutionOptions`: its slot K/V cache, compiling). Every choice computes
+the same numbers (tests/test_decode_tables.py, test_bank_ids.py, test_compiled_editor.py); the cost model prices what
+each one computes (`prisme.costs.analytic.bank_ops`, `action_editor_ops`).
 
     state = model.new_decode_state(8, options=DecodeOptions(bank_tables=True, bank_store="ids"))
+    model.set_execution(ExecutionOptions(compile="auto"))
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prisme.checks import check_fields
+from prisme.checks import COMPILE_SETTINGS, check_choice, check_fields, is_int
 from prisme.config import PrismeConfig
 
 BANK_STORES = ("entries", "ids")  # `DecodeOptions.bank_store`
@@ -63,3 +65,53 @@ class DecodeOptions:
 
 PROJECTED = DecodeOptions()
 """The default: every position's entry projected and kept (what a model decodes with unless it is given others)."""
+
+
+EDITOR_MODE = "default"  # `ExecutionOptions.compile_mode`: torch.compile's mode for the editor's graphs
+# Fewer active positions than this in one action group run the eager pass: below it the compiled graph's per-call
+# cost (guards, dynamic-size bookkeeping: ~1 ms on a 2-core x86 CPU) exceeds what it saves. Measured there (demo
+# preset, 1 thread, one single-slot action, bank of 128; eager vs compiled ms per call): N = 8 0.92 vs 1.93,
+# N = 64 2.53 vs 2.50, N = 128 4.17 vs 4.11, N = 256 12.9 vs 7.6 (scratch measurements, docs/benchmarks.md).
+MIN_POSITIONS = 128
+SLOT_KV_CACHE = "slot_kv_cache"  # the cost model's column of an optimised editor that keeps its slot K/V (`column`)
+
+
+@dataclass(frozen=True)
+class ExecutionOptions:
+    """How a model's editor runs, a runtime choice apart from the architecture: every choice computes the same numbers
+    (tests/test_compiled_editor.py, test_contracts.py). A model runs with `PrismeModel(cfg, ..., execution=...)` or
+    `model.set_execution(...)`; the editor reads them there and nowhere else (`SparseEditor`).
+
+    Args:
+        slot_kv_cache: with `cfg.optimised`, the editor keeps each position's slot K/V (a `SlotKV`) and projects only
+            the slots an action changes. Off by default: it does fewer ops but ran slower on CPU at every preset's
+            shape measured (docs/benchmarks.md), so the editor recomputes every slot's K/V, as the seed counts.
+        compile: "off" (the eager editor), "auto" (the editor's passes under torch.compile where it works, else eager
+            after one warning) or "strict" (a ValueError where it does not); `checks.COMPILE_SETTINGS`. A compiled
+            editor recomputes every slot's K/V (no slot K/V cache) and decodes a step on fixed-shape graphs.
+        compile_mode: torch.compile's mode of the editor's graphs.
+        min_positions: action groups with fewer active positions run the eager pass (`MIN_POSITIONS`).
+        static_decode: a compiled editor runs decode steps (one query per row) on fixed-shape graphs.
+    """
+
+    slot_kv_cache: bool = False
+    compile: str = "off"
+    compile_mode: str | None = EDITOR_MODE
+    min_positions: int = MIN_POSITIONS
+    static_decode: bool = True
+
+    def __post_init__(self) -> None:
+        check_fields(self, "ExecutionOptions: ")
+        check_choice("compile", self.compile, COMPILE_SETTINGS, "ExecutionOptions: ")
+        if not is_int(self.min_positions) or self.min_positions < 0:
+            raise ValueError(f"ExecutionOptions: min_positions must be an int >= 0, got {self.min_positions!r}")
+
+    def column(self, optimised: bool) -> bool | str:
+        """The cost model's column (`optimised` of `prisme.costs.analytic`) of a model of `cfg.optimised=optimised`
+        run with these options: False (the seed's accounting), True (the optimised modules) or `SLOT_KV_CACHE` (and
+        the editor's slot K/V cache)."""
+        return SLOT_KV_CACHE if optimised and self.slot_kv_cache else optimised
+
+
+EAGER = ExecutionOptions()
+"""The default: the eager editor, recomputing every slot's K/V."""

@@ -16,6 +16,7 @@ from prisme.config import PrismeConfig
 from prisme.costs.analytic import token_ops
 from prisme.costs.traces import trace_cost
 from prisme.model.policy import Forced
+from prisme.options import ExecutionOptions
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +127,7 @@ def test_build_models_share_weights_and_differ_only_in_optimised(cfg):
         b = models[other].state_dict()
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert models["opt"].cfg.optimised and not models["seed"].cfg.optimised
-    assert models["opt_kv"].cfg.uses_slot_kv_cache and not models["opt"].cfg.uses_slot_kv_cache
+    assert models["opt_kv"].editor.slot_kv_cache and not models["opt"].editor.slot_kv_cache
     assert float(models["opt"].readout.U.weight.detach().abs().sum()) > 0
 
 
@@ -154,10 +155,11 @@ def test_document_rows_analytic_columns_and_shares(doc, cfg):
             assert r["actions_per_row"] == counts
             contexts = [6 + i + 1 for _ in counts for i in range(2)]
             traces = None if acts is None else acts.repeat_interleave(2, 0)
-            pc = cfg.replace(slot_kv_cache=r["variant"] == "opt_kv")  # the model that ran
+            pc = ExecutionOptions(slot_kv_cache=r["variant"] == "opt_kv").column  # the editor that ran
             for column, optimised in (("analytic_ratio_seed", False), ("analytic_ratio_optimised", True)):
-                assert r[column] == pytest.approx(trace_cost(pc, traces, contexts, None, optimised).relative, 1e-12)
-            ran = trace_cost(pc, traces, contexts, None, r["variant"] in ("opt", "opt_kv", "-"))  # its own column
+                assert r[column] == pytest.approx(trace_cost(cfg, traces, contexts, None, pc(optimised)).relative,
+                                                  1e-12)
+            ran = trace_cost(cfg, traces, contexts, None, pc(r["variant"] in ("opt", "opt_kv", "-")))  # its own column
             assert r["analytic_ops_per_token"] == pytest.approx(ran.total_ops / ran.n_positions, 1e-12)
             if r["share_ratio"] is None:
                 assert r["row"] == "backbone_only" and r["analytic_ratio_seed"] == 1.0

@@ -208,7 +208,7 @@ def test_a_checkpoint_saved_by_the_flat_layout_loads_and_computes_the_same_logit
 
     expected = json.loads((FLAT / "expected.json").read_text())
     model, meta = prisme.load_model(FLAT / "ckpt_00000007")
-    assert meta.stage == "workspace" and meta.step == 7 and not model.cfg.slot_kv_cache
+    assert meta.stage == "workspace" and meta.step == 7 and not model.editor.slot_kv_cache
     tokens, actions = torch.tensor(expected["tokens"]), torch.tensor(expected["actions"])
     want = torch.tensor(expected["logits"], dtype=torch.float64)
     with torch.no_grad():
@@ -277,3 +277,39 @@ def test_a_checkpoint_written_before_decode_options_and_prices_moved_decodes_as_
     assert not torch.equal(lost[1], want[1]) and lost[2] != want[2]
     with pytest.raises(ValueError, match="lambda_cost"):  # the config alone cannot hold them
         PrismeConfig.from_dict({**model.cfg.to_dict(), **old})
+
+
+def test_a_checkpoint_written_with_the_slot_kv_cache_runs_with_it(tmp_path, monkeypatch):
+    """An older config.json holding `slot_kv_cache=True` loads into a model whose editor keeps the slot K/V cache, as
+    the same weights given `ExecutionOptions(slot_kv_cache=True)`: its rollouts carry a `SlotKV`, the matmul ops
+    counted on a forced pass and the logits equal the explicit option's (bitwise), and so do decoding's logits,
+    traces and generation's ops per token (the cost model's slot K/V column). Negative control: a reader that drops
+    the field loads a model that recomputes every slot's K/V (no SlotKV, other counted ops)."""
+    from prisme.costs.counting import OpsCounter
+    from prisme.model.editor import SlotKV
+    from prisme.options import ExecutionOptions
+
+    model, path = _written_before_the_move(tmp_path / "kv", slot_kv_cache=True)
+    assert ckpt.read_meta(path).moved == {"slot_kv_cache": True}
+    loaded, _ = ckpt.load_model(path)
+    assert loaded.execution == ExecutionOptions(slot_kv_cache=True) and loaded.editor.slot_kv_cache
+    explicit = PrismeModel(model.cfg, execution=ExecutionOptions(slot_kv_cache=True)).double().eval()
+    explicit.load_state_dict(model.state_dict())
+    tokens = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(4))
+    actions = torch.randint(0, model.cfg.n_actions, (2, 20, 2), generator=torch.Generator().manual_seed(5))
+
+    def forced(m: PrismeModel) -> tuple[torch.Tensor, dict[str, int], list]:
+        with torch.no_grad(), OpsCounter(m) as oc:
+            out = m(tokens, actions, return_state=True)
+        return out.logits, dict(oc.by_component), [info.slot_kv for info in out.infos]
+
+    got, want = forced(loaded), forced(explicit)
+    assert torch.equal(got[0], want[0]) and got[1] == want[1]
+    assert all(isinstance(kv, SlotKV) for kv in got[2] + want[2])
+    dec_got, dec_want = _decoded(loaded, tokens), _decoded(explicit, tokens)
+    assert torch.equal(dec_got[0], dec_want[0]) and torch.equal(dec_got[1], dec_want[1]) and dec_got[2] == dec_want[2]
+    monkeypatch.setattr(ckpt, "moved_fields", lambda d: ({k: v for k, v in d.items() if k != "slot_kv_cache"}, {}))
+    dropped, _ = ckpt.load_model(path)
+    lost = forced(dropped)
+    assert not dropped.editor.slot_kv_cache and all(kv is None for kv in lost[2])
+    assert lost[1] != want[1] and lost[1]["editor_slot_attn"] != want[1]["editor_slot_attn"]

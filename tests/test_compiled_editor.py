@@ -20,6 +20,7 @@ from prisme.config import PrismeConfig
 from prisme.model.compiled import CompiledEditor, compile_editor, uncompile_editor
 from prisme.model.policy import Controller
 from prisme.model.prisme import PrismeModel
+from prisme.options import ExecutionOptions
 
 TOL = {torch.float64: 1e-10}
 NEGATIVE_MIN = 1e-3
@@ -136,8 +137,7 @@ def test_small_groups_run_the_eager_pass_below_min_positions():
     """With the default threshold, a group of fewer active positions than `MIN_POSITIONS` runs eagerly (bitwise the
     eager editor), and nothing is compiled."""
     model, ref = make_model(torch.float64), make_model(torch.float64)
-    assert compile_editor(model)
-    model.editor.compiled.static_decode = False
+    assert model.set_execution(ExecutionOptions(compile="auto", static_decode=False))
     tokens = torch.randint(0, model.cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(3))
     acts, budget = forced_actions(model.cfg, 2, 6, 2)
     with torch.no_grad():
@@ -205,8 +205,11 @@ def test_no_compiler_gives_one_warning_and_the_eager_editor_or_a_value_error_whe
 def test_a_graph_that_fails_to_compile_reruns_eagerly_never_half_compiled(monkeypatch):
     """The first compiled call raises (as a compiler crash would): that call's result comes from the eager pass,
     with one warning, and every later call runs eagerly; strict mode raises ValueError instead."""
+    import prisme.model.compiled as pc
+
+    monkeypatch.setattr(pc, "_COMPILER_PROBE", "")  # torch.compile works here (the graph's own compile fails)
     model, ref_model = make_model(torch.float32), make_model(torch.float32)
-    model.editor.compiled = CompiledEditor(min_positions=0)
+    assert model.set_execution(ExecutionOptions(compile="auto", min_positions=0))
 
     def crash(*args, **kwargs):
         raise RuntimeError("backend compiler failed")
@@ -219,7 +222,7 @@ def test_a_graph_that_fails_to_compile_reruns_eagerly_never_half_compiled(monkey
     with torch.no_grad():
         assert torch.equal(out, ref_model(tokens, acts, budget).logits)
     assert model.editor.compiled.calls["compiled"] == 0 and model.editor.compiled.calls["eager"] > 0
-    model.editor.compiled = CompiledEditor(strict=True, min_positions=0)
+    assert model.set_execution(ExecutionOptions(compile="strict", min_positions=0))
     with torch.no_grad(), pytest.raises(ValueError, match="could not be compiled"):
         model(tokens, acts, budget)
 
@@ -266,3 +269,34 @@ def test_cli_compile_flag_choices(capsys):
     with pytest.raises(SystemExit):
         p.parse_args(["eval", "--checkpoint", "x", "--compile", "fast"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_compiling_and_the_slot_kv_cache_are_the_models_execution_options(monkeypatch):
+    """`compile_editor` and `uncompile_editor` set the model's `ExecutionOptions` (`PrismeModel.set_execution`, which
+    builds the editor's compiled pass; nothing compiles before a call), as `PrismeModel(cfg, execution=...)` does; the
+    decode plan reads them there: a compiled editor decodes a step on the static plan, an eager one with the slot K/V
+    cache takes the routed plan instead of the deployed budget-1 step. Bad options are ValueErrors naming the field."""
+    import prisme.model.compiled as pc
+    from prisme.model.policy import StepPolicy
+    from prisme.model.routed import decode_plan
+
+    monkeypatch.setattr(pc, "_COMPILER_PROBE", "")
+    model = make_model(torch.float32)
+    assert model.execution == ExecutionOptions() and model.editor.compiled is None
+    assert compile_editor(model, strict=True, min_positions=3)
+    assert model.execution == ExecutionOptions(compile="strict", min_positions=3) == model.editor.execution
+    assert isinstance(model.editor.compiled, CompiledEditor) and model.editor.compiled.min_positions == 3
+    uncompile_editor(model)
+    assert model.execution.compile == "off" and model.editor.compiled is None
+    built = PrismeModel(PrismeConfig.from_name("tiny", router=True), execution=ExecutionOptions(compile="auto"))
+    one = StepPolicy(max_budget=1)  # a controller policy of budget 1, one query per row
+    assert isinstance(built.editor.compiled, CompiledEditor) and decode_plan(built, one, 1) == "static"
+    built.set_execution(ExecutionOptions())
+    assert decode_plan(built, one, 1) == "budget1"
+    built.set_execution(ExecutionOptions(slot_kv_cache=True))
+    assert built.editor.slot_kv_cache and decode_plan(built, one, 1) == "routed"
+    for bad in (dict(compile="yes"), dict(slot_kv_cache=1), dict(min_positions=-1)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            ExecutionOptions(**bad)
+    with pytest.raises(ValueError, match="workspace"):
+        PrismeModel(PrismeConfig.from_name("tiny", use_workspace=False), execution=ExecutionOptions(compile="auto"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from prisme.config import PrismeConfig
 from prisme.model.bank import SourceBank
 from prisme.model.prisme import PrismeModel
 from prisme.model.workspace import absorb_stop, slots_of_action
+from prisme.options import ExecutionOptions
 
 torch.set_default_dtype(torch.float32)
 
@@ -40,9 +42,9 @@ sources = pytest.mark.parametrize("src", list(SOURCES))
 EDITOR_PATHS = ["kv", True, False]  # optimised with the slot K/V cache, optimised (the default), the seed's
 
 
-def editor_path(optimised: bool | str) -> dict[str, bool]:
-    """Config overrides of one of EDITOR_PATHS."""
-    return {"optimised": bool(optimised), "slot_kv_cache": optimised == "kv"}
+def editor_path(optimised: bool | str) -> dict[str, Any]:
+    """`tiny_model` arguments of one of EDITOR_PATHS: the config's `optimised`, the editor's execution options."""
+    return {"optimised": bool(optimised), "execution": ExecutionOptions(slot_kv_cache=optimised == "kv")}
 
 
 def make_model(seed: int = 0, **overrides) -> PrismeModel:
@@ -348,8 +350,9 @@ def test_property_forced_rollouts_keep_bypass_and_locality(B, T, M, R, optimised
     """For random shapes, slot counts, budgets and action sequences: idle positions are bit-identical to the backbone,
     and the reference and optimised editors agree to float64 precision."""
     torch.manual_seed(seed)
-    cfg = PrismeConfig.from_name("tiny", n_slots=M, **editor_path(optimised))
-    model = PrismeModel(cfg).double().eval()
+    path = editor_path(optimised)
+    cfg = PrismeConfig.from_name("tiny", n_slots=M, optimised=path["optimised"])
+    model = PrismeModel(cfg, execution=path["execution"]).double().eval()
     torch.nn.init.normal_(model.readout.U.weight, std=0.5)
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
@@ -360,7 +363,9 @@ def test_property_forced_rollouts_keep_bypass_and_locality(B, T, M, R, optimised
     with torch.no_grad():
         out = model(tokens, actions, budget=budget)
         ref = model.backbone.head(model.backbone(tokens))
-        twin = PrismeModel(cfg.replace(**editor_path(False if optimised else "kv"))).double().eval()
+        other_path = editor_path(False if optimised else "kv")
+        twin = PrismeModel(cfg.replace(optimised=other_path["optimised"]), execution=other_path["execution"])
+        twin = twin.double().eval()
         twin.load_state_dict(model.state_dict())
         other = twin(tokens, actions, budget=budget)
     idle = out.n_edits == 0

@@ -29,6 +29,7 @@ from prisme.costs.analytic import COMPONENTS
 from prisme.costs.counting import OpsCounter
 from prisme.model.outputs import EncodedContext, Rollout
 from prisme.model.prisme import PrismeModel
+from prisme.options import SLOT_KV_CACHE, ExecutionOptions
 
 SEED000 = json.loads((Path(__file__).parent / "data" / "seed000_costs.json").read_text())
 SEED_LAYOUT = {k: v for k, v in SEED000.items() if k != "brief_reference_459m_T4096"}  # a note, not the table
@@ -59,18 +60,19 @@ def run_cli(*argv: str) -> tuple[int, str]:
     return rc, buf.getvalue()
 
 
-OPT_MODES = [False, True, "kv"]  # the seed's accounting, cfg.optimised (the default), + cfg.slot_kv_cache
+OPT_MODES = [False, True, SLOT_KV_CACHE]  # the seed's accounting, cfg.optimised (the default), + the slot K/V cache
 OPT_IDS = ["seed", "optimised", "slot_kv_cache"]
 
 
 def make_model(variant: str, optimised: bool | str, seed: int = 0) -> PrismeModel:
-    """A float64 model whose weights depend only on (variant, seed), never on `optimised` (False, True, or "kv":
-    optimised with the slot K/V cache); U is non-zero."""
+    """A float64 model whose weights depend only on (variant, seed), never on `optimised` (the cost model's column:
+    False, True, or SLOT_KV_CACHE: optimised with the slot K/V cache, `ExecutionOptions(slot_kv_cache=True)`); U is
+    non-zero."""
     return tiny_model(seed, controller=False, **VARIANTS[variant], optimised=bool(optimised),
-                      slot_kv_cache=optimised == "kv")
+                      execution=ExecutionOptions(slot_kv_cache=optimised == SLOT_KV_CACHE))
 
 
-def model_pair(variant: str, seed: int = 0, optimised: bool | str = "kv") -> tuple[PrismeModel, PrismeModel]:
+def model_pair(variant: str, seed: int = 0, optimised: bool | str = SLOT_KV_CACHE) -> tuple[PrismeModel, PrismeModel]:
     """(reference, optimised) models holding the same weights (by default the optimised one keeps the slot K/V
     cache: the path with the most to get wrong)."""
     ref, opt = make_model(variant, False, seed), make_model(variant, optimised, seed + 1)
@@ -218,8 +220,8 @@ def test_prisme_459m_backbone_only_total_is_1296e9():
 def test_optimised_rows_of_prisme_103m_are_the_documented_values():
     """The optimised column with the slot K/V cache for prisme_103m at T = 512 (docs/costs.md) and its saving on the
     seed column."""
-    cfg = PrismeConfig.from_name("prisme_103m", slot_kv_cache=True)
-    seed, opt = costs.seed_rows(cfg, 512), costs.seed_rows(cfg, 512, optimised=True)
+    cfg = PrismeConfig.from_name("prisme_103m")
+    seed, opt = costs.seed_rows(cfg, 512), costs.seed_rows(cfg, 512, optimised=SLOT_KV_CACHE)
     assert {r: opt[r]["total"] for r in opt} == {
         "backbone_only": 217_880_064, "4_actions_k1": 266_533_376, "4_actions_k2": 287_640_064,
         "8_actions_k2": 340_227_584, "8_actions_dense16": 889_271_808}
@@ -228,7 +230,7 @@ def test_optimised_rows_of_prisme_103m_are_the_documented_values():
         "8_actions_dense16": 12_451_840}
     for r in opt:  # only the three optimised terms move
         assert {c for c in COMPONENTS if opt[r][c] != seed[r][c]} <= {"editor_slot_attn", "controller", "readout"}
-    default = costs.seed_rows(cfg.replace(slot_kv_cache=False), 512, optimised=True)  # the editor as the seed's
+    default = costs.seed_rows(cfg, 512, optimised=True)  # the editor as the seed's
     assert {r: seed[r]["total"] - default[r]["total"] for r in default} == {
         "backbone_only": 0, "4_actions_k1": 9_306_112, "4_actions_k2": 9_306_112, "8_actions_k2": 12_451_840,
         "8_actions_dense16": 12_451_840}
@@ -365,7 +367,7 @@ def test_editor_action_flops_tie_per_component(label, before, kind, variant, opt
     cfg = model.cfg
     ctx = one_position_ctx(model)
     S, slot_kv = ctx.S0, model.new_slot_kv(ctx.S0)
-    assert (slot_kv is not None) == (optimised == "kv")
+    assert (slot_kv is not None) == (optimised == SLOT_KV_CACHE)
     with torch.no_grad():
         for r, b in enumerate(before):
             S, info = model.apply_action(S, ctx, torch.tensor([[action_id(cfg, b, r)]]), r, 0, slot_kv)
@@ -374,10 +376,10 @@ def test_editor_action_flops_tie_per_component(label, before, kind, variant, opt
             model.apply_action(S, ctx, torch.tensor([[action_id(cfg, kind, 1)]]), len(before), 1, slot_kv)
     ready = bool(before) and before[-1] != "dense"
     k = {"k1": 1, "k2": 2, "dense": cfg.n_slots}[kind]
-    analytic = costs.action_editor_ops(cfg, k, T_CTX, bool(optimised), ready, dense=kind == "dense")
+    analytic = costs.action_editor_ops(cfg, k, T_CTX, optimised, ready, dense=kind == "dense")
     assert measured_vs_analytic(oc.by_component, analytic, cfg) == {}
-    if optimised == "kv" and kind != "dense":  # the cache state matters: first actions pay all M slots' K/V
-        assert ready or analytic["editor_slot_attn"] > costs.action_editor_ops(cfg, k, T_CTX, True, True,
+    if optimised == SLOT_KV_CACHE and kind != "dense":  # the cache state matters: first actions pay all M slots' K/V
+        assert ready or analytic["editor_slot_attn"] > costs.action_editor_ops(cfg, k, T_CTX, optimised, True,
                                                                                dense=False)["editor_slot_attn"]
 
 
@@ -685,7 +687,7 @@ def test_trace_cost_stop_is_absorbing():
 def test_trace_cost_is_monotone_in_budget_and_terms_sum_to_totals(optimised):
     """Fixed n x k and n DENSE traces cost strictly more at every extra action (both columns), controller rows too;
     components sum to the totals and backbone + workspace = total."""
-    cfg = PrismeConfig.from_name("prisme_103m", slot_kv_cache=optimised == "kv")
+    cfg = PrismeConfig.from_name("prisme_103m")
     for ids in ([0] * cfg.r_max, [cfg.n_slots] * cfg.r_max, [cfg.dense_action] * cfg.r_max):
         last_forced = last_ctrl = -1.0
         for n in range(cfg.r_max + 1):

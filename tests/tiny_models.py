@@ -7,19 +7,21 @@ import torch
 
 from prisme.config import PrismeConfig
 from prisme.model.prisme import PrismeModel
-from prisme.options import DecodeOptions
+from prisme.options import DecodeOptions, ExecutionOptions
 
 
 def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float64, controller: bool = True,
-               decode: DecodeOptions | None = None, **overrides) -> PrismeModel:
+               decode: DecodeOptions | None = None, execution: ExecutionOptions | None = None,
+               **overrides) -> PrismeModel:
     """`tiny` (with `overrides`) in eval mode, weights drawn after `torch.manual_seed(seed)`, decoding with `decode`
-    (`prisme.options.DecodeOptions`; None: the default, projected entries kept); with a workspace, the
+    (`prisme.options.DecodeOptions`; None: the default, projected entries kept) and running its editor as `execution`
+    says (`prisme.options.ExecutionOptions`; None: eager, no slot K/V cache); with a workspace, the
     readout's U ~ N(0, 0.5) (U starts at zero, which would hide every edit) and, if `controller`, every controller
     parameter ~ N(0, 0.3) (decisions that vary from position to position); with a router, its head ~ N(0, 0.5), the
     weight of its n-gram feature 1 and its bias -1.2 (it fires where the n-gram was seen before, and elsewhere at
     some positions only), and its token table (`router_token`) ~ N(0, 0.5)."""
     torch.manual_seed(seed)
-    model = PrismeModel(PrismeConfig.from_name("tiny", **overrides), decode).to(dtype).eval()
+    model = PrismeModel(PrismeConfig.from_name("tiny", **overrides), decode, None, execution).to(dtype).eval()
     if model.cfg.use_workspace:
         torch.nn.init.normal_(model.readout.U.weight, std=0.5)
         if controller:

@@ -237,7 +237,7 @@ def measure(shape: PlannedShape, batch: int, repeats: int, edit_rate: float, see
         out = generate(m, prompts, n_new, **policy)
         ctx = [p + i for p, row in zip(out.prompt_lengths, out.tokens) for i in range(len(row))]  # own contexts
         tc = trace_cost(m.cfg, torch.cat(out.actions) if policy else None, ctx,
-                        [s for row in out.controller_steps for s in row], m.cfg.optimised,
+                        [s for row in out.controller_steps for s in row], m.execution.column(m.cfg.optimised),
                         m.cfg.router and bool(policy), m.decode_options)  # as its decode state ran
         per = tc.per_token_by_component
         timer = PartTimer(m) if m.cfg.use_workspace else None

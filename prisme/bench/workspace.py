@@ -12,10 +12,10 @@ Protocol (SPEC §7, "same protocol for the workspace"), per preset and batch siz
     n_b = ceil((b + 1) n / B) actions and then STOP, with budget n_b, so rows stop at different steps and the editor
     gathers fewer positions at later steps (8 pairs at B = 8: 1, 2, ..., 8 actions);
   * models: the same weights run as `cfg.optimised=True` ("opt": folded readout; the default editor, which
-    recomputes every slot's K/V), with the slot K/V cache on too ("opt_kv": `cfg.slot_kv_cache=True`) and as
-    `cfg.optimised=False` ("seed": seed 000's accounting), so each saving of the optimised column shows in time. The
-    readout's U (zero at init, which would hide every edit from the logits) gets random weights, so the checks see
-    the workspace;
+    recomputes every slot's K/V), with the slot K/V cache on too ("opt_kv": `ExecutionOptions(slot_kv_cache=True)`)
+    and as `cfg.optimised=False` ("seed": seed 000's accounting), so each saving of the optimised column shows in
+    time. The readout's U (zero at init, which would hide every edit from the logits) gets random weights, so the
+    checks see the workspace;
   * timing: `bench.time_paths` (warmups, repeats, perf_counter_ns, inference_mode, gc off, path order rotated over
     every row x model of a batch size); one sample = N forced decode steps on a state prefilled once (untimed) and
     rewound to P before each run (`rewind`: exact, checked); the backbone step and LM head are timed apart inside
@@ -123,7 +123,7 @@ class RowResult:
 
 
 def _analytic(cfg: PrismeConfig, acts: torch.Tensor | None, batch: int, P: int, N: int,
-              optimised: bool, steps: int | None = None) -> tuple[float, float]:
+              optimised: bool | str, steps: int | None = None) -> tuple[float, float]:
     """(total, backbone) ops per token of decoding N tokens (or the first `steps`) at contexts P + 1 ... P + N."""
     n_steps = N if steps is None else steps
     contexts = [P + i + 1 for _ in range(batch) for i in range(n_steps)]  # row-major: row b, step i
@@ -226,10 +226,11 @@ def time_batch(models: dict[str, PrismeModel], batch: int, P: int, N: int, warmu
         bb50, ws50, mod50 = (percentiles(x)[0] for x in (bb[p.name], ws, mods))
         pc = p.model.cfg  # the ops of the path that ran: the compiled editor runs the seed's accounting
         acts = None if p.acts is None else p.acts[:, 0]  # [B, n]
-        total, backbone = _analytic(pc, acts, batch, P, N, pc.optimised)
+        column = p.model.execution.column  # the cost model's column, as the path's editor runs
+        total, backbone = _analytic(pc, acts, batch, P, N, column(pc.optimised))
         seed_total, _ = _analytic(pc, acts, batch, P, N, False)
-        opt_total, _ = _analytic(pc, acts, batch, P, N, True)
-        first_total, first_bb = _analytic(pc, acts, batch, P, N, pc.optimised, steps=1)
+        opt_total, _ = _analytic(pc, acts, batch, P, N, column(True))
+        first_total, first_bb = _analytic(pc, acts, batch, P, N, column(pc.optimised), steps=1)
         ws_ops = total - backbone
         has_ws = p.acts is not None
         rows.append(RowResult(
@@ -340,8 +341,9 @@ def run_workspace(presets: Sequence[str | PrismeConfig] = DEFAULT_PRESETS,
             "rows": {r: {"actions": SEED_ROWS[r][0], "slots_per_action": SEED_ROWS[r][1]} for r in ROWS},
             "dense_row": "n DENSE actions (id A + 1, all M slots); dense16 at M = 16",
             "models": "same weights as cfg.optimised=True (opt; the slot K/V cache off, the default), with "
-                      "cfg.slot_kv_cache=True too (opt_kv) and cfg.optimised=False (seed); with --compile also "
-                      "the seed model with its editor compiled (compiled: prisme.model.compiled.compile_editor, "
+                      "ExecutionOptions(slot_kv_cache=True) too (opt_kv) and cfg.optimised=False (seed); with "
+                      "--compile also the seed model with its editor compiled (compiled: "
+                      "prisme.model.compiled.compile_editor, "
                       "analytic ops of the seed column, compiled once in the warm-up runs)",
             "batch_gt_1_budgets": "row b takes ceil((b + 1) n / B) actions then STOP (budget = that count)",
             "prompt_tokens": o.prompt_len, "decoded_tokens": o.new_tokens, "warmups": o.warmups, "repeats": o.repeats,

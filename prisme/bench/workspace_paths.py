@@ -18,14 +18,16 @@ from prisme.evaluation.policies import forced_actions
 from prisme.model.policy import Forced
 from prisme.model.prisme import PrismeModel
 from prisme.model.state import DecodeState
+from prisme.options import ExecutionOptions
 
 ROWS = tuple(SEED_ROWS)  # backbone_only, 4_actions_k1, 4_actions_k2, 8_actions_k2, 8_actions_dense16
 VARIANTS = ("opt", "opt_kv", "seed")  # cfg.optimised True (slot K/V cache off / on) / False, same weights
 COMPILED = "compiled"  # with --compile: the seed model with its editor under torch.compile (prisme.model.compiled)
 PATHS = {"-": "backbone only (no source bank, no workspace)",
          "opt": "eager editor, every slot's K/V recomputed in every block; folded readout (cfg.optimised=True, the "
-                "default: slot_kv_cache=False)",
-         "opt_kv": "eager editor with the slot K/V cache, folded readout (cfg.optimised=True, slot_kv_cache=True)",
+                "default: no slot K/V cache)",
+         "opt_kv": "eager editor with the slot K/V cache, folded readout (cfg.optimised=True, "
+                   "ExecutionOptions(slot_kv_cache=True))",
          "seed": "eager editor, every slot's K/V recomputed in every block (cfg.optimised=False)",
          COMPILED: "compiled editor: fixed-shape decode graphs, every row padded in, the bank at capacity; seed "
                    "accounting (cfg.optimised=False)"}
@@ -34,7 +36,8 @@ PATHS = {"-": "backbone only (no source bank, no workspace)",
 # --------------------------------------------------------------------------------------------------------------- model
 def build_models(cfg: PrismeConfig, seed: int, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", compile: bool = False) -> dict[str, PrismeModel]:
-    """The same seeded, untrained weights as `{"opt": cfg.optimised=True, "opt_kv": ... and cfg.slot_kv_cache=True,
+    """The same seeded, untrained weights as `{"opt": cfg.optimised=True, "opt_kv": ... run with
+    ExecutionOptions(slot_kv_cache=True),
     "seed": cfg.optimised=False}`, eval mode.
 
     The readout's U (zero-initialised) gets N(0, init_std) weights, so edits reach the logits. The global RNG is
@@ -47,7 +50,7 @@ def build_models(cfg: PrismeConfig, seed: int, dtype: torch.dtype = torch.float3
         opt = PrismeModel(cfg.replace(optimised=True))
         torch.nn.init.normal_(opt.readout.U.weight, std=cfg.init_std)
         ref = PrismeModel(cfg.replace(optimised=False))
-        kv = PrismeModel(cfg.replace(optimised=True, slot_kv_cache=True))
+        kv = PrismeModel(cfg.replace(optimised=True), execution=ExecutionOptions(slot_kv_cache=True))
     ref.load_state_dict(opt.state_dict())
     kv.load_state_dict(opt.state_dict())
     models = {v: m.to(device=device, dtype=dtype).eval() for v, m in (("opt", opt), ("opt_kv", kv), ("seed", ref))}

@@ -16,7 +16,8 @@ Conventions (the seed's):
     projects the M slots of both states with W_r;
   * optimised accounting (`optimised=True`, what `cfg.optimised` models run): the controller projects the M slots
     and averages pairs (M w^2 instead of A w^2); the readout folds W_r into its query (2 w^2 once instead of
-    2 M w^2 per state). With `cfg.slot_kv_cache` too (`cfg.uses_slot_kv_cache`), slot K/V are computed once per
+    2 M w^2 per state). With the editor's slot K/V cache too (`optimised=SLOT_KV_CACHE`: `ExecutionOptions.column`
+    of a model whose execution keeps one), slot K/V are computed once per
     edited position (all M slots, every block: the first sparse action pays it), then only for the slots an action
     changes (its k slots in blocks >= 1, and a refresh of its k slots in every block after it); DENSE actions keep
     the seed's path and leave the position without a slot K/V cache. Without it the editor counts as the seed's.
@@ -32,7 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from prisme.config import PrismeConfig
-from prisme.options import PROJECTED, DecodeOptions
+from prisme.options import PROJECTED, SLOT_KV_CACHE, DecodeOptions
 
 COMPONENTS = ("backbone_linear", "backbone_attention", "lm_head", "bank_projection", "editor_source_attn",
               "editor_slot_attn", "editor_ffn", "editor_gate", "controller", "readout")
@@ -233,13 +234,14 @@ def _check_T(cfg: PrismeConfig, T: int) -> int:
     return int(T)
 
 
-def action_editor_ops(cfg: PrismeConfig, k: int, T: int, optimised: bool = False, slot_kv_ready: bool = True,
+def action_editor_ops(cfg: PrismeConfig, k: int, T: int, optimised: bool | str = False, slot_kv_ready: bool = True,
                       dense: bool | None = None) -> dict[str, int]:
     """Editor ops of one action of k slots at context T.
 
     Args:
         k: slots the action edits (1 single, 2 pair, M DENSE).
-        optimised: the optimised column; the editor's ops change only where `cfg.uses_slot_kv_cache`. A sparse
+        optimised: the column: False (the seed's), True (the optimised modules: the editor as the seed's) or
+            `SLOT_KV_CACHE` (and the editor's slot K/V cache: `ExecutionOptions.column`). There a sparse
             action whose position has no slot K/V cache yet (`slot_kv_ready=False`: its first sparse action, or the
             first after a DENSE one) projects all M slots in every block first; DENSE actions always take the
             seed's path.
@@ -248,7 +250,7 @@ def action_editor_ops(cfg: PrismeConfig, k: int, T: int, optimised: bool = False
     w, M, B_e = cfg.w, cfg.n_slots, cfg.n_edit_blocks
     dense = k == M if dense is None else dense
     per_slot_kv = 4 * w * w  # K and V projections of one slot
-    if optimised and cfg.slot_kv_cache and not dense:  # blocks >= 1 project the action's slots at their input;
+    if optimised == SLOT_KV_CACHE and not dense:  # blocks >= 1 project the action's slots at their input;
         # every block refreshes them after
         slot_kv = ((B_e - 1) * k + B_e * k + (0 if slot_kv_ready else B_e * M)) * per_slot_kv
     else:  # every block projects all M slots
@@ -349,14 +351,14 @@ def finish_row(row: dict[str, int], cfg: PrismeConfig) -> dict[str, int]:
 
 
 def token_ops(cfg: PrismeConfig, T: int, ks: Sequence[int] = (), controller_steps: int | None = None,
-              optimised: bool = False, dense: Sequence[bool] | None = None, router: bool = False,
+              optimised: bool | str = False, dense: Sequence[bool] | None = None, router: bool = False,
               decode: DecodeOptions = PROJECTED) -> dict[str, int]:
     """Ops for one generated token at context T whose workspace applied actions of `ks` slots each, in order.
 
     Args:
         ks: slots per applied action (empty: no edit).
         controller_steps: controller evaluations (default min(n + 1, r_max), the seed's rows; 0 for forced runs).
-        optimised: the optimised column; the slot K/V cache state is followed through the sequence of actions.
+        optimised: the column (`action_editor_ops`); the slot K/V cache's state is followed through the actions.
         dense: per action, whether it is DENSE (default: k == M).
         router: the router decided step 0 (`cfg.router` policies): the position pays the router and the bank
             whether it edits or not; `controller_steps` then counts the controller's evaluations from step 1 on.
@@ -390,7 +392,7 @@ def token_ops(cfg: PrismeConfig, T: int, ks: Sequence[int] = (), controller_step
         for name, v in action_editor_ops(cfg, k, T, optimised, ready, is_dense).items():
             row[name] = row.get(name, 0) + v
         ready = not is_dense
-    row["controller"] = steps * controller_step_ops(cfg, optimised)
+    row["controller"] = steps * controller_step_ops(cfg, bool(optimised))
     if steps > 0 and cfg.controller_source is not None:
         row["controller_input"] = controller_input_ops(cfg)
     if steps > 0 and cfg.controller_bank:
@@ -398,11 +400,11 @@ def token_ops(cfg: PrismeConfig, T: int, ks: Sequence[int] = (), controller_step
     if steps > 0 and cfg.controller_entropy:
         row["controller_entropy"] = controller_entropy_ops(cfg)
     if n > 0:
-        row["readout"] = readout_ops(cfg, optimised)
+        row["readout"] = readout_ops(cfg, bool(optimised))
     return finish_row(row, cfg)
 
 
-def seed_rows(cfg: PrismeConfig, T: int, optimised: bool = False) -> dict[str, dict[str, int]]:
+def seed_rows(cfg: PrismeConfig, T: int, optimised: bool | str = False) -> dict[str, dict[str, int]]:
     """The five rows of seed 000 for any config (dense16 = n DENSE actions of all M slots)."""
     rows = {}
     for name, (n, k) in SEED_ROWS.items():
@@ -413,13 +415,13 @@ def seed_rows(cfg: PrismeConfig, T: int, optimised: bool = False) -> dict[str, d
     return rows
 
 
-def action_cost_proxy(cfg: PrismeConfig, T: int | None = None, optimised: bool = False) -> list[float]:
+def action_cost_proxy(cfg: PrismeConfig, T: int | None = None, optimised: bool | str = False) -> list[float]:
     """Per controller action: (editor ops of that action + one controller step) / backbone-only total, at T
     (default `cfg.cost_context`). This is the price vector the controller's `select` uses (`model.action_cost`,
     seed column). The optimised column prices an action on a position that already holds its slot K/V cache."""
     T = _check_T(cfg, cfg.cost_context if T is None else T)
     base = sum(backbone_ops(cfg, T).values())
-    step = controller_step_ops(cfg, optimised)
+    step = controller_step_ops(cfg, bool(optimised))
     out = []
     for a in range(cfg.n_actions):
         k = 1 if a < cfg.n_slots else 2
@@ -427,20 +429,20 @@ def action_cost_proxy(cfg: PrismeConfig, T: int | None = None, optimised: bool =
     return out
 
 
-def cost_table(cfg: PrismeConfig, T: int, optimised: bool = False) -> dict[str, Any]:
+def cost_table(cfg: PrismeConfig, T: int, optimised: bool | str = False) -> dict[str, Any]:
     """Seed 000's JSON layout: config, T, assumptions, rows (five named rows), action_cost_proxy."""
     T = _check_T(cfg, T)
     return {"config": cfg.name, "T": T, "assumptions": SEED_ASSUMPTIONS if not optimised
-            else OPTIMISED_ASSUMPTIONS + (SLOT_KV_ASSUMPTIONS if cfg.slot_kv_cache else ""),
+            else OPTIMISED_ASSUMPTIONS + (SLOT_KV_ASSUMPTIONS if optimised == SLOT_KV_CACHE else ""),
             "rows": seed_rows(cfg, T, optimised), "action_cost_proxy": action_cost_proxy(cfg, T, optimised)}
 
 
-def cost_document(cfg: PrismeConfig, T: int, optimised: bool = False) -> dict[str, Any]:
+def cost_document(cfg: PrismeConfig, T: int, optimised: bool | str = False) -> dict[str, Any]:
     """What `prisme costs --json` prints: `cost_table` (the seed column), plus, with `optimised`, the optimised
     column as `optimised_rows`, `optimised_action_cost_proxy` and `optimised_assumptions` next to it."""
     doc = cost_table(cfg, T)
     if optimised:
-        opt = cost_table(cfg, T, optimised=True)
+        opt = cost_table(cfg, T, optimised=optimised)
         doc["optimised_rows"] = opt["rows"]
         doc["optimised_action_cost_proxy"] = opt["action_cost_proxy"]
         doc["optimised_assumptions"] = opt["assumptions"]

@@ -9,6 +9,7 @@ from typing import Any
 
 from prisme.config import PrismeConfig
 from prisme.costs.analytic import cost_document
+from prisme.options import ExecutionOptions
 
 
 # ---------------------------------------------------------------------- CLI
@@ -51,8 +52,8 @@ def costs_cli(args: argparse.Namespace) -> int:
     """`prisme costs --preset NAME [--context T] [--json] [--optimised [--slot-kv-cache]]`."""
     if args.slot_kv_cache and not args.optimised:
         raise ValueError("--slot-kv-cache prices the optimised column's editor: pass --optimised too")
-    cfg = PrismeConfig.from_name(args.preset, **({"slot_kv_cache": True} if args.slot_kv_cache else {}))
+    cfg = PrismeConfig.from_name(args.preset)
     T = cfg.cost_context if args.context is None else args.context
-    doc = cost_document(cfg, T, optimised=args.optimised)
+    doc = cost_document(cfg, T, optimised=ExecutionOptions(slot_kv_cache=args.slot_kv_cache).column(args.optimised))
     print(json.dumps(doc, indent=2) if args.json else format_table(doc))
     return 0

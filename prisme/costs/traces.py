@@ -38,7 +38,7 @@ class TraceCost:
 
 
 def trace_cost(cfg: PrismeConfig, actions: Any, contexts: Any, controller_steps: Any = None,
-               optimised: bool = False, router: bool = False, decode: DecodeOptions = PROJECTED) -> TraceCost:
+               optimised: bool | str = False, router: bool = False, decode: DecodeOptions = PROJECTED) -> TraceCost:
     """Cost of actual traces by SPEC §6's rules.
 
     Args:
@@ -124,7 +124,7 @@ def _kinds(cfg: PrismeConfig, acts: torch.Tensor) -> torch.Tensor:
 
 
 def position_ops(cfg: PrismeConfig, context: int, actions: list[int] | None, controller_steps: int = 0,
-                 optimised: bool = False, router: bool = False, decode: DecodeOptions = PROJECTED) -> int:
+                 optimised: bool | str = False, router: bool = False, decode: DecodeOptions = PROJECTED) -> int:
     """`trace_cost(cfg, [actions], [context], [controller_steps], optimised, router, decode).total_ops` of one
     position, from Python ints (no tensor work: what generation prices once per token)."""
     stop, dense_id, A, M = cfg.stop_action, cfg.dense_action, cfg.n_actions, cfg.n_slots
@@ -147,14 +147,15 @@ def position_ops(cfg: PrismeConfig, context: int, actions: list[int] | None, con
 
 class TokenPricer:
     """`position_ops` of generated positions (what `prisme.generate` reports per token) in a decode state with options
-    `decode`, memoised on (bypass, options, context, trace, controller steps) per model and config (they depend on
-    nothing else), so that later calls price a token by one dict lookup. `max_budget == 0` prices the bypass (the
-    backbone alone)."""
+    `decode`, memoised on (bypass, options, the model's cost column, context, trace, controller steps) per model and
+    config (they depend on nothing else), so that later calls price a token by one dict lookup. `max_budget == 0`
+    prices the bypass (the backbone alone)."""
 
     MAX_MEMO = 1 << 16  # entries kept per model (contexts x traces seen); cleared when full
 
     def __init__(self, model: Any, max_budget: int, decode: DecodeOptions = PROJECTED):
         self.cfg, self.bypass, self.decode = model.cfg, max_budget == 0, decode
+        self.column = model.execution.column(model.cfg.optimised)  # the cost model's column of what it runs
         cfg, memo = model.__dict__.get("_position_ops_memo", (None, None))
         if cfg is not model.cfg or len(memo) > self.MAX_MEMO:
             memo = {}
@@ -162,9 +163,9 @@ class TokenPricer:
         self.memo: dict[tuple, int] = memo
 
     def __call__(self, context: int, actions: list[int], steps: int) -> int:
-        key = (self.bypass, self.decode, context, tuple(actions), steps)
+        key = (self.bypass, self.decode, self.column, context, tuple(actions), steps)
         ops = self.memo.get(key)
         if ops is None:  # `trace_cost` of the one position, from its ints
             ops = self.memo[key] = position_ops(self.cfg, context, None if self.bypass else actions, steps,
-                                                self.cfg.optimised, self.cfg.router, self.decode)
+                                                self.column, self.cfg.router, self.decode)
         return ops

@@ -147,7 +147,8 @@ def _calibrate(model: PrismeModel, tokens: torch.Tensor, lengths: list[int], max
     stop_all = torch.full((N, max_budget), cfg.stop_action, dtype=torch.long)
     steps0 = torch.full((N,), 0 if cfg.router else 1, dtype=torch.long)  # the router decides step 0 alone
     decode = model.decode_options  # what generation's decode state runs with
-    floor = trace_cost(cfg, stop_all, contexts, steps0, cfg.optimised, cfg.router, decode).relative
+    column = model.execution.column(cfg.optimised)  # the cost model's column of what it runs
+    floor = trace_cost(cfg, stop_all, contexts, steps0, column, cfg.router, decode).relative
     if target_cost < floor * (1 - rel_tol):
         raise ValueError(f"target_cost={target_cost} is below the cheapest controller policy's cost {floor:.6f} "
                          f"(every position stopping at once); use max_budget=0 for the backbone alone")
@@ -155,7 +156,7 @@ def _calibrate(model: PrismeModel, tokens: torch.Tensor, lengths: list[int], max
 
     def cost_at(lam: float) -> float:
         out = model.forward_policy(tokens, max_budget, lambda_cost=lam, kappa_risk=kappa_risk)
-        rel = trace_cost(cfg, out.actions[valid], contexts, out.controller_steps[valid], cfg.optimised, cfg.router,
+        rel = trace_cost(cfg, out.actions[valid], contexts, out.controller_steps[valid], column, cfg.router,
                          decode).relative
         probes.append((lam, rel))
         return rel
@@ -336,7 +337,7 @@ def _collect(run: _Run) -> GenerationOutput:
     actions = [torch.stack(a) for a in acts]  # [n_b, R] each
     flat = None if run.max_budget == 0 else torch.cat(actions)
     cost = trace_cost(cfg, flat, [c for row in contexts for c in row], [s for row in steps for s in row],
-                      cfg.optimised, cfg.router, run.model.decode_options)  # the options its decode state ran with
+                      run.model.execution.column(cfg.optimised), cfg.router, run.model.decode_options)  # as it ran
     return GenerationOutput(tokens=toks, prompt_lengths=list(run.lengths), actions=actions, n_edits=n_edits,
                             controller_steps=steps, ops=ops, relative_cost=cost.relative, lambda_cost=run.lambda_cost,
                             finish_reasons=reasons, calibration=run.calibration)

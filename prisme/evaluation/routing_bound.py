@@ -145,7 +145,7 @@ def oracle_routed_bound(model: PrismeModel, dataset, references: dict[str, Prism
         routed = torch.zeros(N, dtype=torch.bool)
         routed[order[:k]] = True
         trace = torch.where(routed, a, stop).unsqueeze(-1)  # [N, 1]
-        rel = trace_cost(price_cfg, trace, ctx, optimised=cfg.optimised, router=True,
+        rel = trace_cost(price_cfg, trace, ctx, optimised=model.execution.column(cfg.optimised), router=True,
                          decode=model.decode_options).total_ops / bb_ops
         loss_pos = b - d * routed
         gap = gap_to_frontier(per_seq(loss_pos), n_tok, envelope, rel, o.bootstrap_samples, o.bootstrap_seed)

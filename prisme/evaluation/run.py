@@ -373,8 +373,8 @@ def _finish_rows(model: PrismeModel, plan: list[Row], accs: dict[str, _Acc], opt
             raise ValueError(f"policy {p.name}: non-finite validation loss {loss}")
         own_cfg = p.policy.priced_by(model)
         decode = model.decode_options if own_cfg is cfg else PROJECTED  # as this model decodes
-        own = acc.cost(own_cfg, cfg.optimised, decode)
-        alt = acc.cost(own_cfg, not cfg.optimised, decode)
+        own = acc.cost(own_cfg, model.execution.column(cfg.optimised), decode)
+        alt = acc.cost(own_cfg, model.execution.column(not cfg.optimised), decode)
         if own_cfg is not cfg:  # another model: relative to this model's backbone on the same positions
             base_ops = acc.cost(cfg, cfg.optimised).backbone_ops
             rel, rel_alt = own.total_ops / base_ops, alt.total_ops / base_ops

@@ -31,16 +31,16 @@ import itertools
 import types
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from prisme.checks import is_int
 from prisme.model import attention as attn
 from prisme.model.attention import CacheStep, KVCache
 from prisme.model.backbone import Backbone, check_tokens
 from prisme.model.editor import blocks_pass
+from prisme.options import EDITOR_MODE, MIN_POSITIONS, ExecutionOptions
 
 DEFAULT_MODE = "max-autotune-no-cudagraphs"
 CUDA_MODE = "max-autotune"  # on CUDA the step also runs as a CUDA graph: one launch instead of one per kernel
@@ -275,20 +275,13 @@ def compile_decode(backbone: Backbone, batch_size: int, max_len: int | None = No
 
 
 # ------------------------------------------------------------------------------------------------ the workspace editor
-EDITOR_MODE = "default"
-# Fewer active positions than this in one action group run the eager pass: below it the compiled graph's per-call
-# cost (guards, dynamic-size bookkeeping: ~1 ms on a 2-core x86 CPU) exceeds what it saves. Measured there (demo
-# preset, 1 thread, one single-slot action, bank of 128; eager vs compiled ms per call): N = 8 0.92 vs 1.93,
-# N = 64 2.53 vs 2.50, N = 128 4.17 vs 4.11, N = 256 12.9 vs 7.6 (scratch measurements, docs/benchmarks.md).
-MIN_POSITIONS = 128
-
-
 class CompiledEditor:
     """`editor.blocks_pass` (one action group through every editor block) under `torch.compile`, one compiled
     function per (group size k, bank layout, autograd on/off), each with dynamic sizes (positions N, bank length Tb,
     rows B), so the number of graphs is bounded: at most a few per key, whatever the batch, budget or context.
 
-    Installed by `compile_editor`; `SparseEditor.forward` then routes every action group through it, on the
+    Built from a model's `ExecutionOptions` (`compile`, `compile_mode`, `min_positions`: `editor_for`, which
+    `PrismeModel.set_execution` calls); `SparseEditor.forward` then routes every action group through it, on the
     seed-accounting path (each block recomputes the K/V of all M slots of an edited position, inside one graph: the
     slot K/V cache is neither read nor kept). Its first call per key compiles; if that fails (no C++ compiler, an
     unsupported op), the editor falls back to the eager `blocks_pass` for the rest of the process with one warning,
@@ -299,10 +292,8 @@ class CompiledEditor:
 
     source: Callable[..., Any] | None = None  # what is compiled (None: `editor.blocks_pass`); `prisme.faults` swaps it
 
-    def __init__(self, mode: str | None = EDITOR_MODE, strict: bool = False, min_positions: int = MIN_POSITIONS,
-                 static_decode: bool = True):
+    def __init__(self, mode: str | None = EDITOR_MODE, strict: bool = False, min_positions: int = MIN_POSITIONS):
         self.mode, self.strict, self.min_positions = mode, strict, min_positions
-        self.static_decode = static_decode  # decode steps (one query per row) on fixed-shape graphs: `static`
         self.cpp_wrapper = False  # the fixed-shape graphs' kernels called from generated C++ (see compile_options)
         self.graphs: dict[tuple[int, bool, bool], Callable[..., Any]] = {}
         self.failed: str | None = None
@@ -377,31 +368,37 @@ def _probe(x: torch.Tensor) -> torch.Tensor:
 _COMPILER_PROBE: str | None = None
 
 
+def editor_for(execution: ExecutionOptions) -> CompiledEditor | None:
+    """The `CompiledEditor` that `execution.compile` asks for, or None: "off", or where torch.compile cannot work (no
+    C++ compiler, ...): then one warning and the eager editor ("auto"), or a ValueError ("strict")."""
+    if execution.compile == "off":
+        return None
+    why = compiler_available()
+    if why is not None:
+        if execution.compile == "strict":
+            raise ValueError(f"--compile: torch.compile does not work here ({why})")
+        warnings.warn(f"prisme: torch.compile does not work here ({why}); the editor runs eagerly", stacklevel=3)
+        return None
+    return CompiledEditor(execution.compile_mode, execution.compile == "strict", execution.min_positions)
+
+
 def compile_editor(model: Any, mode: str | None = EDITOR_MODE, strict: bool = False,
                    min_positions: int = MIN_POSITIONS) -> bool:
-    """Route `model`'s editor through a `CompiledEditor` (see there). Returns True if it compiles here.
+    """`model.set_execution` with its execution options' `compile` set ("strict" with `strict`, else "auto"): the
+    editor under a `CompiledEditor` (see there). Returns True if it compiles here.
 
     Where torch.compile cannot work (no C++ compiler, ...), prints nothing, leaves the eager editor and returns False
     after one warning; with `strict`, raises `ValueError` instead. `uncompile_editor` undoes it.
     """
     if getattr(model, "editor", None) is None:
         raise ValueError("compile_editor needs a model with a workspace (use_workspace=True)")
-    why = compiler_available()
-    if why is not None:
-        if strict:
-            raise ValueError(f"--compile: torch.compile does not work here ({why})")
-        warnings.warn(f"prisme: torch.compile does not work here ({why}); the editor runs eagerly", stacklevel=2)
-        return False
-    if not is_int(min_positions) or min_positions < 0:
-        raise ValueError(f"min_positions must be an int >= 0, got {min_positions!r}")
-    model.editor.compiled = CompiledEditor(mode, strict, min_positions)
-    return True
+    return model.set_execution(replace(model.execution, compile="strict" if strict else "auto", compile_mode=mode,
+                                       min_positions=min_positions))
 
 
 def uncompile_editor(model: Any) -> None:
-    """Back to the eager editor (and its slot K/V cache where `cfg.optimised`)."""
-    model.editor.compiled = None
-
+    """Back to the eager editor (and its slot K/V cache where the model's execution options keep one)."""
+    model.set_execution(replace(model.execution, compile="off"))
 
 
 def maybe_compile(model: Any, how: str | None) -> bool:

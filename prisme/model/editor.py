@@ -11,10 +11,11 @@ each pre-norm and residual, with step and remaining-budget embeddings added to e
 gate per block: g = sigmoid(w_g . norm(x_in) + b_g), x_out = x_in + g (x - x_in).
 
 Work follows the edits: the editor gathers the chosen slots of active positions, never computes every slot and
-masks. With `cfg.uses_slot_kv_cache` (`optimised` and `slot_kv_cache`), the slot K/V of sub-block (b) are kept in a
-`SlotKV` cache and recomputed only for the slots an action changed (the seed's accounting, the default, recomputes
-all M slots in every block: on CPU the cache's extra gathers and scatters cost more time than its projections
-save); DENSE actions, which change every slot, take the seed's path and leave the cache stale for that position.
+masks. Where the model's `ExecutionOptions` keep a slot K/V cache (`slot_kv_cache`, with `cfg.optimised`:
+`SparseEditor.slot_kv_cache`), the slot K/V of sub-block (b) are kept in a `SlotKV` cache and recomputed only for the
+slots an action changed (the seed's accounting, the default, recomputes all M slots in every block: on CPU the cache's
+extra gathers and scatters cost more time than its projections save); DENSE actions, which change every slot, take
+the seed's path and leave the cache stale for that position.
 
 Contracts: slots outside the action are bitwise unchanged; S, K, V and the bank mask are never written.
 """
@@ -22,6 +23,7 @@ Contracts: slots outside the action are bitwise unchanged; S, K, V and the bank 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -31,6 +33,7 @@ from prisme.config import PrismeConfig
 from prisme.model.attention import RMSNorm, linear
 from prisme.model.backbone import apply_norm
 from prisme.model.workspace import action_groups, group_first_actions
+from prisme.options import EAGER, ExecutionOptions
 
 
 @dataclass
@@ -246,7 +249,19 @@ class SparseEditor(nn.Module):
         self.register_buffer("act_slots", slots, persistent=False)  # [A+2, M]
         self.group_sizes = sizes
         self.group_first = group_first_actions(cfg)
-        self.compiled = None  # a compiled `blocks_pass` (`prisme.model.compiled.compile_editor`), or None: eager
+        self.execution: ExecutionOptions = EAGER  # how it runs (`set_execution`)
+        self.compiled = None  # the compiled `blocks_pass` they ask for (`prisme.model.compiled.editor_for`), or None
+
+    def set_execution(self, execution: ExecutionOptions, compiled: Any = None) -> None:
+        """Run as `execution` says, with `compiled` (a `prisme.model.compiled.CompiledEditor`, what its `compile`
+        built: `PrismeModel.set_execution`) or None (eager)."""
+        self.execution, self.compiled = execution, compiled
+
+    @property
+    def slot_kv_cache(self) -> bool:
+        """Whether edits keep a slot K/V cache (`PrismeModel.new_slot_kv`): the optimised editor with the option on.
+        A compiled editor recomputes every slot's K/V and reads none."""
+        return self.cfg.optimised and self.execution.slot_kv_cache
 
     def _apply(self, fn, *args, **kwargs):  # the tables are derived from the config: valid after `to_empty` too
         out = super()._apply(fn, *args, **kwargs)
@@ -275,7 +290,7 @@ class SparseEditor(nn.Module):
         if sum(counts[1:]) == 0:
             return S, EditInfo(0, [], slot_kv)
         dense_group = len(self.group_sizes) - 1
-        if self.compiled is not None and self.compiled.static_decode and bank_mask.shape[1] == 1 and S.shape[1] == 1:
+        if self.compiled is not None and self.execution.static_decode and bank_mask.shape[1] == 1 and S.shape[1] == 1:
             return self._padded_forward(S, (K, V, bank_mask), action, step, remaining, (group, counts))
         if slot_kv is not None and sum(counts[1:-1]):  # DENSE rewrites every slot: no cache to reuse
             slot_kv = self._fill_slot_kv(S, slot_kv, (group >= 0) & (group != dense_group))

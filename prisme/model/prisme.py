@@ -35,21 +35,22 @@ from prisme.model.readout import DifferentialReadout
 from prisme.model.router import Router, ngram_seen, ngram_seen_at
 from prisme.model.state import DecodeState
 from prisme.model.workspace import absorb_stop, bank_mask, check_cost, check_forced, init_workspace, slot_counts
-from prisme.options import DecodeOptions
+from prisme.options import EAGER, DecodeOptions, ExecutionOptions
 
 
 class PrismeModel(ParameterGroups, nn.Module):
-    """The model of `cfg`. Two runtime defaults ride along, apart from the architecture: `decode_options`, how a decode
-    state keeps the bank unless it is given its own (`new_decode_state`), and `default_price`, what a controller given
-    no price runs at (0.0 each; a checkpoint whose config still set them gives them to the model it loads)."""
+    """The model of `cfg`. Runtime choices ride along, apart from the architecture: `decode_options`, how a decode
+    state keeps the bank unless it is given its own (`new_decode_state`), `default_price`, what a controller given
+    no price runs at (0.0 each), and `execution`, how the editor runs (`set_execution`: its slot K/V cache,
+    compiling); a checkpoint whose config still set them gives them to the model it loads."""
 
     def __init__(self, cfg: PrismeConfig, decode_options: DecodeOptions | None = None,
-                 default_price: Price | None = None):
+                 default_price: Price | None = None, execution: ExecutionOptions | None = None):
         super().__init__()
         cfg.validate()
         self.cfg = cfg
         for name, v, kind in (("decode_options", decode_options, DecodeOptions),
-                              ("default_price", default_price, Price)):
+                              ("default_price", default_price, Price), ("execution", execution, ExecutionOptions)):
             if v is not None and not isinstance(v, kind):
                 raise ValueError(f"{name} must be a {kind.__module__}.{kind.__name__} or None, got {type(v).__name__}")
         self.decode_options = (DecodeOptions() if decode_options is None else decode_options).check(cfg)
@@ -81,6 +82,26 @@ class PrismeModel(ParameterGroups, nn.Module):
             self.register_buffer("action_cost", torch.tensor(action_cost_proxy(cfg)), persistent=False)  # [A]
             if cfg.router:  # built last: every other weight is drawn as without it
                 self.router = Router(cfg)
+        self.set_execution(EAGER if execution is None else execution)
+
+    def set_execution(self, execution: ExecutionOptions) -> bool:
+        """Run the editor as `execution` (`prisme.options.ExecutionOptions`) says: with or without its slot K/V cache,
+        eager or compiled (a `CompiledEditor` built here: `prisme.model.compiled.editor_for`; where torch.compile
+        cannot work, one warning and the eager editor, or a ValueError for compile="strict"). Returns whether the
+        editor now runs compiled."""
+        if not isinstance(execution, ExecutionOptions):
+            raise ValueError(f"execution must be a prisme.options.ExecutionOptions, got {type(execution).__name__}")
+        if execution.compile != "off" and not self.cfg.use_workspace:
+            raise ValueError("compiling the editor needs a model with a workspace (use_workspace=True)")
+        compiled = None
+        if execution.compile != "off":
+            from prisme.model.compiled import editor_for
+
+            compiled = editor_for(execution)
+        self.execution = execution
+        if self.cfg.use_workspace:
+            self.editor.set_execution(execution, compiled)
+        return compiled is not None
 
     def _init_std(self, module: nn.Module, name: str, p: nn.Parameter) -> float:
         """"seed": every matrix at init_std. "fan_in": the bank, editor and readout projections at 1/sqrt(fan_in),
@@ -226,8 +247,8 @@ class PrismeModel(ParameterGroups, nn.Module):
 
     # ------------------------------------------------------------------ one action, readout
     def new_slot_kv(self, S0: torch.Tensor) -> SlotKV | None:
-        """The editor's slot K/V cache for a fresh workspace (None unless `cfg.optimised and cfg.slot_kv_cache`)."""
-        return SlotKV.empty(S0, self.cfg.n_edit_blocks) if self.cfg.uses_slot_kv_cache else None
+        """The editor's slot K/V cache for a fresh workspace (None unless the editor keeps one: its `slot_kv_cache`)."""
+        return SlotKV.empty(S0, self.cfg.n_edit_blocks) if self.editor.slot_kv_cache else None
 
     def apply_action(self, S: torch.Tensor, ctx: EncodedContext, action: torch.Tensor, step: int | torch.Tensor,
                      remaining: int | torch.Tensor, slot_kv: SlotKV | None = None) -> tuple[torch.Tensor, EditInfo]:

@@ -91,10 +91,11 @@ def decode_plan(model, ws: StepPolicy, Q: int) -> str:
     Every plan computes what `forward_policy` (or `forward`, for forced actions) computes at those positions."""
     if ws.n_steps == 0:
         return "bypass"
-    cfg, compiled = model.cfg, model.editor.compiled
-    static = compiled is not None and compiled.static_decode
-    if ws.actions is None and cfg.router and not static:
-        eager = compiled is None and not cfg.uses_slot_kv_cache
+    editor = model.editor  # its execution options: compiled or not, with or without a slot K/V cache
+    compiled = editor.compiled is not None
+    static = compiled and editor.execution.static_decode
+    if ws.actions is None and model.cfg.router and not static:
+        eager = not compiled and not editor.slot_kv_cache
         return "budget1" if Q == 1 and ws.max_budget == 1 and eager else "routed"
     return "static" if Q == 1 and static else "general"
 
