@@ -293,8 +293,8 @@ def decode_one_token(model: PrismeModel, script: int, budget: int):
             ctx = EncodedContext(H=st.H, K=torch.cat([K_prev, K], 1), V=torch.cat([V_prev, V], 1), z=z,
                                  bank_mask=torch.ones(1, 1, T_CTX, dtype=torch.bool), S0=S0,
                                  ctrl_in=model.controller_stream(st),
-                                 router_seen=model.router_seen(tokens, torch.tensor([[T_CTX - 1]])),
-                                 router_tok=model.router_tok(tokens, torch.tensor([[T_CTX - 1]])))
+                                 router_seen=model.router_inputs(tokens, torch.tensor([[T_CTX - 1]]))[0],
+                                 router_tok=model.router_inputs(tokens, torch.tensor([[T_CTX - 1]]))[1])
             roll = model.rollout_policy(ctx, budget, model.action_cost, lambda_cost=0.0)
             model.logits_from_state(roll.S, ctx, roll.n_edits > 0)
     del model.router.select

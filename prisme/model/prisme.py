@@ -30,9 +30,9 @@ from prisme.model.controller import ValueController
 from prisme.model.editor import EditInfo, SlotKV, SparseEditor
 from prisme.model.groups import ParameterGroups
 from prisme.model.outputs import EncodedContext, PrismeOutput, Rollout, Streams
-from prisme.model.policy import Price
+from prisme.model.policy import Price, StepPolicy
 from prisme.model.readout import DifferentialReadout
-from prisme.model.router import Router, ngram_seen, ngram_seen_at
+from prisme.model.router import Router, router_features
 from prisme.model.state import DecodeState
 from prisme.model.workspace import absorb_stop, bank_mask, check_cost, check_forced, init_workspace, slot_counts
 from prisme.options import EAGER, DecodeOptions, ExecutionOptions
@@ -191,28 +191,7 @@ class PrismeModel(ParameterGroups, nn.Module):
     def router_inputs(self, ids: torch.Tensor | None, pos: torch.Tensor | int
                       ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(`router_seen`, `router_tok`) of queries at positions `pos` in the context `ids`."""
-        return self.router_seen(ids, pos), self.router_tok(ids, pos)
-
-    def router_seen(self, ids: torch.Tensor | None, pos: torch.Tensor | int) -> torch.Tensor | None:
-        """The router's n-gram feature `[B, Q]` (`prisme.model.router.ngram_seen`) of queries at positions `pos`
-        `[B, Q]` in the context `ids` `[B, Tb]` (an int: one position shared by every row, `[B, 1]` by
-        `ngram_seen_at`); None without a router that reads it."""
-        if not self.cfg.router or self.cfg.router_ngram == 0:
-            return None
-        if ids is None:
-            raise ValueError("this model's router reads the token ids: pass model.streams(tokens), not a tensor")
-        if isinstance(pos, int):
-            return ngram_seen_at(ids, pos, self.cfg.router_ngram)
-        return ngram_seen(ids, pos, self.cfg.router_ngram)
-
-    def router_tok(self, ids: torch.Tensor | None, pos: torch.Tensor | int) -> torch.Tensor | None:
-        """The token at each query `[B, Q]` (positions `pos` `[B, Q]` in `ids` `[B, Tb]`; an int: one position shared
-        by every row, `[B, 1]`) for a router that reads it (`cfg.router_token`); None otherwise."""
-        if not self.cfg.router or not self.cfg.router_token:
-            return None
-        if ids is None:
-            raise ValueError("this model's router reads the token ids: pass model.streams(tokens), not a tensor")
-        return ids.narrow(1, pos, 1) if isinstance(pos, int) else ids.gather(1, pos)
+        return router_features(self.cfg, ids, pos)
 
     def router_values(self, ctx: EncodedContext) -> torch.Tensor:
         """The router's predicted loss drop of each action at step 0, `[B, Tq, A]`."""
@@ -383,7 +362,7 @@ class PrismeModel(ParameterGroups, nn.Module):
             return PrismeOutput(logits=self.backbone.head(H), H=H)
         budget = check_forced(cfg, tokens, actions, budget)
         ctx = self.encode(tokens) if ctx is None else ctx
-        return self._output(ctx, self.rollout_forced(ctx, actions, budget), return_state)
+        return self._output(ctx, StepPolicy(actions=actions, budget=budget), return_state)
 
     @torch.no_grad()
     def forward_policy(self, tokens: torch.Tensor, max_budget: int, cost: torch.Tensor | None = None,
@@ -401,11 +380,37 @@ class PrismeModel(ParameterGroups, nn.Module):
                                 actions=zeros.unsqueeze(-1)[..., :0])
         cost = check_cost(cost, self.action_cost)
         ctx = self.encode(tokens) if ctx is None else ctx
-        return self._output(ctx, self.rollout_policy(ctx, max_budget, cost, lambda_cost, kappa_risk), return_state)
+        policy = StepPolicy(max_budget=max_budget, lambda_cost=lambda_cost, kappa_risk=kappa_risk, cost=cost)
+        return self._output(ctx, policy, return_state)
 
-    def _output(self, ctx: EncodedContext, roll: Rollout, return_state: bool) -> PrismeOutput:
-        """A rollout's logits (the readout at edited positions, the backbone's elsewhere) and its trace."""
+    def run_workspace(self, ctx: EncodedContext, policy: StepPolicy, valid: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, Rollout]:
+        """The workspace pipeline: the queries of `ctx` (built by `context`) run `policy` (forced actions, or the
+        controller with the router at step 0 on a router model) and read out. `forward`, `forward_policy`,
+        evaluation and the decode state's general plan all run this; a decode state's fast plans ("budget1",
+        "routed": `prisme.model.routed`) compute the same at the positions where the router fired.
+
+        Args:
+            valid: `[B, Tq]` the real queries (None: all are); the others' traces, edits and controller steps are
+                dropped (STOP, 0), and they read out as not edited.
+        Returns:
+            (logits `[B, Tq, V]`, the readout's correction `[B, Tq, d]`, the rollout).
+        """
+        if policy.actions is not None:
+            roll = self.rollout_forced(ctx, policy.actions, policy.budget)
+        else:
+            roll = self.rollout_policy(ctx, policy.max_budget, policy.cost, policy.lambda_cost, policy.kappa_risk)
+        if valid is not None:  # padding queries ran along (per-position independent); their results are dropped
+            roll = Rollout(roll.S, roll.actions.masked_fill(~valid.unsqueeze(-1), self.cfg.stop_action),
+                           roll.n_edits.masked_fill(~valid, 0), roll.controller_steps.masked_fill(~valid, 0),
+                           roll.infos)
         logits, delta = self.logits_from_state(roll.S, ctx, roll.n_edits > 0)
+        return logits, delta, roll
+
+    def _output(self, ctx: EncodedContext, policy: StepPolicy, return_state: bool) -> PrismeOutput:
+        """The workspace's logits at every position of `ctx` under `policy` (the readout at edited positions, the
+        backbone's elsewhere) and its trace."""
+        logits, delta, roll = self.run_workspace(ctx, policy)
         out = PrismeOutput(logits=logits, H=ctx.H, n_edits=roll.n_edits, delta=delta, actions=roll.actions,
                            controller_steps=roll.controller_steps)
         if return_state:

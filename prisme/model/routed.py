@@ -41,7 +41,7 @@ def router_scores(state: DecodeRows, st: Streams, pos: torch.Tensor, valid: torc
         else:
             Tb = max(lengths)
             ids, at = kept.narrow(1, 0, Tb), pos.clamp(max=Tb - 1)  # [B, Q] each below (padding: dropped)
-        seen, tok = model.router_seen(ids, at), model.router_tok(ids, at)
+        seen, tok = model.router_inputs(ids, at)
     mods = model._modules  # (registry reads: this runs at every decode step)
     shared = None if normed is None else (normed, mods["backbone"]._modules["norm"])
     scores = mods["router"].scores(st.H, seen, ws.cost, ws.lambda_cost, shared, tok)  # [B, Q, A]: the price checked

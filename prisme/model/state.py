@@ -273,16 +273,9 @@ class DecodeState:
         ids_q = None if ids is None else sub(ids.narrow(1, 0, Tb))  # [b, Tb]
         router_in = (None, None) if ids_q is None else model.router_inputs(ids_q, pos_q)
         ctx = model.context(st_q, K, V, mask, model.query_state(st_q, self.options), router_in)
-        if ws.actions is not None:
-            w_sub = ws.rows(keep) if keep is not None else ws
-            roll = model.rollout_forced(ctx, w_sub.actions, w_sub.budget)
-        else:
-            roll = model.rollout_policy(ctx, ws.max_budget, ws.cost, ws.lambda_cost, ws.kappa_risk)
+        logits, _, roll = model.run_workspace(ctx, ws.rows(keep) if keep is not None else ws,
+                                              None if valid is None else valid_q)  # [b, Q, V]
         trace, n_edits, steps = roll.actions, roll.n_edits, roll.controller_steps
-        if valid is not None:  # padding queries ran along (per-position independent); their results are dropped
-            trace = trace.masked_fill(~valid_q.unsqueeze(-1), cfg.stop_action)
-            n_edits, steps = n_edits.masked_fill(~valid_q, 0), steps.masked_fill(~valid_q, 0)
-        logits, _ = model.logits_from_state(roll.S, ctx, n_edits > 0)  # [b, Q, V]
         if keep is not None:
             full = model.backbone.head(H)  # rows without a new position: their padding's backbone logits
             logits = full.index_copy(0, keep, logits)
