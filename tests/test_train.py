@@ -486,8 +486,10 @@ def test_demo_pipeline_writes_every_output(tmp_path):
     assert recall["T"] == 96 and r["seed"] == 0 and r["study_accuracy"] is None  # another length: no seed to repeat
     assert r["ops_ratio"] == r["ops_ratio"] > 0 and 0 <= r["accuracy"] <= 1 and r["passes"] == (r["accuracy"] >= 0.95)
     trained = list((run / "recall" / "frontier" / "T96").iterdir())
-    assert [p.name for p in trained] == ["prisme_d8_w32_ks_win64_tok_seed0"]  # the reference's member, nothing else
-    assert ref["member"] == {"d": 8, "w": 32, "attn_window": 64, "key_shift": True, "router_token": True}
+    assert [p.name for p in trained] == ["prisme_d12_w32_ks_win64_tok_seed0"]  # the confirmed member, nothing else
+    assert ref["member"] == {"d": 12, "w": 32, "attn_window": 64, "key_shift": True, "router_token": True}
+    verdict = ref["context"]["confirmation"]["verdict"]  # the member the confirmation on fresh seeds confirmed
+    assert ref["best"]["name"] == verdict["prisme_name"] and ref["best"]["seeds_at_95"] == 5
     lines = summary["lines"]
     assert len(lines) <= 25 and lines == summary["recall"]["lines"] + lines[len(summary["recall"]["lines"]):]
     assert f"accuracy {r['accuracy']:.3f} at {r['ops_ratio']:.3f}x ops" in lines[1]

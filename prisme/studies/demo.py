@@ -75,16 +75,22 @@ class DemoOptions:
 
 
 def load_reference(path: str | Path | None = None) -> dict[str, Any]:
-    """The long-context study's frontier as recorded (`recall_context.frontier_reference`); its longest length's."""
+    """The long-context study's frontier as recorded (`recall_context.frontier_reference`); its longest length's.
+    `best` is the PRISME member the demo trains: the one its confirmation on fresh seeds confirmed (`confirmation`,
+    from `prisme study recall --confirm-of`), else the study's cheapest passing one."""
     path = Path(path) if path is not None else REFERENCE
     try:
         ref = json.loads(path.read_text())
         context = max(ref["contexts"], key=lambda c: c["T"])
-        member = context["prisme_best"]["member"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        best = context["prisme_best"]
+        confirmed = (context.get("confirmation") or {}).get("verdict", {}).get("prisme_name")
+        if confirmed:
+            best = next(e for e in context["entries"] if e["family"] == "PRISME" and e["name"] == confirmed)
+        member = best["member"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError, StopIteration) as e:
         raise ValueError(f"the recall frontier reference {path} is missing or malformed ({e!r}); it is written by "
                          f"prisme.studies.recall_context.frontier_reference from a finished study") from None
-    return {"document": ref, "context": context, "member": member}
+    return {"document": ref, "context": context, "member": member, "best": best}
 
 
 def _sample(model: torch.nn.Module, prompt: str, n_tokens: int, max_budget: int, kappa_risk: float | None = None,
@@ -129,8 +135,8 @@ def finish_recall(rcfg: Any, recipe: Any, results: dict[str, Any], reference: di
     from prisme.studies.recall_setup import TARGET_ACCURACY
 
     ref_ops = reference_ops(recipe_at(rcfg, recipe, T), T)
-    study = reference["context"]
-    recorded = dict(zip(study["prisme_best"]["seeds"], study["prisme_best"]["accuracy"]))
+    study, best = reference["context"], reference["best"]
+    recorded = dict(zip(best["seeds"], best["accuracy"]))
     runs = []
     for seed, res in sorted(results.items()):
         e = res["entry"]
@@ -139,16 +145,41 @@ def finish_recall(rcfg: Any, recipe: Any, results: dict[str, Any], reference: di
                      "edits_per_token": e["router"]["edits_per_token"], "lambda": e["router"]["lambda"],
                      "study_accuracy": recorded.get(seed) if T == study["T"] else None,
                      "checkpoint": e["checkpoint"]})
-    doc = {"T": T, "member": study["prisme_best"]["name"], "reference_ops_per_token": ref_ops, "runs": runs,
+    doc = {"T": T, "member": best["name"], "reference_ops_per_token": ref_ops, "runs": runs,
            "study": {k: v for k, v in reference["document"].items() if k != "contexts"} | {"frontier": study}}
     write_text_atomic(out, json.dumps(doc, indent=2) + "\n")
     return doc
 
 
+def confirmation_lines(conf: dict[str, Any] | None) -> list[str]:
+    """The summary's two lines of the reference's confirmation on fresh seeds: each deciding model's pass rate there
+    (an unstable one with its accuracies), then the confirmed verdict (or why there is none) with each side's worst
+    passing seed against the 95 % bar."""
+    if not conf:
+        return []
+    family = {"dense": "dense", "prisme": "PRISME"}
+    parts = []
+    for m in conf["models"]:
+        if m["fresh"]:
+            acc = "" if m["stable"] else " (" + " / ".join(f"{a:.3f}" for a in m["fresh"]["accuracy"]) + ": unstable)"
+            parts.append(f"{family[m['family']]} {m['key']} {m['fresh']['pass_rate']}{acc}")
+    out = [f"  fresh seeds {','.join(map(str, conf['seeds']))}: " + "; ".join(parts)]
+    v = conf["verdict"]
+    if v["confirmed_ratio"] is None:
+        return out + [f"  confirmed verdict: none ({v['why']})"]
+    worst = ", ".join(f"{family[s]} {m['worst_passing']:.3f}" for s, m in conf["margins"].items()
+                      if m and m["worst_passing"] is not None)
+    return out + [f"  confirmed verdict (passes on both sets): PRISME {v['prisme_name']} at "
+                  f"{v['prisme_ops_ratio']:.3f}x, dense {v['dense_name']} at {v['dense_ops_ratio']:.3f}x: PRISME needs "
+                  f"{v['confirmed_ratio']:.3f}x its ops (worst passing seed {worst}; the bar 0.95)"]
+
+
 def recall_lines(doc: dict[str, Any]) -> tuple[list[str], list[str]]:
     """(the summary's recall lines, the full table for report.txt)."""
     study = doc["study"]["frontier"]
-    best, bound = study["prisme_best"], study.get("dense_bound")
+    best = next((e for e in study["entries"] if e["family"] == "PRISME" and e["name"] == doc["member"]),
+                study["prisme_best"])
+    bound, conf = study.get("dense_bound"), study.get("confirmation")
     lines = [f"recall at T = {doc['T']:,} (MQAR, 4 queries per sequence, each pair beyond a 64-token window)"]
     for r in doc["runs"]:
         again = "" if r["study_accuracy"] is None else f" (the study's run of this seed: {r['study_accuracy']:.3f})"
@@ -164,7 +195,8 @@ def recall_lines(doc: dict[str, Any]) -> tuple[list[str], list[str]]:
         if cheaper:
             lines.append("  every cheaper dense model of the grid fails ("
                          + "; ".join(f"{e['name']} {max(e['accuracy']):.2f}" for e in cheaper[-2:]) + "; ...)")
-        lines.append(f"  verdict: the cheapest dense model that passes is {win['name']} at {win['ops_ratio']:.3f}x "
+        head = "on the study's seeds" if conf else "verdict"  # a confirmation restates it below
+        lines.append(f"  {head}: the cheapest dense model that passes is {win['name']} at {win['ops_ratio']:.3f}x "
                      f"({win['seeds_at_95']}/{len(win['seeds'])} seeds); PRISME needs {study['ratio']:.3f}x its ops")
     elif bound:
         lines.append(f"  every dense model of the grid up to {bound['all_fail_up_to']:.3f}x fails ("
@@ -172,6 +204,7 @@ def recall_lines(doc: dict[str, Any]) -> tuple[list[str], list[str]]:
         lines.append(f"  verdict: PRISME needs at most {bound['ratio_at_most']:.2f}x the dense frontier's ops "
                      f"(next dense rung, {bound['next_rung']['name']} at {bound['next_rung']['ops_ratio']:.3f}x, "
                      f"not yet trained)")
+    lines += confirmation_lines(conf)
     table = [f"recall: the study's frontier at T = {study['T']:,} ({doc['study']['command']}; "
              f"{doc['study']['cpu']})", f"{'family':<8}{'model':<52}{'ops':>7}  accuracy per seed",
              *(f"{e['family']:<8}{e['name']:<52}{e['ops_ratio']:>7.3f}  "
