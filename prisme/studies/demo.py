@@ -309,7 +309,7 @@ def run_demo(out: str | Path | None = None, options: DemoOptions | None = None, 
                                                     o.recall_context)
         chains = 1 + len(tcfg.sources) + len(tcfg.frontier)  # the text study's backbone, sources and frontier first
         tasks = tasks[:chains] + [prefixed(t, "recall/") for t in recall_tasks] + tasks[chains:]
-        print(f"demo: PRISME {ref['context']['prisme_best']['name']} at T = {T:,} (seeds "
+        print(f"demo: PRISME {ref['best']['name']} at T = {T:,} (seeds "
               f"{','.join(map(str, recall_seeds))}) in {run / 'recall'}", flush=True)
     print(f"demo: the text study ({cfg.name} preset, {sum(model_params(cfg).values()):,} parameters; bank sources "
           f"{', '.join(tcfg.sources)}) in {run / 'text'}", flush=True)
