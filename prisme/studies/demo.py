@@ -196,8 +196,10 @@ def recall_lines(doc: dict[str, Any]) -> tuple[list[str], list[str]]:
             lines.append("  every cheaper dense model of the grid fails ("
                          + "; ".join(f"{e['name']} {max(e['accuracy']):.2f}" for e in cheaper[-2:]) + "; ...)")
         head = "on the study's seeds" if conf else "verdict"  # a confirmation restates it below
+        who = f" {study['prisme_best']['name'].split(',')[0]}" if conf else ""  # its cheapest passing member there
         lines.append(f"  {head}: the cheapest dense model that passes is {win['name']} at {win['ops_ratio']:.3f}x "
-                     f"({win['seeds_at_95']}/{len(win['seeds'])} seeds); PRISME needs {study['ratio']:.3f}x its ops")
+                     f"({win['seeds_at_95']}/{len(win['seeds'])} seeds); PRISME{who} needs {study['ratio']:.3f}x its "
+                     f"ops")
     elif bound:
         lines.append(f"  every dense model of the grid up to {bound['all_fail_up_to']:.3f}x fails ("
                      + "; ".join(f"{e['name']} {max(e['accuracy']):.2f}" for e in failing[:2]) + "; ...)")
