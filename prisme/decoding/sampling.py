@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,19 +24,11 @@ class Sampling:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
-        if self.top_k is not None and (not is_int(self.top_k) or self.top_k < 1):
-            raise ValueError(f"top_k must be a positive int or None, got {self.top_k!r}")
-        p = self.top_p
-        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1):
-            raise ValueError(f"top_p must lie in (0, 1], got {p!r}")
+        check_sampling(self.temperature, self.top_k, self.top_p)
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**62):
             raise ValueError(f"seed must be None or an int in [0, 2**62), got {self.seed!r}")
 
 
-GREEDY = Sampling()
 
 def check_sampling(temperature: Any, top_k: Any, top_p: Any) -> None:
     """ValueError unless temperature is a finite number >= 0, top_k None or an int >= 1, top_p None or in (0, 1]."""
@@ -49,6 +40,10 @@ def check_sampling(temperature: Any, top_k: Any, top_p: Any) -> None:
         raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
     if top_p is not None and (not is_number(top_p) or not 0 < top_p <= 1):
         raise ValueError(f"top_p must be None or a number in (0, 1], got {top_p!r}")
+
+
+GREEDY = Sampling()
+"""Greedy decoding (temperature 0), generate's default."""
 
 
 def sample_logits(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
