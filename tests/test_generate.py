@@ -489,6 +489,7 @@ def _bad_calls(cfg: PrismeConfig) -> dict:
         "forced step past its budget": lambda s: s.decode_step(tok, policy=Forced(torch.zeros(2, 3, 2,
                                                                                           dtype=torch.long), budget=1)),
         "a policy that is no policy": lambda s: s.decode_step(tok, policy={"max_budget": 1}),
+        "a policy that is no policy, no workspace": lambda s: s.prefill(tok, logits="none", policy={"max_budget": 1}),
         "a target cost in a decode step": lambda s: s.decode_step(tok, policy=Controller(max_budget=1,
                                                                                          target_cost=1.5)),
         "prefill length 0": lambda s: s.prefill(tok, [3, 0]),

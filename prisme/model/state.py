@@ -180,7 +180,7 @@ class DecodeState:
             raise ValueError(f"logits must be one of {LOGITS_MODES}, got {logits!r}")
         self._check_capacity(lengths)
         Q = {"all": T, "last": 1, "none": 0}[logits]
-        if logits == "none" and policy is not None and (isinstance(policy, Forced) or policy.max_budget != 0):
+        if logits == "none" and policy is not None and not (isinstance(policy, Controller) and policy.max_budget == 0):
             raise ValueError('prefill(logits="none") runs no workspace: its policy must be None (the backbone alone)')
         ws = self._check_policy(B, Q, policy)
         chunks = [(i, min(chunk, T - i)) for i in range(0, T, chunk)]
