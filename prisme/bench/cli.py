@@ -10,7 +10,7 @@ from prisme.checks import count_option
 
 MIN_NEW_TOKENS = 3  # `bench decode`: the first generated step holds the prefill, two more make a timed mean
 BENCHES = {"kv": "prisme.bench.kv", "workspace": "prisme.bench.workspace", "vs-hf": "prisme.bench.vs_hf",
-           "train": "prisme.bench.train", "decode": "prisme.bench.decode"}
+           "train": "prisme.bench.train", "decode": "prisme.bench.decode", "long": "prisme.bench.long"}
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -117,4 +117,21 @@ def add_bench_parser(sub) -> None:
     dc.add_argument("--bank-store", default="entries", choices=["entries", "ids"],
                     help="what the recall shapes' decode state keeps of their embedding bank: every entry, or the "
                          "token ids alone, K and V looked up where the router fires (bank_store)")
+    lg = bench_parser(bsub, "long", help="PRISME against dense attention at long contexts and real widths: decode "
+                         "steps at batch 1 and 8 (caches filled synthetically), prefill; tokens/s, ops, time/ops")
+    lg.add_argument("--shapes", default="d256_L2",
+                    help="comma-separated: d256_L2, d512_L2, d256_L4 (d64_L2: a smoke shape)")
+    lg.add_argument("--contexts", default="4096,16384", help="comma-separated contexts T (65536 fits in 24 GB)")
+    lg.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
+    lg.add_argument("--steps", type=count_option(1), default=128,
+                    help="teacher-forced decode steps per timed pass, ending at position T")
+    lg.add_argument("--repeats", type=count_option(1), default=5,
+                    help="timed rounds (paths rotated each round; one warm-up)")
+    lg.add_argument("--edit-rate", type=float, default=0.005,
+                    help="share of the timed positions the routed path edits (default 0.5%%)")
+    lg.add_argument("--bank-source", default="embedding", choices=["embedding", "residual"],
+                    help="PRISME's bank: the embedding, kept as token ids (default), or the residual, kept as entries")
+    lg.add_argument("--prefill", action="store_true", help="also time each model's prefill of a T-token prompt")
+    lg.add_argument("--prefill-repeats", type=count_option(1), default=3, help="timed prefill rounds")
+    lg.add_argument("--threads", type=int, default=1, help="torch CPU threads (-1 = leave as is)")
     s.set_defaults(func=run_bench)

@@ -306,6 +306,14 @@ class KVCache:
         for layer in self.layers:
             layer.reset()
 
+    def set_lengths(self, lengths: list[int]) -> None:
+        """Every row's length set as given (at most the capacity), the buffers left as they are: the caller vouches
+        for what they hold (`DecodeState.fill_synthetic`)."""
+        if len(lengths) != self.batch_size or any(not 0 <= n <= self.max_len for n in lengths):
+            raise ValueError(f"set_lengths needs one length in [0, {self.max_len}] per row ({self.batch_size}), "
+                             f"got {list(lengths)}")
+        self._set_lengths([int(n) for n in lengths], None)
+
     def advance(self, n_new: list[int]) -> None:
         """Row b now holds `n_new[b]` more positions (their K/V were just written)."""
         if len(n_new) != self.batch_size:

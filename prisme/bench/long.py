@@ -1,0 +1,261 @@
+"""`prisme bench long`: PRISME against dense attention at long contexts and real widths, decode and prefill.
+
+The regime sparse attention is for: models hundreds of dimensions wide, contexts of thousands of positions, where a
+dense model's keys and values are the memory each step reads. For each shape (`SHAPES`: a byte-level model of width d
+and L layers, head size 64; untrained weights, whose cost does not depend on their values) and context T:
+
+  * `dense`: L layers of global attention (the dense rival); `dense_ks`: the same with the key shift;
+  * `backbone`: PRISME's backbone alone (L layers at a 64-position window with the key shift; budget 0, the bank
+    still kept, as `bench decode`'s reference step);
+  * `routed_off`: PRISME at budget 1 with its router at a price where it never fires;
+  * `routed`: the deployed step, at the price where `--edit-rate` of the timed positions edit (the router's own scores
+    on those positions: the price between the k-th and (k+1)-th best of their value / cost ratios).
+
+Decode: every path's state is filled synthetically to T - n positions (`DecodeState.fill_synthetic`: a step's cost
+does not depend on what the cache holds), then the same n teacher-forced tokens are decoded one step at a time, so
+each path runs the same positions and the routed path fires at exactly the positions its price picks. The paths are
+rotated each round (one warm-up round), medians reported. Per row: ms per step, tokens/s, ops per token
+(`prisme.costs.trace_cost`, each position at its own context and trace), time and ops against the dense row, their
+ratio (`t_over_ops`: 1.0 = time follows ops), the decode state's bytes, and the edits per token. With `--prefill`,
+each model's prefill of a whole T-token prompt at batch 1 (the routed path at its price, logits of the last position).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import platform
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from prisme.bench.harness import emit, make_tokens, parse_ints, torch_threads
+from prisme.checks import one_of, parse_list
+from prisme.config import PrismeConfig
+from prisme.costs import trace_cost
+from prisme.model.policy import Controller
+from prisme.model.prisme import PrismeModel
+from prisme.options import DecodeOptions
+
+SHAPES = {"d256_L2": (256, 2), "d512_L2": (512, 2), "d256_L4": (256, 4), "d64_L2": (64, 2)}  # (width, layers);
+#   d64_L2: a smoke shape (tests)
+WINDOW = 64  # PRISME's backbone window (the long-context studies')
+HEAD_DIM = 64
+OFF_PRICE = 1e9  # no score beats it: the router never fires
+PATHS = ("dense", "dense_ks", "backbone", "routed_off", "routed")
+TARGETS = {"batch1_speedup_T16384": 5.0, "batch8_speedup_T16384": 5.0, "t_over_ops_T16384": 1.5,
+           "batch8_speedup_T65536": 15.0, "prefill_speedup_T16384": 3.0}  # issue targets (d256_L2), reported
+
+
+def configs(shape: str, T_max: int, source: str) -> dict[str, PrismeConfig]:
+    """The models of one shape at capacity `T_max`: PRISME (the demo's workspace on a 64-window key-shift backbone of
+    the shape's width and depth, with a router; its bank from `source`) and its two dense rivals."""
+    d, L = SHAPES[shape]
+    base = dict(d_model=d, n_layer=L, n_head=d // HEAD_DIM, n_kv_head=d // HEAD_DIM, max_seq_len=T_max,
+                cost_context=T_max)
+    prisme = PrismeConfig.from_name("demo", **base, router=True, attn_window=WINDOW, key_shift=True,
+                                    bank_source=source, bank_shift=source == "embedding")
+    dense = PrismeConfig.from_name("demo", **base, use_workspace=False)
+    return {"prisme": prisme, "dense": dense, "dense_ks": PrismeConfig.from_name("demo", **base, use_workspace=False,
+                                                                                   key_shift=True)}
+
+
+def _seeded(cfg: PrismeConfig, seed: int, decode: DecodeOptions | None = None) -> PrismeModel:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return PrismeModel(cfg, decode).eval()
+
+
+@dataclass(frozen=True)
+class Case:
+    """One shape at one context and batch: its models, the timed tokens and how many steps decode."""
+
+    shape: str
+    context: int
+    batch: int
+    steps: int
+    models: dict[str, PrismeModel]
+    tokens: torch.Tensor  # [B, steps]: teacher-forced, the same for every path
+
+
+def _ratios(model: PrismeModel, state, tokens: torch.Tensor) -> torch.Tensor:
+    """The router's best value / cost ratio at each timed position `[B, n]` (a position fires at price lambda iff
+    lambda < its ratio; non-positive values never fire: 0), read on the same steps the timed paths run."""
+    router, seen = model.router, []
+    scores = router.scores
+
+    def record(H, s, cost, lam, normed=None, tok=None):
+        value = scores(H, s, cost, 0.0, normed, tok)  # [B, 1, A]: lambda 0 leaves the values
+        seen.append((value / cost).masked_fill(value <= 0, 0).amax(-1))
+        return scores(H, s, cost, lam, normed, tok)
+
+    router.scores = record
+    start = state.lengths[0]
+    try:
+        for _ in range(2):  # the second pass reads what every timed pass reads: a ring's slots before `start` and
+            #   the shift memories hold the first pass's last positions, as after any timed pass
+            seen.clear()
+            state.cache.set_lengths([start] * state.batch_size)
+            for i in range(tokens.shape[1]):
+                state.decode_step(tokens[:, i:i + 1], policy=Controller(1, lambda_cost=OFF_PRICE))
+    finally:
+        del router.scores
+    return torch.cat(seen, 1)
+
+
+def price_for(ratios: torch.Tensor, edit_rate: float) -> tuple[float, int]:
+    """(price, fired positions): the price between the k-th and (k+1)-th largest ratio, k = round(rate x positions)
+    (at least 1), so exactly k of these positions fire (fewer where fewer have a positive value)."""
+    r = ratios.flatten().double().sort(descending=True).values
+    k = min(max(1, round(edit_rate * r.numel())), int((r > 0).sum()))
+    if k == 0:
+        return OFF_PRICE, 0
+    below = float(r[k]) if k < r.numel() else 0.0
+    return (float(r[k - 1]) + below) / 2, k
+
+
+def _decode_ms(model: PrismeModel, state, tokens: torch.Tensor, start: int, policy: Controller | None) -> tuple:
+    """ms per step of decoding `tokens` `[B, n]` one step at a time from `start` positions, and the steps' outputs."""
+    state.cache.set_lengths([start] * state.batch_size)  # filled once (`measure`); the steps' writes lie past it
+    outs = []
+    t0 = time.perf_counter_ns()
+    for i in range(tokens.shape[1]):
+        outs.append(state.decode_step(tokens[:, i:i + 1], policy=policy))
+    return (time.perf_counter_ns() - t0) / 1e6 / tokens.shape[1], outs
+
+
+def _ops(model: PrismeModel, outs: list, start: int, policy: Controller | None) -> tuple[float, float]:
+    """(ops per token, edits per token) of the steps `outs` as their state ran them (`trace_cost`)."""
+    B, n = outs[0].actions.shape[0], len(outs)
+    ctx = [start + i + 1 for _ in range(B) for i in range(n)]  # own contexts, row-major as below
+    if policy is None:
+        return trace_cost(model.cfg, None, ctx).ops_per_token, 0.0
+    acts = torch.stack([o.actions[:, 0] for o in outs], 1).reshape(B * n, -1)  # [B n, R]
+    steps = torch.stack([o.controller_steps[:, 0] for o in outs], 1).reshape(-1)
+    edits = torch.stack([o.n_edits[:, 0] for o in outs], 1)
+    tc = trace_cost(model.cfg, acts, ctx, steps, model.execution.column(model.cfg.optimised), True,
+                    model.decode_options)
+    return tc.ops_per_token, float((edits > 0).double().mean())
+
+
+def measure(case: Case, repeats: int, edit_rate: float, seed: int) -> dict[str, Any]:
+    """Every path of one case: time, ops, state bytes (module docstring)."""
+    B, n, T = case.batch, case.steps, case.context
+    start = T - n
+    prisme = case.models["prisme"]
+    gen = torch.Generator().manual_seed(seed)
+    states = {k: case.models[k].new_decode_state(B) for k in ("dense", "dense_ks", "prisme")}
+    for s in states.values():
+        s.fill_synthetic(start, gen)
+    price, fired = price_for(_ratios(prisme, states["prisme"], case.tokens), edit_rate)
+    paths = {"dense": ("dense", None), "dense_ks": ("dense_ks", None), "backbone": ("prisme", None),
+             "routed_off": ("prisme", Controller(1, lambda_cost=OFF_PRICE)),
+             "routed": ("prisme", Controller(1, lambda_cost=price))}
+    samples: dict[str, list[float]] = {k: [] for k in PATHS}
+    outs: dict[str, list] = {}
+    for r in range(repeats + 1):  # the first round warms up
+        for k in PATHS[r % len(PATHS):] + PATHS[:r % len(PATHS)]:
+            model_key, policy = paths[k]
+            ms, outs[k] = _decode_ms(case.models[model_key], states[model_key], case.tokens, start, policy)
+            if r > 0:
+                samples[k].append(ms)
+    rows: dict[str, Any] = {}
+    for k in PATHS:
+        model_key, policy = paths[k]
+        model = case.models[model_key]
+        ops, edits = _ops(model, outs[k], start, policy)
+        ms = float(np.median(samples[k]))
+        rows[k] = {"ms_per_step": ms, "samples_ms": samples[k], "tokens_per_s": B * 1000.0 / ms,
+                   "ops_per_token": ops, "edits_per_token": edits, "state_bytes": states[model_key].nbytes}
+    dense = rows["dense"]
+    for row in rows.values():
+        row["speedup_vs_dense"] = dense["ms_per_step"] / row["ms_per_step"]
+        row["ops_vs_dense"] = row["ops_per_token"] / dense["ops_per_token"]
+        row["t_over_ops"] = (1 / row["speedup_vs_dense"]) / row["ops_vs_dense"]
+    return {"shape": case.shape, "context": T, "batch": B, "steps": n, "price": price, "fired_positions": fired,
+            "rows": rows}
+
+
+def prefill_ms(models: dict[str, PrismeModel], T: int, repeats: int, edit_rate: float, seed: int) -> dict[str, Any]:
+    """Each model's prefill of one T-token prompt (batch 1), rotated, medians: dense, dense_ks, PRISME's backbone
+    (budget 0) and PRISME at the price where `edit_rate` of the prompt's positions edit (read on the prompt)."""
+    prisme = models["prisme"]
+    tokens = make_tokens(prisme.cfg.vocab_size, 1, T, seed)
+    with torch.no_grad():
+        ctx = prisme.encode(tokens)
+        value = prisme.router_values(ctx)  # [1, T, A]
+    ratio = (value / prisme.action_cost).masked_fill(value <= 0, 0).amax(-1)
+    price, fired = price_for(ratio, edit_rate)
+    paths = {"dense": (models["dense"], None), "dense_ks": (models["dense_ks"], None), "backbone": (prisme, None),
+             "routed": (prisme, Controller(1, lambda_cost=price))}
+    names, samples = list(paths), {k: [] for k in paths}
+    for r in range(repeats + 1):
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            model, policy = paths[k]
+            state = model.new_decode_state(1, T)
+            t0 = time.perf_counter_ns()
+            state.prefill(tokens, policy=policy)
+            if r > 0:
+                samples[k].append((time.perf_counter_ns() - t0) / 1e6)
+    rows = {k: {"ms": float(np.median(v)), "samples_ms": v} for k, v in samples.items()}
+    for row in rows.values():
+        row["speedup_vs_dense"] = rows["dense"]["ms"] / row["ms"]
+    return {"context": T, "price": price, "fired_positions": fired, "rows": rows}
+
+
+# ------------------------------------------------------------------------------------------------------------ output
+def format_table(results: list[dict[str, Any]], prefills: list[dict[str, Any]]) -> str:
+    lines = [f"{'shape':<9}{'T':>7}{'B':>3}  {'path':<11}{'ms/step':>9}{'tok/s':>9}{'MiB':>8}{'ops/tok':>11}"
+             f"{'edits':>7}{'x dense':>9}{'ops x':>7}{'t/ops':>7}"]
+    lines.append("-" * len(lines[0]))
+    for res in results:
+        for k, row in res["rows"].items():
+            lines.append(f"{res['shape']:<9}{res['context']:>7}{res['batch']:>3}  {k:<11}{row['ms_per_step']:>9.3f}"
+                         f"{row['tokens_per_s']:>9.0f}{row['state_bytes'] / 2**20:>8.1f}{row['ops_per_token']:>11.3g}"
+                         f"{row['edits_per_token']:>7.3f}{row['speedup_vs_dense']:>9.2f}{row['ops_vs_dense']:>7.3f}"
+                         f"{row['t_over_ops']:>7.2f}")
+    for res in prefills:
+        lines.append(f"prefill {res['shape']} T = {res['context']} (batch 1): " + ", ".join(
+            f"{k} {row['ms'] / 1000:.2f} s ({row['speedup_vs_dense']:.2f}x dense)" for k, row in res["rows"].items()))
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    names = parse_list(args.shapes, "--shapes", one_of(tuple(SHAPES)), example="d256_L2", distinct=True)
+    contexts, batches = parse_ints(args.contexts, "--contexts"), parse_ints(args.batches, "--batches")
+    if not 0 < args.edit_rate < 1:
+        raise ValueError(f"--edit-rate must lie in (0, 1), got {args.edit_rate}")
+    too_short = [T for T in contexts if T <= args.steps]
+    if too_short:
+        raise ValueError(f"--contexts {too_short} must be longer than --steps {args.steps} (the timed steps end at T)")
+    decode = DecodeOptions(bank_tables=args.bank_source == "embedding",
+                           bank_store="ids" if args.bank_source == "embedding" else "entries")
+    results, prefills = [], []
+    with torch_threads(args.threads), torch.inference_mode():
+        for shape in names:
+            for T in contexts:
+                cfgs = configs(shape, T, args.bank_source)
+                models = {k: _seeded(c, args.seed, decode if k == "prisme" else None) for k, c in cfgs.items()}
+                for B in batches:
+                    tokens = make_tokens(256, B, args.steps, args.seed + T + B)
+                    results.append(measure(Case(shape, T, B, args.steps, models, tokens), args.repeats,
+                                           args.edit_rate, args.seed))
+                if args.prefill:
+                    prefills.append({"shape": shape, **prefill_ms(models, T, args.prefill_repeats, args.edit_rate,
+                                                                  args.seed)})
+    finite = all(math.isfinite(v) for r in results for row in r["rows"].values()
+                 for v in (row["ms_per_step"], row["t_over_ops"]))
+    doc = {"bench": "long", "environment": {"torch": torch.__version__, "python": platform.python_version(),
+                                            "machine": platform.machine(), "processor": platform.processor(),
+                                            "threads": torch.get_num_threads() if args.threads < 1 else args.threads,
+                                            "device": "cpu", "mode": "eager"},
+           "settings": {"shapes": list(names), "contexts": list(contexts), "batches": list(batches),
+                        "steps": args.steps, "repeats": args.repeats, "edit_rate": args.edit_rate,
+                        "bank_source": args.bank_source, "bank_store": decode.bank_store, "window": WINDOW,
+                        "prefill": args.prefill, "seed": args.seed},
+           "results": results, "prefill": prefills, "targets": TARGETS,
+           "checks": {"rows_measured": len(results), "timings_finite": finite, "passed": bool(results) and finite}}
+    return emit(doc, format_table(results, prefills), args.json)

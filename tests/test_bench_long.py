@@ -1,0 +1,119 @@
+"""`prisme bench long` and what it stands on: a decode state filled synthetically (`DecodeState.fill_synthetic`,
+`KVCache.set_lengths`), the price that fires an exact share of the timed positions, and the document on a smoke
+shape (d = 64, contexts of 128 positions: seconds)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from prisme.bench.long import PATHS, configs, main, price_for
+from prisme.config import PrismeConfig
+from prisme.model.policy import Controller
+from prisme.model.prisme import PrismeModel
+
+
+def _model(**kw) -> PrismeModel:
+    torch.manual_seed(0)
+    return PrismeModel(PrismeConfig.from_name("tiny", router=True, **kw)).eval()
+
+
+def test_fill_synthetic_sets_lengths_and_fills_every_buffer_the_step_reads():
+    model = _model(key_shift=True, bank_shift=True, bank_source="embedding")
+    state = model.new_decode_state(2)
+    state.fill_synthetic(40, torch.Generator().manual_seed(1))
+    assert state.lengths == [40, 40]
+    for layer in state.cache.layers:
+        assert bool((layer.k != 0).all()) and bool((layer.v != 0).all()) and bool((layer.prev != 0).all())
+    assert state.bank.KV is not None and bool((state.bank.KV != 0).all())
+    assert int(state.bank.ids.max()) < model.cfg.vocab_size and int(state.bank.ids.max()) > 0
+    # a step reads what was filled: the same step from a zero state of the same length differs (negative control)
+    tok = torch.tensor([[3], [5]])
+    filled = state.decode_step(tok, policy=Controller(1, lambda_cost=0.0)).logits
+    zero = model.new_decode_state(2)
+    zero.cache.set_lengths([40, 40])
+    assert not torch.allclose(filled, zero.decode_step(tok, policy=Controller(1, lambda_cost=0.0)).logits)
+
+
+def test_fill_synthetic_is_deterministic_per_generator():
+    model = _model()
+    a = model.new_decode_state(1).fill_synthetic(10, torch.Generator().manual_seed(3))
+    b = model.new_decode_state(1).fill_synthetic(10, torch.Generator().manual_seed(3))
+    c = model.new_decode_state(1).fill_synthetic(10, torch.Generator().manual_seed(4))
+    assert torch.equal(a.cache.layers[0].k, b.cache.layers[0].k)
+    assert not torch.equal(a.cache.layers[0].k, c.cache.layers[0].k)
+
+
+@pytest.mark.parametrize("length", [-1, 64, 2.5])
+def test_fill_synthetic_bad_length_is_a_value_error_and_changes_nothing(length):
+    state = _model().new_decode_state(1)
+    with pytest.raises(ValueError, match="fill_synthetic: length"):
+        state.fill_synthetic(length)
+    assert state.lengths == [0] and bool((state.cache.layers[0].k == 0).all())
+
+
+def test_set_lengths_refuses_a_length_past_capacity_or_a_wrong_count():
+    cache = _model().new_decode_state(2).cache
+    with pytest.raises(ValueError, match="set_lengths"):
+        cache.set_lengths([65, 0])
+    with pytest.raises(ValueError, match="set_lengths"):
+        cache.set_lengths([3])
+    assert cache.lengths == [0, 0]
+
+
+def test_price_for_fires_exactly_the_share_asked():
+    ratios = torch.tensor([[0.5, 0.1, 0.0, 0.9, 0.3, 0.7, 0.2, 0.05]])
+    for rate, k in ((0.25, 2), (0.5, 4), (0.01, 1)):
+        price, fired = price_for(ratios, rate)
+        assert fired == k and int((ratios > price).sum()) == k
+    assert price_for(torch.zeros(1, 4), 0.5) == (1e9, 0)  # no positive value: nothing can fire
+
+
+def test_configs_hold_the_dense_rivals_to_the_same_widths_and_prisme_to_a_local_key_shift_backbone():
+    cfgs = configs("d256_L2", 4096, "embedding")
+    p, d, dk = cfgs["prisme"], cfgs["dense"], cfgs["dense_ks"]
+    assert (p.d_model, p.n_layer, p.attn_window, p.key_shift, p.router) == (256, 2, 64, True, True)
+    assert (d.d_model, d.n_layer, d.attn_window, d.key_shift, d.use_workspace) == (256, 2, None, False, False)
+    assert dk.key_shift and dk.attn_window is None and p.max_seq_len == d.max_seq_len == 4096
+
+
+def _args(tmp_path, **kw) -> argparse.Namespace:
+    base = dict(shapes="d64_L2", contexts="128", batches="1,2", steps=8, repeats=1, edit_rate=0.2,
+                bank_source="embedding", prefill=True, prefill_repeats=1, threads=1, seed=0,
+                json=str(tmp_path / "long.json"))
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_bench_long_document_on_the_smoke_shape(tmp_path, capsys):
+    assert main(_args(tmp_path)) == 0
+    doc = json.loads((tmp_path / "long.json").read_text())
+    assert doc["bench"] == "long" and doc["checks"]["passed"] and len(doc["results"]) == 2
+    for res in doc["results"]:
+        rows = res["rows"]
+        assert list(rows) == list(PATHS)
+        # the routed path fired at exactly the positions its price picked (teacher-forced, the same steps)
+        assert res["fired_positions"] >= 1
+        positions = res["batch"] * res["steps"]
+        assert rows["routed"]["edits_per_token"] == pytest.approx(res["fired_positions"] / positions)
+        assert rows["routed_off"]["edits_per_token"] == 0 == rows["backbone"]["edits_per_token"]
+        # ops: the key shift costs the dense model more; PRISME's 64-window backbone reads less than global at 128
+        assert rows["dense_ks"]["ops_per_token"] > rows["dense"]["ops_per_token"] > rows["backbone"]["ops_per_token"]
+        assert rows["routed"]["ops_per_token"] > rows["routed_off"]["ops_per_token"]
+        assert rows["dense"]["speedup_vs_dense"] == 1.0
+        # a bank kept as ids is far smaller than the dense K/V cache
+        assert rows["backbone"]["state_bytes"] < rows["dense"]["state_bytes"]
+    assert set(doc["prefill"][0]["rows"]) == {"dense", "dense_ks", "backbone", "routed"}
+    assert "x dense" in capsys.readouterr().out
+
+
+def test_bench_long_bad_options_are_value_errors(tmp_path):
+    with pytest.raises(ValueError, match="--contexts"):
+        main(_args(tmp_path, contexts="8", steps=8))
+    with pytest.raises(ValueError, match="--edit-rate"):
+        main(_args(tmp_path, edit_rate=1.5))
+    with pytest.raises(ValueError, match="--shapes"):
+        main(_args(tmp_path, shapes="d999"))
+    assert not (tmp_path / "long.json").exists()
