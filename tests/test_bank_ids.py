@@ -2,7 +2,10 @@
 
 * decoding equals teacher-forced `forward_policy` in float64 and the state that keeps every entry, at prices where
   the router never fires, fires sometimes and always (negative control: a lookup whose shift reads the position's
-  own id instead of the previous one is caught);
+  own id instead of the previous one is caught); a decode step's fired rows at budget 1 read their ids through the
+  tables (`IdRead`: scores and weights per vocabulary entry, no entry written), equal to attention over the looked-up
+  entries in float64, ragged rows' masks included (negative controls: an `IdRead` whose shift reads the own id, or
+  that drops the mask, is caught);
 * the state holds the ids alone (no entries, no shift memory), so it rewinds to any length its rows share;
 * the cost model charges nothing for a position's own entry and, where its workspace runs, the lookups of its whole
   context: tied to the counted FLOPs of the lookups (none: they are the named allowance) and to generation's
@@ -22,7 +25,8 @@ from prisme import costs
 from prisme.costs.counting import OpsCounter
 from prisme.costs.traces import position_ops, trace_cost
 from prisme.decoding.generate import generate
-from prisme.model.bank.tables import bank_tables
+from prisme.model.bank.tables import IdRead, bank_tables, entries_from_ids
+from prisme.model.editor import bank_attend
 from prisme.model.outputs import Streams
 from prisme.model.policy import Controller
 from prisme.options import DecodeOptions
@@ -59,7 +63,8 @@ def test_decoding_with_kept_ids_equals_forward_policy_and_kept_entries(budget, l
     torch.testing.assert_close(logits, full.logits, rtol=0, atol=1e-12)
     assert torch.equal(actions, full.actions)
     kept_logits, kept_actions = decode(entries, toks, budget, lam)
-    assert torch.equal(logits, kept_logits) and torch.equal(actions, kept_actions)  # the same sums, bitwise
+    torch.testing.assert_close(logits, kept_logits, rtol=0, atol=1e-12)  # budget 1 reads through the tables:
+    assert torch.equal(actions, kept_actions)  # the same attention summed in another order
     if lam == 0.05:
         assert 0 < float((full.n_edits > 0).double().mean()) < 1  # some positions fire, some do not
 
@@ -74,6 +79,54 @@ def test_negative_control_a_lookup_shifted_onto_its_own_id_is_caught(monkeypatch
         return F.embedding(rows_ids, tabs["KV"]) + F.embedding(rows_ids, tabs["S2"])
 
     monkeypatch.setattr(cache_mod, "entries_from_ids", own_id)
+    logits, _ = decode(ids, toks, 2, 0.0)  # budget 2: the rollout reads looked-up entries
+    full = ref.forward_policy(toks, 2, lambda_cost=0.0)
+    assert not torch.allclose(logits, full.logits, rtol=0, atol=1e-6)
+
+
+def _id_read_case(ragged: bool):
+    """(model, IdRead of 3 rows, the same bank's looked-up entries K, V, mask or None, queries [3, 2, w])."""
+    _, _, ids = trio()
+    g = torch.Generator().manual_seed(7)
+    rows_ids = torch.randint(0, 64, (3, 17), generator=g)
+    mask = (torch.arange(17) < torch.tensor([17, 9, 12]).unsqueeze(1)) if ragged else None
+    K, V = entries_from_ids(ids.bank, rows_ids).split(ids.cfg.w, -1)
+    q = torch.randn(3, 2, ids.cfg.w, generator=g, dtype=torch.float64)
+    return ids, IdRead(ids.bank, rows_ids, ids.cfg.n_ws_heads), K, V, mask, q
+
+
+def _attend(model, K, V, mask, q):
+    """`bank_attend` over entries (what the editor reads from a bank kept as entries)."""
+    N, k, w = q.shape
+    nh = model.cfg.n_ws_heads
+    Kh, Vh = (t.view(N, -1, nh, w // nh).transpose(1, 2) for t in (K, V))
+    m = None if mask is None else mask.view(N, 1, 1, -1).expand(N, 1, k, mask.shape[-1])
+    return bank_attend(q, Kh, Vh, m, None, None, True)
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_id_read_equals_attention_over_the_looked_up_entries(ragged):
+    model, read, K, V, mask, q = _id_read_case(ragged)
+    want = _attend(model, K, V, mask, q)
+    torch.testing.assert_close(read.rows(0, 3, mask).attend(q), want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(read.rows(1, 3, None if mask is None else mask[1:]).attend(q[1:]), want[1:],
+                               rtol=0, atol=1e-12)
+    if ragged:  # negative control: the mask dropped
+        assert not torch.allclose(read.rows(0, 3, None).attend(q), want, rtol=0, atol=1e-6)
+
+
+def test_negative_control_an_id_read_whose_shift_reads_the_own_id_is_caught(monkeypatch):
+    ref, _, ids = trio()
+    toks = torch.randint(0, 64, (3, 20), generator=torch.Generator().manual_seed(3))
+    full = ref.forward_policy(toks, 1, lambda_cost=0.0)
+    rows = IdRead.rows
+
+    def own(self, i, j, mask):
+        out = rows(self, i, j, mask)
+        out.prev = out.ids
+        return out
+
+    monkeypatch.setattr(IdRead, "rows", own)
     logits, _ = decode(ids, toks, 1, 0.0)
     assert not torch.allclose(logits, full.logits, rtol=0, atol=1e-6)
 

@@ -147,7 +147,7 @@ class PartTimer:
                                 (routed, "fired_positions", "decision"),
                                 (routed, "fired_groups", "decision"), (model.editor, "edit_rows", "editor"),
                                 (model.readout, "forward", "readout"), (model.readout, "edited", "readout"),
-                                (bank_cache.BankCache, "view", "bank"),
+                                (bank_cache.BankCache, "view", "bank"), (bank_cache.BankCache, "read", "bank"),
                                 (model, "rollout_policy", "editor"), (model, "query_state", "editor"),
                                 (model, "logits_from_state", "readout"),
                                 (model.backbone, "head", "readout"), (model.backbone, "final_norm", "readout"),

@@ -136,14 +136,15 @@ def blocks_pass(blocks: nn.ModuleList, x: torch.Tensor, st: torch.Tensor | None,
                 e: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One action group through every editor block, seed accounting: each block reads the K/V of all M slots of the
     position at its input (S_pos `[N, M, w]` with the group's slots `[N, k]` replaced by x `[N, k, w]`) and the bank
-    through `bank_read` = (`BankView.parts()`, `BankView.full`). `e`: each block's step embeddings' sum given instead
-    of st, rem (`EditorBlock.step_embedding`, rows that share a step).
+    through `bank_read` = (`BankView.parts()`, `BankView.full`), or an object with their `attend` (`IdRead`, in
+    eager decoding). `e`: each block's step embeddings' sum given instead of st, rem (`EditorBlock.step_embedding`,
+    rows that share a step).
 
     A pure function of tensors (and the bool `full`), so that `prisme.model.compiled.compile_editor` can compile it; the
     eager editor runs the very same function. Returns (x_out `[N, k, w]`, gates: one `[N, k, 1]` per block).
     """
     rows = torch.arange(x.shape[0], device=x.device).unsqueeze(1)  # [N, 1]
-    bank = _Bank(*bank_read)
+    bank = bank_read if hasattr(bank_read, "attend") else _Bank(*bank_read)  # (an `IdRead`: eager decoding only)
     gates = []
     for i, blk in enumerate(blocks):  # block 0's input is S_pos itself (x holds its slots)
         kv = blk.slot_keys_values(S_pos if i == 0 else S_pos.index_put((rows, slots), x.to(S_pos.dtype)))  # [N, M, 2w]
@@ -337,8 +338,8 @@ class SparseEditor(nn.Module):
         accounting (no slot K/V cache).
 
         Args:
-            S: `[N, M, w]` each row's workspace; K, V: `[N, Tb, w]` its bank; mask: `[N, Tb]` the keys it may read
-                (None: all of them).
+            S: `[N, M, w]` each row's workspace; K, V: `[N, Tb, w]` its bank, or K an `IdRead` (a bank kept as ids,
+                read through its tables) and V None; mask: `[N, Tb]` the keys it may read (None: all of them).
             action: `[N]` non-STOP action ids, rows sorted by action group; spans: (group, first row, end row) of
                 each group present.
             step, remaining: the step and remaining-budget embeddings' indices (the same for every row).
@@ -347,8 +348,9 @@ class SparseEditor(nn.Module):
         """
         N, M, w = S.shape
         nh = self.cfg.n_ws_heads
-        Kh = K.view(N, -1, nh, w // nh).transpose(1, 2)  # [N, nh, Tb, hd]
-        Vh = V.view(N, -1, nh, w // nh).transpose(1, 2)
+        if V is not None:
+            Kh = K.view(N, -1, nh, w // nh).transpose(1, 2)  # [N, nh, Tb, hd]
+            Vh = V.view(N, -1, nh, w // nh).transpose(1, 2)
         e = [blk.step_embedding(step, remaining) for blk in self.blocks]  # [w] per block, shared by the rows
         out = []
         for g_id, i, j in spans:
@@ -357,9 +359,12 @@ class SparseEditor(nn.Module):
             slots = self.act_slots[action[i:j], :k]  # [n, k]
             rows = torch.arange(n, device=S.device).unsqueeze(1)  # [n, 1]
             S_g = S[i:j]  # [n, M, w]
-            m = None if mask is None else mask[i:j].view(n, 1, 1, -1).expand(n, 1, k, mask.shape[-1])  # [n,1,k,Tb]
-            x, _ = blocks_pass(self.blocks, S_g[rows, slots], None, None, S_g, slots,
-                               ((Kh[i:j], Vh[i:j], m, None, None), True), e)  # full: every row one query, in order
+            if V is None:  # the bank's ids, read through its tables
+                read = K.rows(i, j, None if mask is None else mask[i:j])
+            else:
+                m = None if mask is None else mask[i:j].view(n, 1, 1, -1).expand(n, 1, k, mask.shape[-1])
+                read = ((Kh[i:j], Vh[i:j], m, None, None), True)  # full: every row one query, in order
+            x, _ = blocks_pass(self.blocks, S_g[rows, slots], None, None, S_g, slots, read, e)
             out.append(S_g.index_put((rows, slots), x.to(S.dtype)))
         return out[0] if len(out) == 1 else torch.cat(out)
 

@@ -122,7 +122,7 @@ def budget1_step(state: DecodeRows, st: Streams, scores: torch.Tensor, trace: to
     st_n = Streams(one(st.H), {k: one(v) for k, v in st.src.items()}, None if st.ids is None else one(st.ids))
     lengths = state.lengths
     Tb = max(lengths)
-    K, V = state.bank.view(Tb, b)  # [N, Tb, w] each
+    K, V = state.bank.read(Tb, b, model.cfg.n_ws_heads)  # [N, Tb, w] each, or a bank kept as ids: (IdRead, None)
     z, S0 = model.query_state(st_n, state.options)  # [N, 1, w], [N, 1, M, w]
     mask = None if all(lengths[r] == Tb for r in rows) else (  # None: each row reads its whole bank
         torch.arange(Tb, device=b.device) < state.cache.lengths_tensor(b.device)[b].unsqueeze(1))  # [N, Tb]

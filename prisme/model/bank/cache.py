@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from prisme.model.bank.source import SourceBank
-from prisme.model.bank.tables import clear_shift_memory, entries_from_ids, shift_memory, step_entries
+from prisme.model.bank.tables import IdRead, clear_shift_memory, entries_from_ids, shift_memory, step_entries
 from prisme.model.outputs import Streams
 from prisme.options import DecodeOptions
 
@@ -58,6 +58,13 @@ class BankCache:
         kept = self.KV if self.KV is not None else self.ids  # [B, T_max, 2w] or [B, T_max]
         kept = kept.narrow(1, 0, Tb) if rows is None else kept.narrow(1, 0, Tb).index_select(0, rows)
         return (kept if self.KV is not None else entries_from_ids(self.bank, kept)).split(self.cfg.w, -1)
+
+    def read(self, Tb: int, rows: torch.Tensor, n_heads: int) -> tuple:
+        """What the editor reads of `rows`' banks at positions 0..Tb-1: their keys and values (`view`), or for a bank
+        kept as ids an `IdRead` of their ids (the attention through the tables, no entry written) and None."""
+        if self.KV is not None:
+            return self.view(Tb, rows)
+        return IdRead(self.bank, self.ids.narrow(1, 0, Tb).index_select(0, rows), n_heads), None
 
     def append(self, st: Streams, tokens: torch.Tensor, n_new: list[int], start: list[int],
                start_t: torch.Tensor | None) -> None:
