@@ -221,6 +221,35 @@ def test_uneven_schedules_and_ragged_decode_steps_equal_the_parallel_forward(pre
     assert prompt_then_steps(model, x, [9, 4]) <= 1e-12
 
 
+@pytest.mark.parametrize("option", ["window", "both"])
+@pytest.mark.parametrize("schedule", [[12, 8, 3], [2, 9, 12], [23]])
+def test_chunks_longer_than_the_window_attend_in_blocks_and_equal_the_parallel_forward(option, schedule):
+    """A chunk longer than the window at a shared offset 0 or >= W attends to the ring's old slots in position order
+    and its own keys in blocks (`CacheStep.order`, no [C, R + C] mask); one at an offset in (0, W) under the mask.
+    Both give the parallel logits (1e-12)."""
+    model = backbone(**OPTIONS[option])
+    x = tokens(model.cfg.vocab_size)
+    seen = []
+    step = model._ring_step
+
+    def spy(*a, **k):
+        out = step(*a, **k)
+        seen.append(out[1].order is not None)
+        return out
+
+    model._ring_step = spy
+    assert err(cached(model, x, schedule), logits(model, x)) <= 1e-12
+    assert any(seen)  # the blocked path ran
+
+
+def test_negative_control_old_slots_out_of_position_order_differ(monkeypatch):
+    """Blocked attention over the ring's old slots in slot order instead of position order reads the wrong band."""
+    model = backbone(attn_window=W)
+    x = tokens(model.cfg.vocab_size)
+    monkeypatch.setattr(torch.Tensor, "argsort", lambda self, *a, **k: torch.arange(self.numel()))
+    assert err(cached(model, x, [8, 9, 6]), logits(model, x)) > 1e-3
+
+
 def test_negative_control_a_ring_one_slot_short_differs():
     """A cache that keeps W - 1 positions (a ring one slot short) decodes other logits, token by token and in
     chunks; the right ring agrees."""

@@ -169,6 +169,9 @@ class CacheStep:
     #   None = the chunk's last min(C, R) positions of every row
     last: torch.Tensor | None = None  # key shift, ragged chunk: [B] each row's last real token (its next `prev`)
     moved: torch.Tensor | None = None  # ... and [B, 1] whether the row has one (a row without keeps its `prev`)
+    order: torch.Tensor | None = None  # with concat, a chunk longer than the window at a shared offset 0 or >= R: the
+    #   old slots in position order (empty at offset 0), so that old and new keys are one run of positions and the
+    #   band is attended in blocks (`window_attention`, O(C W)) instead of under a [C, R + C] mask
 
 
 class LayerKVCache:
@@ -411,6 +414,12 @@ class CausalSelfAttention(nn.Module):
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # [B, nh, C, hd]
             else:
                 y = window_attention(q, k, v, self.window, gqa)  # [B, nh, C, hd]
+        elif step.concat and step.order is not None:  # a long chunk: old slots by position, then its own keys
+            R = step.order.numel()
+            k_all = torch.cat([cache.k.index_select(2, step.order).to(k.dtype), k], dim=2)  # [B, nkv, R + C, hd]
+            v_all = torch.cat([cache.v.index_select(2, step.order).to(v.dtype), v], dim=2)
+            y = window_attention(F.pad(q, (0, 0, R, 0)), k_all, v_all, self.window, gqa)[:, :, R:]  # [B, nh, C, hd]
+            cache.write_ring(step, k, v)
         elif step.concat:  # a chunk on a ring: its window spans old slots and its own keys
             k_all = torch.cat([cache.k.to(k.dtype), k], dim=2)  # [B, nkv, R + C, hd]
             v_all = torch.cat([cache.v.to(v.dtype), v], dim=2)

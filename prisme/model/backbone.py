@@ -233,7 +233,11 @@ class Backbone(nn.Module):
         device = input_pos.device
         if input_pos.dim() == 1:
             start = attn.chunk_start(cache.lengths)
-            keys = torch.cat([attn.ring_positions(start, R, device), input_pos])  # [R + C]
+            held = attn.ring_positions(start, R, device)  # [R]
+            if C > W and (start == 0 or start >= R):  # one run of positions: the band in blocks, no [C, R + C] mask
+                order = held.argsort() if start else held.new_zeros(0)
+                return start, CacheStep(input_pos, None, None, R, None, slots=slots, concat=True, order=order, **shift)
+            keys = torch.cat([held, input_pos])  # [R + C]
             return start, CacheStep(input_pos, None, None, R, attn.band_mask(input_pos, keys, W), slots=slots,
                                     concat=True, **shift)
         old = attn.ring_positions(cache.lengths_tensor(device), R)  # [B, R]
