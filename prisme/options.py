@@ -28,7 +28,8 @@ class DecodeOptions:
             llama family: gpt2 adds positions), priced as lookups.
         bank_store: what the state keeps of the bank: "entries" (K and V of every position) or "ids" (with
             `bank_tables` and an "embedding" bank: its token ids only; K and V are looked up where the workspace
-            runs, and the cost model prices those lookups there instead of one entry at every position).
+            runs, or at budget 1 read through the tables without writing an entry (`bank.tables.IdRead`), and the
+            cost model prices those lookups there instead of one entry at every position).
     """
 
     bank_tables: bool = False
