@@ -136,7 +136,8 @@ def test_kept_ids_state_holds_the_ids_alone_and_rewinds_to_any_shared_length():
     toks = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(5))
     st = ids.new_decode_state(2, 24)
     assert st.bank.KV is None and st.bank.prev == [] and st.bank.ids is not None
-    assert st.nbytes == st.cache.nbytes + 2 * 24 * 8  # int64 ids, nothing per entry
+    assert st.nbytes == st.cache.nbytes + 2 * 24 * 8 + 2 * 64  # int64 ids, nothing per entry; the router's table
+    #   of the 1-grams each row holds (V = 64 bools a row)
     kept = entries.new_decode_state(2, 24)
     assert kept.nbytes - st.nbytes == 2 * 24 * 2 * ids.cfg.w * 8 + 2 * 8  # its entries and its shift's ids
     st.prefill(toks[:, :12], logits="none")

@@ -98,7 +98,7 @@ def _ratios(model: PrismeModel, state, tokens: torch.Tensor) -> torch.Tensor:
         for _ in range(2):  # the second pass reads what every timed pass reads: a ring's slots before `start` and
             #   the shift memories hold the first pass's last positions, as after any timed pass
             seen.clear()
-            state.cache.set_lengths([start] * state.batch_size)
+            state.fill_synthetic(start, draw=False)
             for i in range(tokens.shape[1]):
                 state.decode_step(tokens[:, i:i + 1], policy=Controller(1, lambda_cost=OFF_PRICE))
     finally:
@@ -119,7 +119,7 @@ def price_for(ratios: torch.Tensor, edit_rate: float) -> tuple[float, int]:
 
 def _decode_ms(model: PrismeModel, state, tokens: torch.Tensor, start: int, policy: Controller | None) -> tuple:
     """ms per step of decoding `tokens` `[B, n]` one step at a time from `start` positions, and the steps' outputs."""
-    state.cache.set_lengths([start] * state.batch_size)  # filled once (`measure`); the steps' writes lie past it
+    state.fill_synthetic(start, draw=False)  # filled once (`measure`); the steps' writes lie past it
     outs = []
     t0 = time.perf_counter_ns()
     for i in range(tokens.shape[1]):

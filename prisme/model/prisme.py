@@ -188,10 +188,11 @@ class PrismeModel(ParameterGroups, nn.Module):
         return EncodedContext(H=query.H, K=K, V=V, z=z, bank_mask=mask, S0=S0, ctrl_in=self.controller_stream(query),
                               router_seen=router_in[0], router_tok=router_in[1])
 
-    def router_inputs(self, ids: torch.Tensor | None, pos: torch.Tensor | int
+    def router_inputs(self, ids: torch.Tensor | None, pos: torch.Tensor | int, seen: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(`router_seen`, `router_tok`) of queries at positions `pos` in the context `ids`."""
-        return router_features(self.cfg, ids, pos)
+        """(`router_seen`, `router_tok`) of queries at positions `pos` in the context `ids` (`seen`: the n-gram cue
+        already known, e.g. from a decode state's table)."""
+        return router_features(self.cfg, ids, pos, seen)
 
     def router_values(self, ctx: EncodedContext) -> torch.Tensor:
         """The router's predicted loss drop of each action at step 0, `[B, Tq, A]`."""

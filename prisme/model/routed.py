@@ -38,10 +38,11 @@ def router_scores(state: DecodeRows, st: Streams, pos: torch.Tensor, valid: torc
         lengths = state.lengths
         if pos.shape[1] == 1 and valid is None and min(lengths) == max(lengths):  # one new position, rows aligned
             ids, at = kept, lengths[0] - 1  # [B, 1] each below
+            seen = state.bank.seen_last(lengths[0])  # from the n-gram table (None: it keeps none)
         else:
             Tb = max(lengths)
             ids, at = kept.narrow(1, 0, Tb), pos.clamp(max=Tb - 1)  # [B, Q] each below (padding: dropped)
-        seen, tok = model.router_inputs(ids, at)
+        seen, tok = model.router_inputs(ids, at, seen)
     mods = model._modules  # (registry reads: this runs at every decode step)
     shared = None if normed is None else (normed, mods["backbone"]._modules["norm"])
     scores = mods["router"].scores(st.H, seen, ws.cost, ws.lambda_cost, shared, tok)  # [B, Q, A]: the price checked

@@ -184,18 +184,20 @@ def _plain_rms_norm(norm: nn.Module, eps: float) -> bool:
     return isinstance(norm, RMSNorm) and norm.eps == eps
 
 
-def router_features(cfg: PrismeConfig, ids: torch.Tensor | None, pos: torch.Tensor | int
-                    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def router_features(cfg: PrismeConfig, ids: torch.Tensor | None, pos: torch.Tensor | int,
+                    seen: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """What the router reads of the context besides norm(H), for queries at positions `pos` `[B, Q]` in the token
     ids `ids` `[B, Tb]` (an int: one position shared by every row, `[B, 1]`): whether the query's n-gram occurred
-    earlier (`ngram_seen`, `ngram_seen_at`; None without `cfg.router_ngram`) and the token at the query (None without
-    `cfg.router_token`). Both None for a model without a router."""
+    earlier (`ngram_seen`, `ngram_seen_at`, or `seen` where the caller knows it; None without `cfg.router_ngram`) and
+    the token at the query (None without `cfg.router_token`). Both None for a model without a router."""
     if not cfg.router:
         return None, None
     if ids is None and (cfg.router_ngram or cfg.router_token):
         raise ValueError("this model's router reads the token ids: pass model.streams(tokens), not a tensor")
-    seen = tok = None
-    if cfg.router_ngram:
+    tok = None
+    if not cfg.router_ngram:
+        seen = None
+    elif seen is None:
         seen = ngram_seen_at(ids, pos, cfg.router_ngram) if isinstance(pos, int) else ngram_seen(ids, pos,
                                                                                                 cfg.router_ngram)
     if cfg.router_token:

@@ -121,6 +121,8 @@ class DecodeState:
             raise ValueError(f"the bank shift keeps each row's last position only: this state rewinds to 0 or to its "
                              f"rows' length, not from {self.lengths} to {length}")
         self.cache.truncate(length)
+        if self.bank is not None:
+            self.bank.forget_grams()
         if length == 0 and self.bank is not None:
             self.bank.forget_shift()
         return self
@@ -132,27 +134,34 @@ class DecodeState:
             self.bank.reset()
 
     @torch.no_grad()
-    def fill_synthetic(self, length: int, generator: torch.Generator | None = None) -> DecodeState:
+    def fill_synthetic(self, length: int, generator: torch.Generator | None = None, draw: bool = True
+                       ) -> DecodeState:
         """Every row holds `length` positions of random content (keys, values, bank entries or ids, shift memories,
         the router's ids), without a prefill: for timing a decode step at a long context, whose cost does not depend
-        on the values (`prisme bench long`). Not a model's state: nothing it then decodes means anything. To time
-        again from the same length, `state.cache.set_lengths` alone (a step's writes land past it). Returns the
-        state."""
+        on the values (`prisme bench long`). Not a model's state: nothing it then decodes means anything. `draw=False`
+        keeps what the buffers hold and only sets the lengths (to time again from the same length: a step's writes
+        land past it). Returns the state."""
         if not is_int(length) or not 0 <= length < self.max_len:
             raise ValueError(f"fill_synthetic: length must be an int in [0, {self.max_len - 1}] (a step needs room), "
                              f"got {length!r}")
         V = self.cfg.vocab_size
-        draw = lambda t: t.copy_(torch.randn(t.shape, generator=generator).to(t.dtype))  # noqa: E731 (CPU generator)
+        if not draw:
+            if self.bank is not None:
+                self.bank.forget_grams()
+            self.cache.set_lengths([length] * self.batch_size)
+            return self
+        normal = lambda t: t.copy_(torch.randn(t.shape, generator=generator).to(t.dtype))  # noqa: E731 (CPU generator)
         ids = lambda t: t.copy_(torch.randint(0, V, t.shape, generator=generator))  # noqa: E731
         for layer in self.cache.layers:
             for t in (layer.k, layer.v, layer.prev):
                 if t is not None:
-                    draw(t)
+                    normal(t)
         if self.bank is not None:
             for t in ([self.bank.KV] if self.bank.KV is not None else []) + list(self.bank.prev):
-                (draw if t.is_floating_point() else ids)(t)
+                (normal if t.is_floating_point() else ids)(t)
             if self.bank.ids is not None:
                 ids(self.bank.ids)
+            self.bank.forget_grams()
         self.cache.set_lengths([length] * self.batch_size)
         return self
 

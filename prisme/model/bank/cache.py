@@ -22,6 +22,8 @@ from prisme.model.bank.tables import IdRead, clear_shift_memory, entries_from_id
 from prisme.model.outputs import Streams
 from prisme.options import DecodeOptions
 
+GRAM_TABLE_MAX = 1 << 16  # the most n-gram codes (V^n) per row a cache keeps a table of for the router's cue
+
 
 class BankCache:
     """A decode state's source bank (see the module docstring).
@@ -44,13 +46,50 @@ class BankCache:
         self.prev = shift_memory(cfg, options, batch_size, like) if entries else []  # ids: the previous id itself
         keep_ids = keep_ids or not entries
         self.ids = torch.zeros(batch_size, max_len, dtype=torch.long, device=like.device) if keep_ids else None
+        # the router's n-gram cue from a table of the n-grams each row holds, instead of a scan of its context at
+        # every step: grams[b, code] is True iff that n-gram ends at some position n-1..L-2 of row b, for the rows'
+        # shared length L = _gram_len (None: to be rebuilt from the ids where the cue is next read)
+        n = cfg.router_ngram if cfg.router else 0
+        codes = cfg.vocab_size ** n
+        self.ngram = n
+        self.grams = (torch.zeros(batch_size, codes, dtype=torch.bool, device=like.device)
+                      if 0 < n and codes <= GRAM_TABLE_MAX and self.ids is not None else None)
+        self._gram_len: int | None = 0
 
     @property
     def nbytes(self) -> int:
-        """Exact payload bytes of the kept entries, the shift memories and the ids."""
+        """Exact payload bytes of the kept entries, the shift memories, the ids and the n-gram table."""
         n = 0 if self.KV is None else self.KV.numel() * self.KV.element_size()
         n += sum(p.numel() * p.element_size() for p in self.prev)
+        n += 0 if self.grams is None else self.grams.numel() * self.grams.element_size()
         return n + (0 if self.ids is None else self.ids.numel() * self.ids.element_size())
+
+    def _codes(self, end: int, count: int) -> torch.Tensor:
+        """The codes `[B, count]` of the n-grams ending at positions end .. end + count - 1 (each >= n - 1)."""
+        n, V = self.ngram, self.cfg.vocab_size
+        code = self.ids.narrow(1, end - n + 1, count)
+        for m in range(1, n):
+            code = code * V + self.ids.narrow(1, end - n + 1 + m, count)
+        return code
+
+    def seen_last(self, length: int) -> torch.Tensor | None:
+        """The router's n-gram cue (`router.ngram_seen_at`) at the last position of rows that all hold `length`
+        positions, `[B, 1]` bool, from the table (rebuilt from the ids first where it is stale); None without one."""
+        if self.grams is None:
+            return None
+        n = self.ngram
+        if self._gram_len != length:  # rebuilt: the n-grams ending at n-1 .. length-2
+            self.grams.zero_()
+            if length - 2 >= n - 1:
+                self.grams.scatter_(1, self._codes(n - 1, length - n), True)
+            self._gram_len = length
+        if length - 1 < n - 1:
+            return torch.zeros(self.grams.shape[0], 1, dtype=torch.bool, device=self.grams.device)
+        return self.grams.gather(1, self._codes(length - 1, 1))
+
+    def forget_grams(self) -> None:
+        """The n-gram table is stale (the rows were rewound or their ids rewritten): rebuilt where next read."""
+        self._gram_len = None
 
     def view(self, Tb: int, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The bank's keys and values `[b, Tb, w]` each at positions 0..Tb-1 of `rows` `[b]` (None: every row): the
@@ -79,6 +118,14 @@ class BankCache:
         B, C = tokens.shape
         full = all(n == C for n in n_new)
         dev = tokens.device
+        if self.grams is not None:  # one new position per row, aligned, on a table of their length: one insert
+            L = start[0]
+            if C == 1 and full and start_t is None and self._gram_len == L:
+                if L - 1 >= self.ngram - 1:
+                    self.grams.scatter_(1, self._codes(L - 1, 1), True)  # the old last position's n-gram
+                self._gram_len = L + 1
+            else:
+                self._gram_len = None
         entries = [(self.ids, tokens)] if self.ids is not None else []  # (buffer, what the new positions write)
         if self.KV is not None:
             # only the new positions are projected (or looked up); hs: what each term's shift memory keeps
@@ -121,3 +168,6 @@ class BankCache:
         self.forget_shift()
         if self.ids is not None:
             self.ids.zero_()
+        if self.grams is not None:
+            self.grams.zero_()
+            self._gram_len = 0
