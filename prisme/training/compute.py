@@ -151,6 +151,7 @@ def _backbone_stage(cfg: PrismeConfig, s: StageConfig, lab: Labels) -> dict[str,
 def _workspace_stage(cfg: PrismeConfig, s: StageConfig, lab: Labels) -> dict[str, tuple[int, float]]:
     """Forced random actions at the labelled positions (budgets uniform in [min_budget, max_budget])."""
     T, n, c = lab.seq_len, lab.per_row, lab.context
+    n = min(n, s.workspace_positions) if s.workspace_positions else n  # the positions drawn (same mean context)
     joins = s.backbone_joins
     budgets = range(s.min_budget, (s.max_budget or cfg.r_max) + 1)
     blocks = TRAINED if joins and s.backbone_trains == "all" else THROUGH if joins else NO_GRAD

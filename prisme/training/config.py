@@ -79,6 +79,9 @@ class StageConfig:
     max_budget: int | None = None  # default: the model's r_max (also bounds the controller stage's rollouts: train the
     #   controller for the budgets its workspace was trained for)
     p_dense: float = 0.0  # probability that a forced step is DENSE (trains the dense baseline's path too)
+    workspace_positions: int = 0  # > 0: the workspace trains at this many of each sequence's labelled positions,
+    #   drawn anew each step (all where fewer); 0: at every one. Each reads its whole bank, so at long contexts the
+    #   stage costs P / T of training at every position (a deployed router edits a few percent of them)
     # --- controller and router stages
     oracle_positions: int = 16  # positions per sequence where every candidate action is executed
     oracle_greedy: float = 0.5  # behaviour policy: P(follow the oracle's best action), else a random action
@@ -142,7 +145,7 @@ class StageConfig:
                   "min_budget"):
             v = getattr(self, f)
             need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{f} must be an int >= 1, got {v!r}")
-        for f in ("warmup", "eval_every", "ckpt_every", "keep_last", "seed"):
+        for f in ("warmup", "eval_every", "ckpt_every", "keep_last", "seed", "workspace_positions"):
             v = getattr(self, f)
             need(isinstance(v, int) and not isinstance(v, bool) and v >= 0, f"{f} must be an int >= 0, got {v!r}")
         need(self.seed < 2**63 - 8, f"seed must be below 2**63 (a torch generator seed), got {self.seed}")

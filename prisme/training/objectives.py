@@ -39,6 +39,7 @@ class StageSettings(Protocol):
     min_budget: int
     max_budget: int | None
     p_dense: float
+    workspace_positions: int
     oracle_positions: int
     oracle_greedy: float
     value_clip: float
@@ -118,6 +119,7 @@ class WorkspaceObjective(nn.Module):
                 self.prev_probe.weight.copy_(torch.randn(cfg.vocab_size, cfg.d_model, generator=g) * cfg.d_model**-0.5)
         self.ds = scfg.deep_supervision
         self.p_dense = scfg.p_dense
+        self.positions = scfg.workspace_positions
         self.lo, self.hi = scfg.min_budget, scfg.max_budget or cfg.r_max
         if self.hi > cfg.r_max:
             raise ValueError(f"StageConfig.max_budget={self.hi} exceeds the model's r_max={cfg.r_max}")
@@ -132,11 +134,23 @@ class WorkspaceObjective(nn.Module):
             actions = torch.where(dense, torch.full_like(actions, cfg.dense_action), actions)
         late = torch.arange(R) >= budget.unsqueeze(-1)  # [B, T, R]
         actions = actions.masked_fill(late, cfg.stop_action)
-        return {"budget": budget, "actions": actions}
+        out = {"budget": budget, "actions": actions}
+        if self.positions:  # P of each row's labelled positions, uniformly without replacement
+            labelled = y != IGNORE_INDEX  # [B, T]
+            order = torch.rand(B, T, generator=g).masked_fill(~labelled, 2.0).argsort(1)[:, :self.positions]
+            out["trained"] = torch.zeros(B, T, dtype=torch.bool).scatter_(1, order, True) & labelled  # [B, T]
+        return out
+
+    @staticmethod
+    def _trained(y: torch.Tensor, extra: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The labels the workspace trains on: y where `sample` drew positions (`workspace_positions`), else all."""
+        return y.masked_fill(~extra["trained"], IGNORE_INDEX) if "trained" in extra else y
 
     def denominators(self, x: torch.Tensor, y: torch.Tensor, extra: dict[str, torch.Tensor]) -> dict[str, float]:
+        d = {"all": max(1, int((y != IGNORE_INDEX).sum()))}  # every label (the backbone's own loss, aux)
+        y = self._trained(y, extra)
         valid = y != IGNORE_INDEX  # [B, T]
-        d = {"tokens": max(1, int(valid.sum()))}
+        d["tokens"] = max(1, int(valid.sum()))
         if self.aux_prev > 0:
             d["prev"] = max(1, x.shape[0] * (x.shape[1] - 1))  # positions t >= 1
         if self.ds > 0:  # (position, step) pairs whose state after step r is not yet final
@@ -153,7 +167,7 @@ class WorkspaceObjective(nn.Module):
         st = st_own.detach() if self.isolate else st_own
         H = st.H
         head = _head_without_weight_grads(model.backbone) if self.isolate else None
-        y_all = y
+        y_all, y = y, self._trained(y, extra)  # the backbone's own loss (aux) reads every label
         ctx, actions, budget, y = self._labelled_queries(st, actions, budget, y)  # [b, Tq, ...], Tq <= T
         # Under autograd the slot K/V cache costs more than it saves (each write is an out-of-place copy of the whole
         # cache, and so is its backward): train on the reference path, which computes the same function.
@@ -181,7 +195,7 @@ class WorkspaceObjective(nn.Module):
         with torch.no_grad():
             ce_bb = _ce_sum(model.backbone.head(ctx.H.detach()), y)
         if self.aux > 0:
-            loss = loss + self.aux * _ce_sum(model.backbone.head(H_own), y_all) / denom["tokens"]
+            loss = loss + self.aux * _ce_sum(model.backbone.head(H_own), y_all) / denom["all"]
         prev_ce = H.new_zeros((), dtype=torch.float32)
         if self.aux_prev > 0:
             prev_ce = _ce_sum(self.prev_probe(H_own[:, 1:]), x[:, :-1])  # H[t] [b, T-1, d] -> token t-1
