@@ -82,8 +82,8 @@ def test_configs_hold_the_dense_rivals_to_the_same_widths_and_prisme_to_a_local_
 
 def _args(tmp_path, **kw) -> argparse.Namespace:
     base = dict(shapes="d64_L2", contexts="128", batches="1,2", steps=8, repeats=1, edit_rate=0.2,
-                bank_source="embedding", prefill=True, prefill_repeats=1, threads=1, seed=0,
-                json=str(tmp_path / "long.json"))
+                bank_source="embedding", prefill=True, prefill_repeats=1, train=True, train_positions=16,
+                train_repeats=1, threads=1, seed=0, json=str(tmp_path / "long.json"))
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -106,6 +106,11 @@ def test_bench_long_document_on_the_smoke_shape(tmp_path, capsys):
         # a bank kept as ids is far smaller than the dense K/V cache
         assert rows["backbone"]["state_bytes"] < rows["dense"]["state_bytes"]
     assert set(doc["prefill"][0]["rows"]) == {"dense", "dense_ks", "backbone", "routed"}
+    train = doc["train"][0]
+    assert train["workspace_positions"] == 16
+    rows = train["rows"]
+    assert set(rows) == {"dense", "dense_ks", "prisme_backbone", "prisme_workspace", "prisme"}
+    assert rows["prisme"]["ms"] == pytest.approx(rows["prisme_backbone"]["ms"] + rows["prisme_workspace"]["ms"])
     assert "x dense" in capsys.readouterr().out
 
 

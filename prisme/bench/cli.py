@@ -133,5 +133,10 @@ def add_bench_parser(sub) -> None:
                     help="PRISME's bank: the embedding, kept as token ids (default), or the residual, kept as entries")
     lg.add_argument("--prefill", action="store_true", help="also time each model's prefill of a T-token prompt")
     lg.add_argument("--prefill-repeats", type=count_option(1), default=3, help="timed prefill rounds")
+    lg.add_argument("--train", action="store_true", help="also time a training step on one T-token sequence: each "
+                    "dense model's, PRISME's backbone stage and its workspace stage")
+    lg.add_argument("--train-positions", type=count_option(1), default=256,
+                    help="the positions of each sequence the workspace stage trains at (workspace_positions)")
+    lg.add_argument("--train-repeats", type=count_option(1), default=2, help="timed training rounds")
     lg.add_argument("--threads", type=int, default=1, help="torch CPU threads (-1 = leave as is)")
     s.set_defaults(func=run_bench)

@@ -18,6 +18,8 @@ rotated each round (one warm-up round), medians reported. Per row: ms per step, 
 (`prisme.costs.trace_cost`, each position at its own context and trace), time and ops against the dense row, their
 ratio (`t_over_ops`: 1.0 = time follows ops), the decode state's bytes, and the edits per token. With `--prefill`,
 each model's prefill of a whole T-token prompt at batch 1 (the routed path at its price, logits of the last position).
+With `--train`, a training step on one T-token sequence (`train_ms`): each dense model's, PRISME's backbone stage and
+its workspace stage at `--train-positions` drawn positions (`StageConfig.workspace_positions`).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ HEAD_DIM = 64
 OFF_PRICE = 1e9  # no score beats it: the router never fires
 PATHS = ("dense", "dense_ks", "backbone", "routed_off", "routed")
 TARGETS = {"batch1_speedup_T16384": 5.0, "batch8_speedup_T16384": 5.0, "t_over_ops_T16384": 1.5,
-           "batch8_speedup_T65536": 15.0, "prefill_speedup_T16384": 3.0}  # issue targets (d256_L2), reported
+           "batch8_speedup_T65536": 15.0, "prefill_speedup_T16384": 3.0, "train_speedup_T16384": 3.0}  # reported
 
 
 def configs(shape: str, T_max: int, source: str) -> dict[str, PrismeConfig]:
@@ -206,8 +208,61 @@ def prefill_ms(models: dict[str, PrismeModel], T: int, repeats: int, edit_rate: 
     return {"context": T, "price": price, "fired_positions": fired, "rows": rows}
 
 
+def _stage_step(model: PrismeModel, stage: str, T: int, seed: int, overrides: dict[str, Any]):
+    """One real training step of `stage` (its objective, AdamW, the gradient clipped) on one T-token sequence of random
+    bytes with fresh sampled actions each call: a callable."""
+    from prisme.bench.train_stages import ADAMW, GRAD_CLIP
+    from prisme.training.config import StageConfig
+    from prisme.training.optim import stage_parameters
+
+    scfg = StageConfig(stage=stage, batch_size=1, seq_len=T, seed=seed, progress=False, **overrides).validate()
+    objective = scfg.spec.objective(model, scfg)
+    params = stage_parameters(model, scfg) + [p for n, p in objective.named_parameters() if not n.startswith("model.")]
+    opt = torch.optim.AdamW(params, lr=scfg.lr, betas=ADAMW["betas"], eps=ADAMW["eps"])
+    seq = make_tokens(model.cfg.vocab_size, 1, T + 1, seed)
+    x, y = seq[:, :-1], seq[:, 1:]
+    g = torch.Generator().manual_seed(seed + 1)
+
+    def step() -> None:
+        ex = objective.sample(x, y, g)
+        loss, _ = objective(x, y, ex, objective.denominators(x, y, ex))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def train_ms(cfgs: dict[str, PrismeConfig], T: int, positions: int, repeats: int, seed: int) -> dict[str, Any]:
+    """A training step on one T-token sequence (batch 1), rotated, medians: each dense model's (next-token CE, every
+    weight), PRISME's backbone stage (its local backbone) and its workspace stage (the demo's recipe: forced actions,
+    deep supervision; at `positions` drawn positions, `StageConfig.workspace_positions`); `prisme` is the sum of its
+    two stages' steps (one step of each)."""
+    from prisme.bench.train_stages import STAGE_RECIPES
+
+    ws = {k: v for k, v in STAGE_RECIPES["workspace"].items() if k not in ("batch_size", "seq_len")}
+    steps = {"dense": _stage_step(_seeded(cfgs["dense"], seed).train(), "backbone", T, seed, {}),
+             "dense_ks": _stage_step(_seeded(cfgs["dense_ks"], seed).train(), "backbone", T, seed, {}),
+             "prisme_backbone": _stage_step(_seeded(cfgs["prisme"], seed).train(), "backbone", T, seed, {}),
+             "prisme_workspace": _stage_step(_seeded(cfgs["prisme"], seed).train(), "workspace", T, seed,
+                                             {**ws, "workspace_positions": positions})}
+    names, samples = list(steps), {k: [] for k in steps}
+    for r in range(repeats + 1):  # the first round warms up
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            t0 = time.perf_counter_ns()
+            steps[k]()
+            if r > 0:
+                samples[k].append((time.perf_counter_ns() - t0) / 1e6)
+    rows = {k: {"ms": float(np.median(v)), "samples_ms": v} for k, v in samples.items()}
+    rows["prisme"] = {"ms": rows["prisme_backbone"]["ms"] + rows["prisme_workspace"]["ms"], "samples_ms": []}
+    for row in rows.values():
+        row["speedup_vs_dense"] = rows["dense"]["ms"] / row["ms"]
+    return {"context": T, "workspace_positions": positions, "rows": rows}
+
+
 # ------------------------------------------------------------------------------------------------------------ output
-def format_table(results: list[dict[str, Any]], prefills: list[dict[str, Any]]) -> str:
+def format_table(results: list[dict[str, Any]], prefills: list[dict[str, Any]], trains: list[dict[str, Any]]) -> str:
     lines = [f"{'shape':<9}{'T':>7}{'B':>3}  {'path':<11}{'ms/step':>9}{'tok/s':>9}{'MiB':>8}{'ops/tok':>11}"
              f"{'edits':>7}{'x dense':>9}{'ops x':>7}{'t/ops':>7}"]
     lines.append("-" * len(lines[0]))
@@ -220,6 +275,11 @@ def format_table(results: list[dict[str, Any]], prefills: list[dict[str, Any]]) 
     for res in prefills:
         lines.append(f"prefill {res['shape']} T = {res['context']} (batch 1): " + ", ".join(
             f"{k} {row['ms'] / 1000:.2f} s ({row['speedup_vs_dense']:.2f}x dense)" for k, row in res["rows"].items()))
+    for res in trains:
+        lines.append(f"training step {res['shape']} T = {res['context']} (batch 1, the workspace at "
+                     f"{res['workspace_positions']} positions): " + ", ".join(
+                         f"{k} {row['ms'] / 1000:.2f} s ({row['speedup_vs_dense']:.2f}x dense)"
+                         for k, row in res["rows"].items()))
     return "\n".join(lines)
 
 
@@ -233,19 +293,24 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--contexts {too_short} must be longer than --steps {args.steps} (the timed steps end at T)")
     decode = DecodeOptions(bank_tables=args.bank_source == "embedding",
                            bank_store="ids" if args.bank_source == "embedding" else "entries")
-    results, prefills = [], []
-    with torch_threads(args.threads), torch.inference_mode():
+    results, prefills, trains = [], [], []
+    with torch_threads(args.threads):
         for shape in names:
             for T in contexts:
                 cfgs = configs(shape, T, args.bank_source)
-                models = {k: _seeded(c, args.seed, decode if k == "prisme" else None) for k, c in cfgs.items()}
-                for B in batches:
-                    tokens = make_tokens(256, B, args.steps, args.seed + T + B)
-                    results.append(measure(Case(shape, T, B, args.steps, models, tokens), args.repeats,
-                                           args.edit_rate, args.seed))
-                if args.prefill:
-                    prefills.append({"shape": shape, **prefill_ms(models, T, args.prefill_repeats, args.edit_rate,
-                                                                  args.seed)})
+                with torch.inference_mode():
+                    models = {k: _seeded(c, args.seed, decode if k == "prisme" else None) for k, c in cfgs.items()}
+                    for B in batches:
+                        tokens = make_tokens(256, B, args.steps, args.seed + T + B)
+                        results.append(measure(Case(shape, T, B, args.steps, models, tokens), args.repeats,
+                                               args.edit_rate, args.seed))
+                    if args.prefill:
+                        prefills.append({"shape": shape, **prefill_ms(models, T, args.prefill_repeats,
+                                                                      args.edit_rate, args.seed)})
+                if args.train:
+                    trains.append({"shape": shape, **train_ms(configs(shape, T + 1, args.bank_source), T,
+                                                              min(args.train_positions, T), args.train_repeats,
+                                                              args.seed)})
     finite = all(math.isfinite(v) for r in results for row in r["rows"].values()
                  for v in (row["ms_per_step"], row["t_over_ops"]))
     doc = {"bench": "long", "environment": {"torch": torch.__version__, "python": platform.python_version(),
@@ -255,7 +320,8 @@ def main(args: argparse.Namespace) -> int:
            "settings": {"shapes": list(names), "contexts": list(contexts), "batches": list(batches),
                         "steps": args.steps, "repeats": args.repeats, "edit_rate": args.edit_rate,
                         "bank_source": args.bank_source, "bank_store": decode.bank_store, "window": WINDOW,
-                        "prefill": args.prefill, "seed": args.seed},
-           "results": results, "prefill": prefills, "targets": TARGETS,
+                        "prefill": args.prefill, "train": args.train, "train_positions": args.train_positions,
+                        "seed": args.seed},
+           "results": results, "prefill": prefills, "train": trains, "targets": TARGETS,
            "checks": {"rows_measured": len(results), "timings_finite": finite, "passed": bool(results) and finite}}
-    return emit(doc, format_table(results, prefills), args.json)
+    return emit(doc, format_table(results, prefills, trains), args.json)
