@@ -113,6 +113,10 @@ def _cmd_study(args: argparse.Namespace) -> int:
 
         if args.study == "text":
             return run_text(args)
+        if args.study == "lengths":
+            from prisme.studies.recall_lengths import main as study_lengths
+
+            return study_lengths(args)
         from prisme.studies.recall import main as study_recall
 
         return study_recall(recall_args(args))

@@ -1,12 +1,14 @@
-"""The command line of `prisme study recall`, `prisme study text` and `prisme demo`: their options, on the `prisme`
-parser (`prisme.cli`), and how the text study's (and the recall study's lists) are read and checked before anything
-trains; each study's module is imported only when it runs."""
+"""The command line of `prisme study recall`, `prisme study text`, `prisme study lengths` and `prisme demo`: their
+options, on the `prisme` parser (`prisme.cli`), and how the text study's (and the recall study's lists) are read and
+checked before anything trains; each study's module is imported only when it runs."""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
 from typing import Any
+
+from prisme.checks import count_option
 
 
 def add_study_parsers(sub: Any, add_compile: Callable[[argparse.ArgumentParser], None], run_study: Callable,
@@ -107,6 +109,19 @@ def add_study_parsers(sub: Any, add_compile: Callable[[argparse.ArgumentParser],
     add_compile(t)
     add_executor(t)
     t.set_defaults(func=run_study)
+
+    n = ssub.add_parser("lengths", help="a long-context recall study's trained models scored and decoded at longer "
+                                         "contexts than they trained on (PRISME at its price, each dense model)")
+    n.add_argument("runs", help="the study folder (`prisme study recall --frontier --context 1024 --out FOLDER`)")
+    n.add_argument("--contexts", default="2048,4096,8192,16384",
+                   help="comma-separated contexts longer than 1,024 (default 2048,4096,8192,16384)")
+    n.add_argument("--sequences", type=count_option(1), default=128,
+                   help="held-out MQAR sequences per model, seed and context (4 queries each; default 128)")
+    n.add_argument("--repeats", type=count_option(1), default=2, help="timed decoding rounds (one warm-up)")
+    n.add_argument("--threads", type=int, default=1, help="torch CPU threads (-1 = leave as is)")
+    n.add_argument("--json", default=None, help="also write the JSON document to this file (atomically)")
+    n.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    n.set_defaults(func=run_study)
 
     s = sub.add_parser("demo", help="run the main job on the embedded default corpus")
     s.add_argument("--out", default=None, help="run folder (default: runs/demo-<timestamp>)")

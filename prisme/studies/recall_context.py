@@ -66,11 +66,12 @@ def largest_window(cfg: RecallStudyConfig) -> int:
     return max(windows, default=0)
 
 
-def context_mqar(cfg: RecallStudyConfig, recipe: Recipe, T: int) -> MQARConfig:
+def context_mqar(cfg: RecallStudyConfig, recipe: Recipe, T: int, limit: bool = True) -> MQARConfig:
     """The recipe's task at length T, its queries after every window; ValueError naming `--context` when T is over
-    the preset's T_max or too short for the queries."""
+    the preset's T_max (`limit`: the study trains at T; a trained model scored at a longer T passes False) or too short
+    for the queries."""
     t_max = PrismeConfig.from_name(LONG_PRESET).max_seq_len
-    if T > t_max:
+    if limit and T > t_max:
         raise ValueError(f"recall study: --context {T} is over the {LONG_PRESET} preset's T_max = {t_max}")
     q0 = 2 * recipe.mqar.n_pairs + largest_window(cfg)
     mcfg = dataclasses.replace(recipe.mqar, seq_len=T, query_min_pos=q0, n_queries=cfg.context_queries)

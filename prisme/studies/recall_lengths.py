@@ -1,0 +1,172 @@
+"""`prisme study lengths`: the long-context recall study's trained models scored and decoded at longer contexts than
+they trained on.
+
+A 64-window backbone and a content-addressed bank meet no position they have not seen at a longer context (the
+window's relative positions are the same, the bank matches content), while one layer of global attention with RoPE
+meets distances it never trained on. For each finished member of a `prisme study recall --frontier --context` folder
+(PRISME with its router at budget 1 and its calibrated price, and each dense model), at each context T: query
+accuracy on `sequences` held-out MQAR sequences of length T (the study's task: its pairs, and its queries after every
+window, `context_mqar`), the same draws for every model; and decoding tokens/s at batch 8 side by side (`generate`
+from the first query slot to the end, the models alternating, the median of `repeats`), with each model's decode state
+at T. A model is rebuilt at T_max = T (RoPE tables are computed, not learned); its weights are the trained ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from prisme.checkpoint import load_model
+from prisme.data.mqar import make_mqar_batch
+from prisme.evaluation.policies import Backbone, Controller
+from prisme.model.prisme import PrismeModel
+
+DEFAULT_CONTEXTS = (2048, 4096, 8192, 16384)
+
+
+@dataclass(frozen=True)
+class Member:
+    """One finished run of the study: its name, family ("prisme" or "dense"), seed, checkpoint and (PRISME) price."""
+
+    name: str
+    family: str
+    seed: int
+    checkpoint: Path
+    price: float | None
+
+
+def members(folder: str | Path) -> list[Member]:
+    """The finished runs a recall study folder records (`.prisme-study/done`), PRISME family members and dense models,
+    sorted by name and seed; ValueError where the folder holds none."""
+    folder = Path(folder)
+    done = sorted((folder / ".prisme-study" / "done").glob("*.json"))
+    out = []
+    for path in done:
+        rec = json.loads(path.read_text())
+        task, entry = rec.get("task", {}), rec.get("entry") or {}
+        if task.get("kind") not in ("family", "dense") or "checkpoint" not in entry:
+            continue
+        ckpt = next((p for p in (folder.parent / entry["checkpoint"], folder / entry["checkpoint"],
+                                 Path(entry["checkpoint"])) if p.exists()), None)
+        if ckpt is None:
+            raise ValueError(f"study lengths: {path.name} names the checkpoint {entry['checkpoint']}, which is not in "
+                             f"{folder} or beside it")
+        family = "prisme" if task["kind"] == "family" else "dense"
+        price = entry["router"]["lambda"] if family == "prisme" else None
+        out.append(Member(task["name"], family, int(task["seed"]), ckpt, price))
+    if not out:
+        raise ValueError(f"study lengths: {folder} records no finished run of a recall frontier study "
+                         f"(.prisme-study/done)")
+    return sorted(out, key=lambda m: (m.family, m.name, m.seed))
+
+
+def at_length(model: PrismeModel, T: int) -> PrismeModel:
+    """The same weights in a model of T_max = max(T, its own) (its RoPE tables computed to T)."""
+    cfg = dataclasses.replace(model.cfg, max_seq_len=max(T, model.cfg.max_seq_len))
+    out = PrismeModel(cfg, model.decode_options).to(model.backbone.tok_emb.weight.dtype)
+    out.load_state_dict(model.state_dict())
+    return out.eval()
+
+
+def accuracy(model: PrismeModel, member: Member, mcfg, sequences: int, data_seed: int) -> float:
+    """Query accuracy on `sequences` MQAR sequences of `mcfg` drawn from `data_seed` (PRISME at budget 1 and its
+    price; a dense model alone)."""
+    from prisme.studies.recall_eval import score
+
+    policy = Backbone() if member.price is None else Controller([member.price], 1, equal_edits=False)
+    return score(model, mcfg, data_seed, sequences, [policy]).rows[0].accuracy
+
+
+def decode_speed(models: dict[str, tuple[PrismeModel, float | None]], mcfg, batch: int, repeats: int,
+                 data_seed: int) -> dict[str, float]:
+    """Tokens/s of `generate` from the first query slot to the end of an MQAR sequence, the models alternating."""
+    from prisme.decoding.generate import generate
+    from prisme.model.policy import Controller as Price
+
+    x, _ = make_mqar_batch(mcfg, batch, torch.Generator().manual_seed(data_seed))
+    P = mcfg.query_start + 1
+    new = mcfg.seq_len - P
+    times: dict[str, list[float]] = {k: [] for k in models}
+    for _ in range(repeats + 1):  # the first round warms up
+        for k, (m, price) in models.items():
+            kw = {} if price is None else dict(policy=Price(1, lambda_cost=price))
+            t0 = time.perf_counter()
+            generate(m, x[:, :P], new, **kw)
+            times[k].append(time.perf_counter() - t0)
+    return {k: batch * new / sorted(t[1:])[len(t[1:]) // 2] for k, t in times.items()}
+
+
+def run_lengths(folder: str | Path, contexts: tuple[int, ...], sequences: int, repeats: int,
+                progress: bool = True) -> dict[str, Any]:
+    """Every member of the study in `folder` scored at its own context (1,024) and at each of `contexts`, and one
+    model of each name (its first seed) decoded at each (module docstring): the document."""
+    import sys
+
+    from prisme.studies.recall_context import context_mqar
+    from prisme.studies.recall_setup import EVAL_SEED, RecallStudyConfig, load_recipe
+
+    if not contexts or any(T <= 1024 for T in contexts):
+        raise ValueError(f"study lengths: --contexts must be longer than the study's 1,024, got {list(contexts)}")
+    found = members(folder)
+    study = RecallStudyConfig(frontier=True, contexts=[1024])
+    recipe, _ = load_recipe(study)
+    loaded = {m: load_model(m.checkpoint)[0].eval() for m in found}
+    rows: dict[str, dict[str, Any]] = {}
+    speed: dict[int, dict[str, float]] = {}
+    t0 = time.perf_counter()
+    for T in (1024, *contexts):
+        mcfg = context_mqar(study, recipe, T, limit=False)
+        first: dict[str, tuple[PrismeModel, float | None]] = {}
+        for m in found:
+            model = at_length(loaded[m], T)
+            row = rows.setdefault(m.name, {"family": m.family, "seeds": [], "accuracy": {}})
+            if m.seed not in row["seeds"]:
+                row["seeds"].append(m.seed)
+            row["accuracy"].setdefault(str(T), []).append(accuracy(model, m, mcfg, sequences, EVAL_SEED + m.seed))
+            first.setdefault(m.name, (model, m.price))
+            if progress:
+                print(f"[lengths {time.perf_counter() - t0:6.0f} s] T = {T} {m.name} seed {m.seed}: "
+                      f"{row['accuracy'][str(T)][-1]:.3f}", file=sys.stderr, flush=True)
+        if T != 1024:
+            speed[T] = decode_speed(first, mcfg, 8, repeats, EVAL_SEED + 99)
+    return {"study": "lengths", "folder": str(folder), "trained_context": 1024, "contexts": [1024, *contexts],
+            "sequences": sequences, "rows": rows, "decode_batch8_tokens_per_s": {str(k): v for k, v in speed.items()},
+            "threads": torch.get_num_threads(), "wall_s": time.perf_counter() - t0}
+
+
+def format_lengths(doc: dict[str, Any]) -> str:
+    """Accuracy per seed at each context, and decoding tokens/s side by side, for humans."""
+    Ts = doc["contexts"]
+    head = f"{'model':<34}" + "".join(f"{'T = ' + format(T, ','):>22}" for T in Ts)
+    lines = [f"query accuracy per seed (trained at T = 1,024; {doc['sequences']} sequences per seed and context)",
+             head, "-" * len(head)]
+    for name, row in doc["rows"].items():
+        cells = "".join(f"{' '.join(f'{a:.3f}' for a in row['accuracy'][str(T)]):>22}" for T in Ts)
+        lines.append(f"{name:<34}{cells}")
+    lines += ["", "decoding, batch 8, tokens/s (one seed of each model, from the first query slot to the end)"]
+    for T, by in doc["decode_batch8_tokens_per_s"].items():
+        lines.append(f"  T = {int(T):,}: " + ", ".join(f"{k} {v:,.0f}" for k, v in by.items()))
+    return "\n".join(lines)
+
+
+def main(args: Any) -> int:
+    """`prisme study lengths`: run, print the table and the document, write it where asked."""
+    from prisme.checks import integer, parse_list
+    from prisme.io import write_json_atomic
+
+    contexts = tuple(parse_list(args.contexts, "--contexts", integer(1), example="2048,4096"))
+    if args.threads >= 1:
+        torch.set_num_threads(args.threads)
+    with torch.inference_mode():
+        doc = run_lengths(args.runs, contexts, args.sequences, args.repeats, not args.no_progress)
+    print(format_lengths(doc))
+    if args.json:
+        write_json_atomic(doc, args.json)
+    print(json.dumps(doc, indent=2))
+    return 0
