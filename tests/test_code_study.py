@@ -160,6 +160,20 @@ def test_a_code_study_records_its_corpus_slices_by_distance_and_capture(tmp_path
     assert ws["steps"] == 2 and doc["training_bytes"]["workspace"] == 2 * ws["batch_size"] * 300  # 100 x 0.01 steps
     report = format_report(doc)
     assert f"corpus: {folder} (folder" in report and "16-256" in report and "capture beyond" in report
+    # training compute per model: PRISME trains its backbone, then its workspace and router stages on top
+    from prisme.studies.text_compute import model_stages
+    from prisme.training.compute import stage_compute
+
+    tc, d = doc["training_compute"], doc["model"]["d_model"]
+    assert set(tc) == {"backbone", "backbone+matched", "prisme:residual_preceding", f"frontier:L2_d{d}_ks",
+                       f"frontier:L2_d{d}_w16_ks"} and "training compute per model" in report
+    runs = model_stages(cfg, PrismeConfig.from_name("tiny", vocab_size=256).replace(**doc["model"]),
+                        prepare_study(cfg, PrismeConfig.from_name("tiny", vocab_size=256))[1][3])
+    for name, e in tc.items():
+        assert e["training_ops"] == pytest.approx(sum(stage_compute(m, st).ops for m, st in runs[name]))
+        assert e["training_core_s"] is not None and e["training_core_s"] > 0  # every stage's log has its time
+    assert tc["prisme:residual_preceding"]["training_ops"] > tc["backbone+matched"]["training_ops"] > \
+        tc["backbone"]["training_ops"]
     settings = study_settings(cfg, *prepare_study(cfg, PrismeConfig.from_name("tiny", vocab_size=256))[:2])
     assert settings["study"]["corpus"] == str(folder) and settings["corpus"]["sha256"]
     from pathlib import Path

@@ -268,7 +268,8 @@ def test_the_winners_decode_side_by_side_with_their_decode_state_bytes(tmp_path)
         twin = DecodeState(PrismeModel(p.replace(attn_window=None)), B, 96).nbytes
         assert twin - mem["prisme"] == 2 * p.n_layer * B * p.n_kv_head * (96 - 16) * p.head_dim * 4
         ring = 2 * p.n_layer * B * p.n_kv_head * 16 * p.head_dim * 4
-        assert mem["prisme_ids"] == ring + B * 96 * 8  # the window's ring and the ids: no bank entries
+        grams = B * p.vocab_size ** p.router_ngram  # the router's table of the n-grams each row holds (bools)
+        assert mem["prisme_ids"] == ring + B * 96 * 8 + grams  # the window's ring and the ids: no bank entries
 
 
 @pytest.mark.parametrize("argv, msg", [

@@ -46,6 +46,7 @@ from prisme.io import write_text_atomic
 from prisme.studies.pools import pool_options, task_device
 from prisme.studies.records import STUDY_DIR, open_study, record_study, reuse_runs, reused_runs, store_path
 from prisme.studies.runner import Task, run_tasks, worker_count
+from prisme.studies.text_compute import training_compute
 from prisme.studies.text_confirm import confirmation_block, confirmation_prune, fresh_tasks
 from prisme.studies.text_data import check_inputs, corpus_records, stage_bytes
 from prisme.studies.text_report import capture_summary, format_report, seed_summary, verdicts
@@ -226,6 +227,7 @@ def assemble(cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[int, di
            "reused": reused_runs(cfg.out_dir),
            "wall_s": {"total": total_s, **phases, "jobs": jobs,
                       "note": "phases sum the time of every task in that phase over all workers and seeds"}}
+    doc["training_compute"] = training_compute(cfg, model_cfg, stages)
     doc["summary"] = seed_summary(doc)
     doc["verdicts"] = verdicts(doc)
     doc["capture"] = capture_summary(doc)

@@ -131,6 +131,10 @@ def format_report(doc: dict[str, Any]) -> str:
     for table in (slice_table(doc), capture_table(doc)):
         if table:
             parts.append(table)
+    if doc.get("training_compute"):  # (a document written before it has none)
+        from prisme.studies.text_compute import format_compute
+
+        parts.append(format_compute(doc["training_compute"]))
     parts.append("\n".join(doc["verdicts"]))
     if doc.get("confirmation"):
         parts.append(confirmation_text(doc["confirmation"]))
