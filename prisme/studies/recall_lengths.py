@@ -28,6 +28,7 @@ from prisme.evaluation.policies import Backbone, Controller
 from prisme.model.prisme import PrismeModel
 
 DEFAULT_CONTEXTS = (2048, 4096, 8192, 16384)
+FAMILY_OF_KIND = {"family": "prisme", "dense": "dense"}  # a recall frontier task's kind -> the model it trained
 
 
 @dataclass(frozen=True)
@@ -50,14 +51,14 @@ def members(folder: str | Path) -> list[Member]:
     for path in done:
         rec = json.loads(path.read_text())
         task, entry = rec.get("task", {}), rec.get("entry") or {}
-        if task.get("kind") not in ("family", "dense") or "checkpoint" not in entry:
+        if task.get("kind") not in FAMILY_OF_KIND or "checkpoint" not in entry:
             continue
         ckpt = next((p for p in (folder.parent / entry["checkpoint"], folder / entry["checkpoint"],
                                  Path(entry["checkpoint"])) if p.exists()), None)
         if ckpt is None:
             raise ValueError(f"study lengths: {path.name} names the checkpoint {entry['checkpoint']}, which is not in "
                              f"{folder} or beside it")
-        family = "prisme" if task["kind"] == "family" else "dense"
+        family = FAMILY_OF_KIND[task["kind"]]
         price = entry["router"]["lambda"] if family == "prisme" else None
         out.append(Member(task["name"], family, int(task["seed"]), ckpt, price))
     if not out:
