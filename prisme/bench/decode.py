@@ -89,12 +89,12 @@ def shapes(names: list[str], tables: bool, seed: int, store: str = "entries"
                 cfg = family_config(r, m.d, m.w, m.attn_window, m.key_shift, m.router_token)
                 dense_cfg = dense_config(r, 1, 16, True)
             decode = DecodeOptions(bank_tables=tables, bank_store=store)
-            dense = _seeded(dense_cfg, seed)
+            dense = seeded_model(dense_cfg, seed)
         elif name in ("demo", "tiny"):
             cfg, decode = PrismeConfig.from_name(name, router=True), None
         else:
             raise ValueError(f"--shapes: unknown shape {name!r} ({', '.join(SHAPES)})")
-        out.append((name, _seeded(cfg, seed, decode), dense))
+        out.append((name, seeded_model(cfg, seed, decode), dense))
     return out
 
 
@@ -113,7 +113,8 @@ def prompt_length(name: str, given: int | None) -> int:
     return given if given is not None else LONG_PROMPT if name in LONG_MEMBER else 8
 
 
-def _seeded(cfg: PrismeConfig, seed: int, decode: DecodeOptions | None = None) -> PrismeModel:
+def seeded_model(cfg: PrismeConfig, seed: int, decode: DecodeOptions | None = None) -> PrismeModel:
+    """An untrained PRISME model (or dense backbone) of `cfg`, seeded (the global RNG is left alone), in eval mode."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return PrismeModel(cfg, decode).eval()
@@ -125,9 +126,14 @@ def deployed_price(model: PrismeModel, tokens: torch.Tensor, edit_rate: float, s
     fires iff lambda < max_a value_a / cost_a over the actions of positive value, so the price is that ratio's
     quantile."""
     ctx = model.encode(tokens)
-    value = model.router_values(ctx)[:, start:]  # [B, T - start, A]
-    ratio = (value / model.action_cost).masked_fill(value <= 0, 0).amax(-1).flatten()
+    ratio = fire_ratio(model.router_values(ctx)[:, start:], model.action_cost).flatten()  # [B (T - start)]
     return float(torch.quantile(ratio.double(), 1 - edit_rate))
+
+
+def fire_ratio(value: torch.Tensor, cost: torch.Tensor) -> torch.Tensor:
+    """The price below which each position fires, from the router's values `[..., A]` and the actions' costs `[A]`:
+    the best value / cost over the actions of positive value (0 where none has one) `[...]`."""
+    return (value / cost).masked_fill(value <= 0, 0).amax(-1)
 
 
 # ------------------------------------------------------------------------------------------------------------ timing

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from prisme.bench.decode import OFF_PRICE, fire_ratio, seeded_model
 from prisme.bench.harness import emit, make_tokens, parse_ints, torch_threads
 from prisme.checks import one_of, parse_list
 from prisme.config import PrismeConfig
@@ -46,7 +47,6 @@ SHAPES = {"d256_L2": (256, 2), "d512_L2": (512, 2), "d256_L4": (256, 4), "d64_L2
 #   d64_L2: a smoke shape (tests)
 WINDOW = 64  # PRISME's backbone window (the long-context studies')
 HEAD_DIM = 64
-OFF_PRICE = 1e9  # no score beats it: the router never fires
 PATHS = ("dense", "dense_ks", "backbone", "routed_off", "routed")
 TARGETS = {"batch1_speedup_T16384": 5.0, "batch8_speedup_T16384": 5.0, "t_over_ops_T16384": 1.5,
            "batch8_speedup_T65536": 15.0, "prefill_speedup_T16384": 3.0, "train_speedup_T16384": 3.0}  # reported
@@ -63,12 +63,6 @@ def configs(shape: str, T_max: int, source: str) -> dict[str, PrismeConfig]:
     dense = PrismeConfig.from_name("demo", **base, use_workspace=False)
     return {"prisme": prisme, "dense": dense, "dense_ks": PrismeConfig.from_name("demo", **base, use_workspace=False,
                                                                                    key_shift=True)}
-
-
-def _seeded(cfg: PrismeConfig, seed: int, decode: DecodeOptions | None = None) -> PrismeModel:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return PrismeModel(cfg, decode).eval()
 
 
 @dataclass(frozen=True)
@@ -91,7 +85,7 @@ def _ratios(model: PrismeModel, state, tokens: torch.Tensor) -> torch.Tensor:
 
     def record(H, s, cost, lam, normed=None, tok=None):
         value = scores(H, s, cost, 0.0, normed, tok)  # [B, 1, A]: lambda 0 leaves the values
-        seen.append((value / cost).masked_fill(value <= 0, 0).amax(-1))
+        seen.append(fire_ratio(value, cost))
         return scores(H, s, cost, lam, normed, tok)
 
     router.scores = record
@@ -189,8 +183,7 @@ def prefill_ms(models: dict[str, PrismeModel], T: int, repeats: int, edit_rate: 
     with torch.no_grad():
         ctx = prisme.encode(tokens)
         value = prisme.router_values(ctx)  # [1, T, A]
-    ratio = (value / prisme.action_cost).masked_fill(value <= 0, 0).amax(-1)
-    price, fired = price_for(ratio, edit_rate)
+    price, fired = price_for(fire_ratio(value, prisme.action_cost), edit_rate)
     paths = {"dense": (models["dense"], None), "dense_ks": (models["dense_ks"], None), "backbone": (prisme, None),
              "routed": (prisme, Controller(1, lambda_cost=price))}
     names, samples = list(paths), {k: [] for k in paths}
@@ -211,25 +204,19 @@ def prefill_ms(models: dict[str, PrismeModel], T: int, repeats: int, edit_rate: 
 def _stage_step(model: PrismeModel, stage: str, T: int, seed: int, overrides: dict[str, Any]):
     """One real training step of `stage` (its objective, AdamW, the gradient clipped) on one T-token sequence of random
     bytes with fresh sampled actions each call: a callable."""
-    from prisme.bench.train_stages import ADAMW, GRAD_CLIP
+    from prisme.bench.train_stages import optimizer_step, stage_optimizer
     from prisme.training.config import StageConfig
-    from prisme.training.optim import stage_parameters
 
     scfg = StageConfig(stage=stage, batch_size=1, seq_len=T, seed=seed, progress=False, **overrides).validate()
     objective = scfg.spec.objective(model, scfg)
-    params = stage_parameters(model, scfg) + [p for n, p in objective.named_parameters() if not n.startswith("model.")]
-    opt = torch.optim.AdamW(params, lr=scfg.lr, betas=ADAMW["betas"], eps=ADAMW["eps"])
+    params, opt = stage_optimizer(model, scfg, objective)
     seq = make_tokens(model.cfg.vocab_size, 1, T + 1, seed)
     x, y = seq[:, :-1], seq[:, 1:]
     g = torch.Generator().manual_seed(seed + 1)
 
     def step() -> None:
         ex = objective.sample(x, y, g)
-        loss, _ = objective(x, y, ex, objective.denominators(x, y, ex))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        optimizer_step(objective, params, opt, (x, y, ex), objective.denominators(x, y, ex))
 
     return step
 
@@ -242,10 +229,10 @@ def train_ms(cfgs: dict[str, PrismeConfig], T: int, positions: int, repeats: int
     from prisme.bench.train_stages import STAGE_RECIPES
 
     ws = {k: v for k, v in STAGE_RECIPES["workspace"].items() if k not in ("batch_size", "seq_len")}
-    steps = {"dense": _stage_step(_seeded(cfgs["dense"], seed).train(), "backbone", T, seed, {}),
-             "dense_ks": _stage_step(_seeded(cfgs["dense_ks"], seed).train(), "backbone", T, seed, {}),
-             "prisme_backbone": _stage_step(_seeded(cfgs["prisme"], seed).train(), "backbone", T, seed, {}),
-             "prisme_workspace": _stage_step(_seeded(cfgs["prisme"], seed).train(), "workspace", T, seed,
+    steps = {"dense": _stage_step(seeded_model(cfgs["dense"], seed).train(), "backbone", T, seed, {}),
+             "dense_ks": _stage_step(seeded_model(cfgs["dense_ks"], seed).train(), "backbone", T, seed, {}),
+             "prisme_backbone": _stage_step(seeded_model(cfgs["prisme"], seed).train(), "backbone", T, seed, {}),
+             "prisme_workspace": _stage_step(seeded_model(cfgs["prisme"], seed).train(), "workspace", T, seed,
                                              {**ws, "workspace_positions": positions})}
     names, samples = list(steps), {k: [] for k in steps}
     for r in range(repeats + 1):  # the first round warms up
@@ -299,7 +286,7 @@ def main(args: argparse.Namespace) -> int:
             for T in contexts:
                 cfgs = configs(shape, T, args.bank_source)
                 with torch.inference_mode():
-                    models = {k: _seeded(c, args.seed, decode if k == "prisme" else None) for k, c in cfgs.items()}
+                    models = {k: seeded_model(c, args.seed, decode if k == "prisme" else None) for k, c in cfgs.items()}
                     for B in batches:
                         tokens = make_tokens(256, B, args.steps, args.seed + T + B)
                         results.append(measure(Case(shape, T, B, args.steps, models, tokens), args.repeats,

@@ -139,13 +139,34 @@ class StageRow:
     backbone_samples_ms: list[float] = field(default_factory=list)  # the backbone step's, same rotation
 
 
+def stage_optimizer(model: torch.nn.Module, scfg: Any, objective: torch.nn.Module
+                    ) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
+    """The parameters stage `scfg` trains (the model's, and the objective's own) and their AdamW (the trainer's
+    settings)."""
+    from prisme.training.optim import stage_parameters
+
+    params = stage_parameters(model, scfg) + [p for n, p in objective.named_parameters() if not n.startswith("model.")]
+    return params, torch.optim.AdamW(params, lr=scfg.lr, betas=ADAMW["betas"], eps=ADAMW["eps"])
+
+
+def optimizer_step(objective: torch.nn.Module, params: list[torch.nn.Parameter], opt: torch.optim.Optimizer,
+                   batch: tuple, denom: dict[str, float]) -> torch.Tensor:
+    """One training step: the objective's loss on `batch` = (x, y, extras), its backward, the gradient clipped, the
+    optimizer's step; returns the loss."""
+    loss, _ = objective(*batch, denom)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
 def stage_paths(cfg: PrismeConfig, stage: str, seed: int = 42, batch: int | None = None, seq_len: int | None = None,
                 compile: bool = False, device: torch.device | str = "cpu") -> tuple[TimedPath, dict[str, Any]]:
     """A timed path of `stage`'s real training step (its objective, AdamW, grad clip) on one fixed batch of random
     tokens with fresh sampled actions each step, and the info to price it."""
     from prisme.model.prisme import PrismeModel
     from prisme.training.config import StageConfig
-    from prisme.training.optim import stage_parameters
 
     if not cfg.use_workspace:
         raise ValueError(f"stage {stage!r} needs a preset with a workspace; {cfg.name!r} has none")
@@ -162,8 +183,7 @@ def stage_paths(cfg: PrismeConfig, stage: str, seed: int = 42, batch: int | None
 
         compile_editor(model, strict=True)
     objective = scfg.spec.objective(model, scfg).to(device)
-    params = stage_parameters(model, scfg) + [p for n, p in objective.named_parameters() if not n.startswith("model.")]
-    opt = torch.optim.AdamW(params, lr=scfg.lr, betas=ADAMW["betas"], eps=ADAMW["eps"])
+    params, opt = stage_optimizer(model, scfg, objective)
     seq = harness.make_tokens(cfg.vocab_size, B, T + 1, seed)
     x, y = seq[:, :-1], seq[:, 1:]  # the sampler draws on the host (as the trainer's); the step runs on `device`
     xd, yd = x.to(device), y.to(device)
@@ -177,11 +197,7 @@ def stage_paths(cfg: PrismeConfig, stage: str, seed: int = 42, batch: int | None
         with torch.inference_mode(False), torch.enable_grad():
             ex = objective.sample(x, y, g)
             exd = {k: v.to(device) for k, v in ex.items()}
-            loss, _ = objective(xd, yd, exd, objective.denominators(x, y, ex))
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            loss = optimizer_step(objective, params, opt, (xd, yd, exd), objective.denominators(x, y, ex))
         info["extras"].append(ex)
         info["losses"].append(float(loss.detach()))
 

@@ -145,23 +145,18 @@ class DecodeState:
             raise ValueError(f"fill_synthetic: length must be an int in [0, {self.max_len - 1}] (a step needs room), "
                              f"got {length!r}")
         V = self.cfg.vocab_size
-        if not draw:
-            if self.bank is not None:
-                self.bank.forget_grams()
-            self.cache.set_lengths([length] * self.batch_size)
-            return self
         normal = lambda t: t.copy_(torch.randn(t.shape, generator=generator).to(t.dtype))  # noqa: E731 (CPU generator)
         ids = lambda t: t.copy_(torch.randint(0, V, t.shape, generator=generator))  # noqa: E731
-        for layer in self.cache.layers:
-            for t in (layer.k, layer.v, layer.prev):
-                if t is not None:
-                    normal(t)
-        if self.bank is not None:
-            for t in ([self.bank.KV] if self.bank.KV is not None else []) + list(self.bank.prev):
+        bank = self.bank
+        if draw:
+            for t in [t for layer in self.cache.layers for t in (layer.k, layer.v, layer.prev) if t is not None]:
+                normal(t)
+            for t in [] if bank is None else ([bank.KV] if bank.KV is not None else []) + list(bank.prev):
                 (normal if t.is_floating_point() else ids)(t)
-            if self.bank.ids is not None:
-                ids(self.bank.ids)
-            self.bank.forget_grams()
+            if bank is not None and bank.ids is not None:
+                ids(bank.ids)
+        if bank is not None:
+            bank.forget_grams()
         self.cache.set_lengths([length] * self.batch_size)
         return self
 

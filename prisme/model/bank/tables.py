@@ -21,6 +21,8 @@ moves. The cost model prices each lookup as w ops, one per element read (`prisme
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 
@@ -201,10 +203,8 @@ class IdRead:
 
     def rows(self, i: int, j: int, mask: torch.Tensor | None) -> IdRead:
         """The same read for rows i..j-1, each reading the keys `mask` `[j - i, Tb]` allows (None: all)."""
-        out = object.__new__(IdRead)
-        out.kv, out.s, out.nh, out.V = self.kv, self.s, self.nh, self.V
-        out.ids, out.prev = self.ids[i:j], None if self.prev is None else self.prev[i:j]
-        out.mask = mask
+        out = copy.copy(self)
+        out.ids, out.prev, out.mask = self.ids[i:j], None if self.prev is None else self.prev[i:j], mask
         return out
 
     def attend(self, q: torch.Tensor) -> torch.Tensor:
