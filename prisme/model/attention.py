@@ -157,7 +157,7 @@ def _heads_first(x: torch.Tensor, B: int, C: int, heads: int, hd: int) -> torch.
 class CacheStep:
     """Where one chunk goes in the cache and what it attends to; built once per forward, shared by all layers."""
 
-    input_pos: torch.Tensor  # [C] shared or [B, C] per row
+    input_pos: torch.Tensor | None  # [C] shared or [B, C] per row; None for one token at a shared offset (unread)
     start: int | None  # the shared first slot as a host int (slice writes), None for per-row positions
     valid: torch.Tensor | None  # [B, C]: False marks right padding (not written); None = all real
     kv_len: int  # keys attended: the first kv_len cached slots
@@ -319,6 +319,11 @@ class KVCache:
 
     def advance(self, n_new: list[int]) -> None:
         """Row b now holds `n_new[b]` more positions (their K/V were just written)."""
+        n = n_new[0] if n_new else 0
+        if len(n_new) == self.batch_size and n_new.count(n) == len(n_new) and type(n) is int and n >= 0 \
+                and self.lengths[0] + n <= self.max_len and self.lengths.count(self.lengths[0]) == len(self.lengths):
+            self._set_lengths([self.lengths[0] + n] * self.batch_size, lambda t: t + n)  # equal rows, equal counts
+            return
         if len(n_new) != self.batch_size:
             raise ValueError(f"advance needs one count per row ({self.batch_size}), got {len(n_new)}")
         lengths = [length + int(n) for length, n in zip(self.lengths, n_new)]
@@ -404,10 +409,10 @@ class CausalSelfAttention(nn.Module):
                 cache.shift_update(x, step)
         if rope is not None:  # rotate q and k in one call
             qk = apply_rope(qkv[..., :(nh + nkv) * hd].view(B, C, nh + nkv, hd), *rope)  # [B, C, nh + nkv, hd]
-            q, k = _heads_first(qk, B, C, nh + nkv, hd).split((nh, nkv), dim=1)  # [B, nh | nkv, C, hd]
+            q, k = torch.split_with_sizes(_heads_first(qk, B, C, nh + nkv, hd), (nh, nkv), 1)  # [B, nh | nkv, C, hd]
             v = _heads_first(qkv[..., (nh + nkv) * hd:], B, C, nkv, hd)  # [B, nkv, C, hd]
         else:
-            q, k, v = _heads_first(qkv, B, C, nh + 2 * nkv, hd).split((nh, nkv, nkv), dim=1)  # [B, nh | nkv, C, hd]
+            q, k, v = torch.split_with_sizes(_heads_first(qkv, B, C, nh + 2 * nkv, hd), (nh, nkv, nkv), 1)  # [B, nh|nkv, C, hd]
         gqa = nh != nkv
         if cache is None:
             if self.window is None or C <= self.window:

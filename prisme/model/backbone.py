@@ -40,7 +40,7 @@ def check_tokens(tokens: torch.Tensor, vocab_size: int, what: str = "tokens") ->
         raise ValueError(f"{what} must be an integer tensor (torch.long), got dtype {tokens.dtype}")
     if tokens.dim() != 2 or tokens.shape[0] == 0 or tokens.shape[1] == 0:
         raise ValueError(f"{what} must have shape [B, T] with B, T >= 1, got {tuple(tokens.shape)}")
-    if tokens.device.type != "cpu" and not checks.DEVICE_VALUE_CHECKS:  # no host sync per forward (see checks)
+    if not tokens.is_cpu and not checks.DEVICE_VALUE_CHECKS:  # no host sync per forward (see checks)
         return
     if tokens.numel() <= 1024:  # decode-sized: one host copy beats a reduction kernel and two syncs
         rows = tokens.tolist()
@@ -59,8 +59,8 @@ def apply_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`norm(x)` in functional form with registry reads (same kernel; see `prisme.attention` on decode overhead)."""
     p = norm._parameters
     if isinstance(norm, nn.LayerNorm):
-        return F.layer_norm(x, norm.normalized_shape, p["weight"], p["bias"], norm.eps)
-    return F.rms_norm(x, (x.shape[-1],), p["weight"], norm.eps)
+        return torch.layer_norm(x, norm.normalized_shape, p["weight"], p["bias"], norm.eps)
+    return torch.rms_norm(x, (x.shape[-1],), p["weight"], norm.eps)
 
 
 class MLP(nn.Module):
@@ -195,6 +195,9 @@ class Backbone(nn.Module):
         positions `_blocks` embeds it at: the shared offset (int) or per-row positions `[B, C]`."""
         # chunk_positions, chunk_start and causal_mask are looked up on the module on purpose: `faults` patches them.
         ragged = len(set(cache.lengths)) > 1
+        if C == 1 and valid is None and not ragged:  # a decode step: the slot and the keys follow from the offset
+            start = attn.chunk_start(cache.lengths)  # (a ring's R slots hold exactly the window once it is full)
+            return start, CacheStep(None, start % cache.slots, None, min(start + 1, cache.slots), None)
         input_pos = attn.chunk_positions(cache.lengths, C, device,
                                          cache.lengths_tensor(device) if ragged else None)  # [C] or [B, C]
         if valid is not None and input_pos.dim() == 1:
@@ -270,7 +273,10 @@ class Backbone(nn.Module):
             raise ValueError(f"the cache (key shift {cache.key_shift}, window {cache.window}) was not made for this "
                              f"backbone (key_shift={self.cfg.key_shift}, attn_window={self.cfg.attn_window}): "
                              f"allocate it with new_cache")
-        if n_new is None:
+        if n_new is None:  # every row takes the whole chunk (decoding): one capacity check
+            longest = max(cache.lengths)
+            if longest + C <= cache.max_len:
+                return None, [C] * B
             n_new = [C] * B
         n_new = [int(n) for n in n_new]
         if len(n_new) != B or any(n < 0 or n > C for n in n_new):
@@ -292,7 +298,7 @@ class Backbone(nn.Module):
         Returns H and the streams after each of `layers` blocks."""
         C = tokens.shape[1]
         children, buffers = self._modules, self._buffers  # registry reads: see `prisme.attention` on decode overhead
-        x = F.embedding(tokens, children["tok_emb"]._parameters["weight"])  # [B, C, d]
+        x = torch.embedding(children["tok_emb"]._parameters["weight"], tokens)  # [B, C, d]
         pos_emb, rope = children.get("pos_emb"), None
         if pos_emb is not None:
             table = pos_emb._parameters["weight"]  # [T_max, d]
