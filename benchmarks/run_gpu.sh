@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU pass: the `gpu`-marked tests (CUDA versions of the contract and equivalence tests, the compiled editor's
 # included), then every `prisme bench` subcommand that takes --device, run with --device cuda (the workspace rows with
-# the compiled editor beside eager), in under 5 minutes.
+# the compiled editor beside eager; `long`: PRISME against dense attention at 4,096-65,536 positions, d = 256), in
+# under 5 minutes.
 #
 #   benchmarks/run_gpu.sh                     # skips cleanly (exit 0) when CUDA is not available
 #   BUDGET_S=280 ONLY="workspace" benchmarks/run_gpu.sh
@@ -27,11 +28,12 @@ BUDGET_S=${BUDGET_S:-270}
 DATE=$(date -u +%Y%m%d)
 OUT=${OUT_DIR:-benchmarks/results}
 mkdir -p "$OUT"
-BENCHES=${ONLY:-"workspace vs-hf train"}
+BENCHES=${ONLY:-"long workspace vs-hf train"}
 # Per-bench settings sized for the window (the GPU is fast; model construction on the host dominates).
 declare -A EXTRA=(
     [workspace]="--presets demo,prisme_103m --batches 1,8 --new-tokens 16 --repeats 5 --profile --compile"
     [train]="--presets demo,prisme_103m --stages workspace,controller --stage-presets demo --repeats 3 --threads -1"
+    [long]="--contexts 4096,16384,65536 --batches 1,8 --steps 64 --repeats 3 --prefill"
 )
 
 has_flag() { grep -qE -- "(^|[[:space:][])$1([[:space:]]|]|$)" <<<"$help"; }

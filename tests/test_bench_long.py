@@ -83,7 +83,7 @@ def test_configs_hold_the_dense_rivals_to_the_same_widths_and_prisme_to_a_local_
 def _args(tmp_path, **kw) -> argparse.Namespace:
     base = dict(shapes="d64_L2", contexts="128", batches="1,2", steps=8, repeats=1, edit_rate=0.2,
                 bank_source="embedding", prefill=True, prefill_repeats=1, train=True, train_positions=16,
-                train_repeats=1, threads=1, seed=0, json=str(tmp_path / "long.json"))
+                train_repeats=1, threads=1, seed=0, json=str(tmp_path / "long.json"), device="cpu")
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -112,6 +112,7 @@ def test_bench_long_document_on_the_smoke_shape(tmp_path, capsys):
     assert set(rows) == {"dense", "dense_ks", "prisme_backbone", "prisme_workspace", "prisme"}
     assert rows["prisme"]["ms"] == pytest.approx(rows["prisme_backbone"]["ms"] + rows["prisme_workspace"]["ms"])
     assert "x dense" in capsys.readouterr().out
+    assert doc["environment"]["device"] == "cpu" and doc["environment"]["gpu"] is None
 
 
 def test_bench_long_bad_options_are_value_errors(tmp_path):
@@ -121,4 +122,7 @@ def test_bench_long_bad_options_are_value_errors(tmp_path):
         main(_args(tmp_path, edit_rate=1.5))
     with pytest.raises(ValueError, match="--shapes"):
         main(_args(tmp_path, shapes="d999"))
+    if not torch.cuda.is_available():  # no device here: named, before any work
+        with pytest.raises(ValueError, match="--device cuda"):
+            main(_args(tmp_path, device="cuda"))
     assert not (tmp_path / "long.json").exists()

@@ -139,4 +139,6 @@ def add_bench_parser(sub) -> None:
                     help="the positions of each sequence the workspace stage trains at (workspace_positions)")
     lg.add_argument("--train-repeats", type=count_option(1), default=2, help="timed training rounds")
     lg.add_argument("--threads", type=int, default=1, help="torch CPU threads (-1 = leave as is)")
+    lg.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]: where every model, state and step runs "
+                    "(the synthetic fill is drawn on the CPU and copied there; --train runs on the CPU only)")
     s.set_defaults(func=run_bench)

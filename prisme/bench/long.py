@@ -35,10 +35,11 @@ import numpy as np
 import torch
 
 from prisme.bench.decode import OFF_PRICE, fire_ratio, seeded_model
-from prisme.bench.harness import emit, make_tokens, parse_ints, torch_threads
+from prisme.bench.harness import bench_device, emit, make_tokens, parse_ints, torch_threads
 from prisme.checks import one_of, parse_list
 from prisme.config import PrismeConfig
 from prisme.costs import trace_cost
+from prisme.devices import synchronize
 from prisme.model.policy import Controller
 from prisme.model.prisme import PrismeModel
 from prisme.options import DecodeOptions
@@ -117,9 +118,11 @@ def _decode_ms(model: PrismeModel, state, tokens: torch.Tensor, start: int, poli
     """ms per step of decoding `tokens` `[B, n]` one step at a time from `start` positions, and the steps' outputs."""
     state.fill_synthetic(start, draw=False)  # filled once (`measure`); the steps' writes lie past it
     outs = []
+    synchronize(tokens.device)
     t0 = time.perf_counter_ns()
     for i in range(tokens.shape[1]):
         outs.append(state.decode_step(tokens[:, i:i + 1], policy=policy))
+    synchronize(tokens.device)  # (a no-op on the CPU)
     return (time.perf_counter_ns() - t0) / 1e6 / tokens.shape[1], outs
 
 
@@ -129,8 +132,8 @@ def _ops(model: PrismeModel, outs: list, start: int, policy: Controller | None) 
     ctx = [start + i + 1 for _ in range(B) for i in range(n)]  # own contexts, row-major as below
     if policy is None:
         return trace_cost(model.cfg, None, ctx).ops_per_token, 0.0
-    acts = torch.stack([o.actions[:, 0] for o in outs], 1).reshape(B * n, -1)  # [B n, R]
-    steps = torch.stack([o.controller_steps[:, 0] for o in outs], 1).reshape(-1)
+    acts = torch.stack([o.actions[:, 0] for o in outs], 1).reshape(B * n, -1).cpu()  # [B n, R]
+    steps = torch.stack([o.controller_steps[:, 0] for o in outs], 1).reshape(-1).cpu()
     edits = torch.stack([o.n_edits[:, 0] for o in outs], 1)
     tc = trace_cost(model.cfg, acts, ctx, steps, model.execution.column(model.cfg.optimised), True,
                     model.decode_options)
@@ -179,7 +182,7 @@ def prefill_ms(models: dict[str, PrismeModel], T: int, repeats: int, edit_rate: 
     """Each model's prefill of one T-token prompt (batch 1), rotated, medians: dense, dense_ks, PRISME's backbone
     (budget 0) and PRISME at the price where `edit_rate` of the prompt's positions edit (read on the prompt)."""
     prisme = models["prisme"]
-    tokens = make_tokens(prisme.cfg.vocab_size, 1, T, seed)
+    tokens = make_tokens(prisme.cfg.vocab_size, 1, T, seed).to(prisme.backbone.tok_emb.weight.device)
     with torch.no_grad():
         ctx = prisme.encode(tokens)
         value = prisme.router_values(ctx)  # [1, T, A]
@@ -191,8 +194,10 @@ def prefill_ms(models: dict[str, PrismeModel], T: int, repeats: int, edit_rate: 
         for k in names[r % len(names):] + names[:r % len(names)]:
             model, policy = paths[k]
             state = model.new_decode_state(1, T)
+            synchronize(tokens.device)
             t0 = time.perf_counter_ns()
             state.prefill(tokens, policy=policy)
+            synchronize(tokens.device)
             if r > 0:
                 samples[k].append((time.perf_counter_ns() - t0) / 1e6)
     rows = {k: {"ms": float(np.median(v)), "samples_ms": v} for k, v in samples.items()}
@@ -275,6 +280,9 @@ def main(args: argparse.Namespace) -> int:
     contexts, batches = parse_ints(args.contexts, "--contexts"), parse_ints(args.batches, "--batches")
     if not 0 < args.edit_rate < 1:
         raise ValueError(f"--edit-rate must lie in (0, 1), got {args.edit_rate}")
+    device = bench_device(args.device)
+    if args.train and device.type != "cpu":
+        raise ValueError(f"--train times training steps on the CPU only, not on --device {device}")
     too_short = [T for T in contexts if T <= args.steps]
     if too_short:
         raise ValueError(f"--contexts {too_short} must be longer than --steps {args.steps} (the timed steps end at T)")
@@ -286,9 +294,10 @@ def main(args: argparse.Namespace) -> int:
             for T in contexts:
                 cfgs = configs(shape, T, args.bank_source)
                 with torch.inference_mode():
-                    models = {k: seeded_model(c, args.seed, decode if k == "prisme" else None) for k, c in cfgs.items()}
+                    models = {k: seeded_model(c, args.seed, decode if k == "prisme" else None).to(device)
+                              for k, c in cfgs.items()}
                     for B in batches:
-                        tokens = make_tokens(256, B, args.steps, args.seed + T + B)
+                        tokens = make_tokens(256, B, args.steps, args.seed + T + B).to(device)
                         results.append(measure(Case(shape, T, B, args.steps, models, tokens), args.repeats,
                                                args.edit_rate, args.seed))
                     if args.prefill:
@@ -303,7 +312,9 @@ def main(args: argparse.Namespace) -> int:
     doc = {"bench": "long", "environment": {"torch": torch.__version__, "python": platform.python_version(),
                                             "machine": platform.machine(), "processor": platform.processor(),
                                             "threads": torch.get_num_threads() if args.threads < 1 else args.threads,
-                                            "device": "cpu", "mode": "eager"},
+                                            "device": str(device), "mode": "eager",
+                                            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda"
+                                            else None},
            "settings": {"shapes": list(names), "contexts": list(contexts), "batches": list(batches),
                         "steps": args.steps, "repeats": args.repeats, "edit_rate": args.edit_rate,
                         "bank_source": args.bank_source, "bank_store": decode.bank_store, "window": WINDOW,
