@@ -319,10 +319,10 @@ class KVCache:
 
     def advance(self, n_new: list[int]) -> None:
         """Row b now holds `n_new[b]` more positions (their K/V were just written)."""
-        n = n_new[0] if n_new else 0
-        if len(n_new) == self.batch_size and n_new.count(n) == len(n_new) and type(n) is int and n >= 0 \
-                and self.lengths[0] + n <= self.max_len and self.lengths.count(self.lengths[0]) == len(self.lengths):
-            self._set_lengths([self.lengths[0] + n] * self.batch_size, lambda t: t + n)  # equal rows, equal counts
+        n, length = (n_new[0] if n_new else 0), self.lengths[0]
+        equal = n_new.count(n) == len(n_new) == self.batch_size and self.lengths.count(length) == self.batch_size
+        if equal and type(n) is int and 0 <= n <= self.max_len - length:  # decoding: equal rows, equal counts
+            self._set_lengths([length + n] * self.batch_size, lambda t: t + n)
             return
         if len(n_new) != self.batch_size:
             raise ValueError(f"advance needs one count per row ({self.batch_size}), got {len(n_new)}")
@@ -412,7 +412,8 @@ class CausalSelfAttention(nn.Module):
             q, k = torch.split_with_sizes(_heads_first(qk, B, C, nh + nkv, hd), (nh, nkv), 1)  # [B, nh | nkv, C, hd]
             v = _heads_first(qkv[..., (nh + nkv) * hd:], B, C, nkv, hd)  # [B, nkv, C, hd]
         else:
-            q, k, v = torch.split_with_sizes(_heads_first(qkv, B, C, nh + 2 * nkv, hd), (nh, nkv, nkv), 1)  # [B, nh|nkv, C, hd]
+            heads = _heads_first(qkv, B, C, nh + 2 * nkv, hd)  # [B, nh + 2 nkv, C, hd]
+            q, k, v = torch.split_with_sizes(heads, (nh, nkv, nkv), 1)  # [B, nh | nkv, C, hd]
         gqa = nh != nkv
         if cache is None:
             if self.window is None or C <= self.window:
