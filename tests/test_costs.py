@@ -746,7 +746,7 @@ def test_negative_control_a_cost_model_without_the_shift_term_fails_the_tie(monk
     oc, _ = decode_token(model, lambda ctx: model.rollout_forced(ctx, actions))
     expected = costs.trace_cost(cfg, actions[0], [T_CTX], None, optimised=True)
     assert measured_vs_analytic(oc.by_component, expected.by_component, cfg) == {}
-    monkeypatch.setattr(costs.analytic, "bank_shift_ops", lambda cfg, entries=1, decode=None: 0)
+    monkeypatch.setattr(costs.bank, "bank_shift_ops", lambda cfg, entries=1, decode=None: 0)
     broken = costs.trace_cost(cfg, actions[0], [T_CTX], None, optimised=True)
     assert "bank_shift" in measured_vs_analytic(oc.by_component, broken.by_component, cfg)
 

@@ -1,6 +1,6 @@
-"""The analytic cost model (`analytic`: seed 000's terms; `traces`: the cost of actual traces), its tie to the real
-modules (`counting`: matmul FLOPs counted by `FlopCounterMode`) and the `prisme costs` table (`table`). docs/costs.md
-derives every term."""
+"""The analytic cost model (`analytic`: seed 000's terms; `bank`: the source bank's; `traces`: the cost of actual
+traces), its tie to the real modules (`counting`: matmul FLOPs counted by `FlopCounterMode`) and the `prisme costs`
+table (`table`). docs/costs.md derives every term."""
 
 from __future__ import annotations
 
@@ -20,11 +20,6 @@ from prisme.costs.analytic import (
     backbone_linear_allowance,
     backbone_ops,
     backbone_params,
-    bank_lookup_ops,
-    bank_ops,
-    bank_projection_ops,
-    bank_reads,
-    bank_shift_ops,
     components,
     controller_bank_ops,
     controller_entropy_ops,
@@ -42,6 +37,16 @@ from prisme.costs.analytic import (
     token_ops,
     workspace_params,
 )
+from prisme.costs.bank import (
+    bank_lookup_ops,
+    bank_ops,
+    bank_projection_ops,
+    bank_reads,
+    bank_shift_ops,
+    id_read_attention_ops,
+    reads_through_tables,
+    tables_read_pays,
+)
 from prisme.costs.counting import OpsCounter
 from prisme.costs.table import costs_cli, format_table
 from prisme.costs.traces import TraceCost, trace_cost
@@ -54,5 +59,6 @@ __all__ = [
     "token_ops", "seed_rows", "action_cost_proxy", "cost_table", "cost_document", "TraceCost", "trace_cost",
     "OpsCounter", "format_table", "costs_cli", "router_ops", "router_lookup_ops", "router_match_ops",
     "router_share_of_layer",
-    "BACKBONE_TERMS", "attended_keys", "key_shift_params", "bank_lookup_ops", "bank_reads"
+    "BACKBONE_TERMS", "attended_keys", "key_shift_params", "bank_lookup_ops", "bank_reads", "id_read_attention_ops",
+    "reads_through_tables", "tables_read_pays",
 ]

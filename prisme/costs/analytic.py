@@ -33,6 +33,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from prisme.config import PrismeConfig
+from prisme.costs.bank import (  # noqa: F401 - the bank's terms, re-exported where they have always been
+    bank_lookup_ops,
+    bank_ops,
+    bank_projection_ops,
+    bank_reads,
+    bank_shift_ops,
+    id_read_attention_ops,
+    reads_through_tables,
+)
+from prisme.costs.bank import checked_context as _check_T
 from prisme.options import PROJECTED, SLOT_KV_CACHE, DecodeOptions
 
 COMPONENTS = ("backbone_linear", "backbone_attention", "lm_head", "bank_projection", "editor_source_attn",
@@ -228,14 +238,8 @@ def workspace_params(cfg: PrismeConfig) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------- per-token ops
-def _check_T(cfg: PrismeConfig, T: int) -> int:
-    if isinstance(T, bool) or int(T) != T or not 1 <= T <= cfg.max_seq_len:
-        raise ValueError(f"context T must be an int in [1, T_max={cfg.max_seq_len}] for {cfg.name!r}, got {T!r}")
-    return int(T)
-
-
 def action_editor_ops(cfg: PrismeConfig, k: int, T: int, optimised: bool | str = False, slot_kv_ready: bool = True,
-                      dense: bool | None = None) -> dict[str, int]:
+                      dense: bool | None = None, tables: bool = False) -> dict[str, int]:
     """Editor ops of one action of k slots at context T.
 
     Args:
@@ -246,6 +250,8 @@ def action_editor_ops(cfg: PrismeConfig, k: int, T: int, optimised: bool | str =
             first after a DENSE one) projects all M slots in every block first; DENSE actions always take the
             seed's path.
         dense: whether this is the DENSE action (default: k == M; pass it explicitly when M == 2).
+        tables: the bank is kept as ids and read through its tables (`reads_through_tables`): the source attention
+            over T entries becomes `id_read_attention_ops` (products with the tables, gathers over T).
     """
     w, M, B_e = cfg.w, cfg.n_slots, cfg.n_edit_blocks
     dense = k == M if dense is None else dense
@@ -256,7 +262,8 @@ def action_editor_ops(cfg: PrismeConfig, k: int, T: int, optimised: bool | str =
     else:  # every block projects all M slots
         slot_kv = B_e * M * per_slot_kv
     return {
-        "editor_source_attn": k * B_e * (4 * w * w + 4 * T * w),  # q, o (w x w) + QK^T and AV over T keys
+        "editor_source_attn": k * B_e * (4 * w * w + (sum(id_read_attention_ops(cfg, T)) if tables else 4 * T * w)),
+        #   q, o (w x w) + QK^T and AV over T keys (or the tables' products and T gathers)
         "editor_slot_attn": slot_kv + k * B_e * (4 * w * w + 4 * M * w),  # + q, o + QK^T and AV over M slots
         "editor_ffn": k * B_e * 6 * w * cfg.editor_hidden,  # SwiGLU w -> 2 h_e, h_e -> w
         "editor_gate": k * B_e * 2 * w,  # w -> 1
@@ -276,55 +283,6 @@ def readout_ops(cfg: PrismeConfig, optimised: bool = False) -> int:
     if optimised:
         return 2 * w * w + 2 * w * w + 2 * (4 * M * w) + 2 * w * cfg.d_model
     return 2 * w * w + 2 * (2 * M * w * w + 4 * M * w) + 2 * w * cfg.d_model
-
-
-def bank_projection_ops(cfg: PrismeConfig, entries: int = 1, query: bool = True,
-                        decode: DecodeOptions = PROJECTED) -> int:
-    """K, V and z of the new position: three d -> w projections (seed 000), one K and one V per bank source term and
-    one z projection per query source term; where a decode state serves them from tables (`decode.bank_tables`), an
-    embedding term's are lookups of w-rows, w ops each. `entries`: those computed (`bank_reads`), `query`: z is."""
-    nb, nq = decode.served(cfg.bank_terms), decode.served(cfg.query_terms)
-    projected = 2 * (len(cfg.bank_terms) - nb) * entries + (len(cfg.query_terms) - nq) * query
-    return projected * 2 * cfg.d_model * cfg.w + (2 * nb * entries + nq * query) * cfg.w
-
-
-def bank_shift_ops(cfg: PrismeConfig, entries: int = 1, decode: DecodeOptions = PROJECTED) -> int:
-    """The token shift's key projection W_K' n(X_{j-1}) of each computed entry, per bank source term (0 without it);
-    a lookup (w ops) for a term served from its table."""
-    if not cfg.bank_shift:
-        return 0
-    nb = decode.served(cfg.bank_terms)
-    return ((len(cfg.bank_terms) - nb) * 2 * cfg.d_model * cfg.w + nb * cfg.w) * entries
-
-
-def bank_lookup_ops(cfg: PrismeConfig, entries: int = 1, query: bool = True, decode: DecodeOptions = PROJECTED
-                    ) -> int:
-    """The part of `bank_ops` that is table lookups (`decode.bank_tables`), not matmuls: a named allowance in the tie
-    to counted FLOPs (0 without tables)."""
-    nb, nq = decode.served(cfg.bank_terms), decode.served(cfg.query_terms)
-    return ((2 * nb + (nb if cfg.bank_shift else 0)) * entries + nq * query) * cfg.w
-
-
-def bank_reads(cfg: PrismeConfig, T: int | None, reads: bool, decode: DecodeOptions = PROJECTED) -> tuple[int, bool]:
-    """(bank entries a position computes, whether it computes its query's z). Kept entries (`decode.bank_store`
-    "entries"): its own, and z (at every position a policy prices). Kept ids ("ids"): nothing where its workspace
-    does not run; where it runs (`reads`), the lookups of every entry of its context (T) and z."""
-    if decode.bank_store == "entries":
-        return 1, True
-    if not reads:
-        return 0, False
-    return _check_T(cfg, T), True
-
-
-def bank_ops(cfg: PrismeConfig, T: int | None = None, reads: bool = True, decode: DecodeOptions = PROJECTED
-             ) -> dict[str, int]:
-    """The source bank's terms for one position at context T whose workspace runs (`reads`) or not, in a decode state
-    with options `decode`: `bank_projection` (and `bank_shift` where the bank has one), as `bank_reads` counts them."""
-    entries, query = bank_reads(cfg, T, reads, decode)
-    out = {"bank_projection": bank_projection_ops(cfg, entries, query, decode)}
-    if cfg.bank_shift:
-        out["bank_shift"] = bank_shift_ops(cfg, entries, decode)
-    return out
 
 
 def backbone_ops(cfg: PrismeConfig, T: int) -> dict[str, int]:
@@ -384,12 +342,13 @@ def token_ops(cfg: PrismeConfig, T: int, ks: Sequence[int] = (), controller_step
         raise ValueError(f"router=True prices a router, but {cfg.name!r} has none (cfg.router=False)")
     if n == 0 and steps == 0 and not router:
         return finish_row(row, cfg)
-    row.update(bank_ops(cfg, T, n > 0 or steps > 0, decode))
+    tables = reads_through_tables(cfg, T, decode, router, n, steps, optimised)  # the deployed step: `IdRead`
+    row.update(bank_ops(cfg, T, n > 0 or steps > 0, decode, tables))
     if router:
         row["router"] = router_ops(cfg, T)
     ready = False  # optimised path: does the position hold its slot K/V cache?
     for k, is_dense in zip(ks, dense):
-        for name, v in action_editor_ops(cfg, k, T, optimised, ready, is_dense).items():
+        for name, v in action_editor_ops(cfg, k, T, optimised, ready, is_dense, tables).items():
             row[name] = row.get(name, 0) + v
         ready = not is_dense
     row["controller"] = steps * controller_step_ops(cfg, bool(optimised))

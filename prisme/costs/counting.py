@@ -32,7 +32,8 @@ class OpsCounter:
     -> `lm_head`; the bank's projections by their component (`SourceBank.components`), P_ctrl ->
     `controller_input`; the router -> `router`; editor linears by the leaf whose weight they multiply (src_q/src_o,
     slot_q/slot_kv/slot_o, w13/w2, gate: the editor applies them in functional form); an SDPA inside the editor's
-    `bank_attend` -> `editor_source_attn` (the causal bank, with or without a mask), any other inside an editor block
+    `bank_attend` -> `editor_source_attn` (the causal bank, with or without a mask; so do the products of an `IdRead`,
+    the bank kept as ids read through its tables), any other inside an editor block
     -> `editor_slot_attn` (the M slots); controller; readout. Anything else lands in `untagged`. Not counted, by the
     convention: norms, softmax, activations, embeddings, biases.
     Made for CPU runs: on CUDA torch's own SDPA formulas apply.
@@ -157,6 +158,10 @@ class OpsCounter:
         attend = self._bank_attend = getattr(editor, "bank_attend", None)
         if attend is not None:  # the editor's cross-attention to the bank, restored on exit
             editor.bank_attend = self._tagged(attend, "editor_bank")
+        self._id_read = getattr(sys.modules.get("prisme.model.bank.tables"), "IdRead", None)  # (loaded with the model)
+        if self._id_read is not None:  # the same attention read through the tables: its products, restored on exit
+            self._id_read_attend = self._id_read.__dict__["attend"]
+            self._id_read.attend = self._tagged(self._id_read_attend, "editor_source_attn")
         self._methods = []  # what a decode step calls as a method, not through the module (no hook runs)
         for obj, name, tag in ((getattr(self.model, "router", None), "scores", "router"),
                                (getattr(self.model, "readout", None), "edited", "readout")):
@@ -177,3 +182,5 @@ class OpsCounter:
             delattr(obj, name)
         if self._bank_attend is not None:
             self._editor_module.bank_attend = self._bank_attend
+        if self._id_read is not None:
+            self._id_read.attend = self._id_read_attend

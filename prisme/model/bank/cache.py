@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from prisme.costs.bank import tables_read_pays
 from prisme.model.bank.source import SourceBank
 from prisme.model.bank.tables import IdRead, clear_shift_memory, entries_from_ids, shift_memory, step_entries
 from prisme.model.outputs import Streams
@@ -100,8 +101,9 @@ class BankCache:
 
     def read(self, Tb: int, rows: torch.Tensor, n_heads: int) -> tuple:
         """What the editor reads of `rows`' banks at positions 0..Tb-1: their keys and values (`view`), or for a bank
-        kept as ids an `IdRead` of their ids (the attention through the tables, no entry written) and None."""
-        if self.KV is not None:
+        kept as ids, where it takes fewer ops (`prisme.costs.bank.tables_read_pays`: about Tb > 1.5 V), an `IdRead` of
+        their ids (the attention through the tables, no entry written) and None."""
+        if self.KV is not None or not tables_read_pays(self.bank.cfg, Tb):
             return self.view(Tb, rows)
         return IdRead(self.bank, self.ids.narrow(1, 0, Tb).index_select(0, rows), n_heads), None
 
