@@ -73,13 +73,13 @@ def controller_stage_ops(cfg: PrismeConfig, objective: Any, extra: dict[str, tor
     from prisme.costs.analytic import (
         action_editor_ops,
         backbone_ops,
-        bank_shift_ops,
         controller_bank_ops,
         controller_entropy_ops,
         controller_input_ops,
         controller_step_ops,
         readout_ops,
     )
+    from prisme.costs.bank import bank_shift_ops
     from prisme.model.workspace import action_group_size
 
     B, T = y.shape

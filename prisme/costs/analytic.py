@@ -33,15 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from prisme.config import PrismeConfig
-from prisme.costs.bank import (  # noqa: F401 - the bank's terms, re-exported where they have always been
-    bank_lookup_ops,
-    bank_ops,
-    bank_projection_ops,
-    bank_reads,
-    bank_shift_ops,
-    id_read_attention_ops,
-    reads_through_tables,
-)
+from prisme.costs.bank import bank_ops, id_read_attention_ops, reads_through_tables
 from prisme.costs.bank import checked_context as _check_T
 from prisme.options import PROJECTED, SLOT_KV_CACHE, DecodeOptions
 

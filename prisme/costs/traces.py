@@ -10,7 +10,8 @@ from typing import Any
 import torch
 
 from prisme.config import PrismeConfig
-from prisme.costs.analytic import bank_ops, components, finish_row, token_ops
+from prisme.costs.analytic import components, finish_row, token_ops
+from prisme.costs.bank import bank_ops
 from prisme.options import PROJECTED, DecodeOptions
 
 
@@ -48,7 +49,7 @@ def trace_cost(cfg: PrismeConfig, actions: Any, contexts: Any, controller_steps:
         controller_steps: `[N]` controller evaluations per position (None or zeros for forced policies).
         router: the trace is a routed policy's (`cfg.router`): every position pays the router and the bank projection
             (the router decided step 0 there), and the controller only its own steps.
-        decode: the options of the decode state that runs it (`prisme.costs.analytic.bank_ops`: the bank's terms).
+        decode: the options of the decode state that runs it (`prisme.costs.bank.bank_ops`: the bank's terms).
     Rules: a position with n >= 1 actions pays them, its controller steps (`min(n + 1, budget)` under the
     controller), the bank projection and the readout; one the controller stopped at once pays the bank projection
     and one controller step, no readout; forced policies pay no controller (an all-STOP forced position still pays

@@ -36,8 +36,6 @@ from prisme.costs.analytic import (
     action_editor_ops,
     attended_keys,
     backbone_ops,
-    bank_projection_ops,
-    bank_shift_ops,
     controller_bank_ops,
     controller_entropy_ops,
     controller_input_ops,
@@ -45,6 +43,7 @@ from prisme.costs.analytic import (
     readout_ops,
     router_ops,
 )
+from prisme.costs.bank import bank_projection_ops, bank_shift_ops
 from prisme.data.mqar import MQARConfig, make_mqar_batch
 from prisme.data.text import IGNORE_INDEX
 from prisme.training.config import StageConfig
