@@ -247,7 +247,7 @@ def test_the_deployed_step_of_ragged_rows_equals_forward_policy_row_by_row(monke
         fired += int((full.actions[0, L:, 0] != model.cfg.stop_action).sum())
     assert 0 < fired < 3 * n_steps  # steps where rows fire and steps where they do not
     orig = model.editor.edit_rows
-    monkeypatch.setattr(model.editor, "edit_rows", lambda S, K, V, mask, *a, **k: orig(S, K, V, None, *a, **k))
+    monkeypatch.setattr(model.editor, "edit_rows", lambda S, read, mask, *a, **k: orig(S, read, None, *a, **k))
     unmasked, _ = decode(model)
     assert (unmasked - logits).abs().max() > 1e-6
 

@@ -125,7 +125,7 @@ def test_deployed_decode_step_equals_forward_policy_with_several_action_groups_f
     full = model.forward_policy(tokens, max_budget=1, lambda_cost=lam)
     spans_seen = []
     orig = model.editor.edit_rows
-    monkeypatch.setattr(model.editor, "edit_rows", lambda *a, **k: (spans_seen.append(a[5]), orig(*a, **k))[1])
+    monkeypatch.setattr(model.editor, "edit_rows", lambda *a, **k: (spans_seen.append(a[4]), orig(*a, **k))[1])
 
     def decode(m):
         st = m.new_decode_state(3, 18)
@@ -144,7 +144,7 @@ def test_deployed_decode_step_equals_forward_policy_with_several_action_groups_f
     general, _ = decode(model)
     torch.testing.assert_close(general, logits, rtol=0, atol=1e-12)
     monkeypatch.setattr(routed, "decode_plan", lambda m, ws, Q: "budget1" if Q == 1 else "routed")
-    monkeypatch.setattr(model.editor, "edit_rows", lambda *a, **k: orig(*a[:7], step=0, remaining=1))
+    monkeypatch.setattr(model.editor, "edit_rows", lambda *a, **k: orig(*a[:6], step=0, remaining=1))
     wrong, _ = decode(model)
     assert (wrong - full.logits).abs().max() > 1e-3
 

@@ -404,7 +404,7 @@ class CausalSelfAttention(nn.Module):
         shift = children.get("wk_shift")
         if shift is not None:  # k_t += W_s n(x_{t-1}); zero before position 0
             prev = F.pad(x[:, :-1], (0, 0, 1, 0)) if cache is None else cache.shift_input(x)  # [B, C, d]
-            qkv = qkv + F.pad(shift(prev), (nh * hd, nkv * hd))  # [B, C, (nh + 2 nkv) hd]
+            qkv.narrow(-1, nh * hd, nkv * hd).add_(shift(prev))  # the keys' columns of [B, C, (nh + 2 nkv) hd]
             if cache is not None:
                 cache.shift_update(x, step)
         if rope is not None:  # rotate q and k in one call

@@ -22,6 +22,7 @@ Contracts: slots outside the action are bitwise unchanged; S, K, V and the bank 
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,6 +122,30 @@ def bank_attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch.T
     return y.view(N, k, w) if full else y[b_idx, rank]
 
 
+class EntryRead:
+    """The editor's attention over the banks of N rows as entries K, V `[N, Tb, w]`, each row one query (a decode
+    step's fired rows: `SparseEditor.edit_rows`). `rows(i, j, mask)` is the same read for rows i..j-1, each reading
+    the keys `mask` `[j - i, Tb]` allows (None: all); `attend(q)` is `bank_attend` over them. A bank kept as ids and
+    read through its tables (`prisme.model.bank.tables.IdRead`) answers the same two calls."""
+
+    def __init__(self, K: torch.Tensor, V: torch.Tensor, n_heads: int):
+        N, Tb, w = K.shape
+        self.K = K.view(N, Tb, n_heads, w // n_heads).transpose(1, 2)  # [N, nh, Tb, hd]
+        self.V = V.view(N, Tb, n_heads, w // n_heads).transpose(1, 2)
+        self.mask: torch.Tensor | None = None
+
+    def rows(self, i: int, j: int, mask: torch.Tensor | None) -> EntryRead:
+        out = copy.copy(self)
+        out.K, out.V, out.mask = self.K[i:j], self.V[i:j], mask
+        return out
+
+    def attend(self, q: torch.Tensor) -> torch.Tensor:
+        """q `[n, k, w]` -> attention output `[n, k, w]` over each row's bank (`BankView.attend`'s contract)."""
+        n, k, _ = q.shape
+        m = None if self.mask is None else self.mask.view(n, 1, 1, -1).expand(n, 1, k, self.mask.shape[-1])
+        return bank_attend(q, self.K, self.V, m, None, None, True)  # full: every row one query, in order
+
+
 class _Bank:
     """`BankView`'s attention from its parts (what a compiled group pass builds inside its graph)."""
 
@@ -136,15 +161,15 @@ def blocks_pass(blocks: nn.ModuleList, x: torch.Tensor, st: torch.Tensor | None,
                 e: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One action group through every editor block, seed accounting: each block reads the K/V of all M slots of the
     position at its input (S_pos `[N, M, w]` with the group's slots `[N, k]` replaced by x `[N, k, w]`) and the bank
-    through `bank_read` = (`BankView.parts()`, `BankView.full`), or an object with their `attend` (`IdRead`, in
-    eager decoding). `e`: each block's step embeddings' sum given instead of st, rem (`EditorBlock.step_embedding`,
-    rows that share a step).
+    through `bank_read` = (`BankView.parts()`, `BankView.full`), or an object with their `attend` (an `EntryRead` or
+    an `IdRead`, in eager decoding). `e`: each block's step embeddings' sum given instead of st, rem
+    (`EditorBlock.step_embedding`, rows that share a step).
 
     A pure function of tensors (and the bool `full`), so that `prisme.model.compiled.compile_editor` can compile it; the
     eager editor runs the very same function. Returns (x_out `[N, k, w]`, gates: one `[N, k, 1]` per block).
     """
     rows = torch.arange(x.shape[0], device=x.device).unsqueeze(1)  # [N, 1]
-    bank = bank_read if hasattr(bank_read, "attend") else _Bank(*bank_read)  # (an `IdRead`: eager decoding only)
+    bank = bank_read if hasattr(bank_read, "attend") else _Bank(*bank_read)  # (a reader: eager decoding only)
     gates = []
     for i, blk in enumerate(blocks):  # block 0's input is S_pos itself (x holds its slots)
         kv = blk.slot_keys_values(S_pos if i == 0 else S_pos.index_put((rows, slots), x.to(S_pos.dtype)))  # [N, M, 2w]
@@ -331,26 +356,22 @@ class SparseEditor(nn.Module):
             out_kv = SlotKV(kv_new, slot_kv.ready & (group != dense_group) if counts[-1] else slot_kv.ready)
         return S_new, EditInfo(sum(counts[1:]), gates, out_kv)
 
-    def edit_rows(self, S: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch.Tensor, action: torch.Tensor,
+    def edit_rows(self, S: torch.Tensor, read: Any, mask: torch.Tensor | None, action: torch.Tensor,
                   spans: list[tuple[int, int, int]], step: int, remaining: int) -> torch.Tensor:
         """One action per row, each row one query (a decode step's fired positions): what `forward` computes for
         them, without its bookkeeping (no group count or search, no bank packing, no gate record). Eager, seed
         accounting (no slot K/V cache).
 
         Args:
-            S: `[N, M, w]` each row's workspace; K, V: `[N, Tb, w]` its bank, or K an `IdRead` (a bank kept as ids,
-                read through its tables) and V None; mask: `[N, Tb]` the keys it may read (None: all of them).
+            S: `[N, M, w]` each row's workspace; read: what it reads of its bank, an `EntryRead` (entries `[N, Tb, w]`)
+                or an `IdRead` (a bank kept as ids, read through its tables: `BankCache.read`); mask: `[N, Tb]` the
+                keys each row may read (None: all of them).
             action: `[N]` non-STOP action ids, rows sorted by action group; spans: (group, first row, end row) of
                 each group present.
             step, remaining: the step and remaining-budget embeddings' indices (the same for every row).
         Returns:
             S_new `[N, M, w]` (S is not modified).
         """
-        N, M, w = S.shape
-        nh = self.cfg.n_ws_heads
-        if V is not None:
-            Kh = K.view(N, -1, nh, w // nh).transpose(1, 2)  # [N, nh, Tb, hd]
-            Vh = V.view(N, -1, nh, w // nh).transpose(1, 2)
         e = [blk.step_embedding(step, remaining) for blk in self.blocks]  # [w] per block, shared by the rows
         out = []
         for g_id, i, j in spans:
@@ -359,12 +380,8 @@ class SparseEditor(nn.Module):
             slots = self.act_slots[action[i:j], :k]  # [n, k]
             rows = torch.arange(n, device=S.device).unsqueeze(1)  # [n, 1]
             S_g = S[i:j]  # [n, M, w]
-            if V is None:  # the bank's ids, read through its tables
-                read = K.rows(i, j, None if mask is None else mask[i:j])
-            else:
-                m = None if mask is None else mask[i:j].view(n, 1, 1, -1).expand(n, 1, k, mask.shape[-1])
-                read = ((Kh[i:j], Vh[i:j], m, None, None), True)  # full: every row one query, in order
-            x, _ = blocks_pass(self.blocks, S_g[rows, slots], None, None, S_g, slots, read, e)
+            x, _ = blocks_pass(self.blocks, S_g[rows, slots], None, None, S_g, slots,
+                               read.rows(i, j, None if mask is None else mask[i:j]), e)
             out.append(S_g.index_put((rows, slots), x.to(S.dtype)))
         return out[0] if len(out) == 1 else torch.cat(out)
 

@@ -123,11 +123,11 @@ def budget1_step(state: DecodeRows, st: Streams, scores: torch.Tensor, trace: to
     st_n = Streams(one(st.H), {k: one(v) for k, v in st.src.items()}, None if st.ids is None else one(st.ids))
     lengths = state.lengths
     Tb = max(lengths)
-    K, V = state.bank.read(Tb, b, model.cfg.n_ws_heads)  # [N, Tb, w] each, or a bank kept as ids: (IdRead, None)
+    read = state.bank.read(Tb, b, model.cfg.n_ws_heads)  # an EntryRead ([N, Tb, w] K and V), or an IdRead
     z, S0 = model.query_state(st_n, state.options)  # [N, 1, w], [N, 1, M, w]
     mask = None if all(lengths[r] == Tb for r in rows) else (  # None: each row reads its whole bank
         torch.arange(Tb, device=b.device) < state.cache.lengths_tensor(b.device)[b].unsqueeze(1))  # [N, Tb]
-    S = model.editor.edit_rows(S0[:, 0], K, V, mask, a, spans, step=0, remaining=0)  # [N, M, w]
+    S = model.editor.edit_rows(S0[:, 0], read, mask, a, spans, step=0, remaining=0)  # [N, M, w]
     delta = model.readout.edited(S, S0[:, 0], z[:, 0]).to(st.H.dtype)  # [N, d]
     n_edits = n_edits.index_fill(0, b, 1)
     return st.H.index_add(0, b, delta.unsqueeze(1)), trace.index_copy(0, b, a.view(-1, 1, 1)), n_edits

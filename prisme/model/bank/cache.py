@@ -20,6 +20,7 @@ import torch
 from prisme.costs.bank import tables_read_pays
 from prisme.model.bank.source import SourceBank
 from prisme.model.bank.tables import IdRead, clear_shift_memory, entries_from_ids, shift_memory, step_entries
+from prisme.model.editor import EntryRead
 from prisme.model.outputs import Streams
 from prisme.options import DecodeOptions
 
@@ -99,13 +100,14 @@ class BankCache:
         kept = kept.narrow(1, 0, Tb) if rows is None else kept.narrow(1, 0, Tb).index_select(0, rows)
         return (kept if self.KV is not None else entries_from_ids(self.bank, kept)).split(self.cfg.w, -1)
 
-    def read(self, Tb: int, rows: torch.Tensor, n_heads: int) -> tuple:
-        """What the editor reads of `rows`' banks at positions 0..Tb-1: their keys and values (`view`), or for a bank
-        kept as ids, where it takes fewer ops (`prisme.costs.bank.tables_read_pays`: about Tb > 1.5 V), an `IdRead` of
-        their ids (the attention through the tables, no entry written) and None."""
+    def read(self, Tb: int, rows: torch.Tensor, n_heads: int) -> EntryRead | IdRead:
+        """What the editor reads of `rows`' banks at positions 0..Tb-1 (`SparseEditor.edit_rows`): their keys and
+        values (`view`) as an `EntryRead`, or for a bank kept as ids, where it takes fewer ops
+        (`prisme.costs.bank.tables_read_pays`: about Tb > 1.5 V), an `IdRead` of their ids (the attention through the
+        tables, no entry written)."""
         if self.KV is not None or not tables_read_pays(self.bank.cfg, Tb):
-            return self.view(Tb, rows)
-        return IdRead(self.bank, self.ids.narrow(1, 0, Tb).index_select(0, rows), n_heads), None
+            return EntryRead(*self.view(Tb, rows), n_heads)
+        return IdRead(self.bank, self.ids.narrow(1, 0, Tb).index_select(0, rows), n_heads)
 
     def append(self, st: Streams, tokens: torch.Tensor, n_new: list[int], start: list[int],
                start_t: torch.Tensor | None) -> None:
