@@ -319,11 +319,6 @@ class KVCache:
 
     def advance(self, n_new: list[int]) -> None:
         """Row b now holds `n_new[b]` more positions (their K/V were just written)."""
-        n, length = (n_new[0] if n_new else 0), self.lengths[0]
-        equal = n_new.count(n) == len(n_new) == self.batch_size and self.lengths.count(length) == self.batch_size
-        if equal and type(n) is int and 0 <= n <= self.max_len - length:  # decoding: equal rows, equal counts
-            self._set_lengths([length + n] * self.batch_size, lambda t: t + n)
-            return
         if len(n_new) != self.batch_size:
             raise ValueError(f"advance needs one count per row ({self.batch_size}), got {len(n_new)}")
         lengths = [length + int(n) for length, n in zip(self.lengths, n_new)]

@@ -215,7 +215,7 @@ class Backbone(nn.Module):
         if input_pos.dim() == 1:  # every row at the same offset: slice reads and writes
             start = attn.chunk_start(cache.lengths)  # from the host's lengths: no device read
             causal = start == 0 and kv_len == C > 1  # a prompt into an empty cache: no mask tensor needed
-            mask = None if C == 1 or causal else attn.causal_mask(input_pos, kv_len)
+            mask = None if causal else attn.causal_mask(input_pos, kv_len)  # (C > 1: one token returned above)
             return start, CacheStep(input_pos, start, None, kv_len, mask, causal, **shift)
         return pos, CacheStep(input_pos, None, valid, kv_len, attn.causal_mask(input_pos, kv_len), **shift)
 
@@ -227,11 +227,7 @@ class Backbone(nn.Module):
         keys side by side under the band mask, and only each row's last R real positions written."""
         R, W, C = cache.slots, cache.window, input_pos.shape[-1]
         slots = input_pos % R  # [C] or [B, C]
-        if C == 1:
-            if input_pos.dim() == 1:
-                start = attn.chunk_start(cache.lengths)
-                mask = None if start >= R - 1 else attn.causal_mask(input_pos, R)  # a full ring: all R slots
-                return start, CacheStep(input_pos, start % R, None, R, mask, slots=slots, **shift)
+        if C == 1:  # per-row positions (one token at a shared offset is `_cache_step`'s first case)
             return pos, CacheStep(input_pos, None, valid, R, attn.causal_mask(input_pos, R), slots=slots, **shift)
         device = input_pos.device
         if input_pos.dim() == 1:
