@@ -62,3 +62,17 @@ def compiled_editor_unmasked() -> Iterator[None]:
         yield
     finally:
         compile_mod.CompiledEditor.source = original
+
+
+@contextlib.contextmanager
+def fired_rows_unmasked() -> Iterator[None]:
+    """The compiled deployed step's fired rows (`prisme.model.fired`) read their whole padded bank, the keys past each
+    row's length included, as a fixed-shape plan that forgot its mask would."""
+    from prisme.model import fired
+
+    original = fired.key_mask
+    fired.key_mask = lambda lengths, Tp: torch.ones(lengths.shape[0], Tp, dtype=torch.bool, device=lengths.device)
+    try:
+        yield
+    finally:
+        fired.key_mask = original

@@ -274,8 +274,10 @@ def test_cli_compile_flag_choices(capsys):
 def test_compiling_and_the_slot_kv_cache_are_the_models_execution_options(monkeypatch):
     """`compile_editor` and `uncompile_editor` set the model's `ExecutionOptions` (`PrismeModel.set_execution`, which
     builds the editor's compiled pass; nothing compiles before a call), as `PrismeModel(cfg, execution=...)` does; the
-    decode plan reads them there: a compiled editor decodes a step on the static plan, an eager one with the slot K/V
-    cache takes the routed plan instead of the deployed budget-1 step. Bad options are ValueErrors naming the field."""
+    decode plan reads them there: a compiled editor runs the deployed budget-1 step on its fixed-shape fired-rows
+    graphs (with `static_decode`; without, the routed plan) and any other budget on the static plan; an eager editor
+    with the slot K/V cache takes the routed plan instead of the deployed step. Bad options are ValueErrors naming
+    the field."""
     import prisme.model.compiled as pc
     from prisme.model.policy import StepPolicy
     from prisme.model.routed import decode_plan
@@ -290,7 +292,10 @@ def test_compiling_and_the_slot_kv_cache_are_the_models_execution_options(monkey
     assert model.execution.compile == "off" and model.editor.compiled is None
     built = PrismeModel(PrismeConfig.from_name("tiny", router=True), execution=ExecutionOptions(compile="auto"))
     one = StepPolicy(max_budget=1)  # a controller policy of budget 1, one query per row
-    assert isinstance(built.editor.compiled, CompiledEditor) and decode_plan(built, one, 1) == "static"
+    assert isinstance(built.editor.compiled, CompiledEditor) and decode_plan(built, one, 1) == "budget1"
+    assert decode_plan(built, StepPolicy(max_budget=2), 1) == "static" and decode_plan(built, one, 2) == "general"
+    built.set_execution(ExecutionOptions(compile="auto", static_decode=False))
+    assert decode_plan(built, one, 1) == "routed"
     built.set_execution(ExecutionOptions())
     assert decode_plan(built, one, 1) == "budget1"
     built.set_execution(ExecutionOptions(slot_kv_cache=True))

@@ -10,7 +10,8 @@ its dense rival, `shapes`; the `demo` preset with a router; untrained weights) a
     the router's own scores on the backbone's greedy continuation of the prompts;
   * `dense` (recall shapes): the dense winner alone;
   * with `--compile`, `off_compiled` and `routed_compiled`: the same two policies with the editor under
-    `torch.compile` (its fixed-shape decode graphs; `compiled_copy`), the backbone and the router eager.
+    `torch.compile` (the deployed step's fired rows as fixed-shape graphs, `prisme.model.fired`; `compiled_copy`),
+    the backbone and the router eager.
 Per path: ms per generated step and tokens/s (the first, which holds the prefill, is not counted), ops per token
 (`prisme.costs`, each position at its own context, the traces the run took), the decode state at the whole
 sequence (bytes: the K/V cache, a ring of W slots under a window, and the source bank), and the summary figure: time
@@ -191,8 +192,9 @@ def _steps_ms(model: PrismeModel, prompts: torch.Tensor, n_new: int, policy: dic
 
 
 def compiled_copy(model: PrismeModel) -> PrismeModel:
-    """The same weights with the editor under `torch.compile` (`prisme.model.compiled.compile_editor`: fixed-shape
-    decode graphs, every action group present run on all rows; the router's decision and the backbone stay eager)."""
+    """The same weights with the editor under `torch.compile` (`prisme.model.compiled.compile_editor`: the deployed
+    step's fired rows as fixed-shape graphs, `prisme.model.fired`; the router's decision and the backbone stay
+    eager)."""
     from prisme.model.compiled import compile_editor
 
     twin = PrismeModel(model.cfg, model.decode_options).to(model.backbone.tok_emb.weight.dtype).eval()

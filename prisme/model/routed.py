@@ -3,23 +3,25 @@
 Notation: B rows, Q query positions per row, N positions where the router fired, Tb bank positions, R steps.
 
 `DecodeState` calls `routed_workspace` for every controller policy of a router model (not for forced actions, nor
-for a compiled editor's fixed-shape decode). Per step it computes, at every position, only what the decision reads:
-the router's scores on norm(H) and its n-gram feature at the policy's price (`Router.scores`, reading the
-backbone's final norm of H, which the logits need anyway), and one host read of their best (the decision is data:
-the work that follows has that shape). A step where no position fires returns the backbone's logits, `head(H)`
-bitwise, and an all-STOP trace: no query state, bank gather, mask, editor or readout. Where some fire, their N
-positions are gathered as N rows of one query each (their bank rows, their mask where a row's bank is shorter than
-the longest, their query state) and edited: at budget 1 (the deployed policy) by `budget1_step` through
-`SparseEditor.edit_rows`, otherwise by the model's own `rollout_policy` with the router's decision as step 0. Their
-corrections are added to H at those positions and the head runs once over every position (an unedited position's
-logits are `head(H)`'s, bitwise). Every position's workspace is independent of the others', so this is the
-computation `forward_policy` does at those positions (tests/test_generate.py holds decoding to it in float64).
+for a compiled editor's fixed-shape decode of a budget over 1). Per step it computes, at every position, only what
+the decision reads: the router's scores on norm(H) and its n-gram feature at the policy's price (`Router.scores`,
+reading the backbone's final norm of H, which the logits need anyway), and one host read of their best (the decision
+is data: the work that follows has that shape). A step where no position fires returns the backbone's logits,
+`head(H)` bitwise, and an all-STOP trace: no query state, bank gather, mask, editor or readout. Where some fire,
+their N positions are gathered as N rows of one query each (their bank rows, their mask where a row's bank is
+shorter than the longest, their query state) and edited: at budget 1 (the deployed policy) by `budget1_step` through
+`SparseEditor.edit_rows` (with a compiled editor, on fixed-shape graphs: `prisme.model.fired`), otherwise by the
+model's own `rollout_policy` with the router's decision as step 0. Their corrections are added to H at those
+positions and the head runs once over every position (an unedited position's logits are `head(H)`'s, bitwise). Every
+position's workspace is independent of the others', so this is the computation `forward_policy` does at those
+positions (tests/test_generate.py holds decoding to it in float64).
 """
 
 from __future__ import annotations
 
 import torch
 
+from prisme.model.fired import fired_deltas
 from prisme.model.outputs import Streams
 from prisme.model.policy import DecodeRows, StepPolicy
 
@@ -84,9 +86,11 @@ def decode_plan(model, ws: StepPolicy, Q: int) -> str:
 
         bypass: no step at all (the backbone alone): head(H), bitwise;
         budget1: a router model's deployed policy (budget 1: the router's action and nothing after it), one query
-            per row, on the eager editor without a slot K/V cache: `budget1_step` (`SparseEditor.edit_rows`);
+            per row, without a slot K/V cache: `budget1_step`, on the eager editor (`SparseEditor.edit_rows`) or a
+            compiled one's fixed-shape graphs of the fired rows (`prisme.model.fired`; with `static_decode`);
         routed: any other controller policy of a router model: the router first, `rollout_policy` where it fired;
-        static: the compiled editor's fixed-shape decode (one query per row): the bank read at its capacity;
+        static: the compiled editor's fixed-shape decode (one query per row) of any other policy: every row
+            padded in, the bank read at its capacity;
         general: the rest (forced actions, a controller without a router): `rollout_*` over the kept rows.
 
     Every plan computes what `forward_policy` (or `forward`, for forced actions) computes at those positions."""
@@ -95,9 +99,11 @@ def decode_plan(model, ws: StepPolicy, Q: int) -> str:
     editor = model.editor  # its execution options: compiled or not, with or without a slot K/V cache
     compiled = editor.compiled is not None
     static = compiled and editor.execution.static_decode
-    if ws.actions is None and model.cfg.router and not static:
-        eager = not compiled and not editor.slot_kv_cache
-        return "budget1" if Q == 1 and ws.max_budget == 1 and eager else "routed"
+    if ws.actions is None and model.cfg.router:
+        if Q == 1 and ws.max_budget == 1 and not editor.slot_kv_cache and static == compiled:
+            return "budget1"
+        if not static:
+            return "routed"
     return "static" if Q == 1 and static else "general"
 
 
@@ -121,14 +127,17 @@ def budget1_step(state: DecodeRows, st: Streams, scores: torch.Tensor, trace: to
         at += len(rs)
     one = lambda x: x.index_select(0, b)  # noqa: E731  [B, 1, ...] -> [N, 1, ...]
     st_n = Streams(one(st.H), {k: one(v) for k, v in st.src.items()}, None if st.ids is None else one(st.ids))
-    lengths = state.lengths
-    Tb = max(lengths)
-    read = state.bank.read(Tb, b, model.cfg.n_ws_heads)  # an EntryRead ([N, Tb, w] K and V), or an IdRead
-    z, S0 = model.query_state(st_n, state.options)  # [N, 1, w], [N, 1, M, w]
-    mask = None if all(lengths[r] == Tb for r in rows) else (  # None: each row reads its whole bank
-        torch.arange(Tb, device=b.device) < state.cache.lengths_tensor(b.device)[b].unsqueeze(1))  # [N, Tb]
-    S = model.editor.edit_rows(S0[:, 0], read, mask, a, spans, step=0, remaining=0)  # [N, M, w]
-    delta = model.readout.edited(S, S0[:, 0], z[:, 0]).to(st.H.dtype)  # [N, d]
+    if model.editor.compiled is not None:  # the compiled editor's fixed-shape graphs (`prisme.model.fired`)
+        delta = fired_deltas(state, st_n, b, a, spans).to(st.H.dtype)  # [N, d]
+    else:
+        lengths = state.lengths
+        Tb = max(lengths)
+        read = state.bank.read(Tb, b, model.cfg.n_ws_heads)  # an EntryRead ([N, Tb, w] K and V), or an IdRead
+        z, S0 = model.query_state(st_n, state.options)  # [N, 1, w], [N, 1, M, w]
+        mask = None if all(lengths[r] == Tb for r in rows) else (  # None: each row reads its whole bank
+            torch.arange(Tb, device=b.device) < state.cache.lengths_tensor(b.device)[b].unsqueeze(1))  # [N, Tb]
+        S = model.editor.edit_rows(S0[:, 0], read, mask, a, spans, step=0, remaining=0)  # [N, M, w]
+        delta = model.readout.edited(S, S0[:, 0], z[:, 0]).to(st.H.dtype)  # [N, d]
     n_edits = n_edits.index_fill(0, b, 1)
     return st.H.index_add(0, b, delta.unsqueeze(1)), trace.index_copy(0, b, a.view(-1, 1, 1)), n_edits
 

@@ -100,12 +100,13 @@ class BankCache:
         kept = kept.narrow(1, 0, Tb) if rows is None else kept.narrow(1, 0, Tb).index_select(0, rows)
         return (kept if self.KV is not None else entries_from_ids(self.bank, kept)).split(self.cfg.w, -1)
 
-    def read(self, Tb: int, rows: torch.Tensor, n_heads: int) -> EntryRead | IdRead:
+    def read(self, Tb: int, rows: torch.Tensor, n_heads: int, context: int | None = None) -> EntryRead | IdRead:
         """What the editor reads of `rows`' banks at positions 0..Tb-1 (`SparseEditor.edit_rows`): their keys and
         values (`view`) as an `EntryRead`, or for a bank kept as ids, where it takes fewer ops
         (`prisme.costs.bank.tables_read_pays`: about Tb > 1.5 V), an `IdRead` of their ids (the attention through the
-        tables, no entry written)."""
-        if self.KV is not None or not tables_read_pays(self.bank.cfg, Tb):
+        tables, no entry written). `context`: the bank length that choice is made at (default Tb; a fixed-shape plan
+        reads a padded Tb, `prisme.model.fired`)."""
+        if self.KV is not None or not tables_read_pays(self.bank.cfg, Tb if context is None else context):
             return EntryRead(*self.view(Tb, rows), n_heads)
         return IdRead(self.bank, self.ids.narrow(1, 0, Tb).index_select(0, rows), n_heads)
 

@@ -22,6 +22,8 @@ moves. The cost model prices each lookup as w ops, one per element read (`prisme
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -198,7 +200,7 @@ class IdRead:
         tabs, cfg = bank_tables(bank), bank.cfg
         self.kv = tabs["KV"]  # [V, 2w]
         self.s = tabs["S"] if reads_previous(cfg) else None  # [V + 1, w]
-        self.ids, self.mask, self.nh, self.V = ids, None, n_heads, cfg.vocab_size
+        self.ids, self.mask, self.nh = ids, None, n_heads
         self.prev = None if self.s is None else F.pad(ids[:, :-1], (1, 0), value=cfg.vocab_size)  # [N, Tb]
 
     def rows(self, i: int, j: int, mask: torch.Tensor | None) -> IdRead:
@@ -209,17 +211,27 @@ class IdRead:
 
     def attend(self, q: torch.Tensor) -> torch.Tensor:
         """q `[n, k, w]` -> attention output `[n, k, w]` over each row's bank (`BankView.attend`'s contract)."""
-        n, k, w = q.shape
-        nh = self.nh
-        hd, Tb = w // nh, self.ids.shape[1]
-        qh = q.view(n, k, nh, hd) * hd ** -0.5  # scaled before the tables' products: V entries, not Tb
-        at = self.ids.view(n, 1, 1, Tb).expand(n, nh, k, Tb)
-        s = torch.einsum("nkhd,vhd->nhkv", qh, self.kv[:, :w].view(-1, nh, hd)).gather(-1, at)  # [n, nh, k, Tb]
-        if self.s is not None:
-            before = self.prev.view(n, 1, 1, Tb).expand(n, nh, k, Tb)
-            s = s + torch.einsum("nkhd,vhd->nhkv", qh, self.s.view(-1, nh, hd)).gather(-1, before)
-        if self.mask is not None:
-            s = s.masked_fill(~self.mask.view(n, 1, 1, Tb), float("-inf"))
-        p = s.softmax(-1)
-        per_id = p.new_zeros(n, nh, k, self.V).scatter_add_(-1, at, p)  # [n, nh, k, V]
-        return torch.einsum("nhkv,vhd->nkhd", per_id, self.kv[:, w:].view(-1, nh, hd)).reshape(n, k, w)
+        return id_attend(q, *self.parts()[1])
+
+    def parts(self) -> tuple[Callable[..., torch.Tensor], tuple[Any, ...]]:
+        """(`id_attend`, its arguments after q): the read as a function of tensors (a compiled graph's input)."""
+        return id_attend, (self.kv, self.s, self.ids, self.prev, self.mask, self.nh)
+
+
+def id_attend(q: torch.Tensor, kv: torch.Tensor, s_tab: torch.Tensor | None, ids: torch.Tensor,
+              prev: torch.Tensor | None, mask: torch.Tensor | None, nh: int) -> torch.Tensor:
+    """`IdRead.attend` from its parts: q `[n, k, w]`, the tables KV `[V, 2w]` and S `[V + 1, w]` (None: no key reads
+    the position before), ids and the previous ids `[n, Tb]`, mask `[n, Tb]` (None: every key) -> `[n, k, w]`."""
+    n, k, w = q.shape
+    hd, Tb = w // nh, ids.shape[1]
+    qh = q.view(n, k, nh, hd) * hd ** -0.5  # scaled before the tables' products: V entries, not Tb
+    at = ids.view(n, 1, 1, Tb).expand(n, nh, k, Tb)
+    s = torch.einsum("nkhd,vhd->nhkv", qh, kv[:, :w].view(-1, nh, hd)).gather(-1, at)  # [n, nh, k, Tb]
+    if s_tab is not None:
+        before = prev.view(n, 1, 1, Tb).expand(n, nh, k, Tb)
+        s = s + torch.einsum("nkhd,vhd->nhkv", qh, s_tab.view(-1, nh, hd)).gather(-1, before)
+    if mask is not None:
+        s = s.masked_fill(~mask.view(n, 1, 1, Tb), float("-inf"))
+    p = s.softmax(-1)
+    per_id = p.new_zeros(n, nh, k, kv.shape[0]).scatter_add_(-1, at, p)  # [n, nh, k, V]
+    return torch.einsum("nhkv,vhd->nkhd", per_id, kv[:, w:].view(-1, nh, hd)).reshape(n, k, w)
