@@ -91,7 +91,8 @@ class ExecutionOptions:
             after one warning) or "strict" (a ValueError where it does not); `checks.COMPILE_SETTINGS`. A compiled
             editor recomputes every slot's K/V (no slot K/V cache) and decodes a step on fixed-shape graphs.
         compile_mode: torch.compile's mode of the editor's graphs.
-        min_positions: action groups with fewer active positions run the eager pass (`MIN_POSITIONS`).
+        min_positions: action groups with fewer active positions run the eager pass (`MIN_POSITIONS`; the dynamic
+            graphs of many positions per row: a decode step's fixed-shape graphs run at any size).
         static_decode: a compiled editor runs decode steps (one query per row) on fixed-shape graphs.
     """
 

@@ -17,7 +17,7 @@ dynamic sizes (no guard on a size, kernels called from generated C++):
 one graph per (action group, nb, Tp, how the bank is read: entries or ids through the tables), so at most
 groups x log2(B) x log2(capacity) graphs, each compiled at its first call (a few seconds on a CPU). The padded
 rows' outputs are dropped, and each row's numbers are those of the eager `SparseEditor.edit_rows` and
-`DifferentialReadout.edited` up to the compiler's order of summation (tests/test_compiled_editor.py, float64). The
+`DifferentialReadout.edited` up to the compiler's order of summation (tests/test_fired_rows.py, float64). The
 read is the one the eager step takes at Tb (`BankCache.read`'s `context`), so the cost model prices both plans alike;
 padding is time spent, never ops charged.
 """
