@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from prisme.bench.harness import peak_memory
 from prisme.bench.long import PATHS, configs, main, price_for
 from prisme.config import PrismeConfig
 from prisme.model.policy import Controller
@@ -105,6 +106,8 @@ def test_bench_long_document_on_the_smoke_shape(tmp_path, capsys):
         assert rows["dense"]["speedup_vs_dense"] == 1.0
         # a bank kept as ids is far smaller than the dense K/V cache
         assert rows["backbone"]["state_bytes"] < rows["dense"]["state_bytes"]
+        # a path's peak: its decode state and the temporaries of its steps (the logits at least: B x 256 floats)
+        assert all(row["peak_bytes"] >= row["state_bytes"] + res["batch"] * 256 * 4 for row in rows.values())
     assert set(doc["prefill"][0]["rows"]) == {"dense", "dense_ks", "backbone", "routed"}
     train = doc["train"][0]
     assert train["workspace_positions"] == 16
@@ -126,3 +129,23 @@ def test_bench_long_bad_options_are_value_errors(tmp_path):
         with pytest.raises(ValueError, match="--device cuda"):
             main(_args(tmp_path, device="cuda"))
     assert not (tmp_path / "long.json").exists()
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", id="cpu"),
+                                    pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)])
+def test_peak_memory_counts_the_tensors_a_run_holds_at_once_not_those_held_before(device):
+    """A run that makes two 4 MiB tensors, frees one, then makes a third, peaks at 8 MiB (two at once, not three);
+    negative control: a run that only reads a 64 MiB tensor made before it stays under 1 MiB."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    dev, n = torch.device(device), 2**20
+
+    def run():
+        a, b = torch.ones(n, device=dev), torch.ones(n, device=dev)
+        del a
+        c = torch.ones(n, device=dev)
+        return b, c
+
+    assert peak_memory(run, dev) == 8 * 2**20
+    held = torch.ones(16 * n, device=dev)
+    assert peak_memory(lambda: held.sum(), dev) < 2**20

@@ -1,5 +1,6 @@
 """The timing harness every benchmark shares (a leaf): rotated timing of named paths with warmups and gc off,
-percentiles, peak Python memory, torch thread counts, seeded models and tokens, and table-then-JSON output."""
+percentiles, peak Python memory, peak tensor memory, torch thread counts, seeded models and tokens, and
+table-then-JSON output."""
 
 from __future__ import annotations
 
@@ -79,6 +80,31 @@ def tracemalloc_peak(setup: Callable[[], Any], run: Callable[[Any], Any]) -> int
             if not was_tracing:
                 tracemalloc.stop()
     return peak - base
+
+
+def peak_memory(run: Callable[[], Any], device: torch.device) -> int:
+    """The most tensor memory `run()` held at once beyond what was held before it, in bytes. On CUDA the caching
+    allocator's peak (`max_memory_allocated`); on the CPU the running sum of every tensor allocation and free in
+    order, as `torch.profiler` records them with `profile_memory` (what its memory timeline reads): exact for
+    tensors, blind to Python objects. The profiler slows the run; time it apart."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        run()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    held = peak = 0
+    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                            if e.name() == "[memory]"):
+        held += nbytes
+        peak = max(peak, held)
+    return peak
 
 
 def emit(doc: dict, table: str, json_path: str | None = None) -> int:

@@ -16,7 +16,9 @@ does not depend on what the cache holds), then the same n teacher-forced tokens 
 each path runs the same positions and the routed path fires at exactly the positions its price picks. The paths are
 rotated each round (one warm-up round), medians reported. Per row: ms per step, tokens/s, ops per token
 (`prisme.costs.trace_cost`, each position at its own context and trace), time and ops against the dense row, their
-ratio (`t_over_ops`: 1.0 = time follows ops), the decode state's bytes, and the edits per token. With `--prefill`,
+ratio (`t_over_ops`: 1.0 = time follows ops), the decode state's bytes, the peak tensor memory of the path's decode
+(the state's bytes and the most the same steps hold beyond it at once, run again under the profiler; the weights not
+counted; `harness.peak_memory`), and the edits per token. With `--prefill`,
 each model's prefill of a whole T-token prompt at batch 1 (the routed path at its price, logits of the last position).
 With `--train`, a training step on one T-token sequence (`train_ms`): each dense model's, PRISME's backbone stage and
 its workspace stage at `--train-positions` drawn positions (`StageConfig.workspace_positions`).
@@ -29,13 +31,14 @@ import math
 import platform
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 
 from prisme.bench.decode import OFF_PRICE, fire_ratio, seeded_model
-from prisme.bench.harness import bench_device, emit, make_tokens, parse_ints, torch_threads
+from prisme.bench.harness import bench_device, emit, make_tokens, parse_ints, peak_memory, torch_threads
 from prisme.checks import one_of, parse_list
 from prisme.config import PrismeConfig
 from prisme.costs import trace_cost
@@ -168,7 +171,9 @@ def measure(case: Case, repeats: int, edit_rate: float, seed: int) -> dict[str, 
         ops, edits = _ops(model, outs[k], start, policy)
         ms = float(np.median(samples[k]))
         rows[k] = {"ms_per_step": ms, "samples_ms": samples[k], "tokens_per_s": B * 1000.0 / ms,
-                   "ops_per_token": ops, "edits_per_token": edits, "state_bytes": states[model_key].nbytes}
+                   "ops_per_token": ops, "edits_per_token": edits, "state_bytes": states[model_key].nbytes,
+                   "peak_bytes": states[model_key].nbytes + peak_memory(
+                       partial(_decode_ms, model, states[model_key], case.tokens, start, policy), case.tokens.device)}
     dense = rows["dense"]
     for row in rows.values():
         row["speedup_vs_dense"] = dense["ms_per_step"] / row["ms_per_step"]
@@ -255,13 +260,14 @@ def train_ms(cfgs: dict[str, PrismeConfig], T: int, positions: int, repeats: int
 
 # ------------------------------------------------------------------------------------------------------------ output
 def format_table(results: list[dict[str, Any]], prefills: list[dict[str, Any]], trains: list[dict[str, Any]]) -> str:
-    lines = [f"{'shape':<9}{'T':>7}{'B':>3}  {'path':<11}{'ms/step':>9}{'tok/s':>9}{'MiB':>8}{'ops/tok':>11}"
-             f"{'edits':>7}{'x dense':>9}{'ops x':>7}{'t/ops':>7}"]
+    lines = [f"{'shape':<9}{'T':>7}{'B':>3}  {'path':<11}{'ms/step':>9}{'tok/s':>9}{'MiB':>8}{'peak':>8}"
+             f"{'ops/tok':>11}{'edits':>7}{'x dense':>9}{'ops x':>7}{'t/ops':>7}"]
     lines.append("-" * len(lines[0]))
     for res in results:
         for k, row in res["rows"].items():
             lines.append(f"{res['shape']:<9}{res['context']:>7}{res['batch']:>3}  {k:<11}{row['ms_per_step']:>9.3f}"
-                         f"{row['tokens_per_s']:>9.0f}{row['state_bytes'] / 2**20:>8.1f}{row['ops_per_token']:>11.3g}"
+                         f"{row['tokens_per_s']:>9.0f}{row['state_bytes'] / 2**20:>8.1f}"
+                         f"{row['peak_bytes'] / 2**20:>8.1f}{row['ops_per_token']:>11.3g}"
                          f"{row['edits_per_token']:>7.3f}{row['speedup_vs_dense']:>9.2f}{row['ops_vs_dense']:>7.3f}"
                          f"{row['t_over_ops']:>7.2f}")
     for res in prefills:
