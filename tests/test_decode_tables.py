@@ -265,3 +265,37 @@ def test_readout_of_edited_rows_equals_the_readout(optimised):
     want = model.readout(S, S0, z)
     torch.testing.assert_close(model.readout.edited(S, S0, z), want, rtol=0, atol=1e-14)
     assert (model.readout.edited(S0, S, z) - want).abs().max() > 1e-3
+
+
+def test_a_model_built_under_inference_mode_decodes_the_same_and_keeps_its_tables_and_router_fold(monkeypatch):
+    """Weights made under `torch.inference_mode` are inference tensors, which keep no version counter: the same
+    logits as the model built outside it, the bank tables and the router's folded price built once and kept across
+    the steps (`version_counter` is -1 for them, asked without the raise that reading the counter gives). Negative
+    control: a weight key that differs at every call rebuilds both at every step."""
+    import prisme.model.bank.tables as tables
+
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(4))
+    ref = tiny_model(0, decode=TABLES, **EMBED)
+    with torch.inference_mode():
+        model = tiny_model(0, decode=TABLES, **EMBED)
+    assert all(p.is_inference() for p in model.parameters())
+
+    def decode(m):
+        kept = []
+        with torch.inference_mode():
+            state = m.new_decode_state(2, 16)
+            outs = [state.prefill(tokens[:, :4], policy=Controller(1, lambda_cost=0.05))]
+            for i in range(4, 12):
+                outs.append(state.decode_step(tokens[:, i:i + 1], policy=Controller(1, lambda_cost=0.05)))
+                kept.append((m.bank.__dict__["_table_cache"][2], m.router.__dict__["_folded_cache"][4]))
+        return torch.cat([o.logits for o in outs], 1), kept
+
+    want, _ = decode(ref)
+    got, kept = decode(model)
+    assert torch.equal(got, want)
+    assert all(t is kept[0][0] and f is kept[0][1] for t, f in kept)  # built once
+    calls = iter(range(10**6))
+    monkeypatch.setattr(tables, "version_counter", lambda p: next(calls))
+    monkeypatch.setattr("prisme.model.router.version_counter", lambda p: next(calls))
+    _, rebuilt = decode(model)
+    assert len({id(t) for t, _ in rebuilt}) == len(rebuilt) and len({id(f) for _, f in rebuilt}) == len(rebuilt)

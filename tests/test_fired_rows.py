@@ -1,8 +1,8 @@
 """The deployed decode step on a compiled editor (`prisme.model.fired`): the fired rows of each action group as one
-fixed-shape graph (rows padded to a power of two, the bank padded under a mask) decode what `forward_policy`
-computes, with a bank kept as entries and one kept as ids read through the tables, ragged rows included; the padding
-is never read (negative control: a graph that reads the padded bank unmasked is caught); a graph that fails to
-compile reruns eagerly.
+fixed-shape graph from their streams to their corrections (rows padded to a power of two, the bank padded under a
+mask) decode what `forward_policy` computes, with a bank kept as entries and one kept as ids (looked up, then read
+through the tables), ragged rows included; the padding is never read (negative control: a graph that reads the
+padded bank unmasked is caught); a graph that fails to compile reruns eagerly.
 
 Tolerance: float64, 1e-10 (a compiled graph sums in another order; differences are ~1e-15).
 """
@@ -22,11 +22,11 @@ from prisme.options import DecodeOptions, ExecutionOptions
 TOL = 1e-10
 LENGTHS = [22, 13, 19]  # ragged rows: each row's last decoded position
 MAX_LEN = 80  # a capacity above BANK_FLOOR: the bank pads to 64 (a power of two), not to the capacity
-READS = {  # (model overrides, the read a fired row takes at the longest bank of the run)
-    "entries": (dict(router=True, router_ngram=1, bank_shift=True, max_seq_len=MAX_LEN), "entry_attend"),
+READS = {  # (model overrides, how a fired row reads its bank at the longest bank of the run: `BankCache.read_kind`)
+    "entries": (dict(router=True, router_ngram=1, bank_shift=True, max_seq_len=MAX_LEN), "entries"),
     "ids": (dict(router=True, bank_shift=True, bank_source="embedding", query_source="embedding", vocab_size=8,
                  max_seq_len=MAX_LEN, decode=DecodeOptions(bank_tables=True, bank_store="ids")),
-            "id_attend"),  # V = 8: a fired row reads through the tables from T = 14
+            "ids"),  # V = 8: a fired row looks its entries up, then from T = 14 reads through the tables
 }
 
 
@@ -74,6 +74,9 @@ def test_compiled_deployed_step_equals_forward_policy_on_padded_fixed_shape_grap
     assert READS[read][1] in {k[4] for k in keys}
     assert any(k[2] > 1 for k in keys)  # several rows of one group in one graph
     assert comp.editor.compiled.calls["eager"] == 0
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    again, _ = decode(comp, tokens)  # a new decode state: its buffers are the graphs' inputs, not constants
+    assert torch.equal(again, logits) and torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
 @pytest.mark.slow  # compiles two graphs (~25 s without Inductor's cache)
@@ -93,7 +96,7 @@ def test_negative_control_a_fired_graph_that_reads_its_padded_bank_unmasked_is_c
 
 def test_a_fired_graph_that_fails_to_compile_reruns_eagerly(monkeypatch):
     """The first compiled call raises (as a compiler crash would): the step's rows come from the eager
-    `fired_pass`, the same numbers, with one warning; strict mode raises ValueError."""
+    `fired_path`, the same numbers, with one warning; strict mode raises ValueError."""
     import prisme.model.compiled as pc
 
     monkeypatch.setattr(pc, "_COMPILER_PROBE", "")

@@ -40,7 +40,7 @@ from prisme.model import attention as attn
 from prisme.model.attention import CacheStep, KVCache
 from prisme.model.backbone import Backbone, check_tokens
 from prisme.model.editor import blocks_pass
-from prisme.model.fired import fired_pass
+from prisme.model.fired import fired_path
 from prisme.options import EDITOR_MODE, MIN_POSITIONS, ExecutionOptions
 
 DEFAULT_MODE = "max-autotune-no-cudagraphs"
@@ -306,7 +306,7 @@ class CompiledEditor:
         if fn is None:
             fired = key[0] == "fired"
             static = fired or key[0] == "static"
-            source = fired_pass if fired else CompiledEditor.source or blocks_pass
+            source = fired_path if fired else CompiledEditor.source or blocks_pass
             fn = torch.compile(own_code(source), fullgraph=True, dynamic=not static,
                                options=compile_options(self.mode, cpp_wrapper=fired or static and self.cpp_wrapper))
             self.graphs[key] = fn
@@ -319,9 +319,10 @@ class CompiledEditor:
         return self._call(("static", k, torch.is_grad_enabled()), args)
 
     def fired(self, key: tuple[Any, ...], args: tuple[Any, ...]) -> torch.Tensor:
-        """`prisme.model.fired.fired_pass(*args)`: the deployed step's fired rows of one action group on fixed shapes,
-        one graph per key (action group, padded rows, padded bank, read), its kernels called from generated C++
-        (measured: one fired row of `recall_T32` ~100 us against ~195 us from Python, ~300 us eager)."""
+        """`prisme.model.fired.fired_path(*args)`: the deployed step's fired rows of one action group on fixed
+        shapes, one graph per key (action group, padded rows, padded bank, read), its kernels called from generated
+        C++ (measured: the editor's part of one fired row of `recall_T32` ~100 us against ~195 us from Python,
+        ~300 us eager)."""
         return self._call(("fired", *key, torch.is_grad_enabled()), args)
 
     def __call__(self, blocks: Any, x: torch.Tensor, st: torch.Tensor, rem: torch.Tensor, S_pos: torch.Tensor,
@@ -347,7 +348,7 @@ class CompiledEditor:
                 self.calls["compiled"] += 1
                 return out
         self.calls["eager"] += 1
-        return (fired_pass if key[0] == "fired" else blocks_pass)(*args)
+        return (fired_path if key[0] == "fired" else blocks_pass)(*args)
 
 
 def error_line(e: BaseException) -> str:

@@ -23,7 +23,6 @@ Contracts: slots outside the action are bitwise unchanged; S, K, V and the bank 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,18 +141,9 @@ class EntryRead:
 
     def attend(self, q: torch.Tensor) -> torch.Tensor:
         """q `[n, k, w]` -> attention output `[n, k, w]` over each row's bank (`BankView.attend`'s contract)."""
-        return entry_attend(q, self.K, self.V, self.mask)
-
-    def parts(self) -> tuple[Callable[..., torch.Tensor], tuple[Any, ...]]:
-        """(`entry_attend`, its arguments after q): the read as a function of tensors (a compiled graph's input)."""
-        return entry_attend, (self.K, self.V, self.mask)
-
-
-def entry_attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """`EntryRead.attend` from its parts: q `[n, k, w]`, K, V `[n, nh, Tb, hd]`, mask `[n, Tb]` (None: every key)."""
-    n, k, _ = q.shape
-    m = None if mask is None else mask.view(n, 1, 1, -1).expand(n, 1, k, mask.shape[-1])
-    return bank_attend(q, K, V, m, None, None, True)  # full: every row one query, in order
+        n, k, _ = q.shape
+        m = None if self.mask is None else self.mask.view(n, 1, 1, -1).expand(n, 1, k, self.mask.shape[-1])
+        return bank_attend(q, self.K, self.V, m, None, None, True)  # full: every row one query, in order
 
 
 class _Bank:

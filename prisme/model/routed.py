@@ -125,11 +125,11 @@ def budget1_step(state: DecodeRows, st: Streams, scores: torch.Tensor, trace: to
     for g, rs, _ in groups:
         spans.append((g, at, at + len(rs)))
         at += len(rs)
-    one = lambda x: x.index_select(0, b)  # noqa: E731  [B, 1, ...] -> [N, 1, ...]
-    st_n = Streams(one(st.H), {k: one(v) for k, v in st.src.items()}, None if st.ids is None else one(st.ids))
     if model.editor.compiled is not None:  # the compiled editor's fixed-shape graphs (`prisme.model.fired`)
-        delta = fired_deltas(state, st_n, b, a, spans).to(st.H.dtype)  # [N, d]
+        delta = fired_deltas(state, st, b, a, spans).to(st.H.dtype)  # [N, d]
     else:
+        one = lambda x: x.index_select(0, b)  # noqa: E731  [B, 1, ...] -> [N, 1, ...]
+        st_n = Streams(one(st.H), {k: one(v) for k, v in st.src.items()}, None if st.ids is None else one(st.ids))
         lengths = state.lengths
         Tb = max(lengths)
         read = state.bank.read(Tb, b, model.cfg.n_ws_heads)  # an EntryRead ([N, Tb, w] K and V), or an IdRead

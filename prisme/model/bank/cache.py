@@ -104,11 +104,21 @@ class BankCache:
         """What the editor reads of `rows`' banks at positions 0..Tb-1 (`SparseEditor.edit_rows`): their keys and
         values (`view`) as an `EntryRead`, or for a bank kept as ids, where it takes fewer ops
         (`prisme.costs.bank.tables_read_pays`: about Tb > 1.5 V), an `IdRead` of their ids (the attention through the
-        tables, no entry written). `context`: the bank length that choice is made at (default Tb; a fixed-shape plan
-        reads a padded Tb, `prisme.model.fired`)."""
-        if self.KV is not None or not tables_read_pays(self.bank.cfg, Tb if context is None else context):
-            return EntryRead(*self.view(Tb, rows), n_heads)
-        return IdRead(self.bank, self.ids.narrow(1, 0, Tb).index_select(0, rows), n_heads)
+        tables, no entry written). `context`: the bank length that choice is made at (default Tb)."""
+        return read_rows(self.bank, self.read_kind(Tb if context is None else context), self.kept, rows, Tb,
+                         n_heads, None)
+
+    def read_kind(self, Tb: int) -> str:
+        """How `read` reads a bank of Tb positions: "entries" (kept), "lookup" (entries looked up from the kept ids)
+        or "ids" (through the tables, `IdRead`: where `tables_read_pays`)."""
+        if self.KV is not None:
+            return "entries"
+        return "ids" if tables_read_pays(self.bank.cfg, Tb) else "lookup"
+
+    @property
+    def kept(self) -> torch.Tensor:
+        """What the cache keeps per position: the entries `[B, T_max, 2w]` or the ids `[B, T_max]`."""
+        return self.KV if self.KV is not None else self.ids
 
     def append(self, st: Streams, tokens: torch.Tensor, n_new: list[int], start: list[int],
                start_t: torch.Tensor | None) -> None:
@@ -176,3 +186,13 @@ class BankCache:
         if self.grams is not None:
             self.grams.zero_()
             self._gram_len = 0
+
+
+def read_rows(bank: SourceBank, kind: str, kept: torch.Tensor, rows: torch.Tensor, Tb: int, n_heads: int,
+              tabs: dict[str, torch.Tensor] | None) -> EntryRead | IdRead:
+    """`BankCache.read` from its parts (a pure function of tensors, as a compiled graph reads it): `kind` as
+    `read_kind` says, `kept` the cache's buffer, `tabs` the bank's tables (None: `bank_tables`)."""
+    k = kept.narrow(1, 0, Tb).index_select(0, rows)  # [N, Tb, 2w] or [N, Tb]
+    if kind == "ids":
+        return IdRead(bank, k, n_heads, tabs)
+    return EntryRead(*(k if kind == "entries" else entries_from_ids(bank, k, tabs)).split(bank.cfg.w, -1), n_heads)

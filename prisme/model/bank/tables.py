@@ -22,8 +22,6 @@ moves. The cost model prices each lookup as w ops, one per element read (`prisme
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -49,11 +47,10 @@ def _modules(bank: SourceBank) -> dict[str, torch.nn.Module]:
 
 
 def version_counter(p: torch.Tensor) -> int:
-    """The tensor's in-place version counter (-1 for an inference tensor, which keeps none)."""
-    try:
-        return p._version
-    except RuntimeError:
-        return -1
+    """The tensor's in-place version counter (-1 for an inference tensor, which keeps none: asked first, since reading
+    its counter raises, and a raise per weight per step cost a decode step of a model built under inference mode
+    ~0.05 ms)."""
+    return -1 if p.is_inference() else p._version
 
 
 def _param_key(params: list[torch.Tensor]) -> tuple:
@@ -137,11 +134,12 @@ def step_entries(bank: SourceBank, options: DecodeOptions, st: Streams, tokens: 
     return (KV, keep) if out is None else (out.copy_(KV), keep)
 
 
-def entries_from_ids(bank: SourceBank, ids: torch.Tensor) -> torch.Tensor:
+def entries_from_ids(bank: SourceBank, ids: torch.Tensor, tabs: dict[str, torch.Tensor] | None = None
+                     ) -> torch.Tensor:
     """The bank entries `[b, Tb, 2w]` (K, then V) of positions 0..Tb-1 from their token ids `[b, Tb]` alone (the
-    decode option `bank_store="ids"`: an "embedding" bank served by its tables): the same sums `step_entries` writes,
-    K_tab + shifted K_tab' of the previous id (none before position 0), V_tab + 0."""
-    tabs = bank_tables(bank)
+    decode option `bank_store="ids"`: an "embedding" bank served by its tables; `tabs`: those tables, given): the
+    same sums `step_entries` writes, K_tab + shifted K_tab' of the previous id (none before position 0), V_tab + 0."""
+    tabs = bank_tables(bank) if tabs is None else tabs
     kv = F.embedding(ids, tabs["KV"])  # [b, Tb, 2w]
     if not reads_previous(bank.cfg):
         return kv
@@ -149,13 +147,14 @@ def entries_from_ids(bank: SourceBank, ids: torch.Tensor) -> torch.Tensor:
     return kv.add_(F.embedding(before, tabs["S2"]))
 
 
-def decoded_query(bank: SourceBank, options: DecodeOptions, st: Streams) -> torch.Tensor:
+def decoded_query(bank: SourceBank, options: DecodeOptions, st: Streams,
+                  tabs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """`SourceBank.query` of decoded queries (`st.ids` `[B, Q]` set), the embedding term from its table where
-    `options` serve it so."""
+    `options` serve it so (`tabs`: the bank's tables, given; None: `bank_tables(bank)`)."""
     cfg = bank.cfg
     if "embedding" not in options.table_terms or "embedding" not in cfg.query_terms:
         return bank.query(st)
-    tab = bank_tables(bank)["P"]
+    tab = (bank_tables(bank) if tabs is None else tabs)["P"]
     z = None
     for i, t in enumerate(cfg.query_terms):
         if t == "embedding":
@@ -196,8 +195,8 @@ class IdRead:
         n_heads: the editor's heads.
     """
 
-    def __init__(self, bank: SourceBank, ids: torch.Tensor, n_heads: int):
-        tabs, cfg = bank_tables(bank), bank.cfg
+    def __init__(self, bank: SourceBank, ids: torch.Tensor, n_heads: int, tabs: dict[str, torch.Tensor] | None = None):
+        tabs, cfg = bank_tables(bank) if tabs is None else tabs, bank.cfg
         self.kv = tabs["KV"]  # [V, 2w]
         self.s = tabs["S"] if reads_previous(cfg) else None  # [V + 1, w]
         self.ids, self.mask, self.nh = ids, None, n_heads
@@ -211,27 +210,17 @@ class IdRead:
 
     def attend(self, q: torch.Tensor) -> torch.Tensor:
         """q `[n, k, w]` -> attention output `[n, k, w]` over each row's bank (`BankView.attend`'s contract)."""
-        return id_attend(q, *self.parts()[1])
-
-    def parts(self) -> tuple[Callable[..., torch.Tensor], tuple[Any, ...]]:
-        """(`id_attend`, its arguments after q): the read as a function of tensors (a compiled graph's input)."""
-        return id_attend, (self.kv, self.s, self.ids, self.prev, self.mask, self.nh)
-
-
-def id_attend(q: torch.Tensor, kv: torch.Tensor, s_tab: torch.Tensor | None, ids: torch.Tensor,
-              prev: torch.Tensor | None, mask: torch.Tensor | None, nh: int) -> torch.Tensor:
-    """`IdRead.attend` from its parts: q `[n, k, w]`, the tables KV `[V, 2w]` and S `[V + 1, w]` (None: no key reads
-    the position before), ids and the previous ids `[n, Tb]`, mask `[n, Tb]` (None: every key) -> `[n, k, w]`."""
-    n, k, w = q.shape
-    hd, Tb = w // nh, ids.shape[1]
-    qh = q.view(n, k, nh, hd) * hd ** -0.5  # scaled before the tables' products: V entries, not Tb
-    at = ids.view(n, 1, 1, Tb).expand(n, nh, k, Tb)
-    s = torch.einsum("nkhd,vhd->nhkv", qh, kv[:, :w].view(-1, nh, hd)).gather(-1, at)  # [n, nh, k, Tb]
-    if s_tab is not None:
-        before = prev.view(n, 1, 1, Tb).expand(n, nh, k, Tb)
-        s = s + torch.einsum("nkhd,vhd->nhkv", qh, s_tab.view(-1, nh, hd)).gather(-1, before)
-    if mask is not None:
-        s = s.masked_fill(~mask.view(n, 1, 1, Tb), float("-inf"))
-    p = s.softmax(-1)
-    per_id = p.new_zeros(n, nh, k, kv.shape[0]).scatter_add_(-1, at, p)  # [n, nh, k, V]
-    return torch.einsum("nhkv,vhd->nkhd", per_id, kv[:, w:].view(-1, nh, hd)).reshape(n, k, w)
+        n, k, w = q.shape
+        nh = self.nh
+        hd, Tb = w // nh, self.ids.shape[1]
+        qh = q.view(n, k, nh, hd) * hd ** -0.5  # scaled before the tables' products: V entries, not Tb
+        at = self.ids.view(n, 1, 1, Tb).expand(n, nh, k, Tb)
+        s = torch.einsum("nkhd,vhd->nhkv", qh, self.kv[:, :w].view(-1, nh, hd)).gather(-1, at)  # [n, nh, k, Tb]
+        if self.s is not None:
+            before = self.prev.view(n, 1, 1, Tb).expand(n, nh, k, Tb)
+            s = s + torch.einsum("nkhd,vhd->nhkv", qh, self.s.view(-1, nh, hd)).gather(-1, before)
+        if self.mask is not None:
+            s = s.masked_fill(~self.mask.view(n, 1, 1, Tb), float("-inf"))
+        p = s.softmax(-1)
+        per_id = p.new_zeros(n, nh, k, self.kv.shape[0]).scatter_add_(-1, at, p)  # [n, nh, k, V]
+        return torch.einsum("nhkv,vhd->nkhd", per_id, self.kv[:, w:].view(-1, nh, hd)).reshape(n, k, w)
