@@ -337,7 +337,13 @@ class CompiledEditor:
     def _call(self, key: tuple[Any, ...], args: tuple[Any, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         if self.failed is None:
             try:
-                out = self._get(key)(*args)
+                if key in self.graphs:
+                    out = self._get(key)(*args)
+                else:  # its first call compiles: Dynamo traces through the config's cached parse of its source
+                    #   terms (a constant here) and says so; nothing to act on
+                    with warnings.catch_warnings():
+                        warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools.lru_cache`")
+                        out = self._get(key)(*args)
             except Exception as e:  # noqa: BLE001 - any compiler failure: report once, then run eagerly
                 self.failed = error_line(e)
                 if self.strict:
