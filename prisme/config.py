@@ -189,6 +189,12 @@ class PrismeConfig:
         return source_terms(self.bank_source, self.n_layer, "bank_source")
 
     @property
+    def reads_previous(self) -> bool:
+        """Whether a bank key reads the position before its own (`bank_shift`, or `bank_key="preceding"`): a decode
+        state then remembers each bank term's stream (or token id) at each row's last position."""
+        return self.bank_shift or self.bank_key == "preceding"
+
+    @property
     def query_terms(self) -> tuple[str, ...]:
         """z's source terms (canonical names)."""
         return source_terms(self.query_source, self.n_layer, "query_source")

@@ -96,6 +96,6 @@ def id_read_attention_ops(cfg: PrismeConfig, T: int) -> tuple[int, int]:
     `[V, w]`. Gathers, one op per element (the lookups' convention), per head: each position's score (and its
     previous position's, and their sum) and the scatter of its weight, T each; not a matmul (a named allowance in the
     tie to counted FLOPs)."""
-    prev = cfg.bank_shift or cfg.bank_key == "preceding"
+    prev = cfg.reads_previous
     w, V = cfg.w, cfg.vocab_size
     return 4 * V * w + (2 * (V + 1) * w if prev else 0), cfg.n_ws_heads * checked_context(cfg, T) * (2 + 2 * prev)

@@ -11,7 +11,7 @@ projected to keys and values; the query z of a position is the same for `cfg.que
 What a key reads is `cfg.bank_key` (`KEY_READS`): "current" is the above; "preceding" reads the position before
 alone, K_j = sum_terms W_K n(X_{j-1}) (zero at j = 0), so that a query matching what came before j reads the value
 of j, what followed it (an induction read in one step). Either way a key reads at most one earlier position, which
-is what a decode state remembers of each row (`reads_previous`).
+is what a decode state remembers of each row (`PrismeConfig.reads_previous`).
 
 The first bank term keeps the seed's names (`bank_norm`, `W_K`, `W_V`, `P`); other streams have their own norm in
 `src_norm`, other terms their projections in `W_K_more`, `W_V_more`, `P_more`; the shift adds `W_K_shift` (and
@@ -42,12 +42,6 @@ COMPONENTS = {"W_K": "bank_projection", "W_V": "bank_projection", "P": "bank_pro
               "W_K_more": "bank_projection", "W_V_more": "bank_projection", "P_more": "bank_projection",
               "W_K_shift": "bank_shift", "W_K_shift_more": "bank_shift"}
 """The cost model's component of each projection (`prisme.costs.counting.OpsCounter` tags them by it)."""
-
-
-def reads_previous(cfg: PrismeConfig) -> bool:
-    """Whether a key reads the position before its own (`bank_shift`, or `bank_key="preceding"`): a decode state then
-    remembers each bank term's stream (or token id) at each row's last position."""
-    return cfg.bank_shift or cfg.bank_key == "preceding"
 
 
 def lagged(h: torch.Tensor, prev: torch.Tensor | None) -> torch.Tensor:
@@ -159,7 +153,7 @@ class SourceBank:
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Bank keys and values `[B, T, w]` from the normed streams `hs` of `inputs`.
 
-        Where a key reads position j-1 (`reads_previous`), `prev` holds each term's normed stream `[B, d]` of the
+        Where a key reads position j-1 (`cfg.reads_previous`), `prev` holds each term's normed stream `[B, d]` of the
         position before the first of `hs` (None: the first position is position 0, whose previous part is zero).
         """
         terms, preceding = self.cfg.bank_terms, self.cfg.bank_key == "preceding"

@@ -26,7 +26,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from prisme.model.bank.source import SourceBank, lagged, reads_previous
+from prisme.model.bank.source import SourceBank, lagged
 from prisme.model.outputs import Streams
 from prisme.options import DecodeOptions
 
@@ -114,7 +114,7 @@ def step_entries(bank: SourceBank, options: DecodeOptions, st: Streams, tokens: 
     for i, t in enumerate(cfg.bank_terms):
         if t in served:
             kv = F.embedding(tokens, tabs["KV"])  # [B, C, 2w]
-            if reads_previous(cfg):
+            if cfg.reads_previous:
                 before = tokens.new_full(tokens[:, :1].shape, cfg.vocab_size) if prev is None else prev[i].view(-1, 1)
                 shifted = before if tokens.shape[1] == 1 else torch.cat([before, tokens[:, :-1]], 1)  # [B, C]
                 if alone:  # K + shifted K, V + 0, straight into the bank (the same sums)
@@ -141,7 +141,7 @@ def entries_from_ids(bank: SourceBank, ids: torch.Tensor, tabs: dict[str, torch.
     same sums `step_entries` writes, K_tab + shifted K_tab' of the previous id (none before position 0), V_tab + 0."""
     tabs = bank_tables(bank) if tabs is None else tabs
     kv = F.embedding(ids, tabs["KV"])  # [b, Tb, 2w]
-    if not reads_previous(bank.cfg):
+    if not bank.cfg.reads_previous:
         return kv
     before = F.pad(ids[:, :-1], (1, 0), value=bank.cfg.vocab_size)  # [b, Tb]: the previous ids, V before 0
     return kv.add_(F.embedding(before, tabs["S2"]))
@@ -167,8 +167,8 @@ def decoded_query(bank: SourceBank, options: DecodeOptions, st: Streams,
 
 def shift_memory(cfg, options: DecodeOptions, batch: int, like: torch.Tensor) -> list[torch.Tensor]:
     """A fresh shift memory per bank term: zeros `[B, d]`, or `[B]` ids (V: no previous position) for a table term;
-    none where no key reads the position before (`reads_previous`)."""
-    if not reads_previous(cfg):
+    none where no key reads the position before (`PrismeConfig.reads_previous`)."""
+    if not cfg.reads_previous:
         return []
     served = options.table_terms
     return [torch.full((batch,), cfg.vocab_size, dtype=torch.long, device=like.device) if t in served
@@ -198,7 +198,7 @@ class IdRead:
     def __init__(self, bank: SourceBank, ids: torch.Tensor, n_heads: int, tabs: dict[str, torch.Tensor] | None = None):
         tabs, cfg = bank_tables(bank) if tabs is None else tabs, bank.cfg
         self.kv = tabs["KV"]  # [V, 2w]
-        self.s = tabs["S"] if reads_previous(cfg) else None  # [V + 1, w]
+        self.s = tabs["S"] if cfg.reads_previous else None  # [V + 1, w]
         self.ids, self.mask, self.nh = ids, None, n_heads
         self.prev = None if self.s is None else F.pad(ids[:, :-1], (1, 0), value=cfg.vocab_size)  # [N, Tb]
 
