@@ -100,13 +100,12 @@ class BankCache:
         kept = kept.narrow(1, 0, Tb) if rows is None else kept.narrow(1, 0, Tb).index_select(0, rows)
         return (kept if self.KV is not None else entries_from_ids(self.bank, kept)).split(self.cfg.w, -1)
 
-    def read(self, Tb: int, rows: torch.Tensor, n_heads: int, context: int | None = None) -> EntryRead | IdRead:
+    def read(self, Tb: int, rows: torch.Tensor, n_heads: int) -> EntryRead | IdRead:
         """What the editor reads of `rows`' banks at positions 0..Tb-1 (`SparseEditor.edit_rows`): their keys and
         values (`view`) as an `EntryRead`, or for a bank kept as ids, where it takes fewer ops
         (`prisme.costs.bank.tables_read_pays`: about Tb > 1.5 V), an `IdRead` of their ids (the attention through the
-        tables, no entry written). `context`: the bank length that choice is made at (default Tb)."""
-        return read_rows(self.bank, self.read_kind(Tb if context is None else context), self.kept, rows, Tb,
-                         n_heads, None)
+        tables, no entry written)."""
+        return read_rows(self.bank, self.read_kind(Tb), self.kept, rows, Tb, n_heads, None)
 
     def read_kind(self, Tb: int) -> str:
         """How `read` reads a bank of Tb positions: "entries" (kept), "lookup" (entries looked up from the kept ids)
