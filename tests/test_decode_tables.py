@@ -155,7 +155,13 @@ def test_bench_decode_json_on_the_tiny_preset(tmp_path, capsys):
         from prisme.model.state import DecodeState
         (_, tiny, _), = shapes(["tiny"], True, 0)
         assert res["rows"]["routed"]["state_bytes"] == DecodeState(tiny, res["batch"], tiny.cfg.max_seq_len).nbytes > 0
-    assert "routed_off" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "routed_off" in text
+    for v, res in zip(doc["targets"]["by_shape"], doc["results"]):  # a verdict per shape and batch, printed
+        met = res["rows"]["routed_off"]["t_over_ops"] <= 1.25 and res["rows"]["routed"]["t_over_ops"] <= 1.5
+        assert v["eager"] == met and v["compiled"] is None
+        assert f"targets, tiny batch {res['batch']} (t/ops never firing <= 1.25, deployed <= 1.5): eager " \
+               f"{'met' if met else 'missed'}" in text
 
 
 @pytest.mark.slow
@@ -175,6 +181,10 @@ def test_bench_decode_compiled_paths_take_the_same_traces_as_the_eager_ones(tmp_
     assert rows["routed_compiled"]["ops_per_token"] == routed > base
     assert rows["off_compiled"]["ops_per_token"] == rows["routed_off"]["ops_per_token"]
     assert "compiled" in doc["environment"]["mode"]
+    verdict, = doc["targets"]["by_shape"]  # each plan's verdict from its own rows
+    assert verdict["compiled"] == (rows["off_compiled"]["t_over_ops"] <= 1.25
+                                   and rows["routed_compiled"]["t_over_ops"] <= 1.5) == doc["targets"]["met_compiled"]
+    assert verdict["eager"] == doc["targets"]["met"]
 
 
 def test_bench_decode_times_the_recall_winners_of_each_length():
