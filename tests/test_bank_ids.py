@@ -78,8 +78,8 @@ def test_negative_control_a_lookup_shifted_onto_its_own_id_is_caught(monkeypatch
     toks = torch.randint(0, V, (3, 20), generator=torch.Generator().manual_seed(3))
     full = ref.forward_policy(toks, 1, lambda_cost=0.0)
 
-    def own_id(bank, rows_ids):  # K' of the position's own token instead of the previous one
-        tabs = bank_tables(bank)
+    def own_id(bank, rows_ids, tabs=None):  # K' of the position's own token instead of the previous one
+        tabs = bank_tables(bank) if tabs is None else tabs
         return F.embedding(rows_ids, tabs["KV"]) + F.embedding(rows_ids, tabs["S2"])
 
     monkeypatch.setattr(cache_mod, "entries_from_ids", own_id)

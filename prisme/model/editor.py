@@ -178,6 +178,17 @@ def blocks_pass(blocks: nn.ModuleList, x: torch.Tensor, st: torch.Tensor | None,
     return x, gates
 
 
+def edit_group(blocks: nn.ModuleList, S: torch.Tensor, slots: torch.Tensor, read: Any, e: list[torch.Tensor]
+               ) -> torch.Tensor:
+    """Rows that each take one action of the same group (each row one query): `blocks_pass` on their slots `[n, k]`
+    of S `[n, M, w]`, reading the bank through `read` (an `EntryRead` or an `IdRead`) with the shared step embeddings
+    `e`; returns S with those slots rewritten (S is not modified). `SparseEditor.edit_rows` runs it per group, and a
+    compiled editor's fired-rows graph inside its graph (`prisme.model.fired`)."""
+    rows = torch.arange(S.shape[0], device=S.device).unsqueeze(1)  # [n, 1]
+    x, _ = blocks_pass(blocks, S[rows, slots], None, None, S, slots, read, e)
+    return S.index_put((rows, slots), x.to(S.dtype))
+
+
 def _index_put_fn():
     """Without autograd the slot K/V cache is written in place (the rollouts never reuse an older cache); with it,
     out of place, so that earlier versions stay valid for the backward pass."""
@@ -375,14 +386,8 @@ class SparseEditor(nn.Module):
         e = [blk.step_embedding(step, remaining) for blk in self.blocks]  # [w] per block, shared by the rows
         out = []
         for g_id, i, j in spans:
-            k = self.group_sizes[g_id]
-            n = j - i
-            slots = self.act_slots[action[i:j], :k]  # [n, k]
-            rows = torch.arange(n, device=S.device).unsqueeze(1)  # [n, 1]
-            S_g = S[i:j]  # [n, M, w]
-            x, _ = blocks_pass(self.blocks, S_g[rows, slots], None, None, S_g, slots,
-                               read.rows(i, j, None if mask is None else mask[i:j]), e)
-            out.append(S_g.index_put((rows, slots), x.to(S.dtype)))
+            slots = self.act_slots[action[i:j], :self.group_sizes[g_id]]  # [n, k]
+            out.append(edit_group(self.blocks, S[i:j], slots, read.rows(i, j, None if mask is None else mask[i:j]), e))
         return out[0] if len(out) == 1 else torch.cat(out)
 
     def _padded_forward(self, S: torch.Tensor, bank: tuple[torch.Tensor, torch.Tensor, torch.Tensor],

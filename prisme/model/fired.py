@@ -32,7 +32,7 @@ import torch
 
 from prisme.model.bank.cache import read_rows
 from prisme.model.bank.tables import IdRead, bank_tables, decoded_query
-from prisme.model.editor import EntryRead, blocks_pass
+from prisme.model.editor import EntryRead, edit_group
 from prisme.model.outputs import Streams
 from prisme.model.policy import DecodeRows
 from prisme.model.workspace import init_workspace
@@ -56,10 +56,7 @@ def fired_pass(blocks: torch.nn.ModuleList, readout: torch.nn.Module, S0: torch.
     """The correction `[n, d]` of rows that each take one action at step 0 with no budget left: the editor's blocks
     on slots `[n, k]` of S0 `[n, M, w]`, reading the bank through `read`, then the readout against S0 with queries z
     `[n, w]`: what the eager step computes in `SparseEditor.edit_rows` and `DifferentialReadout.edited`."""
-    rows = torch.arange(S0.shape[0], device=S0.device).unsqueeze(1)  # [n, 1]
-    e = [blk.step_embedding(0, 0) for blk in blocks]
-    x, _ = blocks_pass(blocks, S0[rows, slots], None, None, S0, slots, read, e)
-    S = S0.index_put((rows, slots), x.to(S0.dtype))
+    S = edit_group(blocks, S0, slots, read, [blk.step_embedding(0, 0) for blk in blocks])
     return type(readout).edited(readout, S, S0, z)  # (the class's: a timer or counter wrapping the instance's
     #   method is Python a graph cannot hold)
 

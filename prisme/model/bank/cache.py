@@ -96,9 +96,7 @@ class BankCache:
     def view(self, Tb: int, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The bank's keys and values `[b, Tb, w]` each at positions 0..Tb-1 of `rows` `[b]` (None: every row): the
         kept entries, or with `bank_store="ids"` their lookups from the kept ids (`tables.entries_from_ids`)."""
-        kept = self.KV if self.KV is not None else self.ids  # [B, T_max, 2w] or [B, T_max]
-        kept = kept.narrow(1, 0, Tb) if rows is None else kept.narrow(1, 0, Tb).index_select(0, rows)
-        return (kept if self.KV is not None else entries_from_ids(self.bank, kept)).split(self.cfg.w, -1)
+        return kept_entries(self.bank, self.KV is not None, self.kept, rows, Tb, None)
 
     def read(self, Tb: int, rows: torch.Tensor, n_heads: int) -> EntryRead | IdRead:
         """What the editor reads of `rows`' banks at positions 0..Tb-1 (`SparseEditor.edit_rows`): their keys and
@@ -191,7 +189,15 @@ def read_rows(bank: SourceBank, kind: str, kept: torch.Tensor, rows: torch.Tenso
               tabs: dict[str, torch.Tensor] | None) -> EntryRead | IdRead:
     """`BankCache.read` from its parts (a pure function of tensors, as a compiled graph reads it): `kind` as
     `read_kind` says, `kept` the cache's buffer, `tabs` the bank's tables (None: `bank_tables`)."""
-    k = kept.narrow(1, 0, Tb).index_select(0, rows)  # [N, Tb, 2w] or [N, Tb]
     if kind == "ids":
-        return IdRead(bank, k, n_heads, tabs)
-    return EntryRead(*(k if kind == "entries" else entries_from_ids(bank, k, tabs)).split(bank.cfg.w, -1), n_heads)
+        return IdRead(bank, kept.narrow(1, 0, Tb).index_select(0, rows), n_heads, tabs)
+    return EntryRead(*kept_entries(bank, kind == "entries", kept, rows, Tb, tabs), n_heads)
+
+
+def kept_entries(bank: SourceBank, entries: bool, kept: torch.Tensor, rows: torch.Tensor | None, Tb: int,
+                 tabs: dict[str, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V `[b, Tb, w]` each at positions 0..Tb-1 of `rows` `[b]` (None: every row) of the cache's buffer `kept`:
+    its entries (`entries`), or their lookups from its ids (`tables.entries_from_ids`, through `tabs`: None,
+    `bank_tables`)."""
+    kept = kept.narrow(1, 0, Tb) if rows is None else kept.narrow(1, 0, Tb).index_select(0, rows)
+    return (kept if entries else entries_from_ids(bank, kept, tabs)).split(bank.cfg.w, -1)
