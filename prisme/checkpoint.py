@@ -244,7 +244,7 @@ def prune_checkpoints(run_dir: str | Path, keep_last: int) -> None:
 
 # Checkpoint metadata this layer reads by stage name (it sits below training's `StageSpec`, and
 # tests/test_stage_specs.py holds these tables to the specs): each stage ranked before the one it starts from.
-STAGE_PREFERENCE = ("controller", "workspace", "backbone", "export")
+STAGE_PREFERENCE = ("controller", "workspace", "copy", "backbone", "export")
 
 
 def find_model_checkpoint(path: str | Path) -> Path:

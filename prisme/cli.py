@@ -117,6 +117,10 @@ def _cmd_study(args: argparse.Namespace) -> int:
             from prisme.studies.recall_lengths import main as study_lengths
 
             return study_lengths(args)
+        if args.study == "code-screen":
+            from prisme.studies.code_screen import main as code_screen
+
+            return code_screen(args)
         from prisme.studies.recall import main as study_recall
 
         return study_recall(recall_args(args))

@@ -17,6 +17,8 @@ from prisme.checks import check_fields
 from prisme.io import loads_config
 
 FAMILIES = ("llama", "gpt2")
+MAX_MATCH = 32  # the longest common suffix the copy head counts (`prisme.model.bank.suffix`)
+COPY_FEATURES = MAX_MATCH + 1 + 8  # the copy head's gate features before its stream's (`prisme.model.copy`)
 BANK_KEYS = ("current", "preceding")  # `PrismeConfig.bank_key`
 
 
@@ -126,6 +128,12 @@ class PrismeConfig:
     #   comparisons per earlier position, no weights); 0 = its head reads norm(H) only
     router_token: bool = False  # the router also adds a learned value per action of the current token (a [V, A]
     #   table: one lookup and A adds per position): what is at the position, beside what the stream says of it
+    # --- the copy head (`prisme.model.copy`): the next token copied from where the context's exact matches
+    #   continued, mixed into the head's distribution by a learned gate; dense models and PRISME's backbone alike
+    copy_head: bool = False  # the model's logits are log((1 - g) p + g p_copy) wherever a match exists
+    copy_min_len: int = 1  # the shortest common suffix (tokens) a position needs to be one the pointer reads
+    copy_stream: int = 16  # features of norm(H) the gate reads (a d -> s projection; 0: none)
+    copy_hidden: int = 32  # the gate's hidden width
     extra: dict[str, Any] = field(default_factory=dict)  # free-form metadata carried in checkpoints
 
     def __post_init__(self) -> None:
@@ -268,6 +276,12 @@ class PrismeConfig:
         need(not self.router or self.use_workspace, "router=True needs a workspace (use_workspace=True)")
         need(isinstance(self.router_token, bool), f"router_token must be a bool, got {self.router_token!r}")
         need(not self.router_token or self.router, "router_token=True needs a router (router=True)")
+        need(isinstance(self.copy_head, bool), f"copy_head must be a bool, got {self.copy_head!r}")
+        for f, lo in (("copy_min_len", 1), ("copy_stream", 0), ("copy_hidden", 1)):
+            v = getattr(self, f)
+            need(isinstance(v, int) and not isinstance(v, bool) and v >= lo, f"{f} must be an int >= {lo}, got {v!r}")
+        need(self.copy_min_len <= MAX_MATCH, f"copy_min_len must be at most {MAX_MATCH} (the longest match counted), "
+             f"got {self.copy_min_len}")
         return self
 
     # ------------------------------------------------------------------ serialisation
@@ -373,7 +387,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 # without them computed (the migration table): any other field missing from a config.json is an error, never a
 # silent default (a missing `bank_source` would rebuild another model).
 ADDED_CONFIG_FIELDS: dict[str, Any] = {"router": False, "router_ngram": 1, "key_shift": False, "attn_window": None,
-                                       "router_token": False, "bank_key": "current"}
+                                       "router_token": False, "bank_key": "current", "copy_head": False,
+                                       "copy_min_len": 1, "copy_stream": 16, "copy_hidden": 32}
 
 # Fields PrismeConfig had and no longer has, each with the value at which it changed nothing: they choose how a decode
 # state keeps the bank (`prisme.options.DecodeOptions`), how the editor runs (`prisme.options.ExecutionOptions`) and

@@ -36,6 +36,8 @@ OPTIONS = {
                       controller_entropy=True),
     "two_sources": dict(bank_source="residual+embedding", query_source="layer1", bank_shift=True),
     "two_queries": dict(bank_source="layer1", query_source="residual+embedding", controller_source="layer1"),
+    "copy": dict(copy_head=True),
+    "copy_dense": dict(copy_head=True, use_workspace=False),
 }
 SMALL = dict(steps=2, batch_size=4, seq_len=16, eval_batches=1, oracle_positions=4, warmup=1)
 
@@ -77,6 +79,8 @@ def test_parameter_groups_partition_the_model_under_every_config_option():
         router = list(model.router.parameters()) if model.cfg.router else []
         assert {id(p) for p in groups["router"]} == {id(p) for p in router}
         assert bool(groups["workspace"]) == model.cfg.use_workspace
+        assert {id(p) for p in groups["copy"]} == {id(p) for p in (model.copy.parameters() if model.cfg.copy_head
+                                                                    else ())}
         registered |= {n.split(".")[0] for n, _ in model.named_parameters()}
     assert registered == set(PrismeModel.GROUP_OF)
 
@@ -221,8 +225,10 @@ def test_uses_workspace_and_needs_are_checked_before_training(tmp_path, data):
                                     ckpt.TrainingState(stage="workspace", step=1))
         for stage, spec in STAGE_SPECS.items():
             scfg = stage_cfg(tmp_path, stage, out_dir=str(tmp_path / f"o{i}" / stage), init_from=str(path), **SMALL)
-            if (spec.uses_workspace and not cfg.use_workspace) or (spec.needs and not getattr(cfg, spec.needs)):
-                with pytest.raises(ValueError, match=bad):
+            if spec.uses_workspace and not cfg.use_workspace or spec.needs and not getattr(cfg, spec.needs):
+                lacks = bad if spec.uses_workspace and not cfg.use_workspace or spec.needs == "router" else \
+                    f"trains the model's {spec.needs}"
+                with pytest.raises(ValueError, match=lacks):
                     train_stage(None, scfg, dataset=data)
                 assert not Path(scfg.out_dir).exists()
             else:

@@ -25,6 +25,7 @@ from prisme.costs.analytic import (
     controller_entropy_ops,
     controller_input_ops,
     controller_step_ops,
+    copy_head_ops,
     cost_document,
     cost_table,
     key_shift_params,
@@ -53,7 +54,7 @@ from prisme.costs.traces import TraceCost, trace_cost
 
 __all__ = [
     "COMPONENTS", "BACKBONE", "OPTIONAL_COMPONENTS", "components", "controller_entropy_ops", "controller_bank_ops",
-    "controller_input_ops", "SEED_ROWS", "SEED_ASSUMPTIONS", "ASSUMPTIONS", "OPTIMISED_ASSUMPTIONS",
+    "copy_head_ops", "controller_input_ops", "SEED_ROWS", "SEED_ASSUMPTIONS", "ASSUMPTIONS", "OPTIMISED_ASSUMPTIONS",
     "SLOT_KV_ASSUMPTIONS", "backbone_params", "backbone_linear_allowance", "workspace_params", "action_editor_ops",
     "controller_step_ops", "readout_ops", "bank_projection_ops", "bank_shift_ops", "bank_ops", "backbone_ops",
     "token_ops", "seed_rows", "action_cost_proxy", "cost_table", "cost_document", "TraceCost", "trace_cost",

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from prisme.config import PrismeConfig
+from prisme.config import COPY_FEATURES, PrismeConfig
 from prisme.costs.bank import bank_ops, id_read_attention_ops, reads_through_tables
 from prisme.costs.bank import checked_context as _check_T
 from prisme.options import PROJECTED, SLOT_KV_CACHE, DecodeOptions
@@ -40,9 +40,10 @@ from prisme.options import PROJECTED, SLOT_KV_CACHE, DecodeOptions
 COMPONENTS = ("backbone_linear", "backbone_attention", "lm_head", "bank_projection", "editor_source_attn",
               "editor_slot_attn", "editor_ffn", "editor_gate", "controller", "readout")
 BACKBONE = COMPONENTS[:3]
-BACKBONE_TERMS = (*BACKBONE, "backbone_key_shift")  # every term that counts as the backbone's
-OPTIONAL_COMPONENTS = ("backbone_key_shift", "bank_shift", "router", "controller_input", "controller_bank",
-                       "controller_entropy")
+BACKBONE_TERMS = (*BACKBONE, "backbone_key_shift", "copy_head")  # every term that counts as the backbone's (the
+#   copy head is part of its head: dense models and PRISME's backbone alike pay it at every position)
+OPTIONAL_COMPONENTS = ("backbone_key_shift", "copy_head", "bank_shift", "router", "controller_input",
+                       "controller_bank", "controller_entropy")
 
 
 def components(cfg: PrismeConfig) -> tuple[str, ...]:
@@ -53,6 +54,8 @@ def components(cfg: PrismeConfig) -> tuple[str, ...]:
     out = list(COMPONENTS)
     if cfg.key_shift:
         out.insert(out.index("backbone_attention") + 1, "backbone_key_shift")
+    if cfg.copy_head:
+        out.insert(out.index("lm_head") + 1, "copy_head")
     if cfg.bank_shift:
         out.insert(out.index("bank_projection") + 1, "bank_shift")
     if cfg.router:
@@ -288,7 +291,21 @@ def backbone_ops(cfg: PrismeConfig, T: int) -> dict[str, int]:
     }
     if cfg.key_shift:
         out["backbone_key_shift"] = 2 * shift
+    if cfg.copy_head:
+        out["copy_head"] = copy_head_ops(cfg, T)
     return out
+
+
+def copy_head_ops(cfg: PrismeConfig, T: int) -> int:
+    """The copy head (`cfg.copy_head`, prisme.model.copy) at one position of context T, priced as it runs: its matches
+    are a lookup, not attention. Per earlier position one id comparison and one add (the match lengths' update),
+    one table read and add (the pointer's score) and one add of its weight into its token's probability (3 (T - 1),
+    no matmul: a named allowance in the tie to counted FLOPs); the gate's stream projection (2 d s) and MLP
+    (2 (F + s) h + 2 h); the mix and the model-copy agreement (2 V). 0 without a copy head."""
+    if not cfg.copy_head:
+        return 0
+    s, h = cfg.copy_stream, cfg.copy_hidden
+    return 3 * (T - 1) + 2 * cfg.d_model * s + 2 * (COPY_FEATURES + s) * h + 2 * h + 2 * cfg.vocab_size
 
 
 def finish_row(row: dict[str, int], cfg: PrismeConfig) -> dict[str, int]:

@@ -115,7 +115,14 @@ class Batch:
     @property
     def base_logits(self) -> torch.Tensor:
         """The backbone alone `[B, T, V]`: every row's baseline."""
-        return self.memo("base_logits", lambda: self.model.backbone.head(self.H))
+        return self.memo("base_logits", lambda: self.model.output(self.H, self.copy_in))
+
+    @property
+    def copy_in(self):
+        """What the model's copy head reads of every position (None without one, `cfg.copy_head`)."""
+        if "ctx" in self._memo:
+            return self.ctx.copy
+        return self.memo("copy_in", lambda: self.model.copy_inputs(self.x))
 
     def queries(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.memo("queries", lambda: query_positions(self.y))

@@ -66,7 +66,7 @@ def greedy_oracle(model: PrismeModel, tokens: torch.Tensor, targets: torch.Tenso
 
     st = model.streams(tokens)  # H [B, T, d] and the source streams
     ctx = model.context_from_H(st, st.index(rows, positions), query_pos=positions)  # Tq = P
-    logits = model.backbone.head(ctx.H)  # [B, P, V]
+    logits = model.output(ctx.H, ctx.copy)  # [B, P, V]
     loss = token_ce(logits, y)  # [B, P]
     base = loss.clone()
 

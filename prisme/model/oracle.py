@@ -36,7 +36,9 @@ def repeat_queries(ctx: EncodedContext, A: int) -> EncodedContext:
 
     return dataclasses.replace(ctx, H=rep(ctx.H), z=rep(ctx.z), S0=rep(ctx.S0), bank_mask=rep(ctx.bank_mask),
                                ctrl_in=None, router_seen=None if ctx.router_seen is None else rep(ctx.router_seen),
-                               router_tok=None if ctx.router_tok is None else rep(ctx.router_tok))
+                               router_tok=None if ctx.router_tok is None else rep(ctx.router_tok),
+                               copy=None if ctx.copy is None else dataclasses.replace(ctx.copy, L=rep(ctx.copy.L),
+                                                                                      pos=rep(ctx.copy.pos)))
 
 
 def candidate_losses(model: torch.nn.Module, S: torch.Tensor, ctx_c: EncodedContext, actions: torch.Tensor,

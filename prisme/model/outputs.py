@@ -28,6 +28,21 @@ class Streams:
 
 
 @dataclass
+class CopyInputs:
+    """What the copy head reads of the context of Tq queries: the common-suffix lengths L `[B, Tq, Tb]` (uint8) of
+    each query and context position, the token that followed each context position nxt `[B, Tb]`, and each query's
+    absolute position pos `[B, Tq]`."""
+
+    L: torch.Tensor
+    nxt: torch.Tensor
+    pos: torch.Tensor
+
+    def index(self, rows: torch.Tensor, q: torch.Tensor) -> CopyInputs:
+        """The inputs of queries `q` `[B, P]` (rows `[B, 1]`): their lengths and positions; the context is kept."""
+        return CopyInputs(self.L[rows, q], self.nxt, self.pos[rows, q])
+
+
+@dataclass
 class EncodedContext:
     """Everything the workspace needs for a batch of query positions. Read-only for the editor."""
 
@@ -40,6 +55,7 @@ class EncodedContext:
     ctrl_in: torch.Tensor | None = None  # [B, Tq, d] normed stream the controller projects (cfg.controller_source)
     router_seen: torch.Tensor | None = None  # [B, Tq] bool: the query's n-gram occurred earlier (cfg.router)
     router_tok: torch.Tensor | None = None  # [B, Tq] long: the token at the query (cfg.router_token)
+    copy: CopyInputs | None = None  # what the copy head reads of the queries' context (cfg.copy_head)
 
 
 @dataclass

@@ -4,8 +4,9 @@ Wiring only; each component lives in its own module. Notation: B batch, T (Tq qu
 d backbone width, w workspace width, M slots, A actions, R forced steps.
 
 Contracts (each is a test in tests/test_contracts.py):
-  * explicit bypass: `actions=None`, zero-length actions or `max_budget == 0` return the backbone head without
-    touching the workspace; positions that never edit get logits bit-identical to `backbone.head(H)`;
+  * explicit bypass: `actions=None`, zero-length actions or `max_budget == 0` return the backbone head (with its
+    copy head, `cfg.copy_head`) without touching the workspace; positions that never edit get logits bit-identical
+    to `output(H)`, `backbone.head(H)` without a copy head;
   * causality: the bank visible to position t is 0..t; nothing from t+1 onward reaches its workspace, its
     controller decisions or its logits;
   * locality: an action writes only its own slots (bitwise identity elsewhere);
@@ -22,19 +23,21 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from prisme.checks import check_max_budget, check_number
+from prisme.checks import check_max_budget
 from prisme.config import PrismeConfig, source_layer
 from prisme.model.backbone import Backbone
 from prisme.model.bank import SourceBank, decoded_query
 from prisme.model.controller import ValueController
+from prisme.model.copy import CopyHead, CopyInputs, copy_inputs
 from prisme.model.editor import EditInfo, SlotKV, SparseEditor
 from prisme.model.groups import ParameterGroups
 from prisme.model.outputs import EncodedContext, PrismeOutput, Rollout, Streams
 from prisme.model.policy import Price, StepPolicy
 from prisme.model.readout import DifferentialReadout
+from prisme.model.rollout import rollout_forced, rollout_policy
 from prisme.model.router import Router, router_features
 from prisme.model.state import DecodeState
-from prisme.model.workspace import absorb_stop, bank_mask, check_cost, check_forced, init_workspace, slot_counts
+from prisme.model.workspace import bank_mask, check_cost, check_forced, init_workspace, slot_counts
 from prisme.options import EAGER, DecodeOptions, ExecutionOptions
 
 
@@ -82,6 +85,8 @@ class PrismeModel(ParameterGroups, nn.Module):
             self.register_buffer("action_cost", torch.tensor(action_cost_proxy(cfg)), persistent=False)  # [A]
             if cfg.router:  # built last: every other weight is drawn as without it
                 self.router = Router(cfg)
+        if cfg.copy_head:  # after everything else: every other weight is drawn as without it
+            self.copy = CopyHead(cfg)
         self.set_execution(EAGER if execution is None else execution)
 
     def set_execution(self, execution: ExecutionOptions) -> bool:
@@ -127,8 +132,9 @@ class PrismeModel(ParameterGroups, nn.Module):
         return out
 
     # ------------------------------------------------------------------ parameter groups (`ParameterGroups`)
-    GROUPS = ("backbone", "workspace", "controller", "router")
+    GROUPS = ("backbone", "workspace", "controller", "router", "copy")
     GROUP_OF = {"backbone": "backbone", "controller": "controller", "P_ctrl": "controller", "router": "router",
+                "copy": "copy",
                 **dict.fromkeys((*SourceBank.names(), "slot_embed", "editor", "readout"), "workspace")}
     """The group of every top-level module or parameter the model registers under any config: the controller's own
     input projection P_ctrl trains with the controller; the source bank, slots, editor and readout are the
@@ -137,6 +143,27 @@ class PrismeModel(ParameterGroups, nn.Module):
     workspace_parameters = partialmethod(ParameterGroups.parameter_group, "workspace")
     controller_parameters = partialmethod(ParameterGroups.parameter_group, "controller")
     router_parameters = partialmethod(ParameterGroups.parameter_group, "router")
+    copy_parameters = partialmethod(ParameterGroups.parameter_group, "copy")
+
+    # ------------------------------------------------------------------ the output: the head and its copy head
+    def copy_inputs(self, ids: torch.Tensor | None, pos: torch.Tensor | None = None) -> CopyInputs | None:
+        """What the copy head reads of the context `ids` `[B, T]` for queries at `pos` `[B, Tq]` (default: every
+        position), or None for a model without one (`cfg.copy_head`)."""
+        if not self.cfg.copy_head:
+            return None
+        if ids is None:
+            raise ValueError("this model's copy head reads the token ids: pass model.streams(tokens), not a tensor")
+        return copy_inputs(ids, pos)
+
+    def output(self, H: torch.Tensor, copy_in: CopyInputs | None,
+               head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """The model's logits `[B, Tq, V]` of the final stream H `[B, Tq, d]`: `backbone.head(H)` (or `head(H)`), mixed
+        with the copy head's distribution where it has a candidate (`cfg.copy_head`, `copy_in`: its inputs for these
+        queries); without a copy head, `backbone.head(H)` bitwise."""
+        logits = (self.backbone.head if head is None else head)(H)
+        if copy_in is None:
+            return logits
+        return self.copy.mix(logits, copy_in, H)[0]
 
     # ------------------------------------------------------------------ encoding
     def streams(self, tokens: torch.Tensor, cache: object | None = None, n_new: list[int] | None = None) -> Streams:
@@ -175,7 +202,9 @@ class PrismeModel(ParameterGroups, nn.Module):
         K, V = self.bank.entries(bank)
         mask = self.bank_mask(B, Tq, Tb, query_pos, bank_len, bank.H.device)
         pos = torch.arange(Tq, device=bank.H.device).expand(B, Tq) if query_pos is None else query_pos
-        return self.context(query, K, V, mask, self.query_state(query), self.router_inputs(bank.ids, pos))
+        ctx = self.context(query, K, V, mask, self.query_state(query), self.router_inputs(bank.ids, pos))
+        ctx.copy = self.copy_inputs(bank.ids, None if query_pos is None and Tq == Tb else pos)
+        return ctx
 
     def context(self, query: Streams, K: torch.Tensor, V: torch.Tensor, mask: torch.Tensor,
                 state: tuple[torch.Tensor, torch.Tensor],
@@ -243,100 +272,36 @@ class PrismeModel(ParameterGroups, nn.Module):
     def logits_from_state(self, S: torch.Tensor, ctx: EncodedContext, edited: torch.Tensor | None = None,
                           head: Callable[[torch.Tensor], torch.Tensor] | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits = head(H + U(r(S) - r(S0))) at edited positions `[B, Tq]` (None: at every one) and head(H)
-        elsewhere (bitwise).
+        """logits = output(H + U(r(S) - r(S0))) at edited positions `[B, Tq]` (None: at every one) and output(H)
+        elsewhere (bitwise; `output`: the head, and the copy head where the model has one).
 
         The readout runs only on edited positions. `head` replaces `backbone.head` (training uses it to keep the
         workspace's loss out of the head's weights). Returns (logits `[B, Tq, V]`, delta `[B, Tq, d]`).
         """
-        head = self.backbone.head if head is None else head
         if edited is None:  # every position edited (a routed decode step's fired rows): no gather, no scatter
             d = self.readout(S.flatten(0, 1), ctx.S0.flatten(0, 1), ctx.z.flatten(0, 1)).to(ctx.H.dtype)  # [B Tq, d]
             delta = d.view(ctx.H.shape)
-            return head(ctx.H + delta), delta
+            return self.output(ctx.H + delta, ctx.copy, head), delta
         b, t = torch.nonzero(edited, as_tuple=True)
         delta = ctx.H.new_zeros(ctx.H.shape)
         if b.numel() == 0:
-            return head(ctx.H), delta
+            return self.output(ctx.H, ctx.copy, head), delta
         d = self.readout(S[b, t], ctx.S0[b, t], ctx.z[b, t])  # [N, d]
         delta = delta.index_put((b, t), d.to(delta.dtype))
         H = ctx.H.index_put((b, t), (ctx.H[b, t] + d).to(ctx.H.dtype))
-        return head(H), delta
+        return self.output(H, ctx.copy, head), delta
 
     # ------------------------------------------------------------------ rollouts (shared with decoding)
     def rollout_forced(self, ctx: EncodedContext, actions: torch.Tensor,
                        budget: torch.Tensor | None = None) -> Rollout:
-        """Apply forced actions `[B, Tq, R]` (STOP absorbing); budget `[B, Tq]` (default R) drives `remaining`."""
-        cfg = self.cfg
-        B, Tq, R = actions.shape
-        actions = absorb_stop(actions, cfg.stop_action)
-        if budget is None:
-            budget = torch.full((B, Tq), R, dtype=torch.long, device=actions.device)
-        S, slot_kv = ctx.S0, self.new_slot_kv(ctx.S0)
-        infos = []
-        for r in range(R):
-            a = actions[:, :, r]
-            S, info = self.apply_action(S, ctx, a, r, (budget - r - 1).clamp(min=0), slot_kv)
-            slot_kv = info.slot_kv
-            infos.append(info)
-        n_edits = (actions != cfg.stop_action).sum(-1)
-        return Rollout(S, actions, n_edits, torch.zeros_like(n_edits), infos)
+        """`prisme.model.rollout.rollout_forced` of this model."""
+        return rollout_forced(self, ctx, actions, budget)
 
     def rollout_policy(self, ctx: EncodedContext, max_budget: int, cost: torch.Tensor,
                        lambda_cost: float | None = None, kappa_risk: float | None = None,
                        on_step: object | None = None, first: torch.Tensor | None = None) -> Rollout:
-        """Run the controller loop at every position in parallel: score, select, edit, until STOP or the budget.
-
-        With `cfg.router`, the router decides step 0 at every position (an action or STOP) and the controller runs
-        only at the positions still editing from step 1 on; `controller_steps` counts the controller's evaluations.
-        `first` `[B, Tq]`: the router's step-0 decision, already taken (decoding: `prisme.model.routed`).
-        """
-        cfg = self.cfg
-        B, Tq = ctx.z.shape[:2]
-        dev = ctx.z.device
-        stop = cfg.stop_action
-        S, slot_kv = ctx.S0, self.new_slot_kv(ctx.S0)
-        stopped = torch.zeros(B, Tq, dtype=torch.bool, device=dev)
-        edits = torch.zeros(B, Tq, cfg.n_slots, dtype=torch.long, device=dev)
-        taken = torch.zeros(B, Tq, cfg.n_actions, dtype=torch.bool, device=dev)
-        trace = torch.full((B, Tq, max_budget), stop, dtype=torch.long, device=dev)
-        ctrl_steps = torch.zeros(B, Tq, dtype=torch.long, device=dev)
-        budget = torch.full((B, Tq), max_budget, dtype=torch.long, device=dev)
-        routed = cfg.router
-        lambda_cost, kappa_risk = self.default_price.fill(lambda_cost, kappa_risk)
-        if routed and first is None:  # step 0: the router at every position, nothing else
-            lam = check_number("lambda_cost", lambda_cost, lo=0)
-            first = self.router.select(self.router_values(ctx), cost, lam)  # [B, Tq]
-        infos = []
-        zc = match = None
-        for r in range(max_budget):
-            if routed and r == 0:
-                a = first
-            else:
-                b, t = torch.nonzero(~stopped, as_tuple=True)  # only positions still deciding
-                if b.numel() == 0:
-                    break
-                if zc is None:  # [B, Tq, w], [B, Tq, 2] or None: read once, where the controller runs at all
-                    zc, match = self.controller_inputs(ctx)
-                step = torch.full_like(b, r)
-                preds = self.controller(zc[b, t], S[b, t], ctx.S0[b, t], edits[b, t], taken[b, t], step,
-                                        budget[b, t], None if match is None else match[b, t])
-                chosen = self.controller.select(preds, cost, lambda_cost, kappa_risk)  # [N]
-                a = torch.full((B, Tq), stop, dtype=torch.long, device=dev).index_put((b, t), chosen)
-                ctrl_steps[b, t] += 1
-            trace[:, :, r] = a
-            if r + 1 < max_budget:
-                stopped = stopped | (a == stop)
-            if on_step is not None:
-                on_step(r, a)
-            S, info = self.apply_action(S, ctx, a, r, max_budget - r - 1, slot_kv)
-            slot_kv = info.slot_kv
-            infos.append(info)
-            if r + 1 < max_budget:  # what the controller reads at the next step (the last step has none)
-                edits = edits + self.action_slot_counts[a]
-                taken = taken | F.one_hot(a, cfg.dense_action + 1)[..., : cfg.n_actions].bool()
-        n_edits = (trace != stop).sum(-1)
-        return Rollout(S, trace, n_edits, ctrl_steps, infos)
+        """`prisme.model.rollout.rollout_policy` of this model."""
+        return rollout_policy(self, ctx, max_budget, cost, lambda_cost, kappa_risk, on_step, first)
 
     # ------------------------------------------------------------------ forward passes
     def forward(self, tokens: torch.Tensor, actions: torch.Tensor | None = None,
@@ -360,7 +325,7 @@ class PrismeModel(ParameterGroups, nn.Module):
             if actions is not None and not cfg.use_workspace and actions.shape[-1] > 0:
                 raise ValueError("this model has no workspace (use_workspace=False): actions must be None")
             H = self.backbone(tokens)
-            return PrismeOutput(logits=self.backbone.head(H), H=H)
+            return PrismeOutput(logits=self.output(H, self.copy_inputs(tokens)), H=H)
         budget = check_forced(cfg, tokens, actions, budget)
         ctx = self.encode(tokens) if ctx is None else ctx
         return self._output(ctx, StepPolicy(actions=actions, budget=budget), return_state)
@@ -377,8 +342,8 @@ class PrismeModel(ParameterGroups, nn.Module):
         if max_budget == 0:
             H = self.backbone(tokens)
             zeros = torch.zeros(tokens.shape, dtype=torch.long, device=tokens.device)
-            return PrismeOutput(logits=self.backbone.head(H), H=H, n_edits=zeros, controller_steps=zeros,
-                                actions=zeros.unsqueeze(-1)[..., :0])
+            return PrismeOutput(logits=self.output(H, self.copy_inputs(tokens)), H=H, n_edits=zeros,
+                                controller_steps=zeros, actions=zeros.unsqueeze(-1)[..., :0])
         cost = check_cost(cost, self.action_cost)
         ctx = self.encode(tokens) if ctx is None else ctx
         policy = StepPolicy(max_budget=max_budget, lambda_cost=lambda_cost, kappa_risk=kappa_risk, cost=cost)
@@ -423,6 +388,8 @@ class PrismeModel(ParameterGroups, nn.Module):
         out = {k: sum(p.numel() for p in v) for k, v in self.parameter_groups()}
         if not self.cfg.router:
             del out["router"]
+        if not self.cfg.copy_head:
+            del out["copy"]
         return out
 
     def new_decode_state(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None,

@@ -71,6 +71,9 @@ class DecodeState:
                  dtype: torch.dtype | None = None, bank: bool | None = None, options: DecodeOptions | None = None):
         cfg = model.cfg
         param = model.backbone.tok_emb.weight
+        if cfg.copy_head:
+            raise ValueError("decoding a model with a copy head (copy_head=True) is not supported yet: score it with "
+                             "model(tokens) or forward_policy")
         if not is_int(batch_size) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         if max_len is not None and not is_int(max_len):

@@ -110,6 +110,29 @@ def add_study_parsers(sub: Any, add_compile: Callable[[argparse.ArgumentParser],
     add_executor(t)
     t.set_defaults(func=run_study)
 
+    c = ssub.add_parser("code-screen", help="a far-read design for code at T = 1,024 in minutes: the code backbones "
+                                            "(cached), a short stage per design, every row on fixed subsets of the "
+                                            "validation split and the held-out code, by copy distance")
+    c.add_argument("--designs", default=None, help="comma-separated designs (default: all of them; see "
+                   "prisme.studies.code_screen.DESIGNS): reference, reference_any, cache, copy, copy_stream, "
+                   "copy_long, copy_joint, workspace")
+    c.add_argument("--seed", type=int, default=1337, help="training seed (default 1337)")
+    c.add_argument("--depth", type=int, default=2, help="the backbones' layers: PRISME's 64-window one and its global "
+                   "twin (default 2)")
+    c.add_argument("--out", default="runs/code-screen", help="screen folder (default: runs/code-screen)")
+    c.add_argument("--backbones", default=None, metavar="FOLDER", help="a text study's (or screen's) folder whose "
+                   "seed<N>/frontier backbones to reuse (default: --out)")
+    c.add_argument("--held-out", default="click", metavar="NAME|FILE|FOLDER", help="held-out code (default: click)")
+    c.add_argument("--val-windows", type=count_option(1), default=64, help="validation windows (default 64)")
+    c.add_argument("--held-out-windows", default="all", help="held-out windows spread over the text, or all "
+                   "(default)")
+    c.add_argument("--steps", type=count_option(1), default=500, help="the copy stage's steps of 4 x 1,024 bytes "
+                   "(default 500)")
+    c.add_argument("--threads", type=count_option(1), default=1, help="torch CPU threads (default 1)")
+    c.add_argument("--json", default=None, help="also write the JSON document to this file (atomically)")
+    c.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    c.set_defaults(func=run_study)
+
     n = ssub.add_parser("lengths", help="a long-context recall study's trained models scored and decoded at longer "
                                          "contexts than they trained on (PRISME at its price, each dense model)")
     n.add_argument("runs", help="the study folder (`prisme study recall --frontier --context 1024 --out FOLDER`)")

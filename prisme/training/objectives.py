@@ -85,6 +85,45 @@ class BackboneObjective(nn.Module):
         return {"loss": float(s["ce"] / s["n"].clamp(min=1))}
 
 
+class CopyObjective(nn.Module):
+    """The copy stage: next-token CE of the model's own output (`model(x)`: the backbone's head mixed with the copy
+    head's distribution, `prisme.model.copy`) at every position, the dense gradient a far read needs; the backbone
+    frozen, or learning beside it (`train_backbone_in_workspace_stage`: the read present from the first step when the
+    stage starts from a fresh model). Reports the backbone head's own loss on the same targets and the mean gate."""
+
+    def __init__(self, model: nn.Module, scfg: StageSettings):
+        super().__init__()
+        if not model.cfg.copy_head:
+            raise ValueError(f"the copy stage trains a copy head, but {model.cfg.name!r} has copy_head=False: build "
+                             f"the model with copy_head=True (prisme train --rebase --set model.copy_head=true)")
+        self.model = model
+
+    def sample(self, x: torch.Tensor, y: torch.Tensor, g: torch.Generator) -> dict[str, torch.Tensor]:
+        return {}
+
+    def denominators(self, x: torch.Tensor, y: torch.Tensor, extra: dict[str, torch.Tensor]) -> dict[str, float]:
+        return {"tokens": max(1, int((y != IGNORE_INDEX).sum()))}
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, extra: dict[str, torch.Tensor],
+                denom: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model = self.model
+        H = model.backbone(x)  # [b, T, d]
+        logits = model.backbone.head(H)
+        mixed, g = model.copy.mix(logits, model.copy_inputs(x), H)
+        ce = _ce_sum(mixed, y)
+        with torch.no_grad():
+            labelled = (y != IGNORE_INDEX).float()
+            stats = {"ce": ce.detach(), "ce_backbone": _ce_sum(logits.detach(), y), "n": labelled.sum(),
+                     "gate": (g.detach().float() * labelled).sum()}
+        return ce / denom["tokens"], stats
+
+    @staticmethod
+    def summarise(s: dict[str, torch.Tensor]) -> dict[str, float]:
+        n = s["n"].clamp(min=1)
+        out = {"loss": float(s["ce"] / n), "loss_backbone": float(s["ce_backbone"] / n)}
+        return out | {"gain": out["loss_backbone"] - out["loss"], "gate_mean": float(s["gate"] / n)}
+
+
 class _HeadCall(nn.Module):
     def __init__(self, backbone: nn.Module):
         super().__init__()
@@ -193,9 +232,9 @@ class WorkspaceObjective(nn.Module):
         if self.ds > 0:
             loss = loss + self.ds * ds_sum / denom["ds"]
         with torch.no_grad():
-            ce_bb = _ce_sum(model.backbone.head(ctx.H.detach()), y)
+            ce_bb = _ce_sum(model.output(ctx.H.detach(), ctx.copy), y)
         if self.aux > 0:
-            loss = loss + self.aux * _ce_sum(model.backbone.head(H_own), y_all) / denom["all"]
+            loss = loss + self.aux * _ce_sum(model.output(H_own, model.copy_inputs(x)), y_all) / denom["all"]
         prev_ce = H.new_zeros((), dtype=torch.float32)
         if self.aux_prev > 0:
             prev_ce = _ce_sum(self.prev_probe(H_own[:, 1:]), x[:, :-1])  # H[t] [b, T-1, d] -> token t-1

@@ -86,7 +86,7 @@ class ControllerObjective(nn.Module):
             rep = lambda t: t.repeat_interleave(A, dim=1)  # noqa: E731 - [b, P, ...] -> [b, P A, ...]
             ctx_a = repeat_queries(ctx, A)
             cand = torch.arange(A, device=x.device).repeat(P).expand(b, P * A)  # [b, P A]
-            loss_cur = token_ce(model.backbone.head(Hq), yq, float32=True)  # [b, P]: nothing edited yet
+            loss_cur = token_ce(model.output(Hq, ctx.copy), yq, float32=True)  # [b, P]: nothing edited yet
             S = ctx.S0
             edits = torch.zeros(b, P, M, dtype=torch.long, device=x.device)
             taken = torch.zeros(b, P, A, dtype=torch.bool, device=x.device)

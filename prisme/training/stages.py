@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from prisme.training.objectives import BackboneObjective, WorkspaceObjective
+from prisme.training.objectives import BackboneObjective, CopyObjective, WorkspaceObjective
 from prisme.training.oracle_objectives import ControllerObjective, RouterObjective
 
 
@@ -43,7 +43,7 @@ class StageSpec:
     @property
     def uses_workspace(self) -> bool:
         """It trains a part of the workspace (the model needs use_workspace=True; its editor may be compiled)."""
-        return self.group != "backbone"
+        return self.group not in ("backbone", "copy")
 
     def trained_groups(self, train_backbone: bool) -> tuple[str, ...]:
         """The parameter groups it trains, in the optimizer's order, given `train_backbone_in_workspace_stage`."""
@@ -65,7 +65,9 @@ class StageSpec:
 STAGE_SPECS = {s.name: s for s in (
     StageSpec("backbone", BackboneObjective, "backbone", None,
               ("backbone", "workspace", "controller", "router", "export")),
-    StageSpec("workspace", WorkspaceObjective, "workspace", "backbone", ("backbone", "workspace"),
+    StageSpec("copy", CopyObjective, "copy", "backbone", ("backbone", "copy", "workspace"), backbone_joins=True,
+              rebase_keeps=("backbone",), needs="copy_head"),
+    StageSpec("workspace", WorkspaceObjective, "workspace", "backbone", ("backbone", "copy", "workspace"),
               backbone_joins=True, prev_token_probe=True, rebase_keeps=("backbone",)),
     StageSpec("controller", ControllerObjective, "controller", "workspace", ("workspace", "controller", "router"),
               calibrates_values=True, rebase_keeps=("backbone", "workspace")),
