@@ -47,14 +47,15 @@ def unshifted_mask() -> Iterator[None]:
 
 @contextlib.contextmanager
 def compiled_editor_unmasked() -> Iterator[None]:
-    """Editors compiled inside this block (`prisme.model.compiled.CompiledEditor`) build a graph that ignores the bank's
-    causal mask, as a compiled path reading its whole preallocated bank would; the eager editor is untouched."""
-    from prisme.model import compiled as compile_mod
-    from prisme.model.editor import blocks_pass
+    """Editors compiled inside this block (`prisme.model.compiled_editor.CompiledEditor`) build a graph that ignores
+    the bank's causal mask, as a compiled path reading its whole preallocated bank would; the eager editor is
+    untouched."""
+    from prisme.model import compiled_editor as compile_mod
 
-    def broken(blocks, x, st, rem, S_pos, slots, bank_read):  # noqa: ANN001, ANN202 - blocks_pass's signature
-        (K, V, mask, b_idx, rank), full = bank_read
-        return blocks_pass(blocks, x, st, rem, S_pos, slots, ((K, V, torch.ones_like(mask), b_idx, rank), full))
+    def broken(blocks, x, st, rem, S_pos, slots, parts, full):  # noqa: ANN001, ANN202 - packed_pass's signature
+        K, V, mask, b_idx, rank = parts
+        return compile_mod.packed_pass(blocks, x, st, rem, S_pos, slots, (K, V, torch.ones_like(mask), b_idx, rank),
+                                       full)
 
     original = compile_mod.CompiledEditor.source
     compile_mod.CompiledEditor.source = broken

@@ -23,12 +23,13 @@ import torch.nn.functional as F
 from tiny_models import tiny_model
 
 import prisme.model.bank.cache as cache_mod
+import prisme.model.bank.read as read_mod
 from prisme import costs
 from prisme.costs.counting import OpsCounter
 from prisme.costs.traces import position_ops, trace_cost
 from prisme.decoding.generate import generate
-from prisme.model.bank.tables import IdRead, bank_tables, entries_from_ids
-from prisme.model.editor import bank_attend
+from prisme.model.bank.read import IdRead, bank_attend
+from prisme.model.bank.tables import bank_tables, entries_from_ids
 from prisme.model.outputs import Streams
 from prisme.model.policy import Controller
 from prisme.options import DecodeOptions
@@ -82,7 +83,7 @@ def test_negative_control_a_lookup_shifted_onto_its_own_id_is_caught(monkeypatch
         tabs = bank_tables(bank) if tabs is None else tabs
         return F.embedding(rows_ids, tabs["KV"]) + F.embedding(rows_ids, tabs["S2"])
 
-    monkeypatch.setattr(cache_mod, "entries_from_ids", own_id)
+    monkeypatch.setattr(read_mod, "entries_from_ids", own_id)
     logits, _ = decode(ids, toks, 2, 0.0)  # budget 2: the rollout reads looked-up entries
     full = ref.forward_policy(toks, 2, lambda_cost=0.0)
     assert not torch.allclose(logits, full.logits, rtol=0, atol=1e-6)

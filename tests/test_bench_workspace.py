@@ -114,7 +114,7 @@ def test_split_timer_changes_nothing_sees_the_workspace_and_removes_itself(cfg):
     assert bypass["workspace_modules"] == 0 and bypass["backbone"] > 0
     for m in models.values():
         assert "streams" not in m.backbone.__dict__ and "head" not in m.backbone.__dict__
-        assert not {"query_state", "rollout_forced", "logits_from_state"} & set(m.__dict__)
+        assert not {"query_state", "apply_action", "logits_from_state"} & set(m.__dict__)
         assert not {"inputs", "from_inputs"} & set(m.bank.__dict__)
 
 
@@ -127,7 +127,7 @@ def test_build_models_share_weights_and_differ_only_in_optimised(cfg):
         b = models[other].state_dict()
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert models["opt"].cfg.optimised and not models["seed"].cfg.optimised
-    assert models["opt_kv"].editor.slot_kv_cache and not models["opt"].editor.slot_kv_cache
+    assert models["opt_kv"].editor.run.slot_kv and not models["opt"].editor.run.slot_kv
     assert float(models["opt"].readout.U.weight.detach().abs().sum()) > 0
 
 
@@ -211,7 +211,7 @@ def test_profile_reports_each_workspace_row_and_model(cfg):
         assert 1 <= len(row["top"]) <= 5 and row["top_level_aten_calls_per_step"] > 0
         assert all(0 < t["share"] <= 1 and t["calls_per_step"] > 0 for t in row["top"])
         assert not any(t["op"].startswith("prisme::") for t in row["top"])
-        assert set(row["workspace_methods_us_per_step"]) >= {"rollout_forced", "logits_from_state"}
+        assert set(row["workspace_methods_us_per_step"]) >= {"apply_action", "logits_from_state"}
         assert "backbone" not in row["workspace_methods_us_per_step"]
 
 

@@ -208,7 +208,7 @@ def test_a_checkpoint_saved_by_the_flat_layout_loads_and_computes_the_same_logit
 
     expected = json.loads((FLAT / "expected.json").read_text())
     model, meta = prisme.load_model(FLAT / "ckpt_00000007")
-    assert meta.stage == "workspace" and meta.step == 7 and not model.editor.slot_kv_cache
+    assert meta.stage == "workspace" and meta.step == 7 and not model.editor.run.slot_kv
     tokens, actions = torch.tensor(expected["tokens"]), torch.tensor(expected["actions"])
     want = torch.tensor(expected["logits"], dtype=torch.float64)
     with torch.no_grad():
@@ -292,7 +292,7 @@ def test_a_checkpoint_written_with_the_slot_kv_cache_runs_with_it(tmp_path, monk
     model, path = _written_before_the_move(tmp_path / "kv", slot_kv_cache=True)
     assert ckpt.read_meta(path).moved == {"slot_kv_cache": True}
     loaded, _ = ckpt.load_model(path)
-    assert loaded.execution == ExecutionOptions(slot_kv_cache=True) and loaded.editor.slot_kv_cache
+    assert loaded.execution == ExecutionOptions(slot_kv_cache=True) and loaded.editor.run.slot_kv
     explicit = PrismeModel(model.cfg, execution=ExecutionOptions(slot_kv_cache=True)).double().eval()
     explicit.load_state_dict(model.state_dict())
     tokens = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(4))
@@ -311,5 +311,5 @@ def test_a_checkpoint_written_with_the_slot_kv_cache_runs_with_it(tmp_path, monk
     monkeypatch.setattr(ckpt, "moved_fields", lambda d: ({k: v for k, v in d.items() if k != "slot_kv_cache"}, {}))
     dropped, _ = ckpt.load_model(path)
     lost = forced(dropped)
-    assert not dropped.editor.slot_kv_cache and all(kv is None for kv in lost[2])
+    assert not dropped.editor.run.slot_kv and all(kv is None for kv in lost[2])
     assert lost[1] != want[1] and lost[1]["editor_slot_attn"] != want[1]["editor_slot_attn"]

@@ -1,5 +1,5 @@
-"""The compiled editor (`prisme.model.compiled.compile_editor`): the same logits, traces and gradients as the eager
-editor on forced actions (singles, pairs, DENSE, STOP, ragged budgets), the controller's rollout, ragged batched
+"""The compiled editor (`prisme.model.compiled_editor.compile_editor`): the same logits, traces and gradients as the
+eager editor on forced actions (singles, pairs, DENSE, STOP, ragged budgets), the controller's rollout, ragged batched
 decoding and a training step; the editor contracts hold on its padded graphs; a wrongly compiled graph is caught; and
 where torch.compile cannot work, one warning and the eager path (or a ValueError when asked strictly).
 
@@ -17,7 +17,7 @@ from test_generate import make_model as random_model
 
 from prisme import faults
 from prisme.config import PrismeConfig
-from prisme.model.compiled import CompiledEditor, compile_editor, uncompile_editor
+from prisme.model.compiled_editor import CompiledEditor, compile_editor, uncompile_editor
 from prisme.model.policy import Controller
 from prisme.model.prisme import PrismeModel
 from prisme.options import ExecutionOptions
@@ -60,7 +60,7 @@ def test_compiled_editor_forced_actions_equal_eager_float64(pair64):
         out = comp(tokens, acts, budget, return_state=True)
     assert_close(out.logits, ref.logits, TOL[torch.float64], "compiled vs eager logits")
     assert_close(out.S_final, ref.S_final, TOL[torch.float64], "compiled vs eager workspace")
-    assert comp.editor.compiled.calls["compiled"] > 0 and comp.editor.compiled.calls["eager"] == 0
+    assert comp.editor.run.compiled.calls["compiled"] > 0 and comp.editor.run.compiled.calls["eager"] == 0
     # the same graphs serve another batch, length and budget (dynamic sizes)
     tokens2 = torch.randint(0, eager.cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(2))
     acts2, budget2 = forced_actions(eager.cfg, 2, 7, 2, seed=4)
@@ -130,7 +130,7 @@ def test_compiled_editor_ragged_batched_decoding_equals_eager(pair64):
     assert (outs["eager"][1] != eager.cfg.stop_action).any()
     for b, L in enumerate(lengths):
         assert_close(outs["compiled"][0][b, :L], outs["eager"][0][b, :L], TOL[torch.float64], f"row {b}")
-    assert any(k[0] == "static" for k in comp.editor.compiled.graphs)  # the fixed-shape decode graphs ran
+    assert any(k[0] == "static" for k in comp.editor.run.compiled.graphs)  # the fixed-shape decode graphs ran
 
 
 def test_small_groups_run_the_eager_pass_below_min_positions():
@@ -142,8 +142,8 @@ def test_small_groups_run_the_eager_pass_below_min_positions():
     acts, budget = forced_actions(model.cfg, 2, 6, 2)
     with torch.no_grad():
         assert torch.equal(model(tokens, acts, budget).logits, ref(tokens, acts, budget).logits)
-    calls = model.editor.compiled.calls
-    assert calls["eager_small"] > 0 and calls["compiled"] == 0 and not model.editor.compiled.graphs
+    calls = model.editor.run.compiled.calls
+    assert calls["eager_small"] > 0 and calls["compiled"] == 0 and not model.editor.run.compiled.graphs
 
 
 @pytest.mark.slow  # compiles the editor (about a minute for the file): `make test-slow`, CI
@@ -166,7 +166,7 @@ def test_compiled_editor_training_gradients_equal_eager():
     assert grads["eager"][1].keys() == grads["compiled"][1].keys() and grads["eager"][1]
     for n, g in grads["eager"][1].items():
         assert_close(grads["compiled"][1][n], g, TOL[torch.float64], n)
-    assert comp.editor.compiled.calls["compiled"] > 0
+    assert comp.editor.run.compiled.calls["compiled"] > 0
 
 
 @pytest.mark.slow  # compiles the editor (about a minute for the file): `make test-slow`, CI
@@ -191,13 +191,13 @@ def test_negative_control_a_compiled_graph_that_ignores_the_bank_mask_is_caught(
 
 
 def test_no_compiler_gives_one_warning_and_the_eager_editor_or_a_value_error_when_strict(monkeypatch):
-    import prisme.model.compiled as pc
+    import prisme.model.compiled_editor as pc
 
     monkeypatch.setattr(pc, "_COMPILER_PROBE", "InvalidCxxCompiler: no working C++ compiler found")
     model = make_model(torch.float32)
     with pytest.warns(UserWarning, match="torch.compile does not work here"):
         assert compile_editor(model) is False
-    assert model.editor.compiled is None
+    assert model.editor.run.compiled is None
     with pytest.raises(ValueError, match="torch.compile does not work here.*InvalidCxxCompiler"):
         compile_editor(model, strict=True)
 
@@ -205,7 +205,7 @@ def test_no_compiler_gives_one_warning_and_the_eager_editor_or_a_value_error_whe
 def test_a_graph_that_fails_to_compile_reruns_eagerly_never_half_compiled(monkeypatch):
     """The first compiled call raises (as a compiler crash would): that call's result comes from the eager pass,
     with one warning, and every later call runs eagerly; strict mode raises ValueError instead."""
-    import prisme.model.compiled as pc
+    import prisme.model.compiled_editor as pc
 
     monkeypatch.setattr(pc, "_COMPILER_PROBE", "")  # torch.compile works here (the graph's own compile fails)
     model, ref_model = make_model(torch.float32), make_model(torch.float32)
@@ -221,7 +221,7 @@ def test_a_graph_that_fails_to_compile_reruns_eagerly_never_half_compiled(monkey
         out = model(tokens, acts, budget).logits
     with torch.no_grad():
         assert torch.equal(out, ref_model(tokens, acts, budget).logits)
-    assert model.editor.compiled.calls["compiled"] == 0 and model.editor.compiled.calls["eager"] > 0
+    assert model.editor.run.compiled.calls["compiled"] == 0 and model.editor.run.compiled.calls["eager"] > 0
     assert model.set_execution(ExecutionOptions(compile="strict", min_positions=0))
     with torch.no_grad(), pytest.raises(ValueError, match="could not be compiled"):
         model(tokens, acts, budget)
@@ -278,28 +278,31 @@ def test_compiling_and_the_slot_kv_cache_are_the_models_execution_options(monkey
     graphs (with `static_decode`; without, the routed plan) and any other budget on the static plan; an eager editor
     with the slot K/V cache takes the routed plan instead of the deployed step. Bad options are ValueErrors naming
     the field."""
-    import prisme.model.compiled as pc
+    import prisme.model.compiled_editor as pc
+    from prisme.model.plans import choose
     from prisme.model.policy import StepPolicy
-    from prisme.model.routed import decode_plan
+
+    def decode_plan(m, ws, Q):  # the plan a fresh decode state of the model's own options takes
+        return choose(m.new_decode_state(1), ws, Q).name
 
     monkeypatch.setattr(pc, "_COMPILER_PROBE", "")
     model = make_model(torch.float32)
-    assert model.execution == ExecutionOptions() and model.editor.compiled is None
+    assert model.execution == ExecutionOptions() and model.editor.run.compiled is None
     assert compile_editor(model, strict=True, min_positions=3)
-    assert model.execution == ExecutionOptions(compile="strict", min_positions=3) == model.editor.execution
-    assert isinstance(model.editor.compiled, CompiledEditor) and model.editor.compiled.min_positions == 3
+    assert model.execution == ExecutionOptions(compile="strict", min_positions=3)
+    assert isinstance(model.editor.run.compiled, CompiledEditor) and model.editor.run.compiled.min_positions == 3
     uncompile_editor(model)
-    assert model.execution.compile == "off" and model.editor.compiled is None
+    assert model.execution.compile == "off" and model.editor.run.compiled is None
     built = PrismeModel(PrismeConfig.from_name("tiny", router=True), execution=ExecutionOptions(compile="auto"))
     one = StepPolicy(max_budget=1)  # a controller policy of budget 1, one query per row
-    assert isinstance(built.editor.compiled, CompiledEditor) and decode_plan(built, one, 1) == "budget1"
+    assert isinstance(built.editor.run.compiled, CompiledEditor) and decode_plan(built, one, 1) == "budget1"
     assert decode_plan(built, StepPolicy(max_budget=2), 1) == "static" and decode_plan(built, one, 2) == "general"
     built.set_execution(ExecutionOptions(compile="auto", static_decode=False))
     assert decode_plan(built, one, 1) == "routed"
     built.set_execution(ExecutionOptions())
     assert decode_plan(built, one, 1) == "budget1"
     built.set_execution(ExecutionOptions(slot_kv_cache=True))
-    assert built.editor.slot_kv_cache and decode_plan(built, one, 1) == "routed"
+    assert built.editor.run.slot_kv and decode_plan(built, one, 1) == "routed"
     for bad in (dict(compile="yes"), dict(slot_kv_cache=1), dict(min_positions=-1)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             ExecutionOptions(**bad)

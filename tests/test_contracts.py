@@ -18,7 +18,9 @@ from tiny_models import tiny_model
 
 from prisme.config import PrismeConfig
 from prisme.model.bank import SourceBank
+from prisme.model.policy import Controller, StepPolicy, check_policy
 from prisme.model.prisme import PrismeModel
+from prisme.model.rollout import rollout_forced, rollout_policy
 from prisme.model.workspace import absorb_stop, slots_of_action
 from prisme.options import ExecutionOptions
 
@@ -141,7 +143,7 @@ def test_readout_of_every_position_equals_the_masked_readout_with_every_position
     tokens = random_tokens(cfg, 2, 16)
     with torch.no_grad():
         ctx = model.encode(tokens)
-        S = model.rollout_forced(ctx, random_actions(cfg, 2, 16, 2)).S
+        S = rollout_forced(model, ctx, StepPolicy(actions=random_actions(cfg, 2, 16, 2))).S
         every, d_every = model.logits_from_state(S, ctx)
         masked, d_masked = model.logits_from_state(S, ctx, torch.ones(2, 16, dtype=torch.bool))
         none, d_none = model.logits_from_state(S, ctx, torch.zeros(2, 16, dtype=torch.bool))
@@ -271,8 +273,8 @@ def read_only_changes(model: PrismeModel) -> dict[str, bool]:
         ctx = model.encode(tokens)
         before = {k: getattr(ctx, k).clone() for k in ("H", "K", "V", "z", "S0", "bank_mask", "ctrl_in")
                   if getattr(ctx, k) is not None}
-        model.rollout_forced(ctx, random_actions(cfg, 2, 12, cfg.r_max))
-        model.rollout_policy(ctx, cfg.r_max, model.action_cost, lambda_cost=0.0)
+        rollout_forced(model, ctx, StepPolicy(actions=random_actions(cfg, 2, 12, cfg.r_max)))
+        rollout_policy(model, ctx, check_policy(model, Controller(cfg.r_max, 0.0)))
         model.logits_from_state(ctx.S0 + 1.0, ctx)
     return {k: not torch.equal(v, getattr(ctx, k)) for k, v in before.items()}
 
@@ -304,8 +306,7 @@ def test_target_free_controller_structure():
     """No target, label or token input exists anywhere on the controller path's signatures."""
     from prisme.model.controller import ValueController
 
-    for fn in (ValueController.forward, ValueController.features, ValueController.select,
-               PrismeModel.rollout_policy):
+    for fn in (ValueController.forward, ValueController.features, ValueController.select, rollout_policy):
         params = set(inspect.signature(fn).parameters)
         assert not params & {"targets", "target", "labels", "y", "tokens"}, (fn.__qualname__, params)
 
@@ -315,7 +316,7 @@ def editor_calls_match_trace(calls: list[tuple], trace: torch.Tensor, stop: int)
     executed = [r for r in range(trace.shape[-1]) if (trace[..., r] != stop).any() or r == 0]
     if len(calls) > trace.shape[-1]:
         return False
-    return all(torch.equal(args[4], trace[..., r]) for r, args in enumerate(calls)) and len(calls) <= len(executed) + 1
+    return all(torch.equal(args[2], trace[..., r]) for r, args in enumerate(calls)) and len(calls) <= len(executed) + 1
 
 
 @sources

@@ -28,7 +28,9 @@ from prisme.config import PrismeConfig
 from prisme.costs.analytic import COMPONENTS
 from prisme.costs.counting import OpsCounter
 from prisme.model.outputs import EncodedContext, Rollout
+from prisme.model.policy import Controller, StepPolicy, check_policy
 from prisme.model.prisme import PrismeModel
+from prisme.model.rollout import rollout_forced, rollout_policy
 from prisme.options import SLOT_KV_CACHE, ExecutionOptions
 
 SEED000 = json.loads((Path(__file__).parent / "data" / "seed000_costs.json").read_text())
@@ -449,7 +451,7 @@ def test_forced_trace_of_a_decoded_token_ties_to_trace_cost(trace, variant, opti
     kinds = FORCED_TRACES[trace][:cfg.r_max]
     ids = [cfg.stop_action if k == "stop" else action_id(cfg, k, i) for i, k in enumerate(kinds)]
     actions = torch.tensor([[ids]])  # [1, 1, R]
-    oc, roll = decode_token(model, lambda ctx: model.rollout_forced(ctx, actions))
+    oc, roll = decode_token(model, lambda ctx: rollout_forced(model, ctx, StepPolicy(actions=actions)))
     expected = costs.trace_cost(cfg, actions[0], [T_CTX], None, optimised=optimised)
     assert measured_vs_analytic(oc.by_component, expected.by_component, cfg) == {}
     assert oc.total + costs.backbone_linear_allowance(cfg) == expected.total_ops
@@ -475,7 +477,7 @@ def test_policy_trace_of_a_decoded_token_ties_to_trace_cost(script, variant, opt
     decisions, budget = POLICY_SCRIPTS[script]
     ids = [cfg.stop_action if k == "stop" else action_id(cfg, k, i) for i, k in enumerate(decisions)]
     monkeypatch.setattr(model.controller, "select", scripted_select(ids))
-    oc, roll = decode_token(model, lambda ctx: model.rollout_policy(ctx, budget, model.action_cost))
+    oc, roll = decode_token(model, lambda ctx: rollout_policy(model, ctx, check_policy(model, Controller(budget))))
     n = int(roll.n_edits.sum())
     assert int(roll.controller_steps.sum()) == min(n + 1, budget)
     expected = costs.trace_cost(cfg, roll.actions[0], [T_CTX], roll.controller_steps[0], optimised=optimised)
@@ -509,7 +511,7 @@ def test_seed_rows_tie_on_a_tiny_model(row, optimised, monkeypatch):
     else:
         kind = "dense" if dense else f"k{k}"
         monkeypatch.setattr(model.controller, "select", scripted_select([action_id(cfg, kind, i) for i in range(n)]))
-        oc, _ = decode_token(model, lambda ctx: model.rollout_policy(ctx, n, model.action_cost))
+        oc, _ = decode_token(model, lambda ctx: rollout_policy(model, ctx, check_policy(model, Controller(n))))
     expected = costs.token_ops(cfg, T_CTX, [cfg.n_slots if dense else k] * n, controller_steps=0 if n == 0 else None,
                                optimised=optimised, dense=[dense] * n)
     if n == costs.SEED_ROWS[row][0]:
@@ -536,7 +538,7 @@ def test_flop_tie_detects_an_editor_that_projects_an_extra_slot():
     model = make_model("tiny", optimised=False)
     cfg = model.cfg
     actions = torch.tensor([[[0, cfg.n_slots]]])
-    clean, _ = decode_token(model, lambda ctx: model.rollout_forced(ctx, actions))
+    clean, _ = decode_token(model, lambda ctx: rollout_forced(model, ctx, StepPolicy(actions=actions)))
     blk = model.editor.blocks[1]
 
     def wasteful(X: torch.Tensor) -> torch.Tensor:
@@ -545,11 +547,11 @@ def test_flop_tie_detects_an_editor_that_projects_an_extra_slot():
     blk.slot_keys_values = wasteful
     ctx = one_position_ctx(model)
     with torch.no_grad():
-        ref = model.logits_from_state(model.rollout_forced(ctx, actions).S, ctx)[0]
-    dirty, _ = decode_token(model, lambda ctx: model.rollout_forced(ctx, actions))
+        ref = model.logits_from_state(rollout_forced(model, ctx, StepPolicy(actions=actions)).S, ctx)[0]
+    dirty, _ = decode_token(model, lambda ctx: rollout_forced(model, ctx, StepPolicy(actions=actions)))
     del blk.slot_keys_values
     with torch.no_grad():
-        good = model.logits_from_state(model.rollout_forced(ctx, actions).S, ctx)[0]
+        good = model.logits_from_state(rollout_forced(model, ctx, StepPolicy(actions=actions)).S, ctx)[0]
     assert float((ref - good).abs().max()) < 1e-12
     expected = costs.trace_cost(cfg, actions[0], [T_CTX]).by_component
     assert measured_vs_analytic(clean.by_component, expected, cfg) == {}
@@ -619,8 +621,8 @@ def test_path_equivalence_check_detects_a_stale_slot_kv_cache(monkeypatch):
     cfg = ref.cfg
     fresh = opt.new_slot_kv
 
-    def stale(S0):
-        cache = fresh(S0)
+    def stale(S0, run=None):
+        cache = fresh(S0, run)
         cache.ready.fill_(True)
         return cache
 
@@ -743,7 +745,7 @@ def test_negative_control_a_cost_model_without_the_shift_term_fails_the_tie(monk
     model = make_model("tiny_sources", optimised=True)
     cfg = model.cfg
     actions = torch.tensor([[[0, cfg.n_slots]]])
-    oc, _ = decode_token(model, lambda ctx: model.rollout_forced(ctx, actions))
+    oc, _ = decode_token(model, lambda ctx: rollout_forced(model, ctx, StepPolicy(actions=actions)))
     expected = costs.trace_cost(cfg, actions[0], [T_CTX], None, optimised=True)
     assert measured_vs_analytic(oc.by_component, expected.by_component, cfg) == {}
     monkeypatch.setattr(costs.bank, "bank_shift_ops", lambda cfg, entries=1, decode=None: 0)

@@ -1,4 +1,4 @@
-"""The decode step of a router model (`prisme.model.routed`), per-vocabulary bank tables (`prisme.model.bank.tables`,
+"""The decode step of a router model (`prisme.model.plans`), per-vocabulary bank tables (`prisme.model.bank.tables`,
 the decode option `bank_tables`), their price in the cost model, generation's per-token ops and `prisme bench
 decode`'s JSON.
 
@@ -256,8 +256,18 @@ def test_the_deployed_step_of_ragged_rows_equals_forward_policy_row_by_row(monke
         assert torch.equal(actions[b], full.actions[0, L:])
         fired += int((full.actions[0, L:, 0] != model.cfg.stop_action).sum())
     assert 0 < fired < 3 * n_steps  # steps where rows fire and steps where they do not
-    orig = model.editor.edit_rows
-    monkeypatch.setattr(model.editor, "edit_rows", lambda S, read, mask, *a, **k: orig(S, read, None, *a, **k))
+    import copy
+
+    import prisme.model.plans.budget1 as budget1
+
+    def unmasked_read(read):  # every key of the padded bank, as if the mask were dropped
+        out = copy.copy(read)
+        out.mask = None
+        return out
+
+    orig = budget1.edit_group
+    monkeypatch.setattr(budget1, "edit_group", lambda blocks, S, slots, read, e: orig(blocks, S, slots,
+                                                                                      unmasked_read(read), e))
     unmasked, _ = decode(model)
     assert (unmasked - logits).abs().max() > 1e-6
 

@@ -14,7 +14,7 @@ import torch
 from tiny_models import tiny_model
 
 from prisme import faults
-from prisme.model.compiled import CompiledEditor
+from prisme.model.compiled_editor import CompiledEditor
 from prisme.model.fired import BANK_FLOOR, bucket
 from prisme.model.policy import Controller
 from prisme.options import DecodeOptions, ExecutionOptions
@@ -69,11 +69,11 @@ def test_compiled_deployed_step_equals_forward_policy_on_padded_fixed_shape_grap
         torch.testing.assert_close(logits[b, :L], full.logits[b, :L], rtol=0, atol=TOL)
     fired = full.actions[:, 4:, 0] != eager.cfg.stop_action
     assert fired.any() and not fired.all()
-    keys = comp.editor.compiled.graphs
+    keys = comp.editor.run.compiled.graphs
     assert all(k[0] == "fired" and k[3] == BANK_FLOOR for k in keys)  # the deployed step, on the 64-bank graphs
     assert READS[read][1] in {k[4] for k in keys}
     assert any(k[2] > 1 for k in keys)  # several rows of one group in one graph
-    assert comp.editor.compiled.calls["eager"] == 0
+    assert comp.editor.run.compiled.calls["eager"] == 0
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     again, _ = decode(comp, tokens)  # a new decode state: its buffers are the graphs' inputs, not constants
     assert torch.equal(again, logits) and torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
@@ -97,7 +97,7 @@ def test_negative_control_a_fired_graph_that_reads_its_padded_bank_unmasked_is_c
 def test_a_fired_graph_that_fails_to_compile_reruns_eagerly(monkeypatch):
     """The first compiled call raises (as a compiler crash would): the step's rows come from the eager
     `fired_path`, the same numbers, with one warning; strict mode raises ValueError."""
-    import prisme.model.compiled as pc
+    import prisme.model.compiled_editor as pc
 
     monkeypatch.setattr(pc, "_COMPILER_PROBE", "")
 
@@ -112,7 +112,7 @@ def test_a_fired_graph_that_fails_to_compile_reruns_eagerly(monkeypatch):
     with pytest.warns(UserWarning, match="compiling the editor failed.*backend compiler failed"):
         logits, _ = decode(comp, tokens)
     torch.testing.assert_close(logits[:, :tokens.shape[1]], full.logits, rtol=0, atol=1e-12)
-    assert comp.editor.compiled.calls["compiled"] == 0 and comp.editor.compiled.calls["eager"] > 0
+    assert comp.editor.run.compiled.calls["compiled"] == 0 and comp.editor.run.compiled.calls["eager"] > 0
     comp.set_execution(ExecutionOptions(compile="strict"))
     with pytest.raises(ValueError, match="could not be compiled"):
         decode(comp, tokens)

@@ -13,14 +13,14 @@ from tiny_models import tiny_model
 from prisme.costs.traces import trace_cost
 from prisme.data.text import TokenDataset
 from prisme.data.tokenizers import ByteTokenizer
-from prisme.evaluation.policies import ROW_KINDS, Backbone, Forced, Policy, RowKind
+from prisme.evaluation.policies import ROW_KINDS, BackboneRows, ForcedRows, Policy, RowKind
 from prisme.evaluation.run import EvalOptions, evaluate_policies
 from prisme.model.oracle import token_ce
 
 PACKAGE = Path(__file__).resolve().parent.parent / "prisme"
 
 
-class EveryOther(Forced):
+class EveryOther(ForcedRows):
     """A new family, for the test: n round-robin single-slot edits at even positions, nothing at odd ones."""
 
     kinds = (RowKind("every_other", "d", "C9", workspace=True),)
@@ -33,12 +33,12 @@ class EveryOther(Forced):
 
 
 def test_a_new_family_is_one_class_with_its_rows_price_and_report():
-    """A Forced subclass with its own kind gives rows named by it, whose loss is the model's on its actions, whose
+    """A ForcedRows subclass with its own kind gives rows named by it, whose loss is the model's on its actions, whose
     ops are the cost model's price of that trace, and which the table and the plot show."""
     model = tiny_model(vocab_size=256)
     ds = TokenDataset.from_text("the cat sat on the mat and the dog ran home " * 40, ByteTokenizer(),
                                 val_fraction=0.5)
-    report = evaluate_policies(model, ds, [Backbone(), EveryOther([1, 2], (1,))],
+    report = evaluate_policies(model, ds, [BackboneRows(), EveryOther([1, 2], (1,))],
                                EvalOptions(batch_size=2, seq_len=16, max_batches=2, bootstrap_samples=20))
     assert [r.policy for r in report.rows] == ["backbone", "every_other_1xk1", "every_other_2xk1"]
     batches = list(ds.iter_eval("val", 2, 16, 2))

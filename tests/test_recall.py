@@ -125,7 +125,7 @@ def test_controller_targets_are_zero_without_a_label_and_no_candidate_runs_there
     extra["budget"][:] = 1
     seen, edited = [], []
     handle = model.editor.register_forward_hook(
-        lambda m, a, out: edited.append(int((a[4] != model.cfg.stop_action).sum())))
+        lambda m, a, out: edited.append(int((a[2] != model.cfg.stop_action).sum())))
     obj.oracle_rollout(x, y, extra, lambda r, ctx, S, e, t, b, dL, valid: seen.append((dL, valid)))
     handle.remove()
     dL, valid = seen[0]

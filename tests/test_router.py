@@ -19,8 +19,9 @@ from prisme.config import PrismeConfig
 from prisme.costs.counting import OpsCounter
 from prisme.data.mqar import MQARConfig
 from prisme.model.outputs import EncodedContext
-from prisme.model.policy import Controller
+from prisme.model.policy import Controller, check_policy
 from prisme.model.prisme import PrismeModel
+from prisme.model.rollout import rollout_policy
 from prisme.model.router import ngram_seen, ngram_seen_at
 from prisme.options import DecodeOptions
 from prisme.training.config import StageConfig
@@ -110,11 +111,13 @@ def test_router_decides_step_0_and_the_controller_runs_only_where_it_fired():
 
 @pytest.mark.parametrize("tables", [False, True], ids=["projections", "tables"])
 def test_deployed_decode_step_equals_forward_policy_with_several_action_groups_firing_at_once(monkeypatch, tables):
-    """The deployed step (budget 1: the router's action, then nothing; `routed.budget1_step` and
-    `SparseEditor.edit_rows`) decodes what forward_policy computes, in float64 to 1e-12 and with the same traces,
-    in steps where rows fire single-slot and pair actions at once and steps where none fires; the general rollout
-    path gives the same numbers. Negative control: an edit at the wrong remaining budget differs."""
-    import prisme.model.routed as routed
+    """The deployed step (budget 1: the router's action, then nothing; the "budget1" plan, `prisme.model.plans`)
+    decodes what forward_policy computes, in float64 to 1e-12 and with the same traces, in steps where rows fire
+    single-slot and pair actions at once and steps where none fires; the routed plan (the rollout where the router
+    fired) gives the same numbers. Negative control: an edit at the wrong remaining budget differs."""
+    import prisme.model.plans.budget1 as budget1
+    import prisme.model.state as state_mod
+    from prisme.model.plans import Routed, choose
 
     extra = dict(bank_source="embedding", query_source="embedding", decode=DecodeOptions(bank_tables=True)) \
         if tables else {}
@@ -124,8 +127,8 @@ def test_deployed_decode_step_equals_forward_policy_with_several_action_groups_f
     lam = 1.0
     full = model.forward_policy(tokens, max_budget=1, lambda_cost=lam)
     spans_seen = []
-    orig = model.editor.edit_rows
-    monkeypatch.setattr(model.editor, "edit_rows", lambda *a, **k: (spans_seen.append(a[4]), orig(*a, **k))[1])
+    orig, orig_edit = budget1.eager_deltas, budget1.edit_group
+    monkeypatch.setattr(budget1, "eager_deltas", lambda *a, **k: (spans_seen.append(a[4]), orig(*a, **k))[1])
 
     def decode(m):
         st = m.new_decode_state(3, 18)
@@ -140,11 +143,12 @@ def test_deployed_decode_step_equals_forward_policy_with_several_action_groups_f
     fired = full.actions[:, 4:, 0] != cfg.stop_action  # the decode steps' positions
     assert fired.any(0).any() and not fired.any(0).all()  # steps with edits and steps without
     assert len(spans_seen) == int(fired.any(0).sum()) and any(len(s) > 1 for s in spans_seen)  # groups at once
-    monkeypatch.setattr(routed, "decode_plan", lambda m, ws, Q: "routed")  # the general routed path
+    monkeypatch.setattr(state_mod, "choose", lambda state, ws, Q: Routed(state.run))  # the routed plan
     general, _ = decode(model)
     torch.testing.assert_close(general, logits, rtol=0, atol=1e-12)
-    monkeypatch.setattr(routed, "decode_plan", lambda m, ws, Q: "budget1" if Q == 1 else "routed")
-    monkeypatch.setattr(model.editor, "edit_rows", lambda *a, **k: orig(*a[:6], step=0, remaining=1))
+    monkeypatch.setattr(state_mod, "choose", choose)
+    monkeypatch.setattr(budget1, "edit_group", lambda blocks, S, slots, read, e: orig_edit(
+        blocks, S, slots, read, [blk.step_embedding(0, 1) for blk in blocks]))  # remaining 1: wrong
     wrong, _ = decode(model)
     assert (wrong - full.logits).abs().max() > 1e-3
 
@@ -295,7 +299,7 @@ def decode_one_token(model: PrismeModel, script: int, budget: int):
                                  ctrl_in=model.controller_stream(st),
                                  router_seen=model.router_inputs(tokens, torch.tensor([[T_CTX - 1]]))[0],
                                  router_tok=model.router_inputs(tokens, torch.tensor([[T_CTX - 1]]))[1])
-            roll = model.rollout_policy(ctx, budget, model.action_cost, lambda_cost=0.0)
+            roll = rollout_policy(model, ctx, check_policy(model, Controller(budget, 0.0)))
             model.logits_from_state(roll.S, ctx, roll.n_edits > 0)
     del model.router.select
     return oc, roll

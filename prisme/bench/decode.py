@@ -144,18 +144,18 @@ class PartTimer:
 
     def __init__(self, model: PrismeModel):
         import prisme.model.bank.cache as bank_cache
-        import prisme.model.routed as routed
+        import prisme.model.plans.budget1 as budget1
+        import prisme.model.plans.routed as routed
 
         self.ns = dict.fromkeys(PARTS, 0)
         self._active = False
         self._undo: list[Callable[[], None]] = []
         for obj, attr, part in ((model, "streams", "backbone"), (bank_cache, "step_entries", "bank"),
-                                (routed, "router_scores", "router"),
-                                (routed, "fired_positions", "decision"),
-                                (routed, "fired_groups", "decision"), (model.editor, "edit_rows", "editor"),
+                                (routed, "router_scores", "router"), (budget1, "router_scores", "router"),
+                                (budget1, "fired_groups", "decision"), (budget1, "edit_group", "editor"),
                                 (model.readout, "forward", "readout"), (model.readout, "edited", "readout"),
                                 (bank_cache.BankCache, "view", "bank"), (bank_cache.BankCache, "read", "bank"),
-                                (model, "rollout_policy", "editor"), (model, "query_state", "editor"),
+                                (routed, "rollout_policy", "editor"), (model, "query_state", "editor"),
                                 (model, "logits_from_state", "readout"),
                                 (model.backbone, "head", "readout"), (model.backbone, "final_norm", "readout"),
                                 (model.backbone, "logits", "readout")):
@@ -195,7 +195,7 @@ def compiled_copy(model: PrismeModel) -> PrismeModel:
     """The same weights with the editor under `torch.compile` (`prisme.model.compiled.compile_editor`: the deployed
     step's fired rows as fixed-shape graphs, `prisme.model.fired`; the router's decision and the backbone stay
     eager)."""
-    from prisme.model.compiled import compile_editor
+    from prisme.model.compiled_editor import compile_editor
 
     twin = PrismeModel(model.cfg, model.decode_options).to(model.backbone.tok_emb.weight.dtype).eval()
     twin.load_state_dict(model.state_dict())

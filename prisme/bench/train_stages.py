@@ -179,7 +179,7 @@ def stage_paths(cfg: PrismeConfig, stage: str, seed: int = 42, batch: int | None
         torch.manual_seed(seed)
         model = PrismeModel(cfg).to(device)
     if compile:
-        from prisme.model.compiled import compile_editor
+        from prisme.model.compiled_editor import compile_editor
 
         compile_editor(model, strict=True)
     objective = scfg.spec.objective(model, scfg).to(device)

@@ -66,7 +66,8 @@ from prisme.bench.vs_hf_report import (
 from prisme.config import PrismeConfig
 from prisme.interop import INSTALL_HINT, hf_available
 from prisme.io import environment
-from prisme.model.compiled import DEFAULT_MODE, CompiledDecoder, compile_decode, decode_step, error_line
+from prisme.model.compiled import DEFAULT_MODE, CompiledDecoder, compile_decode, decode_step
+from prisme.model.compiled_editor import error_line
 
 STREAM_READS = 4  # reads of the 512 MiB buffer per stream_read sample
 

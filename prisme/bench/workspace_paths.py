@@ -55,7 +55,7 @@ def build_models(cfg: PrismeConfig, seed: int, dtype: torch.dtype = torch.float3
     kv.load_state_dict(opt.state_dict())
     models = {v: m.to(device=device, dtype=dtype).eval() for v, m in (("opt", opt), ("opt_kv", kv), ("seed", ref))}
     if compile:  # the seed accounting (every slot's K/V recomputed, in one graph per action group), compiled
-        from prisme.model.compiled import compile_editor
+        from prisme.model.compiled_editor import compile_editor
 
         comp = PrismeModel(cfg.replace(optimised=False))
         comp.load_state_dict(opt.state_dict())
@@ -91,8 +91,8 @@ class SplitTimer:
     """Times the backbone step, the LM head and the workspace methods inside `decode_step`, without changing them.
 
     Installs instance-attribute wrappers on each model (removed on exit): `backbone.streams`, `backbone.head`, and the
-    workspace methods `bank.inputs`, `bank.from_inputs`, `query_state`, `bank_mask`, `rollout_forced`,
-    `logits_from_state` (the head
+    workspace methods `bank.inputs`, `bank.from_inputs`, `query_state`, `bank_mask`, `apply_action` (each step of
+    the rollout), `logits_from_state` (the head
     called inside the readout counts as head). On CUDA each wrapper records CUDA events around its call and nothing
     waits inside the timed region: `ns` reads the events (one synchronisation, after the run). With `label`, each
     wrapped call also opens a `torch.profiler.record_function("prisme::<backbone|head|method name>")` range.
@@ -103,7 +103,7 @@ class SplitTimer:
 
     SECTIONS = ("backbone", "head", "workspace_modules")
     _WORKSPACE_METHODS = (("bank", "inputs"), ("bank", "from_inputs"), ("", "query_state"), ("", "bank_mask"),
-                          ("", "rollout_forced"), ("", "logits_from_state"))  # (the model's attribute, method)
+                          ("", "apply_action"), ("", "logits_from_state"))  # (the model's attribute, method)
 
     @staticmethod
     def label_of(owner: str, name: str) -> str:

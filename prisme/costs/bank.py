@@ -79,7 +79,7 @@ def tables_read_pays(cfg: PrismeConfig, T: int) -> bool:
 def reads_through_tables(cfg: PrismeConfig, T: int, decode: DecodeOptions, router: bool, n_actions: int,
                          controller_steps: int, optimised: bool | str) -> bool:
     """Whether a position's editor reads a bank kept as ids (`decode.bank_store == "ids"`) through the tables
-    (`IdRead`) rather than over entries looked up: the deployed decode step's plan (`prisme.model.routed.decode_plan`'s
+    (`IdRead`) rather than over entries looked up: the deployed decode step's plan (`prisme.model.plans.choose`'s
     "budget1": a router's one action, no controller step after it, on the editor without a slot K/V cache,
     `optimised != SLOT_KV_CACHE`) at a context where that read pays (`tables_read_pays`). Two plans that also run
     such a trace look the entries up and are priced here as that step: a prompt chunk's positions (the "routed" plan)

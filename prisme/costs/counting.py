@@ -31,9 +31,9 @@ class OpsCounter:
     `backbone_attention`, the key shift's `wk_shift` -> `backbone_key_shift`); `backbone.logits` (the head's matmul)
     -> `lm_head`; the bank's projections by their component (`SourceBank.components`), P_ctrl ->
     `controller_input`; the router -> `router`; editor linears by the leaf whose weight they multiply (src_q/src_o,
-    slot_q/slot_kv/slot_o, w13/w2, gate: the editor applies them in functional form); an SDPA inside the editor's
-    `bank_attend` -> `editor_source_attn` (the causal bank, with or without a mask; so do the products of an `IdRead`,
-    the bank kept as ids read through its tables), any other inside an editor block
+    slot_q/slot_kv/slot_o, w13/w2, gate: the editor applies them in functional form); an SDPA inside the bank
+    reader's `bank_attend` (model/bank/read.py) -> `editor_source_attn` (the causal bank, with or without a mask; so
+    do the products of an `IdRead`, the bank kept as ids read through its tables), any other inside an editor block
     -> `editor_slot_attn` (the M slots); controller; readout. Anything else lands in `untagged`. Not counted, by the
     convention: norms, softmax, activations, embeddings, biases.
     Made for CPU runs: on CUDA torch's own SDPA formulas apply.
@@ -153,12 +153,12 @@ class OpsCounter:
 
         backbone.logits = tagged_head  # instance attribute, removed on exit
         self._backbone = backbone
-        editor = self._editor_module = sys.modules[type(self.model.editor).__module__] if getattr(
-            self.model, "editor", None) is not None else None  # (found from the model: costs sit below the model)
-        attend = self._bank_attend = getattr(editor, "bank_attend", None)
+        read = self._read_module = sys.modules.get("prisme.model.bank.read") if getattr(
+            self.model, "editor", None) is not None else None  # (loaded with the model: costs sit below the model)
+        attend = self._bank_attend = getattr(read, "bank_attend", None)
         if attend is not None:  # the editor's cross-attention to the bank, restored on exit
-            editor.bank_attend = self._tagged(attend, "editor_bank")
-        self._id_read = getattr(sys.modules.get("prisme.model.bank.tables"), "IdRead", None)  # (loaded with the model)
+            read.bank_attend = self._tagged(attend, "editor_bank")
+        self._id_read = getattr(read, "IdRead", None)
         if self._id_read is not None:  # the same attention read through the tables: its products, restored on exit
             self._id_read_attend = self._id_read.__dict__["attend"]
             self._id_read.attend = self._tagged(self._id_read_attend, "editor_source_attn")
@@ -181,6 +181,6 @@ class OpsCounter:
         for obj, name in self._methods:
             delattr(obj, name)
         if self._bank_attend is not None:
-            self._editor_module.bank_attend = self._bank_attend
+            self._read_module.bank_attend = self._bank_attend
         if self._id_read is not None:
             self._id_read.attend = self._id_read_attend

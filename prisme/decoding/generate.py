@@ -386,7 +386,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"note: preset {args.preset!r} with random weights (pass --checkpoint for a trained model)",
               file=sys.stderr)
     model = model.to(device).eval()
-    from prisme.model.compiled import maybe_compile
+    from prisme.model.compiled_editor import maybe_compile
 
     maybe_compile(model, getattr(args, "compile", None))
     ids_mode = getattr(args, "prompt_ids", None) is not None

@@ -23,6 +23,8 @@ import torch
 
 from prisme.data.text import IGNORE_INDEX
 from prisme.evaluation.actions import sample_positions
+from prisme.model.policy import StepPolicy
+from prisme.model.rollout import rollout_forced
 
 
 @dataclass
@@ -153,7 +155,7 @@ class Batch:
         rows, pos = self.queries()
         ctx = self.query_ctx()
         acts = actions(tuple(pos.shape), g).to(device=self.x.device, dtype=torch.long).contiguous()  # [B, Q, n]
-        roll = model.rollout_forced(ctx, acts)
+        roll = rollout_forced(model, ctx, StepPolicy(actions=acts))
         logits, _ = model.logits_from_state(roll.S, ctx, roll.n_edits > 0)
         every = actions((B, T), torch.Generator().manual_seed(0))  # the trace it is charged: every position alike
         return Outcome(logits, at=(rows, pos), actions=every)

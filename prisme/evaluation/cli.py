@@ -200,7 +200,7 @@ def main(args: argparse.Namespace) -> int:
     model, meta = load_model(path, map_location=device)
     if getattr(args, "routing_bound", False):  # before the evaluation: the bound runs the trained workspace
         check_routing_bound(model, meta)
-    from prisme.model.compiled import maybe_compile
+    from prisme.model.compiled_editor import maybe_compile
 
     maybe_compile(model, getattr(args, "compile", None))
     matched = None

@@ -1,10 +1,11 @@
 """The policies an evaluation compares (SPEC §5), one small class per family: each plans its rows, runs a row on the
 batch's shared encoding (`prisme.evaluation.batch.Batch`) and returns what it predicted and the trace it paid for.
 
-Families (a row's `family`): the backbone alone (`Backbone`), other backbones scored on the same targets
-(`Reference`: the matched backbone, "backbone+matched", and the frontier's models), fixed / random / dense action
-plans (`Fixed`, `Random`, `Dense`), the controller at each price (`Controller`) with its equal-edits baseline
-(`EqualEdits`), and the greedy oracle (`Oracle`, not deployable: it reads the targets). `standard_policies` builds
+Families (a row's `family`): the backbone alone (`BackboneRows`), other backbones scored on the same targets
+(`ReferenceRows`: the matched backbone, "backbone+matched", and the frontier's models), fixed / random / dense action
+plans (`FixedRows`, `RandomRows`, `DenseRows`), the deployed policy at each price (`ControllerRows`, running a
+`prisme.model.policy.Controller`) with its equal-edits baseline (`EqualEditsRows`), and the greedy oracle
+(`OracleRows`, not deployable: it reads the targets). `standard_policies` builds
 them from family names (the CLI's and the studies' vocabulary); `ROW_KINDS` is what a report needs to know of a
 family (marker, whether it runs the workspace, which of its differences is to itself).
 """
@@ -23,12 +24,13 @@ from prisme.config import PrismeConfig, untrained_for_policy
 from prisme.evaluation.actions import default_lambdas, sample_positions, thinned_actions
 from prisme.evaluation.batch import Batch, Outcome
 from prisme.evaluation.oracle import greedy_oracle
+from prisme.model.policy import Controller
 from prisme.model.prisme import PrismeModel
 
 BUDGETS = (1, 2, 4, 8)
-__all__ = ["ROW_KINDS", "row_family_of_name", "Row", "Policy", "Backbone", "Reference", "Fixed", "Random",
-           "Dense", "Controller", "EqualEdits", "Oracle", "PolicySettings", "standard_policies", "forced_actions",
-           "thinned_actions", "sample_positions", "default_lambdas"]
+__all__ = ["ROW_KINDS", "row_family_of_name", "Row", "Policy", "BackboneRows", "ReferenceRows", "FixedRows",
+           "RandomRows", "DenseRows", "ControllerRows", "EqualEditsRows", "OracleRows", "PolicySettings",
+           "standard_policies", "forced_actions", "thinned_actions", "sample_positions", "default_lambdas"]
 
 
 # ---------------------------------------------------------------------------------------------------------- rows
@@ -124,7 +126,7 @@ class Policy:
         return []
 
 
-class Backbone(Policy):
+class BackboneRows(Policy):
     """The backbone alone: the exact bypass, from the batch's shared encoding."""
 
     kinds = (RowKind("backbone", "s", "C0", backbone_only=True, own_reference="delta_vs_backbone",
@@ -138,7 +140,7 @@ class Backbone(Policy):
         return Outcome(batch.base_logits)
 
 
-class Reference(Policy):
+class ReferenceRows(Policy):
     """Another model's backbone alone, scored on the same targets (`name`: its row). With `matched=True` it is the
     "backbone + matched tokens" baseline: the evaluated backbone trained on as many extra tokens as the workspace
     stage used, and every row gets its paired difference to it (`delta_vs_matched`)."""
@@ -179,7 +181,7 @@ class Reference(Policy):
         return [self.model]
 
 
-class Forced(Policy):
+class ForcedRows(Policy):
     """Forced action plans: n actions of k slots at every scored position (the scorer says which), no controller."""
 
     needs_workspace = True
@@ -201,7 +203,7 @@ class Forced(Policy):
         return batch.run_forced(row.name, lambda shape, g: self.actions(batch.model.cfg, row.n, row.k, shape, g))
 
 
-class Fixed(Forced):
+class FixedRows(ForcedRows):
     """Step r edits slot r mod M (k = 1) or pair M + (r mod M/2) (k = 2) at every position."""
 
     kinds = (RowKind("fixed", "o", "C2", workspace=True, names=r"fixed_\d+xk\d+"),)
@@ -213,7 +215,7 @@ class Fixed(Forced):
         return row.view(1, 1, n).expand(*shape, n)
 
 
-class Random(Forced):
+class RandomRows(ForcedRows):
     """Uniform single slots (k = 1) or pairs (k = 2), drawn from the batch's common random numbers."""
 
     kinds = (RowKind("random", "x", "C3", workspace=True, names=r"random_\d+xk\d+"),)
@@ -223,7 +225,7 @@ class Random(Forced):
         return torch.randint(lo, hi, (*shape, n), generator=generator)
 
 
-class Dense(Forced):
+class DenseRows(ForcedRows):
     """n DENSE actions (every slot attends to the bank at each step)."""
 
     kinds = (RowKind("dense", "^", "C4", workspace=True, names=r"dense_\d+"),)
@@ -239,12 +241,12 @@ class Dense(Forced):
         return torch.full((*shape, n), cfg.dense_action)
 
 
-FORCED = {cls.family: cls for cls in (Fixed, Random, Dense)}
+FORCED = {cls.family: cls for cls in (FixedRows, RandomRows, DenseRows)}
 
 
 def forced_actions(cfg: PrismeConfig, family: str, n: int, k: int, shape: tuple[int, int],
                    generator: torch.Generator | None = None, device: torch.device | None = None) -> torch.Tensor:
-    """Forced actions `[B, T, n]` of a fixed / random / dense policy (`Fixed`, `Random`, `Dense`)."""
+    """Forced actions `[B, T, n]` of a fixed / random / dense policy (`FixedRows`, `RandomRows`, `DenseRows`)."""
     if family not in FORCED:
         raise ValueError(f"forced_actions: unknown family {family!r}; expected one of {list(FORCED)}")
     acts = FORCED[family]().actions(cfg, n, k, shape, generator)
@@ -258,7 +260,7 @@ def _controller_budget(model: PrismeModel, budget: int | None) -> int:
     return R
 
 
-class Controller(Policy):
+class ControllerRows(Policy):
     """The deployed policy (`forward_policy`; with `cfg.router`, the router decides step 0) at each price, each row
     followed by its equal-edits baseline (`equal_edits=True`): the same mean edits spread uniformly."""
 
@@ -269,7 +271,7 @@ class Controller(Policy):
     def __init__(self, lambdas: Sequence[float] | None = None, budget: int | None = None,
                  kappa_risk: float | None = None, equal_edits: bool = True):
         self.lambdas, self.budget, self.kappa_risk = lambdas, budget, kappa_risk
-        self.baseline = EqualEdits() if equal_edits else None
+        self.baseline = EqualEditsRows() if equal_edits else None
 
     def plan(self, model, first_tokens):
         R = _controller_budget(model, self.budget)
@@ -283,8 +285,7 @@ class Controller(Policy):
         return out
 
     def run(self, row, batch):
-        out = batch.model.forward_policy(batch.x, max_budget=row.n, lambda_cost=row.lam, kappa_risk=self.kappa_risk,
-                                         ctx=batch.ctx)
+        out = batch.model.forward_policy(batch.x, ctx=batch.ctx, policy=Controller(row.n, row.lam, self.kappa_risk))
         return Outcome(out.logits, actions=out.actions, steps=out.controller_steps, routed=batch.model.cfg.router,
                        mean_edits=float(out.n_edits.double().mean()))
 
@@ -292,7 +293,7 @@ class Controller(Policy):
         return untrained_for_policy(cfg, groups, row.n)
 
 
-class EqualEdits(Policy):
+class EqualEditsRows(Policy):
     """The controller row's mean edits per position, as fixed round-robin single-slot edits thinned at random
     (seeded per batch) to that mean: the same edit count spread uniformly instead of allocated."""
 
@@ -308,7 +309,7 @@ class EqualEdits(Policy):
         return Outcome(out.logits, actions=out.actions)
 
 
-class Oracle(Policy):
+class OracleRows(Policy):
     """The greedy oracle at each price, at `positions` labelled positions per sequence (None: all of them); its
     trace is charged as if a controller had chosen it (min(n + 1, budget) steps). With `every_position` it knows
     where the scored targets are and stops at once everywhere else: its trace covers every position (one
@@ -351,8 +352,8 @@ class Oracle(Policy):
 
 # ---------------------------------------------------------------------------------------------------------- by name
 POLICY_FAMILIES = ("backbone", "matched", "fixed", "random", "dense", "controller", "oracle")  # the CLI's names
-BY_NAME = {"backbone": Backbone, "fixed": Fixed, "random": Random, "dense": Dense, "controller": Controller,
-           "oracle": Oracle}
+BY_NAME = {"backbone": BackboneRows, "fixed": FixedRows, "random": RandomRows, "dense": DenseRows,
+           "controller": ControllerRows, "oracle": OracleRows}
 
 
 @dataclass(frozen=True)
@@ -412,17 +413,17 @@ def standard_policies(model: PrismeModel, families: Sequence[str] | None = None,
     oracle_prices = s.oracle_lambdas if s.oracle_lambdas is not None else s.lambdas  # None: the controller's grid
     oracle_prices = None if oracle_prices is None else list(oracle_prices)
     made = {
-        "backbone": lambda: Backbone(),
-        "matched": lambda: Reference("backbone+matched", matched, matched=True),
-        "fixed": lambda: Fixed(s.budgets, s.ks),
-        "random": lambda: Random(s.budgets, s.ks),
-        "dense": lambda: Dense(s.budgets),
-        "controller": lambda: Controller(None if s.lambdas is None else list(s.lambdas), s.controller_budget,
+        "backbone": lambda: BackboneRows(),
+        "matched": lambda: ReferenceRows("backbone+matched", matched, matched=True),
+        "fixed": lambda: FixedRows(s.budgets, s.ks),
+        "random": lambda: RandomRows(s.budgets, s.ks),
+        "dense": lambda: DenseRows(s.budgets),
+        "controller": lambda: ControllerRows(None if s.lambdas is None else list(s.lambdas), s.controller_budget,
                                          s.kappa_risk),
-        "oracle": lambda: Oracle(oracle_prices, s.oracle_positions, s.controller_budget),
+        "oracle": lambda: OracleRows(oracle_prices, s.oracle_positions, s.controller_budget),
     }
     out = [made[f]() for f in names]
-    at = max([0] + [i + 1 for i, p in enumerate(out) if isinstance(p, (Backbone, Reference))][:1]
-             + [i + 1 for i, p in enumerate(out) if isinstance(p, Reference)])
-    out[at:at] = [Reference(name, ref) for name, ref in (references or {}).items()]
+    at = max([0] + [i + 1 for i, p in enumerate(out) if isinstance(p, (BackboneRows, ReferenceRows))][:1]
+             + [i + 1 for i, p in enumerate(out) if isinstance(p, ReferenceRows)])
+    out[at:at] = [ReferenceRows(name, ref) for name, ref in (references or {}).items()]
     return out

@@ -12,7 +12,7 @@ min(n + 1, budget) controller steps, as if a controller had chosen its trace. Op
 evaluated sequences (each one is a generated token, labelled or not); the oracle's cover its sampled positions
 (every position with `every_position`). `relative_ops` divides by the backbone alone on the same positions. Both
 accountings are reported: `ops_per_token` is the model's own (`cfg.optimised`), `ops_per_token_alt` the other one.
-Every row gets its paired difference to the backbone; with a matched `Reference`, to it too; every row scored on
+Every row gets its paired difference to the backbone; with a matched `ReferenceRows`, to it too; every row scored on
 the frontier's targets gets its gap to the dense frontier (`EvalOptions.frontier`).
 """
 
@@ -35,10 +35,10 @@ from prisme.devices import synchronize, upload
 from prisme.evaluation.batch import Batch, NextTokenLoss, Outcome, QueryAccuracy
 from prisme.evaluation.policies import (
     ROW_KINDS,
-    Controller,
-    Oracle,
+    ControllerRows,
+    OracleRows,
     Policy,
-    Reference,
+    ReferenceRows,
     Row,
     standard_policies,
 )
@@ -245,8 +245,8 @@ def evaluate_policies(model: PrismeModel, data: Any, policies: Sequence[Policy |
     envelope = frontier_gaps(rows, accs, list(options.frontier or ()), options.bootstrap_samples,
                              options.bootstrap_seed)
     n_tok = sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)
-    oracle = next((p for p in policies if isinstance(p, Oracle)), None)
-    priced = [p for p in policies if isinstance(p, (Controller, Oracle))]
+    oracle = next((p for p in policies if isinstance(p, OracleRows)), None)
+    priced = [p for p in policies if isinstance(p, (ControllerRows, OracleRows))]
     prices = [r.lam for r in priced[0].planned if r.policy is priced[0]] if priced else []  # the first priced grid
     return EvalReport(rows=rows, config=cfg.to_dict(), dataset=repr(data) if hasattr(data, "iter_eval") else
                       f"{len(batches)} given batches", n_tokens=n_tok,
@@ -303,7 +303,7 @@ def _run_batches(model: PrismeModel, plan: list[Row], accs: dict[str, _Acc],
 
         it = tqdm(batches, desc="eval", unit="batch")
     shared: dict[str, Any] = {}  # what lives across batches: the oracle's generator, the random rows' streams
-    matched = next((r for r in plan if isinstance(r.policy, Reference) and r.policy.matched), None)
+    matched = next((r for r in plan if isinstance(r.policy, ReferenceRows) and r.policy.matched), None)
     clock = lambda: synchronize(device) or time.perf_counter()  # noqa: E731 - a row's time includes its device work
     for bi, (x, y) in enumerate(it):
         x, y = upload(x, device), upload(y, device)

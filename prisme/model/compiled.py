@@ -31,7 +31,7 @@ import itertools
 import types
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,9 +39,6 @@ import torch
 from prisme.model import attention as attn
 from prisme.model.attention import CacheStep, KVCache
 from prisme.model.backbone import Backbone, check_tokens
-from prisme.model.editor import blocks_pass
-from prisme.model.fired import fired_path
-from prisme.options import EDITOR_MODE, MIN_POSITIONS, ExecutionOptions
 
 DEFAULT_MODE = "max-autotune-no-cudagraphs"
 CUDA_MODE = "max-autotune"  # on CUDA the step also runs as a CUDA graph: one launch instead of one per kernel
@@ -273,154 +270,3 @@ def compile_decode(backbone: Backbone, batch_size: int, max_len: int | None = No
     step = fixed_step if mode is None else FrozenCompile(fixed_step, mode, False, freeze, cpp_wrapper, math_attention)
     prefill = prompt_step if prefill_mode is None else FrozenCompile(prompt_step, prefill_mode, None, freeze)
     return CompiledDecoder(backbone, cache, mode, prefill_mode, freeze, step, prefill)
-
-
-# ------------------------------------------------------------------------------------------------ the workspace editor
-class CompiledEditor:
-    """`editor.blocks_pass` (one action group through every editor block) under `torch.compile`, one compiled
-    function per (group size k, bank layout, autograd on/off), each with dynamic sizes (positions N, bank length Tb,
-    rows B), so the number of graphs is bounded: at most a few per key, whatever the batch, budget or context; and
-    the deployed decode step's fired rows (`fired`: `prisme.model.fired`), one fixed-shape graph per padded size.
-
-    Built from a model's `ExecutionOptions` (`compile`, `compile_mode`, `min_positions`: `editor_for`, which
-    `PrismeModel.set_execution` calls); `SparseEditor.forward` then routes every action group through it, on the
-    seed-accounting path (each block recomputes the K/V of all M slots of an edited position, inside one graph: the
-    slot K/V cache is neither read nor kept). Its first call per key compiles; if that fails (no C++ compiler, an
-    unsupported op), the editor falls back to the eager `blocks_pass` for the rest of the process with one warning,
-    (groups with fewer than `min_positions` active positions always run eagerly: see `MIN_POSITIONS`)
-    or raises `ValueError` when `strict`. A failed graph never produces an output: the call that failed is rerun
-    eagerly, so no run is ever half-compiled.
-    """
-
-    source: Callable[..., Any] | None = None  # what is compiled (None: `editor.blocks_pass`); `prisme.faults` swaps it
-
-    def __init__(self, mode: str | None = EDITOR_MODE, strict: bool = False, min_positions: int = MIN_POSITIONS):
-        self.mode, self.strict, self.min_positions = mode, strict, min_positions
-        self.cpp_wrapper = False  # the fixed-shape graphs' kernels called from generated C++ (see compile_options)
-        self.graphs: dict[tuple[int, bool, bool], Callable[..., Any]] = {}
-        self.failed: str | None = None
-        self.calls = {"compiled": 0, "eager": 0, "eager_small": 0}  # eager_small: fewer than min_positions
-
-    def _get(self, key: tuple[Any, ...]) -> Callable[..., Any]:
-        fn = self.graphs.get(key)
-        if fn is None:
-            fired = key[0] == "fired"
-            static = fired or key[0] == "static"
-            source = fired_path if fired else CompiledEditor.source or blocks_pass
-            fn = torch.compile(own_code(source), fullgraph=True, dynamic=not static,
-                               options=compile_options(self.mode, cpp_wrapper=fired or static and self.cpp_wrapper))
-            self.graphs[key] = fn
-        return fn
-
-    def static(self, k: int, *args: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """`blocks_pass(*args)` for a decode step of group size k on fixed shapes (all B rows, the bank at its
-        capacity): one graph per (k, B, capacity), each compiled without dynamic sizes, and so without their per-call
-        cost."""
-        return self._call(("static", k, torch.is_grad_enabled()), args)
-
-    def fired(self, key: tuple[Any, ...], args: tuple[Any, ...]) -> torch.Tensor:
-        """`prisme.model.fired.fired_path(*args)`: the deployed step's fired rows of one action group on fixed
-        shapes, one graph per key (action group, padded rows, padded bank, read), its kernels called from generated
-        C++ (measured: the editor's part of one fired row of `recall_T32` ~100 us against ~195 us from Python,
-        ~300 us eager)."""
-        return self._call(("fired", *key, torch.is_grad_enabled()), args)
-
-    def __call__(self, blocks: Any, x: torch.Tensor, st: torch.Tensor, rem: torch.Tensor, S_pos: torch.Tensor,
-                 slots: torch.Tensor, bank_read: tuple[tuple[torch.Tensor, ...], bool]
-                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        args = (blocks, x, st, rem, S_pos, slots, bank_read)
-        if x.shape[0] < self.min_positions:
-            self.calls["eager_small"] += 1
-            return blocks_pass(*args)
-        return self._call((x.shape[1], bool(bank_read[1]), torch.is_grad_enabled()), args)
-
-    def _call(self, key: tuple[Any, ...], args: tuple[Any, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        if self.failed is None:
-            try:
-                if key in self.graphs:
-                    out = self._get(key)(*args)
-                else:  # its first call compiles: Dynamo traces through the config's cached parse of its source
-                    #   terms (a constant here) and says so; nothing to act on
-                    with warnings.catch_warnings():
-                        warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools.lru_cache`")
-                        out = self._get(key)(*args)
-            except Exception as e:  # noqa: BLE001 - any compiler failure: report once, then run eagerly
-                self.failed = error_line(e)
-                if self.strict:
-                    raise ValueError(f"--compile: the editor could not be compiled ({self.failed})") from e
-                warnings.warn(f"prisme: compiling the editor failed ({self.failed}); running it eagerly",
-                              stacklevel=2)
-            else:
-                self.calls["compiled"] += 1
-                return out
-        self.calls["eager"] += 1
-        return (fired_path if key[0] == "fired" else blocks_pass)(*args)
-
-
-def error_line(e: BaseException) -> str:
-    """`Type: first line of the message` (at most 300 characters): how a compiler failure is reported."""
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
-
-
-def compiler_available() -> str | None:
-    """None if torch.compile's CPU backend can build a kernel here, else why not (checked once, by compiling a tiny
-    function)."""
-    global _COMPILER_PROBE
-    if _COMPILER_PROBE is None:
-        try:
-            f = torch.compile(own_code(_probe), fullgraph=True)
-            with torch.no_grad():
-                ok = bool(torch.equal(f(torch.arange(4.0)), _probe(torch.arange(4.0))))
-            _COMPILER_PROBE = "" if ok else "a compiled probe gave a wrong result"
-        except Exception as e:  # noqa: BLE001
-            _COMPILER_PROBE = error_line(e)
-    return _COMPILER_PROBE or None
-
-
-def _probe(x: torch.Tensor) -> torch.Tensor:
-    return torch.sin(x) * 2 + 1
-
-
-_COMPILER_PROBE: str | None = None
-
-
-def editor_for(execution: ExecutionOptions) -> CompiledEditor | None:
-    """The `CompiledEditor` that `execution.compile` asks for, or None: "off", or where torch.compile cannot work (no
-    C++ compiler, ...): then one warning and the eager editor ("auto"), or a ValueError ("strict")."""
-    if execution.compile == "off":
-        return None
-    why = compiler_available()
-    if why is not None:
-        if execution.compile == "strict":
-            raise ValueError(f"--compile: torch.compile does not work here ({why})")
-        warnings.warn(f"prisme: torch.compile does not work here ({why}); the editor runs eagerly", stacklevel=3)
-        return None
-    return CompiledEditor(execution.compile_mode, execution.compile == "strict", execution.min_positions)
-
-
-def compile_editor(model: Any, mode: str | None = EDITOR_MODE, strict: bool = False,
-                   min_positions: int = MIN_POSITIONS) -> bool:
-    """`model.set_execution` with its execution options' `compile` set ("strict" with `strict`, else "auto"): the
-    editor under a `CompiledEditor` (see there). Returns True if it compiles here.
-
-    Where torch.compile cannot work (no C++ compiler, ...), prints nothing, leaves the eager editor and returns False
-    after one warning; with `strict`, raises `ValueError` instead. `uncompile_editor` undoes it.
-    """
-    if getattr(model, "editor", None) is None:
-        raise ValueError("compile_editor needs a model with a workspace (use_workspace=True)")
-    return model.set_execution(replace(model.execution, compile="strict" if strict else "auto", compile_mode=mode,
-                                       min_positions=min_positions))
-
-
-def uncompile_editor(model: Any) -> None:
-    """Back to the eager editor (and its slot K/V cache where the model's execution options keep one)."""
-    model.set_execution(replace(model.execution, compile="off"))
-
-
-def maybe_compile(model: Any, how: str | None) -> bool:
-    """`compile_editor` as a `compile` setting asks (`checks.COMPILE_SETTINGS`; None or "off": leave the model
-    eager); True if the editor is now compiled."""
-    if how in (None, "off") or getattr(model, "editor", None) is None:
-        return False
-    return compile_editor(model, strict=how == "strict")

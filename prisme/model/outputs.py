@@ -1,5 +1,6 @@
 """What the model's passes hand each other: the backbone's streams, an encoded context (bank, queries, initial
-workspace), a rollout's final workspace and trace, and the forward's output."""
+workspace, the copy head's inputs), an edit's record and slot K/V cache, a rollout's final workspace and trace, the
+forward's output and a decode step's."""
 
 from __future__ import annotations
 
@@ -7,7 +8,33 @@ from dataclasses import dataclass
 
 import torch
 
-from prisme.model.editor import EditInfo
+
+@dataclass
+class SlotKV:
+    """Per-block slot keys/values `[B, Tq, M, 2w]` of the current workspace, and which positions have them."""
+
+    kv: list[torch.Tensor]
+    ready: torch.Tensor  # [B, Tq] bool
+
+    @classmethod
+    def empty(cls, S: torch.Tensor, n_blocks: int) -> SlotKV:
+        B, Tq, M, w = S.shape
+        kv = [S.new_zeros(B, Tq, M, 2 * w) for _ in range(n_blocks)]
+        return cls(kv=kv, ready=torch.zeros(B, Tq, dtype=torch.bool, device=S.device))
+
+
+@dataclass
+class EditInfo:
+    """What one editor call did: how many positions it edited, and each block's gate values."""
+
+    n_positions: int
+    gates: list[list[torch.Tensor]]  # per block: gate values of each action group
+    slot_kv: SlotKV | None = None
+
+    @property
+    def gate_mean(self) -> list[torch.Tensor]:
+        """Per block, the mean gate over every edited slot (empty when nothing was edited)."""
+        return [torch.cat([g.flatten() for g in gs]).mean() for gs in self.gates if gs]
 
 
 @dataclass
@@ -80,3 +107,15 @@ class PrismeOutput:
     ctx: EncodedContext | None = None  # with return_state
     S_final: torch.Tensor | None = None  # with return_state
     infos: list[EditInfo] | None = None  # with return_state
+
+
+@dataclass
+class StepOutput:
+    """What one `DecodeState.decode_step` (or `prefill`) computed for its Q query positions per row."""
+
+    logits: torch.Tensor | None  # [B, Q, V]; None for prefill(logits="none")
+    actions: torch.Tensor  # [B, Q, R] applied actions, STOP-absorbed (STOP at padding); R = 0 on the bypass
+    n_edits: torch.Tensor  # [B, Q] non-STOP actions per position
+    controller_steps: torch.Tensor  # [B, Q] controller evaluations per position (0 for forced actions)
+    positions: torch.Tensor  # [B, Q] absolute position of each query (its context is position + 1)
+    valid: torch.Tensor  # [B, Q] bool: real positions (False at right padding)

@@ -1,8 +1,8 @@
 """What the workspace runs, as one typed argument: the deployed policy (`Controller`: the controller, and on a
 router model the router at step 0) or forced actions (`Forced`), each checked when it is made; `BACKBONE` is the
 bypass. A controller given no price runs at its model's default (`Price`: 0.0 unless the model was loaded from a
-checkpoint whose config set one). A decode state checks a policy against its model once per call (`StepPolicy`, what
-its paths read). Also what a routed decode step reads of the decode state that calls it (`DecodeRows`).
+checkpoint whose config set one). Every call checks its policy against its model once (`check_policy` ->
+`StepPolicy`, the one form the rollouts and the decode plans read; a decode state keeps it per policy object).
 
 Notation: B rows, Q query positions per row, R action steps, A actions.
 
@@ -14,16 +14,12 @@ Notation: B rows, Q query positions per row, R action steps, A actions.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.nn as nn
 
-from prisme.checks import check_price, is_int, is_number
-from prisme.config import PrismeConfig
-from prisme.model.attention import KVCache
-from prisme.model.bank import BankCache
-from prisme.options import DecodeOptions
+from prisme.checks import check_max_budget, check_price, is_int, is_number
+from prisme.model.workspace import check_cost, check_forced
 
 
 @dataclass(frozen=True, eq=False)
@@ -104,8 +100,10 @@ Policy = Controller | Forced
 
 @dataclass
 class StepPolicy:
-    """Checked workspace arguments of one call: a controller policy (max_budget >= 0; 0 is the bypass) or forced
-    actions with their budgets."""
+    """A policy checked against its model once (`check_policy`), in the one form every path below the surface reads
+    (`forward_policy`, the rollouts, every decode plan): a controller policy (max_budget >= 0, 0 the bypass) with
+    its price filled in (the model's default where none was given) and its cost vector checked, or forced actions
+    with their budgets."""
 
     max_budget: int = 0
     lambda_cost: float | None = None
@@ -132,14 +130,41 @@ class StepPolicy:
         return StepPolicy(actions=self.actions[idx], budget=self.budget[idx])
 
 
-class DecodeRows(Protocol):
-    """What a routed decode step (`prisme.model.routed`) reads of the `prisme.model.state.DecodeState` calling it."""
-
-    model: nn.Module  # the PrismeModel
-    cfg: PrismeConfig
-    cache: KVCache  # the backbone's
-    bank: BankCache
-    options: DecodeOptions
-
-    @property
-    def lengths(self) -> list[int]: ...
+def check_policy(model: nn.Module, policy: Controller | Forced | None, shape: tuple[int, int] | None = None,
+                 tokens: torch.Tensor | None = None) -> StepPolicy:
+    """`policy` checked against `model`, once (the only place a budget is checked and a default price filled in):
+    None or a zero budget is the bypass; a `Controller`'s budget must lie in [0, r_max] (0 without a workspace) and
+    its cost vector hold A finite prices >= 0 (None: the model's `action_cost`); `Forced` actions `[B, Q, R]` must be
+    valid ids with budgets in [1, r_max] for queries of `shape` (B, Q) (or those of `tokens` `[B, Q]`). A
+    `target_cost` is found by calibration in generation (`prisme.decoding.generate`), never here. ValueError naming
+    what is wrong."""
+    cfg = model.cfg
+    if policy is None:
+        return StepPolicy()
+    if isinstance(policy, Forced):
+        actions, budget = policy.actions, policy.budget
+        if tokens is None:
+            if tuple(actions.shape[:2]) != tuple(shape):
+                raise ValueError(f"forced actions must have shape [B, Q, R] = [{shape[0]}, {shape[1]}, R], got "
+                                 f"{tuple(actions.shape)}")
+            if actions.shape[-1] == 0:
+                return StepPolicy()
+            tokens = torch.zeros(shape, dtype=torch.long, device=actions.device)
+        if not cfg.use_workspace and actions.shape[-1] > 0:
+            raise ValueError("this model has no workspace (use_workspace=False): forced actions need one")
+        if budget is not None and torch.is_tensor(budget):
+            budget = budget.to(actions.device)
+        budget = check_forced(cfg, tokens, actions, budget)  # ids, R <= r_max, budgets in [1, r_max]
+        return StepPolicy(actions=actions.long(), budget=budget)
+    if not isinstance(policy, Controller):
+        raise ValueError(f"policy must be a prisme.model.policy.Controller or Forced (or None: the backbone "
+                         f"alone), got {type(policy).__name__}")
+    if policy.target_cost is not None:
+        raise ValueError("target_cost is found by calibration in generate(); a decode step takes lambda_cost")
+    check_max_budget(policy.max_budget, cfg.r_max)
+    if policy.max_budget == 0:
+        return StepPolicy()
+    check_max_budget(policy.max_budget, cfg.r_max, cfg.use_workspace)
+    lam, kap = model.default_price.fill(policy.lambda_cost, policy.kappa_risk)
+    return StepPolicy(max_budget=policy.max_budget, lambda_cost=lam, kappa_risk=kap,
+                      cost=check_cost(policy.cost, model.action_cost))

@@ -23,21 +23,21 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from prisme.checks import check_max_budget
 from prisme.config import PrismeConfig, source_layer
 from prisme.model.backbone import Backbone
 from prisme.model.bank import SourceBank, decoded_query
 from prisme.model.controller import ValueController
 from prisme.model.copy import CopyHead, CopyInputs, copy_inputs
-from prisme.model.editor import EditInfo, SlotKV, SparseEditor
+from prisme.model.editor import EditInfo, EditorRun, SlotKV, SparseEditor
 from prisme.model.groups import ParameterGroups
 from prisme.model.outputs import EncodedContext, PrismeOutput, Rollout, Streams
-from prisme.model.policy import Price, StepPolicy
+from prisme.model.plans import editor_run
+from prisme.model.policy import Controller, Forced, Price, StepPolicy, check_policy
 from prisme.model.readout import DifferentialReadout
-from prisme.model.rollout import rollout_forced, rollout_policy
+from prisme.model.rollout import rollout
 from prisme.model.router import Router, router_features
 from prisme.model.state import DecodeState
-from prisme.model.workspace import bank_mask, check_cost, check_forced, init_workspace, slot_counts
+from prisme.model.workspace import bank_mask, init_workspace, slot_counts
 from prisme.options import EAGER, DecodeOptions, ExecutionOptions
 
 
@@ -90,23 +90,20 @@ class PrismeModel(ParameterGroups, nn.Module):
         self.set_execution(EAGER if execution is None else execution)
 
     def set_execution(self, execution: ExecutionOptions) -> bool:
-        """Run the editor as `execution` (`prisme.options.ExecutionOptions`) says: with or without its slot K/V cache,
-        eager or compiled (a `CompiledEditor` built here: `prisme.model.compiled.editor_for`; where torch.compile
-        cannot work, one warning and the eager editor, or a ValueError for compile="strict"). Returns whether the
-        editor now runs compiled."""
+        """Run the editor as `execution` (`prisme.options.ExecutionOptions`) says unless a call says otherwise (a
+        decode state has options of its own: `new_decode_state(..., execution=...)`): with or without its slot K/V
+        cache, eager or compiled (`prisme.model.plans.editor_run`: a `CompiledEditor`, one per distinct options,
+        kept; where torch.compile cannot work, one warning and the eager editor, or a ValueError for
+        compile="strict"). Returns whether the editor now runs compiled."""
         if not isinstance(execution, ExecutionOptions):
             raise ValueError(f"execution must be a prisme.options.ExecutionOptions, got {type(execution).__name__}")
         if execution.compile != "off" and not self.cfg.use_workspace:
             raise ValueError("compiling the editor needs a model with a workspace (use_workspace=True)")
-        compiled = None
-        if execution.compile != "off":
-            from prisme.model.compiled import editor_for
-
-            compiled = editor_for(execution)
         self.execution = execution
-        if self.cfg.use_workspace:
-            self.editor.set_execution(execution, compiled)
-        return compiled is not None
+        if not self.cfg.use_workspace:
+            return False
+        self.editor.run = editor_run(self, execution)
+        return self.editor.run.compiled is not None
 
     def _init_std(self, module: nn.Module, name: str, p: nn.Parameter) -> float:
         """"seed": every matrix at init_std. "fan_in": the bank, editor and readout projections at 1/sqrt(fan_in),
@@ -255,19 +252,21 @@ class PrismeModel(ParameterGroups, nn.Module):
     bank_mask = staticmethod(bank_mask)  # `prisme.model.workspace.bank_mask`
 
     # ------------------------------------------------------------------ one action, readout
-    def new_slot_kv(self, S0: torch.Tensor) -> SlotKV | None:
-        """The editor's slot K/V cache for a fresh workspace (None unless the editor keeps one: its `slot_kv_cache`)."""
-        return SlotKV.empty(S0, self.cfg.n_edit_blocks) if self.editor.slot_kv_cache else None
+    def new_slot_kv(self, S0: torch.Tensor, run: EditorRun | None = None) -> SlotKV | None:
+        """The editor's slot K/V cache for a fresh workspace (None unless its run keeps one: `EditorRun.slot_kv`;
+        `run` None: the editor's own)."""
+        return SlotKV.empty(S0, self.cfg.n_edit_blocks) if (run or self.editor.run).slot_kv else None
 
     def apply_action(self, S: torch.Tensor, ctx: EncodedContext, action: torch.Tensor, step: int | torch.Tensor,
-                     remaining: int | torch.Tensor, slot_kv: SlotKV | None = None) -> tuple[torch.Tensor, EditInfo]:
+                     remaining: int | torch.Tensor, slot_kv: SlotKV | None = None, run: EditorRun | None = None
+                     ) -> tuple[torch.Tensor, EditInfo]:
         """Edit the slots of `action` `[B, Tq]` at every position; returns (S_new, info). S is not modified."""
         B, Tq = action.shape
         if not torch.is_tensor(step):
             step = torch.full((B, Tq), int(step), device=S.device, dtype=torch.long)
         if not torch.is_tensor(remaining):
             remaining = torch.full((B, Tq), int(remaining), device=S.device, dtype=torch.long)
-        return self.editor(S, ctx.K, ctx.V, ctx.bank_mask, action, step, remaining, slot_kv)
+        return self.editor(S, ctx, action, step, remaining, slot_kv, run)
 
     def logits_from_state(self, S: torch.Tensor, ctx: EncodedContext, edited: torch.Tensor | None = None,
                           head: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -292,17 +291,6 @@ class PrismeModel(ParameterGroups, nn.Module):
         return self.output(H, ctx.copy, head), delta
 
     # ------------------------------------------------------------------ rollouts (shared with decoding)
-    def rollout_forced(self, ctx: EncodedContext, actions: torch.Tensor,
-                       budget: torch.Tensor | None = None) -> Rollout:
-        """`prisme.model.rollout.rollout_forced` of this model."""
-        return rollout_forced(self, ctx, actions, budget)
-
-    def rollout_policy(self, ctx: EncodedContext, max_budget: int, cost: torch.Tensor,
-                       lambda_cost: float | None = None, kappa_risk: float | None = None,
-                       on_step: object | None = None, first: torch.Tensor | None = None) -> Rollout:
-        """`prisme.model.rollout.rollout_policy` of this model."""
-        return rollout_policy(self, ctx, max_budget, cost, lambda_cost, kappa_risk, on_step, first)
-
     # ------------------------------------------------------------------ forward passes
     def forward(self, tokens: torch.Tensor, actions: torch.Tensor | None = None,
                 budget: int | torch.Tensor | None = None, return_state: bool = False,
@@ -326,46 +314,55 @@ class PrismeModel(ParameterGroups, nn.Module):
                 raise ValueError("this model has no workspace (use_workspace=False): actions must be None")
             H = self.backbone(tokens)
             return PrismeOutput(logits=self.output(H, self.copy_inputs(tokens)), H=H)
-        budget = check_forced(cfg, tokens, actions, budget)
+        ws = check_policy(self, Forced(actions, budget), tokens=tokens)  # ids, R <= r_max, budgets in [1, r_max]
         ctx = self.encode(tokens) if ctx is None else ctx
-        return self._output(ctx, StepPolicy(actions=actions, budget=budget), return_state)
+        return self._output(ctx, ws, return_state)
 
     @torch.no_grad()
-    def forward_policy(self, tokens: torch.Tensor, max_budget: int, cost: torch.Tensor | None = None,
+    def forward_policy(self, tokens: torch.Tensor, max_budget: int | None = None, cost: torch.Tensor | None = None,
                        lambda_cost: float | None = None, kappa_risk: float | None = None,
-                       return_state: bool = False, ctx: EncodedContext | None = None) -> PrismeOutput:
-        """Teacher-forced parallel rollout of the deployed controller at every position (evaluation only); returns
-        logits and the action trace `[B, T, max_budget]`. cost: `[A]` price per action (default: the cost model's
-        proxy at `cfg.cost_context`); ctx: as in `forward`."""
-        cfg = self.cfg
-        check_max_budget(max_budget, cfg.r_max, cfg.use_workspace)
-        if max_budget == 0:
+                       return_state: bool = False, ctx: EncodedContext | None = None,
+                       policy: Controller | None = None) -> PrismeOutput:
+        """Teacher-forced parallel rollout of the deployed policy at every position (evaluation only); returns logits
+        and the action trace `[B, T, max_budget]`.
+
+        Args:
+            policy: the `prisme.model.policy.Controller` to run; or, in the seed's call form, its fields: `max_budget`,
+                `cost` `[A]` the price per action (default: the cost model's proxy at `cfg.cost_context`),
+                `lambda_cost` and `kappa_risk` (default: the model's price). Either is checked once
+                (`check_policy`).
+            ctx: as in `forward`.
+        """
+        if policy is None:
+            policy = Controller(max_budget, lambda_cost, kappa_risk, cost)
+        elif not isinstance(policy, Controller) or (max_budget, cost, lambda_cost, kappa_risk) != (None,) * 4:
+            raise ValueError("forward_policy: give a Controller as policy=, or its fields (max_budget, cost, "
+                             "lambda_cost, kappa_risk), not both")
+        ws = check_policy(self, policy)
+        if ws.n_steps == 0:
             H = self.backbone(tokens)
             zeros = torch.zeros(tokens.shape, dtype=torch.long, device=tokens.device)
             return PrismeOutput(logits=self.output(H, self.copy_inputs(tokens)), H=H, n_edits=zeros,
                                 controller_steps=zeros, actions=zeros.unsqueeze(-1)[..., :0])
-        cost = check_cost(cost, self.action_cost)
         ctx = self.encode(tokens) if ctx is None else ctx
-        policy = StepPolicy(max_budget=max_budget, lambda_cost=lambda_cost, kappa_risk=kappa_risk, cost=cost)
-        return self._output(ctx, policy, return_state)
+        return self._output(ctx, ws, return_state)
 
-    def run_workspace(self, ctx: EncodedContext, policy: StepPolicy, valid: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor, Rollout]:
+    def run_workspace(self, ctx: EncodedContext, policy: StepPolicy, valid: torch.Tensor | None = None,
+                      run: EditorRun | None = None) -> tuple[torch.Tensor, torch.Tensor, Rollout]:
         """The workspace pipeline: the queries of `ctx` (built by `context`) run `policy` (forced actions, or the
-        controller with the router at step 0 on a router model) and read out. `forward`, `forward_policy`,
-        evaluation and the decode state's general plan all run this; a decode state's fast plans ("budget1",
-        "routed": `prisme.model.routed`) compute the same at the positions where the router fired.
+        controller with the router at step 0 on a router model: `prisme.model.rollout`) and read out. `forward`,
+        `forward_policy`, evaluation and the decode plans "general" and "static" all run this; the plans "routed" and
+        "budget1" (`prisme.model.plans`) compute the same at the positions where the router fired.
 
         Args:
+            policy: the checked policy (`prisme.model.policy.check_policy`).
             valid: `[B, Tq]` the real queries (None: all are); the others' traces, edits and controller steps are
                 dropped (STOP, 0), and they read out as not edited.
+            run: how the editor runs (None: its own; a decode plan passes its state's).
         Returns:
             (logits `[B, Tq, V]`, the readout's correction `[B, Tq, d]`, the rollout).
         """
-        if policy.actions is not None:
-            roll = self.rollout_forced(ctx, policy.actions, policy.budget)
-        else:
-            roll = self.rollout_policy(ctx, policy.max_budget, policy.cost, policy.lambda_cost, policy.kappa_risk)
+        roll = rollout(self, ctx, policy, run)
         if valid is not None:  # padding queries ran along (per-position independent); their results are dropped
             roll = Rollout(roll.S, roll.actions.masked_fill(~valid.unsqueeze(-1), self.cfg.stop_action),
                            roll.n_edits.masked_fill(~valid, 0), roll.controller_steps.masked_fill(~valid, 0),
@@ -393,7 +390,9 @@ class PrismeModel(ParameterGroups, nn.Module):
         return out
 
     def new_decode_state(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None,
-                         bank: bool | None = None, options: DecodeOptions | None = None) -> DecodeState:
+                         bank: bool | None = None, options: DecodeOptions | None = None,
+                         execution: ExecutionOptions | None = None) -> DecodeState:
         """Allocate a `prisme.model.state.DecodeState` (backbone KV cache, source bank, per-row lengths); `options`:
-        how it keeps the bank (`prisme.options.DecodeOptions`; None: `self.decode_options`)."""
-        return DecodeState(self, batch_size, max_len, dtype, bank, options)
+        how it keeps the bank (`prisme.options.DecodeOptions`; None: `self.decode_options`), `execution`: how its
+        editor runs (`prisme.options.ExecutionOptions`; None: `self.execution`), so one model decodes either way."""
+        return DecodeState(self, batch_size, max_len, dtype, bank, options, execution)

@@ -7,11 +7,12 @@ position, T_max the state's capacity, V vocab, d backbone width, w workspace wid
 A `DecodeState` (allocated by `PrismeModel.new_decode_state`) owns the backbone's KV cache, the source bank's cache
 (`bank`: `prisme.model.bank.BankCache`, its entries or token ids, as its `DecodeOptions` say) and each row's length.
 Every new position takes the same path as in the parallel `forward_policy`: one backbone step with the cache; its bank
-entry appended (only new positions are projected); then its own workspace, run by the model's own methods on an
-`EncodedContext` whose queries are the new positions and whose bank is the cache (`rollout_policy`, or
-`rollout_forced` for forced actions, then `logits_from_state`). Reusing those methods is what makes decoding exact:
-forced-token decoding in chunks of any size gives, in float64, the logits (to ~1e-12) and action traces of one
-teacher-forced `forward_policy` call (tests/test_generate.py).
+entry appended (only new positions are projected); then its own workspace, run by the decode plan that
+`prisme.model.plans.choose` picks for the call (its policy, its query count, the state's execution options), each
+plan the model's own methods on the new positions against the cache. Reusing those methods is what makes decoding
+exact: forced-token decoding in chunks of any size gives, in float64, the logits (to ~1e-12) and action traces of one
+teacher-forced `forward_policy` call (tests/test_generate.py). A model with a copy head (`cfg.copy_head`) keeps its
+token ids and the match lengths of each row's last position (`prisme.model.bank.suffix`) for it.
 
 Ragged batches: rows are right-padded and carry their own lengths; `n_new[b]` says how many of a chunk's C tokens of
 row b are real. Outputs at padding positions are unspecified (`StepOutput.valid` marks the real ones); rows with no
@@ -23,33 +24,20 @@ Every public entry point checks its whole input before it touches the state: a V
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
-from prisme.checks import check_max_budget, is_int
+from prisme.checks import is_int
 from prisme.model.backbone import check_tokens
 from prisme.model.bank import BankCache
-from prisme.model.outputs import Streams
-from prisme.model.policy import Controller, Forced, StepPolicy
-from prisme.model.routed import decode_plan, routed_workspace
-from prisme.model.workspace import check_cost, check_forced
-from prisme.options import DecodeOptions
+from prisme.model.bank.suffix import query_lengths, step_lengths
+from prisme.model.outputs import CopyInputs, StepOutput, Streams
+from prisme.model.plans import DecodePlan, choose, editor_run, static_run
+from prisme.model.policy import Controller, Forced, StepPolicy, check_policy
+from prisme.options import DecodeOptions, ExecutionOptions
 
 LOGITS_MODES = ("last", "all", "none")
-
-
-@dataclass
-class StepOutput:
-    """What one `decode_step` (or `prefill`) computed for its Q query positions per row."""
-
-    logits: torch.Tensor | None  # [B, Q, V]; None for prefill(logits="none")
-    actions: torch.Tensor  # [B, Q, R] applied actions, STOP-absorbed (STOP at padding); R = 0 on the bypass
-    n_edits: torch.Tensor  # [B, Q] non-STOP actions per position
-    controller_steps: torch.Tensor  # [B, Q] controller evaluations per position (0 for forced actions)
-    positions: torch.Tensor  # [B, Q] absolute position of each query (its context is position + 1)
-    valid: torch.Tensor  # [B, Q] bool: real positions (False at right padding)
 
 
 class DecodeState:
@@ -65,15 +53,16 @@ class DecodeState:
             backbone alone (`max_budget=0`) and pays nothing for the bank, as the cost model's budget-0 row assumes.
         options: how the bank is kept and served (`prisme.options.DecodeOptions`; default: the model's
             `decode_options`), checked against the model.
+        execution: how the editor runs (`prisme.options.ExecutionOptions`: eager or compiled, the slot K/V cache;
+            default: the model's `execution`), so one model decodes either way; resolved once
+            (`prisme.model.plans.editor_run`).
     """
 
     def __init__(self, model: nn.Module, batch_size: int, max_len: int | None = None,
-                 dtype: torch.dtype | None = None, bank: bool | None = None, options: DecodeOptions | None = None):
+                 dtype: torch.dtype | None = None, bank: bool | None = None, options: DecodeOptions | None = None,
+                 execution: ExecutionOptions | None = None):
         cfg = model.cfg
         param = model.backbone.tok_emb.weight
-        if cfg.copy_head:
-            raise ValueError("decoding a model with a copy head (copy_head=True) is not supported yet: score it with "
-                             "model(tokens) or forward_policy")
         if not is_int(batch_size) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         if max_len is not None and not is_int(max_len):
@@ -89,6 +78,16 @@ class DecodeState:
             raise ValueError(f"options must be a prisme.options.DecodeOptions (or None: the model's), got "
                              f"{type(options).__name__}")
         self.options = options.check(cfg)
+        execution = model.execution if execution is None else execution
+        if not isinstance(execution, ExecutionOptions):
+            raise ValueError(f"execution must be a prisme.options.ExecutionOptions (or None: the model's), got "
+                             f"{type(execution).__name__}")
+        if execution.compile != "off" and not cfg.use_workspace:
+            raise ValueError("compiling the editor needs a model with a workspace (use_workspace=True)")
+        self.execution = execution
+        self.run = editor_run(model, execution) if cfg.use_workspace else None
+        self.static_run = None if self.run is None else static_run(self.run, execution)
+        self._plans: dict[tuple[int, int], tuple[object, StepPolicy, DecodePlan]] = {}  # per policy object and Q
         self.model = model
         self.cfg = cfg
         self.cache = model.backbone.new_cache(batch_size, max_len, param.dtype)
@@ -96,7 +95,14 @@ class DecodeState:
         self.max_len = self.cache.max_len
         self.has_bank = bank
         reads_ids = cfg.router and (cfg.router_ngram > 0 or cfg.router_token)  # the router's features read the ids
+        reads_ids = reads_ids or cfg.copy_head  # ... and the copy head does
         self.bank = BankCache(model.bank, batch_size, self.max_len, param, reads_ids, options) if bank else None
+        long = dict(dtype=torch.long, device=param.device)
+        self.ids = (self.bank.ids if self.bank is not None and self.bank.ids is not None else
+                    torch.zeros(batch_size, self.max_len, **long) if cfg.copy_head else None)  # [B, T_max]
+        self.copy_row = torch.zeros(batch_size, self.max_len, dtype=torch.uint8, device=param.device) \
+            if cfg.copy_head else None  # [B, T_max]: the match lengths of each row's last position
+        self._copy_at: int | None = None  # the position copy_row belongs to (rows aligned), None: not kept
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -124,6 +130,7 @@ class DecodeState:
             raise ValueError(f"the bank shift keeps each row's last position only: this state rewinds to 0 or to its "
                              f"rows' length, not from {self.lengths} to {length}")
         self.cache.truncate(length)
+        self._copy_at = None
         if self.bank is not None:
             self.bank.forget_grams()
         if length == 0 and self.bank is not None:
@@ -133,8 +140,11 @@ class DecodeState:
     def reset(self) -> None:
         """Forget every row (lengths to 0; buffers zeroed so stale entries can never leak)."""
         self.cache.reset()
+        self._copy_at = None
         if self.bank is not None:
             self.bank.reset()
+        if self.ids is not None:
+            self.ids.zero_()
 
     @torch.no_grad()
     def fill_synthetic(self, length: int, generator: torch.Generator | None = None, draw: bool = True
@@ -185,7 +195,7 @@ class DecodeState:
         self._check_rows(B)
         n_new = self._check_n_new(n_new, C)
         self._check_capacity(n_new)
-        return self._step(tokens, n_new, self._check_policy(B, C, policy))
+        return self._step(tokens, n_new, *self._check_policy(B, C, policy))
 
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, lengths: Sequence[int] | torch.Tensor | None = None,
@@ -214,11 +224,12 @@ class DecodeState:
         Q = {"all": T, "last": 1, "none": 0}[logits]
         if logits == "none" and policy is not None and not (isinstance(policy, Controller) and policy.max_budget == 0):
             raise ValueError('prefill(logits="none") runs no workspace: its policy must be None (the backbone alone)')
-        ws = self._check_policy(B, Q, policy)
+        ws, plan = self._check_policy(B, Q, policy)
         chunks = [(i, min(chunk, T - i)) for i in range(0, T, chunk)]
         n_new = [[min(max(n - i, 0), c) for n in lengths] for i, c in chunks]  # real tokens of each chunk per row
-        if logits == "all":
-            outs = [self._step(tokens[:, i:i + c], n, ws.narrow(i, c)) for (i, c), n in zip(chunks, n_new)]
+        if logits == "all":  # each chunk its own queries: its plan for its count
+            outs = [self._step(tokens[:, i:i + c], n, ws.narrow(i, c), choose(self, ws.narrow(i, c), c))
+                    for (i, c), n in zip(chunks, n_new)]
             return StepOutput(logits=torch.cat([o.logits for o in outs], 1),
                               **{f: torch.cat([getattr(o, f) for o in outs], 1)
                                  for f in ("actions", "n_edits", "controller_steps", "positions", "valid")})
@@ -234,10 +245,10 @@ class DecodeState:
                                                            for k in parts[0].src},
                      tokens)  # [B, T, d] each
         last = (torch.tensor(lengths, device=dev) - 1).unsqueeze(1)  # [B, 1]
-        return self._workspace(st.index(torch.arange(B, device=dev).unsqueeze(1), last), pos, None, None, ws)
+        return self._workspace(st.index(torch.arange(B, device=dev).unsqueeze(1), last), pos, None, None, ws, plan)
 
     # ------------------------------------------------------------------ internals (inputs already checked)
-    def _step(self, tokens: torch.Tensor, n_new: list[int], ws: StepPolicy) -> StepOutput:
+    def _step(self, tokens: torch.Tensor, n_new: list[int], ws: StepPolicy, plan: DecodePlan) -> StepOutput:
         B, C = tokens.shape
         start = self.lengths
         offsets = torch.arange(C, device=tokens.device)  # [C]
@@ -247,10 +258,10 @@ class DecodeState:
             pos = self.cache.lengths_tensor(tokens.device).unsqueeze(1) + offsets  # [B, C]
         st = self._advance(tokens, n_new)  # H [B, C, d] and the source streams
         if all(n == C for n in n_new):
-            return self._workspace(st, pos, None, None, ws)
+            return self._workspace(st, pos, None, None, ws, plan)
         valid = offsets < torch.tensor(n_new, device=tokens.device)[:, None]  # [B, C]
         keep = [b for b in range(B) if n_new[b] > 0]
-        return self._workspace(st, pos, valid, keep, ws)
+        return self._workspace(st, pos, valid, keep, ws, plan)
 
     def _advance(self, tokens: torch.Tensor, n_new: list[int]) -> Streams:
         """Backbone step with the cache, then append the new positions' bank entries. Returns their streams
@@ -262,60 +273,43 @@ class DecodeState:
         st = self.model.streams(tokens, self.cache, n_new)  # H [B, C, d]
         if self.has_bank:
             self.bank.append(st, tokens, n_new, start, start_t)
+        if self.ids is not None and (self.bank is None or self.bank.ids is None):  # the copy head's own ids
+            if start_t is None:
+                self.ids.narrow(1, start[0], C).copy_(tokens)
+            else:
+                for b in range(B):
+                    self.ids[b, start[b]:start[b] + n_new[b]] = tokens[b, :n_new[b]]
         return st
 
     def _workspace(self, st: Streams, pos: torch.Tensor, valid: torch.Tensor | None, keep: list[int] | None,
-                   ws: StepPolicy) -> StepOutput:
-        """Run the workspace of queries `st` (H `[B, Q, d]`, ...) at absolute positions `pos` `[B, Q]` against the
-        cached bank.
+                   ws: StepPolicy, plan: DecodePlan) -> StepOutput:
+        """Run `plan` for the queries `st` (H `[B, Q, d]`, ...) at absolute positions `pos` `[B, Q]` against the
+        cached bank; valid `[B, Q]` marks real queries (None: all are), keep lists the rows that have one (None: all
+        do)."""
+        return plan.run(self, st, pos, valid, keep, ws)
 
-        valid `[B, Q]` marks real queries (None: all are); keep lists the rows that have one (None: all do).
-        """
-        model, cfg = self.model, self.cfg
-        H = st.H
-        B, Q = pos.shape
-        dev = H.device
-        valid_t = torch.ones(B, Q, dtype=torch.bool, device=dev) if valid is None else valid
-        R = ws.n_steps
-        plan = decode_plan(model, ws, Q)
-        if plan == "bypass":  # the backbone alone, bitwise
-            zeros = torch.zeros(B, Q, dtype=torch.long, device=dev)
-            return StepOutput(logits=model.backbone.head(H), actions=zeros.unsqueeze(-1)[..., :0], n_edits=zeros,
-                              controller_steps=zeros, positions=pos, valid=valid_t)
-        if plan in ("budget1", "routed"):
-            return StepOutput(**routed_workspace(self, st, pos, valid, ws, valid_t))
+    def copy_inputs(self, pos: torch.Tensor, rows: torch.Tensor | None = None) -> CopyInputs | None:
+        """What the copy head reads of queries at `pos` `[b, Q]` of `rows` `[b]` (None: every row), their positions
+        already appended: the match lengths of each against its row's context (`suffix.step_lengths` from the kept
+        row of its last position where rows are aligned and one position is new, else `suffix.query_lengths`), the
+        token after each position, their positions; None without a copy head."""
+        if self.copy_row is None:
+            return None
         lengths = self.lengths
-        if keep is not None and len(keep) == 0:  # no row has a new position
-            zeros = torch.zeros(B, Q, dtype=torch.long, device=dev)
-            stop = torch.full((B, Q, R), cfg.stop_action, dtype=torch.long, device=dev)
-            return StepOutput(logits=model.backbone.head(H), actions=stop, n_edits=zeros, controller_steps=zeros,
-                              positions=pos, valid=valid_t)
-        Tb = max(lengths) if keep is None else max(lengths[b] for b in keep)
-        if plan == "static":  # fixed shapes: the bank at its capacity (the mask hides every key past a row's length)
-            Tb = self.max_len
-        keep = None if keep is None or len(keep) == B else torch.tensor(keep, dtype=torch.long, device=dev)
-        sub = (lambda x: x) if keep is None else (lambda x: x[keep])
-        st_q = st if keep is None else Streams(H[keep], {k: v[keep] for k, v in st.src.items()},
-                                               None if st.ids is None else st.ids[keep])
-        H_q, pos_q, valid_q = st_q.H, sub(pos), sub(valid_t)
-        bank_len = sub(self.cache.lengths_tensor(dev))  # [b]
-        K, V = self.bank.view(Tb, keep)  # [b, Tb, w] each
-        mask = model.bank_mask(H_q.shape[0], Q, Tb, pos_q, bank_len, dev)  # [b, Q, Tb]
-        ids = self.bank.ids
-        ids_q = None if ids is None else sub(ids.narrow(1, 0, Tb))  # [b, Tb]
-        router_in = (None, None) if ids_q is None else model.router_inputs(ids_q, pos_q)
-        ctx = model.context(st_q, K, V, mask, model.query_state(st_q, self.options), router_in)
-        logits, _, roll = model.run_workspace(ctx, ws.rows(keep) if keep is not None else ws,
-                                              None if valid is None else valid_q)  # [b, Q, V]
-        trace, n_edits, steps = roll.actions, roll.n_edits, roll.controller_steps
-        if keep is not None:
-            full = model.backbone.head(H)  # rows without a new position: their padding's backbone logits
-            logits = full.index_copy(0, keep, logits)
-            trace = torch.full((B, Q, R), cfg.stop_action, dtype=torch.long, device=dev).index_copy(0, keep, trace)
-            n_edits = torch.zeros(B, Q, dtype=torch.long, device=dev).index_copy(0, keep, n_edits)
-            steps = torch.zeros(B, Q, dtype=torch.long, device=dev).index_copy(0, keep, steps)
-        return StepOutput(logits=logits, actions=trace, n_edits=n_edits, controller_steps=steps, positions=pos,
-                          valid=valid_t)
+        Tb = max(lengths) if rows is None else int(self.cache.lengths_tensor(pos.device)[rows].max())
+        ids = self.ids.narrow(1, 0, Tb) if rows is None else self.ids.narrow(1, 0, Tb).index_select(0, rows)
+        t = lengths[0] - 1
+        one = rows is None and pos.shape[1] == 1 and min(lengths) == max(lengths)  # a step of aligned rows
+        if one and (self._copy_at == t - 1 or t == 0):  # the recurrence from the last position's row
+            L = step_lengths(self.copy_row.narrow(1, 0, max(t - 1, 0)), ids, t).unsqueeze(1)  # [B, 1, t]
+            L = torch.nn.functional.pad(L, (0, Tb - t))  # [B, 1, Tb]: 0 at j >= t
+        else:
+            L = query_lengths(ids, pos.clamp(max=Tb - 1))  # [b, Q, Tb]
+        if one:  # kept for the next step's recurrence
+            self.copy_row.narrow(1, 0, t).copy_(L[:, 0, :t])
+        self._copy_at = t if one else None
+        nxt = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=0)  # [b, Tb]
+        return CopyInputs(L, nxt, pos)
 
     # ------------------------------------------------------------------ input checks (no state is touched)
     def _check_rows(self, B: int) -> None:
@@ -353,36 +347,23 @@ class DecodeState:
                 raise ValueError(f"DecodeState capacity exceeded: row {b} holds {length} positions and {n} more would "
                                  f"pass its max_len={self.max_len} (allocate a larger state, or reset() it)")
 
-    def _check_policy(self, B: int, Q: int, policy: Controller | Forced | None) -> StepPolicy:
-        """The call's policy checked against this model and state for Q query positions per row."""
-        model, cfg = self.model, self.cfg
-        if policy is None:
-            return StepPolicy()
-        if isinstance(policy, Forced):
-            actions, budget = policy.actions, policy.budget
-            if tuple(actions.shape[:2]) != (B, Q):
-                raise ValueError(f"forced actions must have shape [B, Q, R] = [{B}, {Q}, R], got "
-                                 f"{tuple(actions.shape)}")
-            if actions.shape[-1] == 0:
-                return StepPolicy()
-            if not cfg.use_workspace or not self.has_bank:
-                raise ValueError("forced actions need a workspace model and a DecodeState with a source bank")
-            if budget is not None and torch.is_tensor(budget):
-                budget = budget.to(actions.device)
-            shape_only = torch.zeros(B, Q, dtype=torch.long, device=actions.device)
-            budget = check_forced(cfg, shape_only, actions, budget)  # ids, R <= r_max, budgets in [1, r_max]
-            return StepPolicy(actions=actions.long(), budget=budget)
-        if not isinstance(policy, Controller):
-            raise ValueError(f"policy must be a prisme.model.policy.Controller or Forced (or None: the backbone "
-                             f"alone), got {type(policy).__name__}")
-        if policy.target_cost is not None:
-            raise ValueError("target_cost is found by calibration in generate(); a decode step takes lambda_cost")
-        check_max_budget(policy.max_budget, cfg.r_max)
-        if policy.max_budget == 0:
-            return StepPolicy()
-        check_max_budget(policy.max_budget, cfg.r_max, cfg.use_workspace)
-        if not self.has_bank:
+    def _check_policy(self, B: int, Q: int, policy: Controller | Forced | None) -> tuple[StepPolicy, DecodePlan]:
+        """The call's policy checked against this model (`check_policy`) and this state, and its plan
+        (`plans.choose`), for Q query positions per row: once per policy object and Q, then kept (a decode loop pays
+        no check and no choice per step)."""
+        key = (id(policy), Q)
+        kept = self._plans.get(key)
+        if kept is not None and kept[0] is policy and (not isinstance(policy, Forced) or policy.actions.shape[0] == B):
+            return kept[1], kept[2]
+        if isinstance(policy, Forced) and policy.actions.dim() == 3 and policy.actions.shape[-1] > 0 \
+                and (not self.cfg.use_workspace or not self.has_bank):
+            raise ValueError("forced actions need a workspace model and a DecodeState with a source bank")
+        ws = check_policy(self.model, policy, (B, Q))
+        if ws.n_steps > 0 and not self.has_bank:
             raise ValueError("this DecodeState was allocated without a source bank (bank=False): max_budget must be 0")
-        lam, kap = model.default_price.fill(policy.lambda_cost, policy.kappa_risk)
-        return StepPolicy(max_budget=policy.max_budget, lambda_cost=lam, kappa_risk=kap,
-                          cost=check_cost(policy.cost, model.action_cost))
+        plan = choose(self, ws, Q)
+        if not isinstance(policy, Forced):  # forced actions are data of one call: checked again at the next
+            if len(self._plans) > 64:
+                self._plans.clear()
+            self._plans[key] = (policy, ws, plan)
+        return ws, plan

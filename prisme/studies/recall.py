@@ -198,7 +198,7 @@ def run_task(task: RecallTask) -> dict[str, Any]:
     t0 = time.perf_counter()
     model, _ = load_model(init)
     if task.compiles:
-        from prisme.model.compiled import maybe_compile
+        from prisme.model.compiled_editor import maybe_compile
 
         maybe_compile(model, cfg.compile)
     entry = task.evaluate(model, init)

@@ -10,7 +10,7 @@ import torch
 
 from prisme.data.mqar import MQARConfig, make_mqar_batch
 from prisme.data.text import IGNORE_INDEX
-from prisme.evaluation.policies import FORCED, ROW_KINDS, Backbone, Controller, Oracle, Policy
+from prisme.evaluation.policies import FORCED, ROW_KINDS, BackboneRows, ControllerRows, OracleRows, Policy
 from prisme.evaluation.report import EvalReport, EvalRow
 from prisme.evaluation.run import EvalOptions, QueryAccuracy, evaluate_policies
 from prisme.studies.recall_setup import (
@@ -65,7 +65,7 @@ def price_row(row: EvalRow) -> dict[str, Any]:
 @torch.no_grad()
 def evaluate_backbone(model: torch.nn.Module, mcfg: MQARConfig, data_seed: int, n_seq: int) -> float:
     """Query accuracy of the backbone alone on `n_seq` sequences drawn from `data_seed`."""
-    return score(model, mcfg, data_seed, n_seq, [Backbone()]).rows[0].accuracy
+    return score(model, mcfg, data_seed, n_seq, [BackboneRows()]).rows[0].accuracy
 
 
 def forced_row(model, mcfg, data_seed, n_seq, name, family, n, k) -> dict[str, Any]:
@@ -78,14 +78,14 @@ def policy_rows(model, mcfg, data_seed, n_seq, lambdas, budget: int | None = Non
     """The deployed policy (the controller; with `cfg.router`, the router first) at each price in `lambdas`, with
     `budget` steps (default r_max): every position decides; accuracy at the queries, ops and edits over all
     positions. Each batch is encoded once and rolled out at every price."""
-    policy = Controller([float(v) for v in lambdas], budget, equal_edits=False)
+    policy = ControllerRows([float(v) for v in lambdas], budget, equal_edits=False)
     return [price_row(r) for r in score(model, mcfg, data_seed, n_seq, [policy]).rows]
 
 
 def _oracle_row(model, mcfg, seed, n_seq) -> dict[str, Any]:
     """The greedy oracle at lambda 0 at the query positions (it reads the targets, so it knows where they are and
     stops at once everywhere else); its trace is charged as if a controller had chosen it."""
-    oracle = Oracle([0.0], positions=None, every_position=True)
+    oracle = OracleRows([0.0], positions=None, every_position=True)
     return policy_row(score(model, mcfg, EVAL_SEED + seed, n_seq, [oracle]).rows[0])
 
 
@@ -117,7 +117,7 @@ def evaluate_run(model: torch.nn.Module, mcfg: MQARConfig, seed: int, cfg: Recal
     mc = model.cfg
     n_eval, data = cfg.eval_sequences, EVAL_SEED + seed
     ns = [n for n in (1, 2, 4) if n <= mc.r_max]
-    rep = score(model, mcfg, data, n_eval, [Backbone(), FORCED["fixed"](ns, (1, 2)), FORCED["random"](ns[:2], (1,)),
+    rep = score(model, mcfg, data, n_eval, [BackboneRows(), FORCED["fixed"](ns, (1, 2)), FORCED["random"](ns[:2], (1,)),
                                             FORCED["dense"]([1])])
     fixed = [policy_row(r) for r in rep.rows]
     fixed[0] = {"policy": "backbone", "family": "backbone", "accuracy": rep.rows[0].accuracy, "ops_ratio": 1.0,

@@ -30,7 +30,7 @@ from prisme.config import PrismeConfig
 from prisme.costs.analytic import router_ops, router_share_of_layer
 from prisme.costs.traces import trace_cost
 from prisme.data.mqar import MQARConfig, make_mqar_batch
-from prisme.evaluation.policies import Backbone
+from prisme.evaluation.policies import BackboneRows
 from prisme.studies import recall_training as training
 from prisme.studies.recall_eval import calibrated_policy, forced_row, score
 from prisme.studies.recall_setup import (
@@ -178,7 +178,7 @@ def reference_ops(recipe: Recipe, T: int) -> float:
 @torch.no_grad()
 def evaluate_dense(model: torch.nn.Module, mcfg: MQARConfig, seed: int, cfg: RecallStudyConfig) -> dict[str, Any]:
     """A backbone alone: query accuracy on the held-out sequences and its ops per token."""
-    row = score(model, mcfg, EVAL_SEED + seed, cfg.eval_sequences, [Backbone()]).rows[0]
+    row = score(model, mcfg, EVAL_SEED + seed, cfg.eval_sequences, [BackboneRows()]).rows[0]
     return {"accuracy": row.accuracy, "ops_per_token": row.ops_per_token}
 
 

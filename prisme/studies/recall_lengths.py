@@ -24,7 +24,7 @@ import torch
 
 from prisme.checkpoint import load_model
 from prisme.data.mqar import make_mqar_batch
-from prisme.evaluation.policies import Backbone, Controller
+from prisme.evaluation.policies import BackboneRows, ControllerRows
 from prisme.model.prisme import PrismeModel
 
 DEFAULT_CONTEXTS = (2048, 4096, 8192, 16384)
@@ -80,7 +80,7 @@ def accuracy(model: PrismeModel, member: Member, mcfg, sequences: int, data_seed
     price; a dense model alone)."""
     from prisme.studies.recall_eval import score
 
-    policy = Backbone() if member.price is None else Controller([member.price], 1, equal_edits=False)
+    policy = BackboneRows() if member.price is None else ControllerRows([member.price], 1, equal_edits=False)
     return score(model, mcfg, data_seed, sequences, [policy]).rows[0].accuracy
 
 

@@ -178,7 +178,7 @@ def evaluate(cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[str, St
     named in `models` (the confirmation pass's, `text_confirm`)."""
     from prisme.evaluation.policies import PolicySettings, standard_policies
     from prisme.evaluation.run import EvalOptions, evaluate_policies
-    from prisme.model.compiled import maybe_compile
+    from prisme.model.compiled_editor import maybe_compile
 
     run = Path(cfg.out_dir) / f"seed{seed}"
     model, _ = load_model(run / source / final_folder(stages))

@@ -177,7 +177,7 @@ class _Trainer:
         # ---- model, objective, generators
         self.model = model = model.to(device=device, dtype=DTYPES[scfg.dtype])
         if spec.uses_workspace:
-            from prisme.model.compiled import maybe_compile
+            from prisme.model.compiled_editor import maybe_compile
 
             maybe_compile(model, scfg.compile)
         self.params = stage_parameters(model, scfg)

@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 
 from prisme.costs.bank import tables_read_pays
+from prisme.model.bank.read import RowRead, kept_entries, read_rows
 from prisme.model.bank.source import SourceBank
-from prisme.model.bank.tables import IdRead, clear_shift_memory, entries_from_ids, shift_memory, step_entries
-from prisme.model.editor import EntryRead
+from prisme.model.bank.tables import clear_shift_memory, shift_memory, step_entries
 from prisme.model.outputs import Streams
 from prisme.options import DecodeOptions
 
@@ -98,8 +98,8 @@ class BankCache:
         kept entries, or with `bank_store="ids"` their lookups from the kept ids (`tables.entries_from_ids`)."""
         return kept_entries(self.bank, self.KV is not None, self.kept, rows, Tb, None)
 
-    def read(self, Tb: int, rows: torch.Tensor, n_heads: int) -> EntryRead | IdRead:
-        """What the editor reads of `rows`' banks at positions 0..Tb-1 (`SparseEditor.edit_rows`): their keys and
+    def read(self, Tb: int, rows: torch.Tensor, n_heads: int) -> RowRead:
+        """What the editor reads of `rows`' banks at positions 0..Tb-1 (the "budget1" plan): their keys and
         values (`view`) as an `EntryRead`, or for a bank kept as ids, where it takes fewer ops
         (`prisme.costs.bank.tables_read_pays`: about Tb > 1.5 V), an `IdRead` of their ids (the attention through the
         tables, no entry written)."""
@@ -183,21 +183,3 @@ class BankCache:
         if self.grams is not None:
             self.grams.zero_()
             self._gram_len = 0
-
-
-def read_rows(bank: SourceBank, kind: str, kept: torch.Tensor, rows: torch.Tensor, Tb: int, n_heads: int,
-              tabs: dict[str, torch.Tensor] | None) -> EntryRead | IdRead:
-    """`BankCache.read` from its parts (a pure function of tensors, as a compiled graph reads it): `kind` as
-    `read_kind` says, `kept` the cache's buffer, `tabs` the bank's tables (None: `bank_tables`)."""
-    if kind == "ids":
-        return IdRead(bank, kept.narrow(1, 0, Tb).index_select(0, rows), n_heads, tabs)
-    return EntryRead(*kept_entries(bank, kind == "entries", kept, rows, Tb, tabs), n_heads)
-
-
-def kept_entries(bank: SourceBank, entries: bool, kept: torch.Tensor, rows: torch.Tensor | None, Tb: int,
-                 tabs: dict[str, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """K, V `[b, Tb, w]` each at positions 0..Tb-1 of `rows` `[b]` (None: every row) of the cache's buffer `kept`:
-    its entries (`entries`), or their lookups from its ids (`tables.entries_from_ids`, through `tabs`: None,
-    `bank_tables`)."""
-    kept = kept.narrow(1, 0, Tb) if rows is None else kept.narrow(1, 0, Tb).index_select(0, rows)
-    return (kept if entries else entries_from_ids(bank, kept, tabs)).split(bank.cfg.w, -1)

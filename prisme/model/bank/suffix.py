@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from prisme.config import MAX_MATCH  # the longest common suffix counted (longer ones read as this)
 
@@ -59,6 +60,24 @@ def step_lengths(prev: torch.Tensor, ids: torch.Tensor, t: int, cap: int = MAX_M
     if t > 1:
         L[:, 1:] += prev[:, :t - 1].clamp(max=cap - 1)
     return L * eq
+
+
+def query_lengths(ids: torch.Tensor, pos: torch.Tensor, cap: int = MAX_MATCH) -> torch.Tensor:
+    """The lengths `[B, Q, Tb]` (uint8) of queries at `pos` `[B, Q]` against every position of their rows' contexts
+    `ids` `[B, Tb]` (0 for j >= the query's position): `match_lengths(ids)[rows, pos]` without the other queries'
+    rows (a decode step's queries; a chunk's)."""
+    B, Tb = ids.shape
+    j = torch.arange(Tb, device=ids.device)
+    alive = (ids.unsqueeze(1) == ids.gather(1, pos).unsqueeze(-1)) & (j < pos.unsqueeze(-1))  # [B, Q, Tb]
+    L = alive.to(torch.uint8)
+    for m in range(1, min(cap, Tb)):
+        if not bool(alive.any()):
+            break
+        before = F.pad(ids, (m, 0), value=-1)[:, :Tb]  # [B, Tb]: x[j - m] (-1 before position 0)
+        q = ids.gather(1, (pos - m).clamp(min=0)).masked_fill(pos < m, -2)  # [B, Q]: x[t - m] (none before 0)
+        alive &= before.unsqueeze(1) == q.unsqueeze(-1)
+        L += alive
+    return L
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,6 @@ moves. The cost model prices each lookup as w ops, one per element read (`prisme
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn.functional as F
 
@@ -179,48 +177,3 @@ def clear_shift_memory(cfg, options: DecodeOptions, prev: list[torch.Tensor]) ->
     """Set each term's shift memory (`shift_memory`) back to "no previous position", in place."""
     for p, t in zip(prev, cfg.bank_terms):
         p.fill_(cfg.vocab_size if t in options.table_terms else 0)
-
-
-class IdRead:
-    """The editor's attention over the banks of N rows kept as token ids (`bank_store="ids"`), read through the
-    tables instead of from entries looked up per position: an entry is K_j = K_tab[x_j] + S_tab[x_{j-1}] and V_j =
-    V_tab[x_j], so a query's score at j is (q . K_tab)[x_j] + (q . S_tab)[x_{j-1}] and its output is
-    sum_v (sum of the weights of the positions holding v) V_tab[v]: per query and head, two products with the tables
-    (`[V, hd]`), two gathers and one scatter over the Tb positions, instead of writing `[Tb, 2w]` entries and reading
-    them again. The same attention as `bank_attend` over `entries_from_ids` to rounding (float64 agrees to ~1e-12).
-
-    Args:
-        bank: the model's `SourceBank` (an "embedding" bank served by its tables).
-        ids: `[N, Tb]` each row's token ids at positions 0..Tb-1.
-        n_heads: the editor's heads.
-    """
-
-    def __init__(self, bank: SourceBank, ids: torch.Tensor, n_heads: int, tabs: dict[str, torch.Tensor] | None = None):
-        tabs, cfg = bank_tables(bank) if tabs is None else tabs, bank.cfg
-        self.kv = tabs["KV"]  # [V, 2w]
-        self.s = tabs["S"] if cfg.reads_previous else None  # [V + 1, w]
-        self.ids, self.mask, self.nh = ids, None, n_heads
-        self.prev = None if self.s is None else F.pad(ids[:, :-1], (1, 0), value=cfg.vocab_size)  # [N, Tb]
-
-    def rows(self, i: int, j: int, mask: torch.Tensor | None) -> IdRead:
-        """The same read for rows i..j-1, each reading the keys `mask` `[j - i, Tb]` allows (None: all)."""
-        out = copy.copy(self)
-        out.ids, out.prev, out.mask = self.ids[i:j], None if self.prev is None else self.prev[i:j], mask
-        return out
-
-    def attend(self, q: torch.Tensor) -> torch.Tensor:
-        """q `[n, k, w]` -> attention output `[n, k, w]` over each row's bank (`BankView.attend`'s contract)."""
-        n, k, w = q.shape
-        nh = self.nh
-        hd, Tb = w // nh, self.ids.shape[1]
-        qh = q.view(n, k, nh, hd) * hd ** -0.5  # scaled before the tables' products: V entries, not Tb
-        at = self.ids.view(n, 1, 1, Tb).expand(n, nh, k, Tb)
-        s = torch.einsum("nkhd,vhd->nhkv", qh, self.kv[:, :w].view(-1, nh, hd)).gather(-1, at)  # [n, nh, k, Tb]
-        if self.s is not None:
-            before = self.prev.view(n, 1, 1, Tb).expand(n, nh, k, Tb)
-            s = s + torch.einsum("nkhd,vhd->nhkv", qh, self.s.view(-1, nh, hd)).gather(-1, before)
-        if self.mask is not None:
-            s = s.masked_fill(~self.mask.view(n, 1, 1, Tb), float("-inf"))
-        p = s.softmax(-1)
-        per_id = p.new_zeros(n, nh, k, self.kv.shape[0]).scatter_add_(-1, at, p)  # [n, nh, k, V]
-        return torch.einsum("nhkv,vhd->nkhd", per_id, self.kv[:, w:].view(-1, nh, hd)).reshape(n, k, w)
