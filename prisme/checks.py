@@ -18,7 +18,7 @@ import dataclasses
 import math
 import os
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 # Token ids on an accelerator are range-checked only when this is set (the check reads them back: one host sync per
@@ -62,7 +62,7 @@ def check_seeds(seeds: Any, where: str = "") -> list[int]:
     return seeds
 
 
-def check_choice(name: str, v: Any, choices: tuple[Any, ...], where: str = "") -> Any:
+def check_choice(name: str, v: Any, choices: Sequence[str | None], where: str = "") -> Any:
     if v not in choices:
         raise ValueError(f"{where}{name} must be one of {choices}, got {v!r}")
     return v

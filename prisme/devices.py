@@ -1,5 +1,6 @@
 """Device helpers every layer may use: synchronising the right device, timing without a sync inside the timed region,
-TF32 as an explicit opt-in, and host-to-device copies that do not block the host.
+the one rotated timing loop (`time_paths`: every benchmark's and study's timed comparison), TF32 as an explicit
+opt-in, and host-to-device copies that do not block the host.
 
 On the CPU each helper is the plain thing (no sync, `perf_counter_ns`, `.to(device)`), so CPU results and timings are
 unchanged; on CUDA they do what a correct GPU measurement or input pipeline needs.
@@ -7,7 +8,12 @@ unchanged; on CUDA they do what a correct GPU measurement or input pipeline need
 
 from __future__ import annotations
 
+import contextlib
+import gc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from time import perf_counter_ns
+from typing import Any
 
 import torch
 
@@ -53,6 +59,55 @@ class Stopwatch:
             return float(start.elapsed_time(end))
         synchronize(self.device)
         return (perf_counter_ns() - self._t0) / 1e6
+
+
+TimedPath = tuple[str, Callable[[], Any], Callable[[Any], Any]]  # (name, setup() -> state, run(state)), run is timed
+
+
+@dataclass(frozen=True)
+class Timed:
+    """What a path's `run` may return instead of being timed whole: its own measurement `ms` (e.g. per step of a
+    loop it runs) and a value to keep (`time_paths(..., outputs=...)`)."""
+
+    ms: float
+    value: Any = None
+
+
+def time_paths(paths: Sequence[TimedPath], warmups: int, repeats: int, device: torch.device | str | None = None,
+               inference: bool = True, outputs: dict[str, Any] | None = None) -> dict[str, list[float]]:
+    """Run every path `warmups` untimed then `repeats` timed times, order rotated each repeat, gc off while timing;
+    samples in ms per path.
+
+    Each sample is the stopwatch's (`Stopwatch` on `device`: CUDA events there, `perf_counter_ns` elsewhere) around
+    `run(setup())`, `setup` untimed, or the `Timed.ms` that run returns. `inference`: under `torch.inference_mode`
+    (False: training steps, which need autograd). `outputs`: each path's last `Timed.value`, or last return value."""
+    if warmups < 0 or repeats < 1:
+        raise ValueError(f"need warmups >= 0 and repeats >= 1, got {warmups} and {repeats}")
+    samples: dict[str, list[float]] = {name: [] for name, _, _ in paths}
+    n = len(paths)
+    watch = Stopwatch(device)
+    gc_was_enabled = gc.isenabled()
+    with torch.inference_mode() if inference else contextlib.nullcontext():
+        try:
+            for r in range(warmups + repeats):
+                if r == warmups:
+                    gc.collect()
+                    gc.disable()
+                for name, setup, run in (paths[(r + i) % n] for i in range(n)):
+                    state = setup()
+                    watch.start()
+                    out = run(state)
+                    ms = watch.stop()
+                    if isinstance(out, Timed):
+                        ms, out = out.ms, out.value
+                    if outputs is not None:
+                        outputs[name] = out
+                    if r >= warmups:
+                        samples[name].append(ms)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+    return samples
 
 
 def set_tf32(enabled: bool) -> None:

@@ -117,3 +117,25 @@ class ExecutionOptions:
 
 EAGER = ExecutionOptions()
 """The default: the eager editor, recomputing every slot's K/V."""
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """How one generation runs, apart from what it generates (`prisme.generate(..., runtime=...)`): its decode state's
+    bank options (`decode`; None: the model's `decode_options`), how its editor runs (`execution`; None: the model's
+    `execution`), so one trained model generates either way without a copy of its weights, and the prompt's prefill
+    chunk size (None: one chunk)."""
+
+    decode: DecodeOptions | None = None
+    execution: ExecutionOptions | None = None
+    prefill_chunk_size: int | None = None
+
+    def __post_init__(self) -> None:
+        for name, kind in (("decode", DecodeOptions), ("execution", ExecutionOptions)):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, kind):
+                raise ValueError(f"Runtime: {name} must be a prisme.options.{kind.__name__} or None, got "
+                                 f"{type(v).__name__}")
+        c = self.prefill_chunk_size
+        if c is not None and (not is_int(c) or c < 1):
+            raise ValueError(f"Runtime: prefill_chunk_size must be a positive int or None, got {c!r}")

@@ -15,6 +15,7 @@ from prisme.bench import train as bench_train
 from prisme.bench import train_stages as train_stages
 from prisme.cli import main as cli_main
 from prisme.config import PrismeConfig
+from prisme.training import compute
 
 PRESETS = pytest.mark.parametrize("preset", ["tiny", "seed001"])  # llama (GQA, SwiGLU, tied), gpt2 (MHA, GELU, untied)
 
@@ -184,8 +185,8 @@ def _counted_step(cfg: PrismeConfig, stage: str) -> tuple[int, dict]:
 def _analytic(cfg: PrismeConfig, stage: str, info: dict) -> float:
     ex = info["extras"][-1]
     if stage == "workspace":
-        return train_stages.workspace_stage_ops(cfg, ex, info["y"], info["scfg"].deep_supervision)
-    return train_stages.controller_stage_ops(cfg, info["objective"], ex, info["y"])
+        return compute.workspace_stage_step(cfg, ex, info["y"], info["scfg"].deep_supervision)
+    return compute.controller_stage_step(cfg, info["objective"], ex, info["y"])
 
 
 @pytest.mark.parametrize("stage,fault", [("workspace", ("TRAINED", 1)), ("controller", ("NO_GRAD", 0))])
@@ -199,7 +200,7 @@ def test_stage_training_ops_bracket_the_counted_matmuls_of_a_real_step(stage, fa
     analytic = _analytic(cfg, stage, info)
     assert counted <= analytic <= counted / 0.75, (counted, analytic)
     mp = pytest.MonkeyPatch()
-    mp.setattr(train_stages, *fault)
+    mp.setattr(compute, *fault)
     try:
         assert _analytic(cfg, stage, info) < counted
     finally:

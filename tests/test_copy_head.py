@@ -219,3 +219,57 @@ def test_the_continuous_cache_reads_beyond_the_window_only():
     s = torch.stack([2.0 * (h[0, t] @ h[0, j - 1]) / math.sqrt(8) for j in js])
     w = torch.softmax(s, 0)
     torch.testing.assert_close(pc[0, t], sum(wi for wi, j in zip(w, js) if x[0, j] == y[0, t]))
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+@pytest.mark.parametrize("workspace", [False, True], ids=["dense", "router"])
+def test_decoding_a_copy_head_model_equals_its_forward(chunk, workspace):
+    """A copy-head model decoded in chunks (one token: the match lengths' decode-step update from the kept row of the
+    last position; several: computed for the chunk's queries) gives the logits and traces of its parallel pass in
+    float64 to 1e-12: a dense model's `model(x)`, a router model's `forward_policy` at budget 1 (the router fires at
+    some positions); ragged rows too (chunk 3)."""
+    from prisme.model.policy import Controller
+
+    if workspace:
+        torch.manual_seed(0)
+        m = PrismeModel(PrismeConfig.from_name("tiny", copy_head=True, router=True, router_ngram=2,
+                                               bank_shift=True)).double().eval()
+    else:
+        m = model()
+    if workspace:
+        with torch.no_grad():
+            m.router.head.bias.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
+    x = torch.randint(0, 5, (2, 21), generator=torch.Generator().manual_seed(6))
+    policy = Controller(1, 0.0) if workspace else None
+    with torch.no_grad():
+        full = m.forward_policy(x, policy=policy) if workspace else m(x)
+        st = m.new_decode_state(2, 24)
+        outs = [st.decode_step(x[:, i:i + chunk], policy=policy) for i in range(0, 21, chunk)]
+    logits = torch.cat([o.logits for o in outs], 1)
+    torch.testing.assert_close(logits, full.logits, atol=1e-12, rtol=0)
+    if workspace:
+        acts = torch.cat([o.actions for o in outs], 1)
+        assert torch.equal(acts, full.actions) and bool((acts != m.cfg.stop_action).any())
+    if chunk == 3:  # ragged rows: the second row one chunk behind, then caught up
+        st = m.new_decode_state(2, 24)
+        with torch.no_grad():
+            st.prefill(x[:, :12], lengths=[12, 9], logits="none")
+            out = st.decode_step(torch.stack([x[0, 12:15], torch.cat([x[1, 9:12]])]), policy=policy)
+        torch.testing.assert_close(out.logits[0], full.logits[0, 12:15], atol=1e-12, rtol=0)
+        torch.testing.assert_close(out.logits[1], full.logits[1, 9:12], atol=1e-12, rtol=0)
+
+
+def test_negative_control_a_stale_match_row_is_caught(monkeypatch):
+    """The same one-token decode with the decode-step update reading a row of zeros (as a state that forgot its last
+    position's lengths would): the logits move far from the parallel pass's."""
+    import prisme.model.state as state_mod
+
+    m = model()
+    x = torch.randint(0, 4, (1, 20), generator=torch.Generator().manual_seed(7))
+    orig = state_mod.step_lengths
+    monkeypatch.setattr(state_mod, "step_lengths", lambda prev, ids, t, cap=32: orig(torch.zeros_like(prev), ids, t))
+    with torch.no_grad():
+        full = m(x).logits
+        st = m.new_decode_state(1, 20)
+        logits = torch.cat([st.decode_step(x[:, i:i + 1]).logits for i in range(20)], 1)
+    assert float((logits - full).abs().max()) > 1e-3

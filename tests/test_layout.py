@@ -61,9 +61,28 @@ def imports_of(path: Path, name: str, known: dict[str, Path]) -> set[str]:
                 out.update(a.name for a in child.names if a.name == "prisme" or a.name.startswith("prisme."))
             visit(child)
 
-    visit(ast.parse(path.read_text()))
+    tree = ast.parse(path.read_text())
+    visit(tree)
+    out.update(dispatched(tree, known))
     out.discard(name)
     return out
+
+
+def dispatched(tree: ast.AST, known: dict[str, Path]) -> set[str]:
+    """The package modules a module reaches through `importlib.import_module`: the call's string argument, or every
+    string value of a module-level dict it looks the name up in (`BENCHES[args.bench]`): hidden imports are edges."""
+    tables = {t.id: [v.value for v in node.value.values if isinstance(v, ast.Constant) and isinstance(v.value, str)]
+              for node in getattr(tree, "body", []) if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)
+              for t in node.targets if isinstance(t, ast.Name)}
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("import_module") and node.args:
+            arg = node.args[0]
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                out.add(arg.value)
+            elif isinstance(arg, ast.Subscript) and isinstance(arg.value, ast.Name):
+                out.update(tables.get(arg.value.id, ()))
+    return {m for m in out if m in known}
 
 
 def layer_of(name: str) -> int:
@@ -281,3 +300,151 @@ def test_negative_control_a_function_of_9_parameters_is_caught(package_copy: Pat
     (package_copy / "evaluation" / "cli.py").write_text("def flags(a, b, c, d, e, f, g, h, i):\n    pass\n")
     found = long_signatures(package_copy)
     assert found == ["model/wide.py nine", "model/wide.py method"]
+
+
+# ------------------------------------------------------------------------------- one home for each decode concern
+FLAGS = ("compiled", "static_decode", "slot_kv_cache")  # the execution flags (`prisme.options.ExecutionOptions`)
+CHOOSER = "model/plans/__init__.py"  # the one place that reads them to choose how a decode runs
+
+
+def owned_fields(tree: ast.AST) -> set[str]:
+    """The fields the classes of a module define (annotated class attributes, `self.x = ...` in their methods)."""
+    out: set[str] = set()
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        for node in ast.walk(cls):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                out.add(node.target.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and \
+                    isinstance(node.value, ast.Name) and node.value.id == "self":
+                out.add(node.attr)
+    return out
+
+
+def flag_reads(root: Path) -> list[str]:
+    """Every read of an execution flag (`x.compiled`, `x.static_decode`, `x.slot_kv_cache`) outside the plan chooser
+    and the modules of the classes that own them (a module whose class defines the field; the command line's
+    `args.<flag>`)."""
+    out = []
+    for p in sorted(root.rglob("*.py")):
+        rel = str(p.relative_to(root))
+        tree = ast.parse(p.read_text())
+        if rel == CHOOSER:
+            continue
+        owned = owned_fields(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in FLAGS and isinstance(node.ctx, ast.Load):
+                base = node.value.id if isinstance(node.value, ast.Name) else None
+                if base != "args" and node.attr not in owned:
+                    out.append(f"{rel}:{node.lineno} .{node.attr}")
+    return out
+
+
+def test_the_execution_flags_are_read_by_the_plan_chooser_and_their_owners_only():
+    """How a decode runs is chosen in one place (`prisme.model.plans.choose`); every other module receives a plan or
+    an `EditorRun`, never a flag to test (0 reads outside the chooser and the flags' owners)."""
+    assert flag_reads(PACKAGE) == []
+
+
+def test_negative_control_a_flag_read_outside_the_chooser_is_caught(package_copy: Path):
+    (package_copy / "decoding" / "peek.py").write_text("def f(model):\n    return model.editor.run.compiled\n")
+    assert flag_reads(package_copy) == ["decoding/peek.py:2 .compiled"]
+
+
+def class_homes(root: Path) -> dict[str, list[str]]:
+    """Class names defined in more than one module -> those modules."""
+    homes: dict[str, list[str]] = {}
+    for p in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ClassDef):
+                homes.setdefault(node.name, []).append(str(p.relative_to(root)))
+    return {k: v for k, v in homes.items() if len(v) > 1}
+
+
+def test_no_class_name_is_defined_in_two_modules():
+    """One name, one meaning: evaluation's rows are `BackboneRows`, `ControllerRows`, ... beside the model's
+    `Backbone` and its policy `Controller`."""
+    assert class_homes(PACKAGE) == {}
+
+
+def test_negative_control_a_second_class_of_a_name_is_caught(package_copy: Path):
+    (package_copy / "evaluation" / "rows.py").write_text("class Controller:\n    pass\n")
+    assert class_homes(package_copy) == {"Controller": ["evaluation/rows.py", "model/policy.py"]}
+
+
+def loose_tuples(root: Path) -> list[str]:
+    """Parameters annotated `tuple[Any, ...]` (arguments that travel as an untyped bundle)."""
+    out = []
+    for p in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs:
+                    if a.annotation is not None and ast.unparse(a.annotation).replace(" ", "") == "tuple[Any,...]":
+                        out.append(f"{p.relative_to(root)} {node.name}({a.arg})")
+    return out
+
+
+def test_no_parameter_is_an_untyped_tuple():
+    assert loose_tuples(PACKAGE) == []
+
+
+def test_negative_control_an_untyped_tuple_parameter_is_caught(package_copy: Path):
+    (package_copy / "model" / "loose.py").write_text(
+        "from typing import Any\n\n\ndef f(parts: tuple[Any, ...]) -> None:\n    pass\n")
+    assert loose_tuples(package_copy) == ["model/loose.py f(parts)"]
+
+
+TIMERS = ("perf_counter", "perf_counter_ns", "Stopwatch")
+
+
+def clocked(node: ast.AST) -> bool:
+    """Whether `node` reads a clock."""
+    return any(isinstance(c, ast.Call) and ast.unparse(c.func).split(".")[-1] in TIMERS for c in ast.walk(node))
+
+
+def sampled(node: ast.AST) -> bool:
+    """A timing sample kept: `xs.append(...)` of a difference or a clock reading."""
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "append"
+            and any(isinstance(a, ast.BinOp) and isinstance(a.op, ast.Sub) or clocked(a)
+                    for arg in node.args for a in ast.walk(arg)))
+
+
+def timing_loops(root: Path) -> list[str]:
+    """Hand-written rotated timing loops: a `for` loop (over repeats) holding another (over paths) that reads a clock
+    and keeps its samples, outside `prisme/devices.py`, the one loop every benchmark and study times with
+    (`time_paths`)."""
+    out = []
+    for p in sorted(root.rglob("*.py")):
+        if p.relative_to(root).as_posix() == "devices.py":
+            continue
+        for outer in ast.walk(ast.parse(p.read_text())):
+            if not isinstance(outer, ast.For):
+                continue
+            inner = [n for n in ast.walk(outer) if isinstance(n, ast.For) and n is not outer]
+            if any(clocked(n) and any(sampled(c) for c in ast.walk(n)) for n in inner):
+                out.append(f"{p.relative_to(root)}:{outer.lineno}")
+    return out
+
+
+def test_timing_loops_are_the_harness_s():
+    assert timing_loops(PACKAGE) == []
+
+
+def test_negative_control_a_hand_written_timing_loop_is_caught(package_copy: Path):
+    (package_copy / "bench" / "mine.py").write_text(
+        "import time\n\n\ndef f(paths, repeats, ms):\n    for _ in range(repeats):\n        for run in paths:\n"
+        "            t0 = time.perf_counter()\n            run()\n            ms.append(time.perf_counter() - t0)\n")
+    assert timing_loops(package_copy) == ["bench/mine.py:5"]
+
+
+def test_negative_control_an_importlib_dispatch_that_imports_back_is_a_cycle(package_copy: Path):
+    """A module that reaches another through `importlib.import_module` (directly or from a dict of names) and is
+    imported back by it is a cycle, as if it imported it."""
+    (package_copy / "bench" / "hub.py").write_text(
+        "import importlib\n\nTABLE = {'x': 'prisme.bench.spoke'}\n\n\ndef run(k):\n"
+        "    return importlib.import_module(TABLE[k])\n")
+    (package_copy / "bench" / "spoke.py").write_text("def f():\n    from prisme.bench.hub import TABLE\n")
+    assert ["prisme.bench.hub", "prisme.bench.spoke"] in cycles(graph(package_copy))
+
+
+def test_the_editor_keeps_its_math_in_under_350_lines():
+    assert len((PACKAGE / "model" / "editor.py").read_text().splitlines()) < 350

@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from prisme.bench import MIN_NEW_TOKENS
 from prisme.checks import count_option
 
-MIN_NEW_TOKENS = 3  # `bench decode`: the first generated step holds the prefill, two more make a timed mean
 BENCHES = {"kv": "prisme.bench.kv", "workspace": "prisme.bench.workspace", "vs-hf": "prisme.bench.vs_hf",
            "train": "prisme.bench.train", "decode": "prisme.bench.decode", "long": "prisme.bench.long"}
 

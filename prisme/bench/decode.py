@@ -10,7 +10,8 @@ its dense rival, `shapes`; the `demo` preset with a router; untrained weights) a
     the router's own scores on the backbone's greedy continuation of the prompts;
   * `dense` (recall shapes): the dense winner alone;
   * with `--compile`, `off_compiled` and `routed_compiled`: the same two policies with the editor under
-    `torch.compile` (the deployed step's fired rows as fixed-shape graphs, `prisme.model.fired`; `compiled_copy`),
+    `torch.compile` (the deployed step's fired rows as fixed-shape graphs, `prisme.model.fired`; `COMPILED`: the same
+    model through its decode state's execution options),
     the backbone and the router eager.
 Per path: ms per generated step and tokens/s (the first, which holds the prefill, is not counted), ops per token
 (`prisme.costs`, each position at its own context, the traces the run took), the decode state at the whole
@@ -34,15 +35,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from prisme.bench.harness import emit, make_tokens, model_facts, parse_ints, torch_threads
+from prisme.bench import MIN_NEW_TOKENS
+from prisme.bench.harness import Timed, emit, make_tokens, model_facts, parse_ints, time_paths, torch_threads
 from prisme.checks import one_of, parse_list
 from prisme.config import PrismeConfig
-from prisme.costs import trace_cost
+from prisme.costs.traces import run_cost
 from prisme.decoding.generate import generate, generate_stream
 from prisme.model.policy import Controller
 from prisme.model.prisme import PrismeModel
 from prisme.model.state import DecodeState
-from prisme.options import DecodeOptions
+from prisme.options import DecodeOptions, ExecutionOptions, Runtime
 
 PARTS = ("backbone", "bank", "router", "decision", "editor", "readout", "loop")
 PART_TERMS = {"backbone": ("backbone_linear", "backbone_attention", "backbone_key_shift"),
@@ -191,16 +193,10 @@ def _steps_ms(model: PrismeModel, prompts: torch.Tensor, n_new: int, policy: dic
     return (marks[-1] - marks[2]) / 1e6 / (len(marks) - 3)
 
 
-def compiled_copy(model: PrismeModel) -> PrismeModel:
-    """The same weights with the editor under `torch.compile` (`prisme.model.compiled.compile_editor`: the deployed
-    step's fired rows as fixed-shape graphs, `prisme.model.fired`; the router's decision and the backbone stay
-    eager)."""
-    from prisme.model.compiled_editor import compile_editor
-
-    twin = PrismeModel(model.cfg, model.decode_options).to(model.backbone.tok_emb.weight.dtype).eval()
-    twin.load_state_dict(model.state_dict())
-    compile_editor(twin)
-    return twin
+COMPILED = Runtime(execution=ExecutionOptions(compile="auto"))
+"""`--compile`'s paths: the same model with the editor under `torch.compile` (the deployed step's fired rows as
+fixed-shape graphs, `prisme.model.fired`; the router's decision and the backbone stay eager), through the decode
+state's execution options (`prisme.options.Runtime`): no copy of the weights."""
 
 
 @dataclass(frozen=True)
@@ -216,9 +212,9 @@ class PlannedShape:
 
 
 def measure(shape: PlannedShape, batch: int, repeats: int, edit_rate: float, seed: int,
-            compiled: PrismeModel | None = None) -> dict[str, Any]:
-    """Every path of one shape at one batch size: time, ops, parts (module docstring); with `compiled` (the same
-    weights, `compiled_copy`) also `off_compiled` and `routed_compiled`, in the same rotation."""
+            compile: bool = False) -> dict[str, Any]:
+    """Every path of one shape at one batch size: time, ops, parts (module docstring); with `compile` also
+    `off_compiled` and `routed_compiled` (the same model, its editor compiled: `COMPILED`), in the same rotation."""
     name, model, dense, prompt_len, n_new = shape.name, shape.model, shape.dense, shape.prompt_len, shape.new_tokens
     cfg = model.cfg
     prompts = make_tokens(cfg.vocab_size, batch, prompt_len, seed)
@@ -227,26 +223,23 @@ def measure(shape: PlannedShape, batch: int, repeats: int, edit_rate: float, see
     price = deployed_price(model, seq[:, :-1], edit_rate, start=prompt_len - 1)
     paths = {"backbone": (model, {}), "routed_off": (model, dict(policy=Controller(1, lambda_cost=OFF_PRICE))),
              "routed": (model, dict(policy=Controller(1, lambda_cost=price)))}
-    if compiled is not None:
-        paths["off_compiled"], paths["routed_compiled"] = (compiled, paths["routed_off"][1]), (compiled,
-                                                                                             paths["routed"][1])
+    if compile:
+        paths["off_compiled"] = (model, {**paths["routed_off"][1], "runtime": COMPILED})
+        paths["routed_compiled"] = (model, {**paths["routed"][1], "runtime": COMPILED})
     if dense is not None:
         paths["dense"] = (dense, {})
     names = list(paths)
-    samples: dict[str, list[float]] = {k: [] for k in names}
-    for r in range(repeats + 1):  # the first round warms up
-        for k in names[r % len(names):] + names[:r % len(names)]:
-            ms = _steps_ms(paths[k][0], prompts, n_new, paths[k][1])
-            if r > 0:
-                samples[k].append(ms)
+    samples = time_paths([(k, lambda: None, lambda _, m=m, kw=kw: Timed(_steps_ms(m, prompts, n_new, kw)))
+                          for k, (m, kw) in paths.items()], 1, repeats, inference=False)
     rows: dict[str, Any] = {}
     for k in names:
         m, policy = paths[k]
         out = generate(m, prompts, n_new, **policy)
         ctx = [p + i for p, row in zip(out.prompt_lengths, out.tokens) for i in range(len(row))]  # own contexts
-        tc = trace_cost(m.cfg, torch.cat(out.actions) if policy else None, ctx,
-                        [s for row in out.controller_steps for s in row], m.execution.column(m.cfg.optimised),
-                        m.cfg.router and bool(policy), m.decode_options)  # as its decode state ran
+        rt = policy.get("runtime") or Runtime()
+        tc = run_cost(m, torch.cat(out.actions) if "policy" in policy else None, ctx,
+                      [s for row in out.controller_steps for s in row], m.cfg.router and "policy" in policy,
+                      rt.decode, rt.execution)  # as its decode state ran
         per = tc.per_token_by_component
         timer = PartTimer(m) if m.cfg.use_workspace else None
         try:
@@ -301,8 +294,6 @@ def plan(args: argparse.Namespace) -> list[PlannedShape]:
     """Every option checked and every shape built before anything is timed: a `PlannedShape` per shape. The new
     tokens are `--new-tokens`, or fewer where a shape's T_max leaves less room after its prompt (a note on stderr says
     so; the JSON records what ran); ValueError naming the option."""
-    from prisme.bench.cli import MIN_NEW_TOKENS
-
     names = parse_list(args.shapes, "--shapes", one_of(SHAPES), example="recall_T32,demo", distinct=True)
     for option, value, lo in (("--repeats", args.repeats, 1), ("--new-tokens", args.new_tokens, MIN_NEW_TOKENS),
                               ("--prompt-len", args.prompt_len, 1)):
@@ -342,7 +333,7 @@ def main(args: argparse.Namespace) -> int:
         for shape in planned:
             for B in batches:
                 results.append(measure(shape, B, args.repeats, edit_rate(shape.name, args.edit_rate), args.seed,
-                                       compiled_copy(shape.model) if args.compile else None))
+                                       args.compile))
     verdicts = [{"shape": r["shape"], "batch": r["batch"], "eager": _met(r, "routed_off", "routed"),
                  "compiled": _met(r, "off_compiled", "routed_compiled") if args.compile else None} for r in results]
     t_ok = [v["eager"] for v in verdicts]

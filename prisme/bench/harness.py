@@ -1,6 +1,6 @@
-"""The timing harness every benchmark shares (a leaf): rotated timing of named paths with warmups and gc off,
-percentiles, peak Python memory, peak tensor memory, torch thread counts, seeded models and tokens, and
-table-then-JSON output."""
+"""The timing harness every benchmark shares (a leaf): rotated timing of named paths with warmups and gc off
+(`time_paths`, from `prisme.devices`, where the studies reach it too), percentiles, peak Python memory, peak tensor
+memory, torch thread counts, seeded models and tokens, and table-then-JSON output."""
 
 from __future__ import annotations
 
@@ -17,13 +17,14 @@ import torch
 
 from prisme.checks import integer, parse_list
 from prisme.config import PrismeConfig
-from prisme.devices import Stopwatch
+from prisme.devices import Timed, TimedPath, time_paths
+
+__all__ = ["Timed", "TimedPath", "time_paths", "percentiles", "tracemalloc_peak"]  # (and the helpers below)
 from prisme.io import json_safe, write_json_atomic
 from prisme.model.backbone import Backbone
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
-TimedPath = tuple[str, Callable[[], Any], Callable[[Any], Any]]  # (name, setup() -> state, run(state)), run is timed
 
 
 # ------------------------------------------------------------------------------------------------------------- harness
@@ -31,37 +32,6 @@ def percentiles(samples_ms: Sequence[float]) -> tuple[float, float]:
     """(p50, p95) with linear interpolation (numpy's default, as in seed 001)."""
     p50, p95 = np.percentile(np.asarray(samples_ms, dtype=np.float64), [50, 95])
     return float(p50), float(p95)
-
-
-def time_paths(paths: Sequence[TimedPath], warmups: int, repeats: int,
-               device: torch.device | str | None = None) -> dict[str, list[float]]:
-    """Run every path `warmups` untimed then `repeats` timed times, order rotated each repeat; samples in ms.
-
-    On a CUDA `device` each sample is read from CUDA events around the run (queued work included, no
-    synchronisation inside the timed region); elsewhere from `perf_counter_ns`."""
-    if warmups < 0 or repeats < 1:
-        raise ValueError(f"need warmups >= 0 and repeats >= 1, got {warmups} and {repeats}")
-    samples: dict[str, list[float]] = {name: [] for name, _, _ in paths}
-    n = len(paths)
-    watch = Stopwatch(device)
-    gc_was_enabled = gc.isenabled()
-    with torch.inference_mode():
-        try:
-            for r in range(warmups + repeats):
-                if r == warmups:
-                    gc.collect()
-                    gc.disable()
-                for name, setup, run in (paths[(r + i) % n] for i in range(n)):
-                    state = setup()
-                    watch.start()
-                    run(state)
-                    ms = watch.stop()
-                    if r >= warmups:
-                        samples[name].append(ms)
-        finally:
-            if gc_was_enabled:
-                gc.enable()
-    return samples
 
 
 def tracemalloc_peak(setup: Callable[[], Any], run: Callable[[Any], Any]) -> int:

@@ -38,7 +38,17 @@ import numpy as np
 import torch
 
 from prisme.bench.decode import OFF_PRICE, fire_ratio, seeded_model
-from prisme.bench.harness import bench_device, emit, make_tokens, parse_ints, peak_memory, torch_threads
+from prisme.bench.harness import (
+    Timed,
+    TimedPath,
+    bench_device,
+    emit,
+    make_tokens,
+    parse_ints,
+    peak_memory,
+    time_paths,
+    torch_threads,
+)
 from prisme.checks import one_of, parse_list
 from prisme.config import PrismeConfig
 from prisme.costs import trace_cost
@@ -156,14 +166,14 @@ def measure(case: Case, repeats: int, edit_rate: float, seed: int) -> dict[str, 
     paths = {"dense": ("dense", None), "dense_ks": ("dense_ks", None), "backbone": ("prisme", None),
              "routed_off": ("prisme", Controller(1, lambda_cost=OFF_PRICE)),
              "routed": ("prisme", Controller(1, lambda_cost=price))}
-    samples: dict[str, list[float]] = {k: [] for k in PATHS}
     outs: dict[str, list] = {}
-    for r in range(repeats + 1):  # the first round warms up
-        for k in PATHS[r % len(PATHS):] + PATHS[:r % len(PATHS)]:
-            model_key, policy = paths[k]
-            ms, outs[k] = _decode_ms(case.models[model_key], states[model_key], case.tokens, start, policy)
-            if r > 0:
-                samples[k].append(ms)
+
+    def path(k: str) -> TimedPath:
+        model_key, policy = paths[k]
+        return k, lambda: None, lambda _: Timed(*_decode_ms(case.models[model_key], states[model_key], case.tokens,
+                                                            start, policy))
+
+    samples = time_paths([path(k) for k in PATHS], 1, repeats, inference=False, outputs=outs)
     rows: dict[str, Any] = {}
     for k in PATHS:
         model_key, policy = paths[k]
@@ -194,17 +204,11 @@ def prefill_ms(models: dict[str, PrismeModel], T: int, repeats: int, edit_rate: 
     price, fired = price_for(fire_ratio(value, prisme.action_cost), edit_rate)
     paths = {"dense": (models["dense"], None), "dense_ks": (models["dense_ks"], None), "backbone": (prisme, None),
              "routed": (prisme, Controller(1, lambda_cost=price))}
-    names, samples = list(paths), {k: [] for k in paths}
-    for r in range(repeats + 1):
-        for k in names[r % len(names):] + names[:r % len(names)]:
-            model, policy = paths[k]
-            state = model.new_decode_state(1, T)
-            synchronize(tokens.device)
-            t0 = time.perf_counter_ns()
-            state.prefill(tokens, policy=policy)
-            synchronize(tokens.device)
-            if r > 0:
-                samples[k].append((time.perf_counter_ns() - t0) / 1e6)
+    def path(k: str, m: PrismeModel, policy: Controller | None) -> TimedPath:  # a fresh state each run, untimed
+        return k, lambda: m.new_decode_state(1, T), lambda state: state.prefill(tokens, policy=policy)
+
+    samples = time_paths([path(k, m, policy) for k, (m, policy) in paths.items()], 1, repeats, tokens.device,
+                         inference=False)
     rows = {k: {"ms": float(np.median(v)), "samples_ms": v} for k, v in samples.items()}
     for row in rows.values():
         row["speedup_vs_dense"] = rows["dense"]["ms"] / row["ms"]
@@ -244,13 +248,8 @@ def train_ms(cfgs: dict[str, PrismeConfig], T: int, positions: int, repeats: int
              "prisme_backbone": _stage_step(seeded_model(cfgs["prisme"], seed).train(), "backbone", T, seed, {}),
              "prisme_workspace": _stage_step(seeded_model(cfgs["prisme"], seed).train(), "workspace", T, seed,
                                              {**ws, "workspace_positions": positions})}
-    names, samples = list(steps), {k: [] for k in steps}
-    for r in range(repeats + 1):  # the first round warms up
-        for k in names[r % len(names):] + names[:r % len(names)]:
-            t0 = time.perf_counter_ns()
-            steps[k]()
-            if r > 0:
-                samples[k].append((time.perf_counter_ns() - t0) / 1e6)
+    samples = time_paths([(k, lambda: None, lambda _, f=f: f()) for k, f in steps.items()], 1, repeats,
+                         inference=False)  # training steps: autograd on
     rows = {k: {"ms": float(np.median(v)), "samples_ms": v} for k, v in samples.items()}
     rows["prisme"] = {"ms": rows["prisme_backbone"]["ms"] + rows["prisme_workspace"]["ms"], "samples_ms": []}
     for row in rows.values():

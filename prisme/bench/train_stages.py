@@ -11,6 +11,13 @@ import torch
 from prisme.bench import harness
 from prisme.bench.harness import TimedPath, percentiles
 from prisme.config import PrismeConfig
+from prisme.training.compute import (
+    TRAINED,
+    backbone_forward,
+    controller_stage_step,
+    head_ops,
+    workspace_stage_step,
+)
 
 # ------------------------------------------------------------------------------------- workspace and controller stages
 # The demo's stage 2 and 3 recipes (prisme/configs/demo_workspace.json, demo_controller.json): what is timed.
@@ -18,7 +25,6 @@ STAGE_RECIPES: dict[str, dict[str, Any]] = {
     "workspace": dict(batch_size=16, seq_len=128, lr=1e-3, max_budget=4, deep_supervision=0.5, p_dense=0.05),
     "controller": dict(batch_size=8, seq_len=128, lr=3e-3, max_budget=4, oracle_positions=16),
 }
-TRAINED, THROUGH, NO_GRAD = 3, 2, 1  # forward-ops multipliers of `OPS_CONVENTION`
 
 ADAMW = dict(betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)  # as prisme.training's defaults
 GRAD_CLIP = 1.0
@@ -32,87 +38,6 @@ OPS_CONVENTION = (
     "x 1 for what runs without gradient (the frozen backbone, the oracle's candidate edits, readouts and heads, the "
     "backbone-loss reference); the backbone stage is 3 x (backbone + head) on every position; norms, softmax, "
     "activations, embeddings and the optimizer are not counted")
-
-
-def _backbone_fwd_ops(cfg: PrismeConfig, B: int, T: int) -> float:
-    """Backbone blocks (linear + causal attention, and a key shift's projections) over B rows of T positions, no
-    head."""
-    from prisme.costs.analytic import backbone_ops
-
-    rows = [backbone_ops(cfg, t) for t in range(1, T + 1)]
-    return float(B * sum(r["backbone_linear"] + r["backbone_attention"] + r.get("backbone_key_shift", 0)
-                         for r in rows))
-
-
-def workspace_stage_ops(cfg: PrismeConfig, extra: dict[str, torch.Tensor], y: torch.Tensor,
-                        deep_supervision: float) -> float:
-    """Analytic ops of one workspace-stage step (`OPS_CONVENTION`) for its sampled actions `[B, T, R]` and budgets."""
-    from prisme.costs.analytic import BACKBONE_TERMS, backbone_ops, readout_ops
-    from prisme.costs.traces import trace_cost
-    from prisme.data.text import IGNORE_INDEX
-
-    acts, budget = extra["actions"], extra["budget"]
-    B, T, R = acts.shape
-    labelled = y != IGNORE_INDEX  # [B, T]
-    P = max(1, int(labelled.sum(1).max()))  # query positions per row (all T on text)
-    ctx = (torch.arange(T) + 1).expand(B, T)
-    tc = trace_cost(cfg, acts[labelled], ctx[labelled])  # the forced traces, seed accounting
-    ws = sum(v for k, v in tc.by_component.items() if k not in BACKBONE_TERMS)  # bank projections, editor, readout
-    head = backbone_ops(cfg, 1)["lm_head"]  # one position
-    ops = NO_GRAD * _backbone_fwd_ops(cfg, B, T) + TRAINED * ws
-    ops += (THROUGH + NO_GRAD) * head * B * P  # the final logits, and the backbone's own (the logged reference)
-    if deep_supervision > 0:  # logits after every step but the last: the head on all queries, the readout where more
-        n_ds = sum(int((labelled & (budget > r + 1)).sum()) for r in range(R - 1))
-        ops += (R - 1) * THROUGH * head * B * P + TRAINED * readout_ops(cfg) * n_ds
-    return float(ops)
-
-
-def controller_stage_ops(cfg: PrismeConfig, objective: Any, extra: dict[str, torch.Tensor], y: torch.Tensor) -> float:
-    """Analytic ops of one controller-stage step (`OPS_CONVENTION`): the oracle's behaviour rollout at the sampled
-    positions, all A candidate edits at every state (x 1), and the controller's forward at every state (x 3)."""
-    from prisme.costs.analytic import (
-        action_editor_ops,
-        backbone_ops,
-        controller_bank_ops,
-        controller_entropy_ops,
-        controller_input_ops,
-        controller_step_ops,
-        readout_ops,
-    )
-    from prisme.costs.bank import bank_shift_ops
-    from prisme.model.workspace import action_group_size
-
-    B, T = y.shape
-    A = cfg.n_actions
-    b = int(extra["budget"][0])
-    pos, valid = objective.positions(y, extra["scores"])  # [B, P]
-    P = pos.shape[1]
-    head = backbone_ops(cfg, 1)["lm_head"]
-    d, w = cfg.d_model, cfg.w
-    ops = NO_GRAD * _backbone_fwd_ops(cfg, B, T)
-    ops += NO_GRAD * B * T * (2 * len(cfg.bank_terms) * 2 * d * w + bank_shift_ops(cfg))  # K, V at every position
-    ops += NO_GRAD * B * P * len(cfg.query_terms) * 2 * d * w  # z at the sampled positions
-    ops += NO_GRAD * head * B * P  # the loss before any edit
-    sizes = action_group_size(cfg).tolist()  # [A]
-    zero = objective.unlabelled_zero and not bool(valid.all())
-    cand = valid if zero else torch.ones_like(valid)  # positions whose A candidates run
-    ctrl = controller_step_ops(cfg)
-    if cfg.controller_source is not None:
-        ctrl += controller_input_ops(cfg)
-    if cfg.controller_entropy:
-        ctrl += controller_entropy_ops(cfg)
-    for r in range(b):
-        for p_len in (pos[cand] + 1).tolist():  # context of each candidate position
-            ops += NO_GRAD * sum(sum(action_editor_ops(cfg, k, p_len).values()) for k in sizes)
-        ops += NO_GRAD * (A * int(cand.sum()) * readout_ops(cfg) + head * B * P * A)
-        ops += TRAINED * B * P * ctrl
-        if cfg.controller_bank:
-            ops += TRAINED * sum(controller_bank_ops(cfg, t) for t in (pos + 1).flatten().tolist())
-        if zero:  # the behaviour action at unlabelled positions
-            rand = extra["random_action"][:, :P, r]
-            for p_len, a in zip((pos[~valid] + 1).tolist(), rand[~valid].tolist()):
-                ops += NO_GRAD * sum(action_editor_ops(cfg, sizes[a], p_len).values())
-    return float(ops)
 
 
 @dataclass
@@ -211,12 +136,10 @@ def stage_row(cfg: PrismeConfig, stage: str, samples: list[float], info: dict[st
     B, T, y = info["B"], info["T"], info["y"]
     timed = info["extras"][warmups:]
     if info["scfg"].spec.calibrates_values:  # an oracle stage: its rollouts, candidate edits and value heads
-        ops = [controller_stage_ops(cfg, info["objective"], ex, y) for ex in timed]
+        ops = [controller_stage_step(cfg, info["objective"], ex, y) for ex in timed]
     else:  # the workspace stage: its forced traces
-        ops = [workspace_stage_ops(cfg, ex, y, info["scfg"].deep_supervision) for ex in timed]
-    from prisme.costs.analytic import backbone_ops
-
-    bb_stage = TRAINED * (_backbone_fwd_ops(cfg, B, T) + B * T * backbone_ops(cfg, 1)["lm_head"])
+        ops = [workspace_stage_step(cfg, ex, y, info["scfg"].deep_supervision) for ex in timed]
+    bb_stage = TRAINED * (B * backbone_forward(cfg, T) + B * T * head_ops(cfg))
     mean_ops = sum(ops) / len(ops)
     ratio = mean_ops / bb_stage
     p50, p95 = percentiles(samples)

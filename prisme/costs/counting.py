@@ -5,7 +5,7 @@ CPU attention kernels the plain counter cannot see. tests/test_costs.py checks e
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -91,7 +91,7 @@ class OpsCounter:
                 tags[m.router] = "router"
         return tags
 
-    def _add(self, packet: Any, ops: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _add(self, packet: Any, ops: int, args: Sequence[torch.Tensor | object], kwargs: dict[str, Any]) -> None:
         tag = self._stack[-1] if self._stack else "untagged"
         sdpa = "scaled_dot_product" in str(packet)
         leaf = next((self._leaf_of[a.data_ptr()] for a in args if isinstance(a, torch.Tensor)

@@ -146,6 +146,20 @@ def position_ops(cfg: PrismeConfig, context: int, actions: list[int] | None, con
     return int(row["total"])
 
 
+def run_cost(model: Any, actions: Any, contexts: Any, steps: Any = None, routed: bool | None = None,
+             decode: DecodeOptions | None = None, execution: Any = None, cfg: PrismeConfig | None = None) -> TraceCost:
+    """The cost of a trace as `model` ran it, the one place that assembles it: `trace_cost` of its config (or `cfg`,
+    e.g. a reference model's), in the cost model's column of the editor as it ran (`execution`, an
+    `ExecutionOptions`; None: the model's), with the bank as the decode state kept it (`decode`; None: the model's
+    default options), and the router deciding step 0 where the model has one (`routed`; None: `cfg.router` and a
+    trace was given). actions `[N, R]` (None: the bypass), contexts `[N]`, steps `[N]`: as in `trace_cost`."""
+    cfg = model.cfg if cfg is None else cfg
+    execution = model.execution if execution is None else execution
+    routed = (cfg.router and actions is not None) if routed is None else routed
+    return trace_cost(cfg, actions, contexts, steps, execution.column(cfg.optimised), routed,
+                      model.decode_options if decode is None else decode)
+
+
 class TokenPricer:
     """`position_ops` of generated positions (what `prisme.generate` reports per token) in a decode state with options
     `decode`, memoised on (bypass, options, the model's cost column, context, trace, controller steps) per model and
@@ -154,9 +168,10 @@ class TokenPricer:
 
     MAX_MEMO = 1 << 16  # entries kept per model (contexts x traces seen); cleared when full
 
-    def __init__(self, model: Any, max_budget: int, decode: DecodeOptions = PROJECTED):
+    def __init__(self, model: Any, max_budget: int, decode: DecodeOptions = PROJECTED, execution: Any = None):
         self.cfg, self.bypass, self.decode = model.cfg, max_budget == 0, decode
-        self.column = model.execution.column(model.cfg.optimised)  # the cost model's column of what it runs
+        execution = model.execution if execution is None else execution
+        self.column = execution.column(model.cfg.optimised)  # the cost model's column of what it runs
         cfg, memo = model.__dict__.get("_position_ops_memo", (None, None))
         if cfg is not model.cfg or len(memo) > self.MAX_MEMO:
             memo = {}

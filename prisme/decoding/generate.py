@@ -16,11 +16,12 @@ import numpy as np
 import torch
 
 from prisme.checks import check_max_budget, check_utf8, is_int
-from prisme.costs.traces import TokenPricer, trace_cost
+from prisme.costs.traces import TokenPricer, run_cost
 from prisme.decoding.sampling import GREEDY, Sampling, sample_logits
 from prisme.model.backbone import check_tokens
 from prisme.model.policy import BACKBONE, Controller
 from prisme.model.prisme import PrismeModel
+from prisme.options import DecodeOptions, ExecutionOptions, Runtime
 
 
 # ====================================================================== generation
@@ -76,7 +77,15 @@ class _Run:
     stop_tokens: frozenset[int]
     policy: Controller  # with its lambda_cost resolved (the model's default, or the calibrated one)
     calibration: Calibration | None
-    prefill_chunk_size: int | None
+    runtime: Runtime  # its decode options, execution and prefill chunk size
+
+    @property
+    def options(self) -> DecodeOptions:
+        return self.model.decode_options if self.runtime.decode is None else self.runtime.decode
+
+    @property
+    def execution(self) -> ExecutionOptions:
+        return self.model.execution if self.runtime.execution is None else self.runtime.execution
 
     @property
     def max_budget(self) -> int:
@@ -89,8 +98,7 @@ class _Run:
 
 def generate(model: PrismeModel, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_tokens: int,
              policy: Controller | None = None, sampling: Sampling | None = None, stop_tokens: Sequence[int] = (),
-             stream: bool = False, prefill_chunk_size: int | None = None
-             ) -> GenerationOutput | Iterator[GenerationEvent]:
+             stream: bool = False, runtime: Runtime | None = None) -> GenerationOutput | Iterator[GenerationEvent]:
     """Generate up to `max_new_tokens` per prompt with the workspace under the controller.
 
     Args:
@@ -103,12 +111,13 @@ def generate(model: PrismeModel, prompts: Sequence[Sequence[int]] | torch.Tensor
         sampling: how each token is picked (`prisme.decoding.sampling.Sampling`; None: greedy).
         stop_tokens: a row ends after producing one of these (it is kept in the output).
         stream: return an iterator of per-step `GenerationEvent`s instead of the finished `GenerationOutput`.
-        prefill_chunk_size: backbone chunk size of the prompt prefill (default: one chunk).
+        runtime: how it runs (`prisme.options.Runtime`: the decode state's bank options and execution options, so one
+            model generates either way; the prompt's prefill chunk size; None: the model's own, one chunk).
 
     All arguments are checked (and lambda calibrated) before anything runs; bad input is a ValueError.
     """
     run = _prepare(model, prompts, max_new_tokens, BACKBONE if policy is None else policy,
-                   GREEDY if sampling is None else sampling, stop_tokens, prefill_chunk_size)
+                   GREEDY if sampling is None else sampling, stop_tokens, Runtime() if runtime is None else runtime)
     return _events(run) if stream else _collect(run)
 
 
@@ -146,18 +155,15 @@ def _calibrate(model: PrismeModel, tokens: torch.Tensor, lengths: list[int], max
     N = contexts.numel()
     stop_all = torch.full((N, max_budget), cfg.stop_action, dtype=torch.long)
     steps0 = torch.full((N,), 0 if cfg.router else 1, dtype=torch.long)  # the router decides step 0 alone
-    decode = model.decode_options  # what generation's decode state runs with
-    column = model.execution.column(cfg.optimised)  # the cost model's column of what it runs
-    floor = trace_cost(cfg, stop_all, contexts, steps0, column, cfg.router, decode).relative
+    floor = run_cost(model, stop_all, contexts, steps0, cfg.router).relative  # as generation's decode state runs
     if target_cost < floor * (1 - rel_tol):
         raise ValueError(f"target_cost={target_cost} is below the cheapest controller policy's cost {floor:.6f} "
                          f"(every position stopping at once); use max_budget=0 for the backbone alone")
     probes: list[tuple[float, float]] = []
 
     def cost_at(lam: float) -> float:
-        out = model.forward_policy(tokens, max_budget, lambda_cost=lam, kappa_risk=kappa_risk)
-        rel = trace_cost(cfg, out.actions[valid], contexts, out.controller_steps[valid], column, cfg.router,
-                         decode).relative
+        out = model.forward_policy(tokens, policy=Controller(max_budget, lam, kappa_risk))
+        rel = run_cost(model, out.actions[valid], contexts, out.controller_steps[valid], cfg.router).relative
         probes.append((lam, rel))
         return rel
 
@@ -223,8 +229,7 @@ def _pad_prompts(prompts: Sequence[Sequence[int]] | torch.Tensor, vocab_size: in
 
 
 def _prepare(model: PrismeModel, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_tokens: int,
-             policy: Controller, sampling: Sampling, stop_tokens: Sequence[int], prefill_chunk_size: int | None
-             ) -> _Run:
+             policy: Controller, sampling: Sampling, stop_tokens: Sequence[int], runtime: Runtime) -> _Run:
     cfg = model.cfg
     tokens, lengths = _pad_prompts(prompts, cfg.vocab_size)
     tokens = tokens.to(model.backbone.tok_emb.weight.device)
@@ -245,17 +250,17 @@ def _prepare(model: PrismeModel, prompts: Sequence[Sequence[int]] | torch.Tensor
         raise ValueError(f"policy must be a prisme.model.policy.Controller (or None: the backbone alone), got "
                          f"{type(policy).__name__}")
     check_max_budget(policy.max_budget, cfg.r_max, cfg.use_workspace)
-    if prefill_chunk_size is not None and (isinstance(prefill_chunk_size, bool)
-                                           or not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1):
-        raise ValueError(f"prefill_chunk_size must be a positive int or None, got {prefill_chunk_size!r}")
+    if not isinstance(runtime, Runtime):
+        raise ValueError(f"runtime must be a prisme.options.Runtime (or None), got {type(runtime).__name__}")
+    if runtime.decode is not None:
+        runtime.decode.check(cfg)
     calibration, lam = None, policy.lambda_cost
     if policy.target_cost is not None:
         calibration = _calibrate(model, tokens, lengths, policy.max_budget, policy.target_cost, policy.kappa_risk)
         lam = calibration.lambda_cost
     resolved = dataclasses.replace(policy, lambda_cost=float(model.default_price.fill(lam, None)[0]),
                                    target_cost=None)
-    return _Run(model, tokens, lengths, max_new_tokens, sampling, frozenset(stops), resolved, calibration,
-                prefill_chunk_size)
+    return _Run(model, tokens, lengths, max_new_tokens, sampling, frozenset(stops), resolved, calibration, runtime)
 
 
 def _row_seed(seed: int, row: int) -> int:
@@ -273,10 +278,11 @@ def _events(run: _Run) -> Iterator[GenerationEvent]:
     if smp.temperature > 0:  # one generator per row: a row's samples do not depend on the others or on their stops
         base = random.SystemRandom().randrange(2**62) if smp.seed is None else smp.seed
         gens = [torch.Generator(device=dev).manual_seed(_row_seed(base, b)) for b in range(B)]
-    state = model.new_decode_state(B, max_len=max(run.lengths) + run.max_new_tokens - 1, bank=run.max_budget > 0)
+    state = model.new_decode_state(B, max_len=max(run.lengths) + run.max_new_tokens - 1, bank=run.max_budget > 0,
+                                   options=run.runtime.decode, execution=run.runtime.execution)
     policy = run.policy if run.max_budget > 0 else None
-    out = state.prefill(run.tokens, run.lengths, run.prefill_chunk_size, logits="last", policy=policy)
-    ops_of = TokenPricer(model, run.max_budget, state.options)
+    out = state.prefill(run.tokens, run.lengths, run.runtime.prefill_chunk_size, logits="last", policy=policy)
+    ops_of = TokenPricer(model, run.max_budget, state.options, state.execution)
     done = [False] * B
     done_t = torch.zeros(B, dtype=torch.bool, device=dev)  # `done` on the device, uploaded only when it changes
     picked = done_t.long()  # replaced at step 0
@@ -336,8 +342,8 @@ def _collect(run: _Run) -> GenerationOutput:
                 reasons[b] = "stop"
     actions = [torch.stack(a) for a in acts]  # [n_b, R] each
     flat = None if run.max_budget == 0 else torch.cat(actions)
-    cost = trace_cost(cfg, flat, [c for row in contexts for c in row], [s for row in steps for s in row],
-                      run.model.execution.column(cfg.optimised), cfg.router, run.model.decode_options)  # as it ran
+    cost = run_cost(run.model, flat, [c for row in contexts for c in row], [s for row in steps for s in row],
+                    cfg.router, run.options, run.execution)  # as its decode state ran
     return GenerationOutput(tokens=toks, prompt_lengths=list(run.lengths), actions=actions, n_edits=n_edits,
                             controller_steps=steps, ops=ops, relative_cost=cost.relative, lambda_cost=run.lambda_cost,
                             finish_reasons=reasons, calibration=run.calibration)

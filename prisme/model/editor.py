@@ -168,6 +168,11 @@ class EditorRun:
     slot_kv: bool = False
     static: bool = False
 
+    @property
+    def is_compiled(self) -> bool:
+        """Whether its passes run through a compiled editor."""
+        return self.compiled is not None
+
 
 EAGER_RUN = EditorRun()
 

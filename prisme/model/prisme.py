@@ -103,7 +103,7 @@ class PrismeModel(ParameterGroups, nn.Module):
         if not self.cfg.use_workspace:
             return False
         self.editor.run = editor_run(self, execution)
-        return self.editor.run.compiled is not None
+        return self.editor.run.is_compiled
 
     def _init_std(self, module: nn.Module, name: str, p: nn.Parameter) -> float:
         """"seed": every matrix at init_std. "fan_in": the bank, editor and readout projections at 1/sqrt(fan_in),

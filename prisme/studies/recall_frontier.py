@@ -19,7 +19,6 @@ seeds (`seeds_needed`: all but one when fewer than five).
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -30,6 +29,7 @@ from prisme.config import PrismeConfig
 from prisme.costs.analytic import router_ops, router_share_of_layer
 from prisme.costs.traces import trace_cost
 from prisme.data.mqar import MQARConfig, make_mqar_batch
+from prisme.devices import TimedPath, time_paths
 from prisme.evaluation.policies import BackboneRows
 from prisme.studies import recall_training as training
 from prisme.studies.recall_eval import calibrated_policy, forced_row, score
@@ -346,33 +346,31 @@ def decode_speed(frontier: dict[str, Any], mcfg: MQARConfig, batches: tuple[int,
     from prisme.model.policy import Controller
     from prisme.model.prisme import PrismeModel
     from prisme.model.state import DecodeState
-    from prisme.options import DecodeOptions
+    from prisme.options import DecodeOptions, Runtime
 
     v = frontier["verdict"]
     picks = {k: v[f"{k}_best"] for k in ("dense", "prisme") if v[f"{k}_best"] is not None}
     if not picks:
         return {}
     models = {k: load_model(e["checkpoints"][0])[0].eval() for k, e in picks.items()}
-    if "prisme" in models and set(models["prisme"].cfg.bank_terms) == {"embedding"}:
-        m = models["prisme"]
-        ids = PrismeModel(m.cfg, DecodeOptions(bank_tables=True, bank_store="ids")).to(m.backbone.tok_emb.weight.dtype)
-        ids.load_state_dict(m.state_dict())
-        models["prisme_ids"], picks["prisme_ids"] = ids.eval(), picks["prisme"]
+    runtimes = dict.fromkeys(models, Runtime())
+    if "prisme" in models and set(models["prisme"].cfg.bank_terms) == {"embedding"}:  # the same model, kept as ids
+        models["prisme_ids"], picks["prisme_ids"] = models["prisme"], picks["prisme"]
+        runtimes["prisme_ids"] = Runtime(decode=DecodeOptions(bank_tables=True, bank_store="ids"))
     P = mcfg.query_start + 1
     new = mcfg.seq_len - P
     out: dict[str, Any] = {"prompt_tokens": P, "new_tokens": new, "repeats": repeats,
                            "threads": torch.get_num_threads()}
     for B in batches:
         x, _ = make_mqar_batch(mcfg, B, torch.Generator().manual_seed(EVAL_SEED + 99))
-        times: dict[str, list[float]] = {k: [] for k in models}
-        for _ in range(repeats + 1):  # the first round warms up
-            for k, m in models.items():
-                kw = dict(policy=Controller(1, lambda_cost=picks[k]["lambda"][0])) if k != "dense" else {}
-                t0 = time.perf_counter()
-                generate(m, x[:, :P], new, **kw)
-                times[k].append(time.perf_counter() - t0)
-        out[f"batch{B}"] = {k: B * new / sorted(t[1:])[len(t[1:]) // 2] for k, t in times.items()}
-        out[f"memory_batch{B}"] = {k: DecodeState(m, B, mcfg.seq_len).nbytes for k, m in models.items()}
+        def path(k: str, m: PrismeModel, prompt: torch.Tensor = x[:, :P]) -> TimedPath:
+            kw = dict(policy=Controller(1, lambda_cost=picks[k]["lambda"][0])) if k != "dense" else {}
+            return k, lambda: None, lambda _: generate(m, prompt, new, runtime=runtimes[k], **kw)
+
+        times = time_paths([path(k, m) for k, m in models.items()], 1, repeats, inference=False)  # ms
+        out[f"batch{B}"] = {k: B * new * 1000.0 / sorted(t)[len(t) // 2] for k, t in times.items()}
+        out[f"memory_batch{B}"] = {k: DecodeState(m, B, mcfg.seq_len, options=runtimes[k].decode).nbytes
+                                   for k, m in models.items()}
     return out
 
 

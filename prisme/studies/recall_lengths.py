@@ -24,6 +24,7 @@ import torch
 
 from prisme.checkpoint import load_model
 from prisme.data.mqar import make_mqar_batch
+from prisme.devices import TimedPath, time_paths
 from prisme.evaluation.policies import BackboneRows, ControllerRows
 from prisme.model.prisme import PrismeModel
 
@@ -93,14 +94,13 @@ def decode_speed(models: dict[str, tuple[PrismeModel, float | None]], mcfg, batc
     x, _ = make_mqar_batch(mcfg, batch, torch.Generator().manual_seed(data_seed))
     P = mcfg.query_start + 1
     new = mcfg.seq_len - P
-    times: dict[str, list[float]] = {k: [] for k in models}
-    for _ in range(repeats + 1):  # the first round warms up
-        for k, (m, price) in models.items():
-            kw = {} if price is None else dict(policy=Price(1, lambda_cost=price))
-            t0 = time.perf_counter()
-            generate(m, x[:, :P], new, **kw)
-            times[k].append(time.perf_counter() - t0)
-    return {k: batch * new / sorted(t[1:])[len(t[1:]) // 2] for k, t in times.items()}
+
+    def path(k: str, m: PrismeModel, price: float | None) -> TimedPath:
+        kw = {} if price is None else dict(policy=Price(1, lambda_cost=price))
+        return k, lambda: None, lambda _: generate(m, x[:, :P], new, **kw)
+
+    samples = time_paths([path(k, m, price) for k, (m, price) in models.items()], 1, repeats, inference=False)
+    return {k: batch * new * 1000.0 / sorted(t)[len(t) // 2] for k, t in samples.items()}
 
 
 def run_lengths(folder: str | Path, contexts: tuple[int, ...], sequences: int, repeats: int,

@@ -28,11 +28,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import fmean
+from typing import Any
 
 import torch
 
 from prisme.config import PrismeConfig
 from prisme.costs.analytic import (
+    BACKBONE_TERMS,
     action_editor_ops,
     attended_keys,
     backbone_ops,
@@ -44,8 +46,10 @@ from prisme.costs.analytic import (
     router_ops,
 )
 from prisme.costs.bank import bank_projection_ops, bank_shift_ops
+from prisme.costs.traces import trace_cost
 from prisme.data.mqar import MQARConfig, make_mqar_batch
 from prisme.data.text import IGNORE_INDEX
+from prisme.model.workspace import action_group_size
 from prisme.training.config import StageConfig
 from prisme.training.curves import read_metrics
 from prisme.training.objectives import BackboneObjective, WorkspaceObjective
@@ -238,3 +242,61 @@ def logged_training_s(run: str | Path) -> float | None:
             total += last
         last = float(t)
     return None if last is None else total + last
+
+
+# ------------------------------------------------------------------------------ one step as it ran (`bench train`)
+def workspace_stage_step(cfg: PrismeConfig, extra: dict[str, torch.Tensor], y: torch.Tensor,
+                        deep_supervision: float) -> float:
+    """Analytic ops of one workspace-stage step as it ran (the module's convention) for its sampled actions
+    `[B, T, R]` and budgets (`prisme bench train` prices its timed steps with it)."""
+    acts, budget = extra["actions"], extra["budget"]
+    B, T, R = acts.shape
+    labelled = y != IGNORE_INDEX  # [B, T]
+    P = max(1, int(labelled.sum(1).max()))  # query positions per row (all T on text)
+    ctx = (torch.arange(T) + 1).expand(B, T)
+    tc = trace_cost(cfg, acts[labelled], ctx[labelled])  # the forced traces, seed accounting
+    ws = sum(v for k, v in tc.by_component.items() if k not in BACKBONE_TERMS)  # bank projections, editor, readout
+    head = head_ops(cfg)  # one position
+    ops = NO_GRAD * B * backbone_forward(cfg, T) + TRAINED * ws
+    ops += (THROUGH + NO_GRAD) * head * B * P  # the final logits, and the backbone's own (the logged reference)
+    if deep_supervision > 0:  # logits after every step but the last: the head on all queries, the readout where more
+        n_ds = sum(int((labelled & (budget > r + 1)).sum()) for r in range(R - 1))
+        ops += (R - 1) * THROUGH * head * B * P + TRAINED * readout_ops(cfg) * n_ds
+    return float(ops)
+
+
+def controller_stage_step(cfg: PrismeConfig, objective: Any, extra: dict[str, torch.Tensor], y: torch.Tensor) -> float:
+    """Analytic ops of one controller-stage step as it ran (the module's convention): the oracle's behaviour rollout
+    at the sampled positions, all A candidate edits at every state (x 1), and the controller's forward at every state
+    (x 3)."""
+    B, T = y.shape
+    A = cfg.n_actions
+    b = int(extra["budget"][0])
+    pos, valid = objective.positions(y, extra["scores"])  # [B, P]
+    P = pos.shape[1]
+    head = head_ops(cfg)
+    d, w = cfg.d_model, cfg.w
+    ops = NO_GRAD * B * backbone_forward(cfg, T)
+    ops += NO_GRAD * B * T * (2 * len(cfg.bank_terms) * 2 * d * w + bank_shift_ops(cfg))  # K, V at every position
+    ops += NO_GRAD * B * P * len(cfg.query_terms) * 2 * d * w  # z at the sampled positions
+    ops += NO_GRAD * head * B * P  # the loss before any edit
+    sizes = action_group_size(cfg).tolist()  # [A]
+    zero = objective.unlabelled_zero and not bool(valid.all())
+    cand = valid if zero else torch.ones_like(valid)  # positions whose A candidates run
+    ctrl = controller_step_ops(cfg)
+    if cfg.controller_source is not None:
+        ctrl += controller_input_ops(cfg)
+    if cfg.controller_entropy:
+        ctrl += controller_entropy_ops(cfg)
+    for r in range(b):
+        for p_len in (pos[cand] + 1).tolist():  # context of each candidate position
+            ops += NO_GRAD * sum(sum(action_editor_ops(cfg, k, p_len).values()) for k in sizes)
+        ops += NO_GRAD * (A * int(cand.sum()) * readout_ops(cfg) + head * B * P * A)
+        ops += TRAINED * B * P * ctrl
+        if cfg.controller_bank:
+            ops += TRAINED * sum(controller_bank_ops(cfg, t) for t in (pos + 1).flatten().tolist())
+        if zero:  # the behaviour action at unlabelled positions
+            rand = extra["random_action"][:, :P, r]
+            for p_len, a in zip((pos[~valid] + 1).tolist(), rand[~valid].tolist()):
+                ops += NO_GRAD * sum(action_editor_ops(cfg, sizes[a], p_len).values())
+    return float(ops)
