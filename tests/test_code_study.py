@@ -147,7 +147,7 @@ def test_a_code_study_records_its_corpus_slices_by_distance_and_capture(tmp_path
                           out_dir=str(tmp_path / "text"), prisme_layers=2, workspace_steps=100,
                           context_model={"attn_window": 16, "key_shift": True, "router": True, "router_ngram": 2},
                           context_frontier=[[2, None, True], [2, None, True, 16]], context_eval_batch_size=2,
-                          context_lambdas=[0.0])
+                          context_lambdas=[0.0], copy_head=False)
     doc = run_study(cfg, PrismeConfig.from_name("tiny", vocab_size=256))
     assert doc["corpus"]["train"]["name"] == str(folder) and doc["corpus"]["train"]["split"] == "by whole files"
     assert doc["corpus"]["held_out"]["name"] == str(held) and doc["model"]["n_layer"] == 2
@@ -192,3 +192,42 @@ def test_a_code_study_records_its_corpus_slices_by_distance_and_capture(tmp_path
     model_cfg, stages, _ = prepare_study(plain)
     recorded = study_settings(plain, model_cfg, stages)
     assert "corpus" not in recorded and not {"corpus", "prisme_layers", "workspace_steps"} & set(recorded["study"])
+
+
+def test_a_copy_head_study_gives_the_dense_family_the_same_head_and_scores_the_exact_copy(tmp_path):
+    """A tiny copy-head code study (T = 300): PRISME's chain runs the copy stage between stage 1 and the workspace;
+    every dense frontier model has a "+copy" twin trained from its checkpoint (the same head, the same copy stage);
+    the rows hold PRISME's local backbone without a far read and the untrained exact copy, and every row's paired
+    difference to the exact copy; the capture is measured from the local backbone; the training compute counts the
+    copy stages. Negative control: `copy_head=False` plans no twin and no copy stage."""
+    from prisme.studies.text import prepare_study, run_study
+    from prisme.studies.text_setup import EXACT_COPY, NO_COPY
+
+    folder = code_folder(tmp_path / "code", n=8)
+    held = code_folder(tmp_path / "held", n=2)
+    cfg = TextStudyConfig(sources=["residual_preceding"], seeds=[3], scale=0.01, val_batches=1, held_out=str(held),
+                          corpus=str(folder), jobs=1, progress=False, bootstrap_samples=20, context=300,
+                          out_dir=str(tmp_path / "text"), prisme_layers=2, copy_steps=200,
+                          context_model={"attn_window": 16, "key_shift": True, "router": True, "router_ngram": 2},
+                          context_frontier=[[2, None, True], [2, None, True, 16]], context_eval_batch_size=2,
+                          context_lambdas=[0.0])
+    assert cfg.uses_copy  # a folder of files: on by default
+    base = PrismeConfig.from_name("tiny", vocab_size=256)
+    _, stages, tasks = prepare_study(cfg, base)
+    d = base.d_model
+    twin = f"frontier:L2_d{d}_w16_ks+copy"
+    assert stages[3][twin].stage == "copy" and stages[3]["copy"].stage == "copy" and stages[3]["copy"].steps == 2
+    needs = {t.name: t.needs for t in tasks}
+    assert needs[f"s3/{twin}"] == (f"s3/frontier:L2_d{d}_w16_ks",)  # from its dense model's checkpoint
+    doc = run_study(cfg, base)
+    rep = doc["seeds"]["3"]["sources"]["residual_preceding"]["held_out"]
+    rows = {r["policy"]: r for r in rep["rows"]}
+    assert {NO_COPY, EXACT_COPY, f"L2_d{d}_ks+copy", f"L2_d{d}_w16_ks+copy"} <= set(rows)
+    assert rows["backbone"]["delta_vs_reference"]["reference"] == EXACT_COPY
+    assert "delta_vs_reference" not in rows[EXACT_COPY] or rows[EXACT_COPY]["delta_vs_reference"] is None
+    assert any("against exact_copy_reference" in v for v in doc["verdicts"])
+    tc = doc["training_compute"]
+    assert tc[twin]["training_ops"] > tc[f"frontier:L2_d{d}_w16_ks"]["training_ops"]  # its dense model + the head
+    plain = TextStudyConfig(**{**cfg.__dict__, "copy_head": False, "out_dir": str(tmp_path / "plain")})
+    _, stages, tasks = prepare_study(plain, base)
+    assert "copy" not in stages[3] and not any("+copy" in t.name for t in tasks)

@@ -69,6 +69,15 @@ class ExactCopy:
                                            for b in range(1, len(LENGTH_BUCKETS) + 1)], dtype=torch.float64)
         return self
 
+    def mix(self, logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The mixed distribution's log-probabilities `[B, T, V]` of a model's `logits` on the tokens `x` `[B, T]`:
+        log((1 - g) softmax(logits) + g onehot(copy)) where a gate is open, the logits bitwise elsewhere."""
+        bucket, copy = self.match(x)
+        g = self.gates.to(logits.device, logits.dtype)[bucket]  # [B, T]
+        p = torch.softmax(logits, -1) * (1 - g).unsqueeze(-1)
+        p = p.scatter_add(-1, copy.clamp(min=0).unsqueeze(-1), (g * (copy >= 0)).unsqueeze(-1))
+        return torch.where((g > 0).unsqueeze(-1), torch.log(p + torch.finfo(p.dtype).tiny), logits)
+
     def nll(self, logp_y: torch.Tensor, bucket: torch.Tensor, copy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """-log((1 - g) p + g [y = copy]) `[...]` from the model's log-probability of each target `logp_y`."""
         g = self.gates.to(logp_y.device, torch.float64)[bucket]

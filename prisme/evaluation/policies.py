@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,13 +23,15 @@ from prisme.checks import is_int
 from prisme.config import PrismeConfig, untrained_for_policy
 from prisme.evaluation.actions import default_lambdas, sample_positions, thinned_actions
 from prisme.evaluation.batch import Batch, Outcome
+from prisme.evaluation.far_reads import ExactCopy
 from prisme.evaluation.oracle import greedy_oracle
 from prisme.model.policy import Controller
 from prisme.model.prisme import PrismeModel
 
 BUDGETS = (1, 2, 4, 8)
 __all__ = ["ROW_KINDS", "row_family_of_name", "Row", "Policy", "BackboneRows", "ReferenceRows", "FixedRows",
-           "RandomRows", "DenseRows", "ControllerRows", "EqualEditsRows", "OracleRows", "PolicySettings",
+           "RandomRows", "DenseRows", "ControllerRows", "EqualEditsRows", "ExactCopyRows", "OracleRows",
+           "PolicySettings",
            "standard_policies", "forced_actions", "thinned_actions", "sample_positions", "default_lambdas"]
 
 
@@ -307,6 +309,51 @@ class EqualEditsRows(Policy):
                                batch.x.device)
         out = batch.model(batch.x, acts, ctx=batch.ctx)
         return Outcome(out.logits, actions=out.actions)
+
+
+class ExactCopyRows(Policy):
+    """The untrained exact-copy reference (`prisme.evaluation.far_reads.ExactCopy`: the byte after the most recent
+    occurrence of the longest >= 4-token suffix match, one gate per match length) mixed into another model's
+    distribution (`model`, e.g. PRISME's backbone without a copy head), its gates fitted by maximum likelihood on
+    `fit()`'s batches (x, y) before the first row runs (validation; applied unchanged to a held-out text); `far`: read
+    only matches beyond a window of that many positions (None: every earlier one). Priced as its model plus the copy
+    head's lookups (`costs.analytic.copy_head_ops`, no stream)."""
+
+    kinds = (RowKind("exact_copy", "X", "C9", names=r"exact_copy.*"),)
+
+    def __init__(self, name: str, model: PrismeModel, fit: Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]],
+                 far: int | None = None):
+        self.name, self.model, self.fit, self.read = name, model, fit, ExactCopy(far=far)
+        self.fitted = False
+
+    def plan(self, model, first_tokens):
+        return [Row(self.name, self)]
+
+    def _fit(self, device: torch.device) -> None:
+        ps, bs, cs, ys = [], [], [], []
+        with torch.no_grad():
+            for x, y in self.fit():
+                x, y = x.to(device), y.to(device)
+                lp = torch.log_softmax(self.model(x).logits.double(), -1).gather(-1, y.clamp(min=0).unsqueeze(-1))
+                b, c = self.read.match(x)
+                keep = y >= 0
+                ps.append(lp.squeeze(-1).exp()[keep]), bs.append(b[keep]), cs.append(c[keep]), ys.append(y[keep])
+        self.read.fit(torch.cat(ps), torch.cat(bs), torch.cat(cs), torch.cat(ys))
+        self.fitted = True
+
+    def run(self, row, batch):
+        dev = next(self.model.parameters()).device
+        if not self.fitted:
+            self._fit(dev)
+        x = batch.x.to(dev)
+        logits = batch.memo(("reference", self.name), lambda: self.read.mix(self.model(x).logits, x))
+        return Outcome(logits.to(batch.x.device))
+
+    def priced_by(self, model):
+        return self.model.cfg.replace(copy_head=True, copy_stream=0)
+
+    def models(self):
+        return [self.model]
 
 
 class OracleRows(Policy):

@@ -41,6 +41,8 @@ class EvalRow:
     delta_vs_backbone: dict[str, Any] | None = None
     delta_vs_matched: dict[str, Any] | None = None  # with a matched backbone
     delta_vs_equal_edits: dict[str, Any] | None = None  # controller rows: minus their equal-edits baseline
+    delta_vs_reference: dict[str, Any] | None = None  # minus the evaluation's reference row (`EvalOptions.reference`)
+    verdict_vs_reference: str | None = None
     verdict_vs_backbone: str | None = None  # "beats" | "ties" | "loses", from the interval
     verdict_vs_matched: str | None = None
     verdict_vs_equal_edits: str | None = None

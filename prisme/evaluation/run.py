@@ -73,6 +73,8 @@ class EvalOptions:
     bootstrap_samples: int = N_BOOT  # the paired intervals' resamples and seed (`prisme.stats`)
     bootstrap_seed: int = 0
     frontier: Sequence[str] | None = None  # backbone-only rows that make the dense frontier (their lower envelope)
+    reference: str | None = None  # a row every other row scored on its targets is compared with, paired
+    #   (`EvalRow.delta_vs_reference`: e.g. the untrained exact-copy reference)
     slices: int | None = None  # n-gram length of the AR-hit / seen-miss / other slices (`evaluation.slices`)
     slices_window: int | tuple[int, ...] | None = None  # split AR hits into within / beyond an attention window of
     #   this many positions, or with bucket edges (window, e_1, ..) by copy distance too (`evaluation.slices`)
@@ -405,6 +407,12 @@ def _finish_rows(model: PrismeModel, plan: list[Row], accs: dict[str, _Acc], opt
             d = acc.paired(acc.seq_matched, n_boot, boot_seed)
             row.delta_vs_matched, row.verdict_vs_matched = d.to_dict(), d.verdict
     by = {r.policy: r for r in rows}
+    ref = options.reference
+    if ref is not None and ref in by:  # every row minus the reference row, on the same targets
+        for r in rows:
+            if r.policy != ref and r.n_targets == by[ref].n_targets:
+                d = accs[r.policy].paired(accs[ref].seq_loss, n_boot, boot_seed)
+                r.delta_vs_reference, r.verdict_vs_reference = d.to_dict() | {"reference": ref}, d.verdict
     for p in plan:  # controller minus its equal-edits baseline, on the same targets
         if p.of is not None and p.name in by and p.of in by:
             d = accs[p.of].paired(accs[p.name].seq_loss, n_boot, boot_seed)

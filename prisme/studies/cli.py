@@ -90,6 +90,14 @@ def add_study_parsers(sub: Any, add_compile: Callable[[argparse.ArgumentParser],
                    help="with --context: the workspace stage's steps of 2 x T bytes, times --scale (default 240: "
                         "0.49 MB at T = 1,024); the matched backbone and every frontier model train on the added "
                         "bytes too")
+    t.add_argument("--copy-head", choices=("auto", "on", "off"), default="auto",
+                   help="with --context: PRISME's backbone gets the copy head (prisme.model.copy: the next byte copied "
+                        "from the context's exact matches, a learned gate; its copy stage after stage 1) and every "
+                        "dense frontier model a twin with the same head (+copy); auto: on for a corpus split by whole "
+                        "files (code, a folder), off otherwise")
+    t.add_argument("--copy-steps", type=count_option(1), default=None, metavar="N",
+                   help="the copy stage's steps of 4 x 1,024 bytes, times --scale (default 500), PRISME's and each "
+                        "dense twin's")
     t.add_argument("--out", default=None, help="study folder (default: runs/text)")
     t.add_argument("--jobs", type=int, default=None, help="worker processes (default 0 = one per CPU core)")
     t.add_argument("--threads", type=int, default=None, help="torch CPU threads per worker (default 1)")
@@ -228,7 +236,9 @@ def text_config(args: Any) -> Any:
                           held_out=held_out, compile=opt("compile") or "off", window=opt("window"),
                           slice_ngram=4 if opt("ngram") is None else args.ngram, context=opt("context"),
                           reuse=opt("reuse"), corpus=corpus, prisme_layers=opt("prisme_layers"),
-                          workspace_steps=opt("workspace_steps"))
+                          workspace_steps=opt("workspace_steps"),
+                          copy_head={"on": True, "off": False}.get(opt("copy_head") or "auto"),
+                          **({} if opt("copy_steps") is None else {"copy_steps": opt("copy_steps")}))
     return cfg.validate(PrismeConfig.from_name("demo"))  # before anything trains
 
 

@@ -70,7 +70,7 @@ __all__ = ["TextStudyConfig", "format_report", "prepare_study", "finish_study", 
 # ------------------------------------------------------------------------------------------------------------ run
 UNRECORDED = ("out_dir", "jobs", "threads", "progress", "compile", "executor", "address", "reuse")  # change no run
 ADDED_FIELDS = {"corpus": "austen", "prisme_layers": None, "workspace_steps": None,  # and their values before them
-                "confirm_seeds": None}  # (no confirmation pass: None or [])
+                "confirm_seeds": None, "copy_head": None, "copy_steps": 500}  # (no confirmation pass: None or [])
 
 
 def study_settings(cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[int, dict[str, StageConfig]]
@@ -115,9 +115,10 @@ def prepare_study(cfg: TextStudyConfig, model_cfg: PrismeConfig | None = None, r
             backbone = BackboneTask(seed)
             runs = [SourceTask(seed, s) for s in sources]
             frontier = [FrontierTask(seed, m) for m in models.values()]
-            if tier == "chains":  # the long ones: stage 1, each source's stages 2-3, the frontier (deepest first)
+            if tier == "chains":  # the long ones: stage 1, each source's stages 2-3, the frontier (deepest first;
+                #   a "+copy" twin after its dense model)
                 planned += [(backbone, [], []), *((r, [backbone], []) for r in runs),
-                            *((f, [], []) for f in sorted(frontier, key=lambda f: -f.model.n_layer))]
+                            *((f, plain_task(f, frontier), []) for f in sorted(frontier, key=frontier_order))]
                 continue
             matched = MatchedTask(seed)
             planned.append((matched, [backbone], []))
@@ -130,6 +131,19 @@ def prepare_study(cfg: TextStudyConfig, model_cfg: PrismeConfig | None = None, r
     return model_cfg, stages, tasks
 
 
+def plain_task(f: FrontierTask, frontier: list[FrontierTask]) -> list[FrontierTask]:
+    """What a frontier model's task needs: a "+copy" twin its dense model's task (whose checkpoint its copy stage
+    starts from), any other nothing."""
+    if not f.model.copy_head:
+        return []
+    return [t for t in frontier if t.seed == f.seed and t.model.name == f.model.name.removesuffix("+copy")]
+
+
+def frontier_order(f: FrontierTask) -> tuple[int, bool]:
+    """The frontier's start order: deepest first, each dense model before its "+copy" twin."""
+    return -f.model.n_layer, f.model.copy_head
+
+
 def reuse_training(cfg: TextStudyConfig, settings: dict[str, Any], tasks: list[Task]) -> list[str]:
     """`--reuse FOLDER`: copy the finished training runs of the text study in FOLDER (a study's folder, or a demo's
     text/) that trained exactly as these settings would (the model, and the stage configs that train the run's
@@ -138,13 +152,17 @@ def reuse_training(cfg: TextStudyConfig, settings: dict[str, Any], tasks: list[T
     out = Path(cfg.out_dir)
     units: dict[Path, tuple[int, tuple[str, ...], str]] = {}  # run folder -> (seed, its stage configs, its task)
     for t in (study_task(t) for t in tasks):
-        st = {"backbone": ("backbone",), "matched": ("backbone", "matched"), "frontier": (t.key,),
-              "source": ("backbone", "workspace", "controller")}.get(t.kind)
+        copy = ("copy",) if cfg.uses_copy else ()  # a copy-head study's runs: their copy stages too
+        st = {"backbone": ("backbone",), "matched": ("backbone", "matched", *(("matched_copy",) if copy else ())),
+              "frontier": (t.key,), "source": ("backbone", *copy, "workspace", "controller")}.get(t.kind)
         if st is None:  # an evaluation: scored anew
             continue
         folder = out / f"seed{t.seed}" / t.source if t.kind == "source" else \
             Path(settings["stages"][str(t.seed)][st[-1]]["out_dir"])
         units[folder.relative_to(out)] = (t.seed, st, t.name)
+        if t.kind == "matched" and copy:  # the matched backbone's own run, which its copy stage starts from
+            plain = Path(settings["stages"][str(t.seed)]["matched"]["out_dir"])
+            units[plain.relative_to(out)] = (t.seed, ("backbone", "matched"), t.name)
 
     ours = PrismeConfig.from_dict(settings["model"])
     entries = {f"frontier:{frontier_name(ours, *f)}": f for f in cfg.frontier_entries}

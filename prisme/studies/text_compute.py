@@ -13,7 +13,16 @@ from statistics import fmean
 from typing import Any
 
 from prisme.config import PrismeConfig
-from prisme.studies.text_setup import TextStudyConfig, final_folder, frontier_config, frontier_name, source_config
+from prisme.studies.text_setup import (
+    TextStudyConfig,
+    copy_config,
+    final_folder,
+    frontier_config,
+    frontier_name,
+    frontier_options,
+    plain_entry,
+    source_config,
+)
 from prisme.training.compute import logged_training_s, stage_compute
 from prisme.training.config import StageConfig
 
@@ -23,15 +32,26 @@ def model_stages(cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[str
     """Each model's training: (model config, stage config with its own run folder) per stage, for one seed."""
     out = {"backbone": [(model_cfg, stages["backbone"])]}
     out["backbone+matched"] = out["backbone"] + [(model_cfg, stages["matched"])]
+    if cfg.uses_copy:  # its copy head's stage too
+        out["backbone+matched"].append((copy_config(model_cfg), stages["matched_copy"]))
     run = Path(stages["backbone"].out_dir).parent
     for s in cfg.sources:
         src = source_config(model_cfg, s)
+        chain = out["backbone"]
+        if cfg.uses_copy:
+            src = copy_config(src)
+            chain = chain + [(src, stages["copy"].replace(out_dir=str(run / s / "1c_copy")))]
         ws = stages["workspace"].replace(out_dir=str(run / s / "2_workspace"))
         last = stages["controller"].replace(out_dir=str(run / s / final_folder(stages)))
-        out[f"prisme:{s}"] = out["backbone"] + [(src, ws), (src, last)]
+        out[f"prisme:{s}"] = chain + [(src, ws), (src, last)]
     for f in cfg.frontier_entries:
         name = frontier_name(model_cfg, *f)
-        out[f"frontier:{name}"] = [(frontier_config(model_cfg, *f), stages[f"frontier:{name}"])]
+        own = [(frontier_config(model_cfg, *f), stages[f"frontier:{name}"])]
+        if frontier_options(f)["copy_head"]:  # its dense model's training, then its copy stage
+            plain = frontier_name(model_cfg, *plain_entry(f))
+            own = out.get(f"frontier:{plain}", [(frontier_config(model_cfg, *plain_entry(f)),
+                                                  stages[f"frontier:{plain}"])]) + own
+        out[f"frontier:{name}"] = own
     return out
 
 

@@ -90,13 +90,21 @@ def fresh_tasks(cfg: TextStudyConfig, sources: list[str], models: list[PrismeCon
     for seed in cfg.confirm_seeds or []:
         backbone = BackboneTask(seed)
         runs = [SourceTask(seed, s) for s in sources]
-        frontier = [FrontierTask(seed, m) for m in sorted(models, key=lambda m: -m.n_layer)]
-        chains += [(backbone, [], []), *((r, [backbone], []) for r in runs), *((f, [], study) for f in frontier)]
+        frontier = sorted((FrontierTask(seed, m) for m in models), key=lambda f: (-f.model.n_layer, f.model.copy_head))
+        chains += [(backbone, [], []), *((r, [backbone], []) for r in runs),
+                   *((f, twin_needs(f, frontier), study) for f in frontier)]
         matched = MatchedTask(seed)
         rest.append((matched, [backbone], []))
         for split in ("held_out", "val"):
             rest += [(FreshEvalTask(seed, r.source, split), [r, matched], [*study, *frontier]) for r in runs]
     return chains + rest
+
+
+def twin_needs(f: FrontierTask, frontier: list[FrontierTask]) -> list[FrontierTask]:
+    """A "+copy" twin needs its dense model's task (its copy stage starts from that checkpoint)."""
+    if not f.model.copy_head:
+        return []
+    return [t for t in frontier if t.model.name == f.model.name.removesuffix("+copy")]
 
 
 def kept_evaluations(cfg: TextStudyConfig) -> dict[str, Any]:
@@ -147,6 +155,7 @@ def confirmation_prune(cfg: TextStudyConfig, model_cfg: PrismeConfig, tasks: lis
             return set()  # the verdicts are not known yet
         rows = deciding_rows(doc, names)
         models = {m for r in rows for m in r["frontier_models"]}
+        models |= {m.removesuffix("+copy") for m in models}  # a "+copy" twin trains from its dense model
         pairs = {(r["source"], r["split"]) for r in rows}
         sources = {s for s, _ in pairs}
 

@@ -10,8 +10,9 @@ from typing import Any
 
 from prisme.evaluation.policies import ROW_KINDS
 from prisme.evaluation.slices import Capture, beyond_window_names, capture, merge_slices
+from prisme.studies.text_setup import EXACT_COPY, NO_COPY
 
-DIFFS = ("delta_vs_backbone", "delta_vs_matched", "frontier_gap", "delta_vs_equal_edits")
+DIFFS = ("delta_vs_backbone", "delta_vs_matched", "frontier_gap", "delta_vs_equal_edits", "delta_vs_reference")
 
 
 def _workspace_row(e: dict[str, Any]) -> bool:
@@ -104,6 +105,14 @@ def verdicts(doc: dict[str, Any]) -> list[str]:
                 lines.append(f"{split}, {src} bank: best row against the matched backbone, {best['policy']}: below "
                              f"on {_count(best, 'delta_vs_matched')} seeds "
                              f"({'; '.join(map(_ci, best['delta_vs_matched']))})")
+            ref = [e for e in ws if "delta_vs_reference" in e]
+            if ref:  # against the untrained exact copy (a copy-head study's reference row)
+                best = min(ref, key=lambda e: (-e["delta_vs_reference_below"],
+                                               max(d["hi"] for d in e["delta_vs_reference"])))
+                name = best["delta_vs_reference"][0].get("reference", "the reference")
+                lines.append(f"{split}, {src} bank: best row against {name}, {best['policy']}: below on "
+                             f"{_count(best, 'delta_vs_reference')} seeds "
+                             f"({'; '.join(map(_ci, best['delta_vs_reference']))})")
             for e in ws:
                 if "delta_vs_equal_edits" in e:
                     lines.append(f"{split}, {src} bank: {e['policy']} minus its equal-edits baseline: below on "
@@ -201,8 +210,9 @@ def _mean_loss(per_seed: list[dict[str, Any]]) -> float | None:
 def slice_table(doc: dict[str, Any]) -> str | None:
     """Where the gains are (a study whose slices split AR hits by a window, `--context`): per source, split and row,
     the loss on AR hits within PRISME's window, in each distance bucket beyond it (slices with bucket edges), on all
-    AR hits beyond it, and on the rest (seen misses and others), mean over the seeds, with each slice's share of the
-    targets (None when the rows carry no window slices)."""
+    AR hits beyond it, on the seen misses (the n-gram occurred, followed by another token: where a copy is wrong)
+    and on the other positions, mean over the seeds, with each slice's share of the targets (None when the rows
+    carry no window slices)."""
     summary = doc.get("summary") or seed_summary(doc)
     rows = [e for e in summary if e.get("slices") and beyond_window_names(list(e["slices"][0]))]
     if not rows:
@@ -212,7 +222,7 @@ def slice_table(doc: dict[str, Any]) -> str | None:
     groups = [("AR hit in window", ("ar_hit_in_window",))]
     if len(beyond) > 1:  # distance buckets: each, then all of them
         groups += [(k.removeprefix("ar_hit_").replace("_", "-").replace("beyond-", "> "), (k,)) for k in beyond]
-    groups += [("AR hit beyond", beyond), ("the rest", ("seen_miss", "other"))]
+    groups += [("AR hit beyond", beyond), ("seen miss", ("seen_miss",)), ("other", ("other",))]
     shares = [sum(m["share_of_targets"] for m in _by_slice(rows[0], g)) / len(rows[0]["slices"]) for _, g in groups]
     head = f"{'source':<10}{'split':<9}{'policy':<28}{'ops':>6}  " + "".join(f"{t:>17}" for t, _ in groups)
     lines = [f"== loss by slice (nats/byte, mean over the seeds; the first split's shares of targets: "
@@ -254,13 +264,15 @@ def capture_summary(doc: dict[str, Any]) -> list[dict[str, Any]]:
                 twin = f"L{m.group(1)}_d{m.group(2)}_w{W}{m.group(4) or ''}"
                 if twin in here and None not in loss[p] + loss[twin]:
                     pairs.append((p, twin))
-        if not pairs or None in loss["backbone"]:
+        base = NO_COPY if NO_COPY in here else "backbone"  # the local backbone without a far read
+        if not pairs or None in loss[base]:
             continue
         best, twin = min(pairs, key=lambda pt: sum(loss[pt[0]]))
         for p, e in here.items():
             kind = ROW_KINDS[e["family"]]
-            if kind.workspace and not kind.baseline and None not in loss[p]:
-                caps = [capture(r, b, g, w) for r, b, g, w in zip(loss[p], loss["backbone"], loss[best], loss[twin])]
+            if (kind.workspace and not kind.baseline or p in ("backbone", EXACT_COPY) and base != "backbone") \
+                    and None not in loss[p]:
+                caps = [capture(r, b, g, w) for r, b, g, w in zip(loss[p], loss[base], loss[best], loss[twin])]
                 out.append({"source": src, "split": split, "policy": p, "deployable": e["deployable"],
                             "relative_ops": e["relative_ops"], "global": best, "window_twin": twin,
                             "capture": [dataclasses.asdict(c) for c in caps]})

@@ -43,7 +43,11 @@ MAX_CONTEXT = 4096  # `--context`: the longest window of the project's presets (
 # family gets too: the key shift (its bank reads the previous token; the shifted key is the cheapest dense induction)
 DEFAULT_FRONTIER: list[list[Any]] = [[1, None], [2, None], [3, None], [1, 96], [1, None, True], [2, None, True],
                                      [3, None, True]]
-FRONTIER_OPTIONS = {"key_shift": False, "attn_window": None}  # a frontier entry's backbone options after [L, d]
+FRONTIER_OPTIONS = {"key_shift": False, "attn_window": None, "copy_head": False}  # a frontier entry's options after
+#   [L, d]: the key shift, a causal attention window, the copy head (`prisme.model.copy`: the copy stage on the model)
+NO_COPY = "local_backbone"  # a copy-head study's row: PRISME's stage-1 backbone alone, no far read
+EXACT_COPY = "exact_copy_reference"  # ... and with the untrained exact copy (`evaluation.policies.ExactCopyRows`)
+COPY_STEPS = 500  # the copy stage's steps of 4 x T bytes (`copy_stage`), PRISME's and every dense model's alike
 
 
 @dataclass
@@ -101,6 +105,10 @@ class TextStudyConfig:
     #   must hold that depth's global model and its window twin (the capture's reference)
     workspace_steps: int | None = None  # the workspace stage's steps at `--context`, times `scale` (None: the
     #   recipe's 240 of 2 x T bytes); the matched run and every frontier model train on the added bytes too
+    copy_head: bool | None = None  # `--context`: PRISME's backbone gets the copy head (`prisme.model.copy`: its copy
+    #   stage after stage 1), and every dense model of the frontier a twin with the same head ("+copy"); None: on for
+    #   a corpus split by whole files (code, a folder of files), off otherwise
+    copy_steps: int = COPY_STEPS  # the copy stage's steps (times `scale`), PRISME's and each dense twin's
 
     def validate(self, model_cfg: PrismeConfig | None = None) -> TextStudyConfig:
         """ValueError naming the option for bad settings (the frontier's widths against `model_cfg`'s heads)."""
@@ -158,6 +166,11 @@ class TextStudyConfig:
              f"context_frontier must be a non-empty list of frontier entries, got {self.context_frontier!r}")
         for f in ("context_router_steps", "context_oracle_positions", "context_eval_batch_size"):
             need(is_count(getattr(self, f)), f"{f} must be an int >= 1, got {getattr(self, f)!r}")
+        need(self.copy_head is None or isinstance(self.copy_head, bool), f"copy_head (--copy-head) must be true, false "
+             f"or None (auto), got {self.copy_head!r}")
+        need(is_count(self.copy_steps), f"copy_steps (--copy-steps) must be an int >= 1, got {self.copy_steps!r}")
+        need(not self.copy_head or self.context is not None, "--copy-head goes with --context (the long-context "
+                                                            "study's PRISME)")
         for f in ("prisme_layers", "workspace_steps"):
             v = getattr(self, f)
             need(v is None or is_count(v), f"{f} (--{f.replace('_', '-')}) must be an int >= 1, got {v!r}")
@@ -191,9 +204,32 @@ class TextStudyConfig:
         return self
 
     @property
+    def uses_copy(self) -> bool:
+        """Whether the study's models get the copy head (`copy_head`, resolved: on by default at `--context` for a
+        corpus split by whole files)."""
+        if self.copy_head is not None:
+            return bool(self.copy_head)
+        if self.context is None:
+            return False
+        try:
+            return resolve_corpus(self.corpus).by_files
+        except ValueError:
+            return False
+
+    @property
     def frontier_entries(self) -> list[list[Any]]:
-        """The dense frontier this study trains: `frontier`, or at a long context `context_frontier`."""
-        return self.frontier if self.context is None else self.context_frontier
+        """The dense frontier this study trains: `frontier`, or at a long context `context_frontier`; where the study
+        gives PRISME the copy head, each entry without one and its twin with it (the dense family gets the same
+        help)."""
+        base = self.frontier if self.context is None else self.context_frontier
+        if not self.uses_copy:
+            return base
+        out: list[list[Any]] = []
+        for f in base:
+            o = frontier_options(f)
+            plain = [f[0], f[1], o["key_shift"], o["attn_window"]]
+            out += [plain, [*plain, True]] if not o["copy_head"] else [plain, list(f)]
+        return [list(e) for e in dict.fromkeys(tuple(e) for e in out)]
 
     @property
     def eval_window(self) -> int | None:
@@ -219,7 +255,7 @@ OPTIONS = {"val_batches": " (--val-batches)", "threads": " (--threads)", "slice_
 def check_twins(frontier: list[list[Any]], depth: int, window: int | None) -> None:
     """ValueError unless the frontier holds a global-attention model of PRISME's depth and its window twin (the same
     entry at PRISME's attention window): the pair PRISME's capture is measured against."""
-    entries = [[*f[:2], *frontier_options(f).values()] for f in frontier]
+    entries = [[*f[:2], *list(frontier_options(f).values())[:2]] for f in frontier]  # [L, d, key_shift, window]
     if not any(f[0] == depth and f[3] is None and [*f[:3], window] in entries for f in entries):
         raise ValueError(f"text study: --prisme-layers {depth}: the dense frontier holds no {depth}-layer global model "
                          f"with its {window}-window twin (e.g. {depth}ks and {depth}w{window}ks in --frontier): "
@@ -243,10 +279,11 @@ def shortest_context(cfg: TextStudyConfig, model_cfg: PrismeConfig) -> int:
 
 def frontier_entry_ok(f: Any) -> bool:
     """Whether `f` is a frontier entry: [n_layer, d_model] (d None: the preset's), optionally + [key_shift(,
-    attn_window)]."""
+    attn_window(, copy_head))]."""
     count = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1  # noqa: E731
-    return (isinstance(f, (list, tuple)) and 2 <= len(f) <= 4 and count(f[0]) and (f[1] is None or count(f[1]))
-            and (len(f) < 3 or isinstance(f[2], bool)) and (len(f) < 4 or f[3] is None or count(f[3])))
+    return (isinstance(f, (list, tuple)) and 2 <= len(f) <= 5 and count(f[0]) and (f[1] is None or count(f[1]))
+            and (len(f) < 3 or isinstance(f[2], bool)) and (len(f) < 4 or f[3] is None or count(f[3]))
+            and (len(f) < 5 or isinstance(f[4], bool)))
 
 
 def frontier_options(f: Any) -> dict[str, Any]:
@@ -254,34 +291,37 @@ def frontier_options(f: Any) -> dict[str, Any]:
     return {k: (f[2 + i] if len(f) > 2 + i else v) for i, (k, v) in enumerate(FRONTIER_OPTIONS.items())}
 
 
-_FRONTIER_ITEM = re.compile(r"(\d+)(?:x(\d+))?(?:w(\d+))?(ks)?")
+_FRONTIER_ITEM = re.compile(r"(\d+)(?:x(\d+))?(?:w(\d+))?(ks)?(\+copy)?")
 
 
 def parse_frontier(text: str) -> list[list[Any]]:
-    """`--frontier 1,2,1x96,2ks,1w64ks` -> [[1, None], [2, None], [1, 96], [2, None, True], [1, None, True, 64]]:
-    LAYERS[xWIDTH][wWINDOW][ks] (a width, a causal attention window, the key shift)."""
-    return parse_list(text, "--frontier", frontier_item, example="1,2,1x96,2ks,1w64ks")
+    """`--frontier 1,2,1x96,2ks,1w64ks,2w64ks+copy` -> [[1, None], [2, None], [1, 96], [2, None, True], [1, None,
+    True, 64], [2, None, True, 64, True]]: LAYERS[xWIDTH][wWINDOW][ks][+copy] (a width, a causal attention window,
+    the key shift, the copy head)."""
+    return parse_list(text, "--frontier", frontier_item, example="1,2,1x96,2ks,1w64ks,2w64ks+copy")
 
 
 def frontier_item(item: str) -> list[Any]:
-    """One `--frontier` entry, LAYERS[xWIDTH][wWINDOW][ks], as a frontier entry (`parse_frontier`)."""
+    """One `--frontier` entry, LAYERS[xWIDTH][wWINDOW][ks][+copy], as a frontier entry (`parse_frontier`)."""
     m = _FRONTIER_ITEM.fullmatch(item)
     if m is None:
-        raise ValueError(f"entries are LAYERS[xWIDTH][wWINDOW][ks], got {item!r}")
-    layers, width, window, ks = m.groups()
+        raise ValueError(f"entries are LAYERS[xWIDTH][wWINDOW][ks][+copy], got {item!r}")
+    layers, width, window, ks, copy = m.groups()
     entry: list[Any] = [int(layers), int(width) if width else None]
-    if ks or window:
+    if ks or window or copy:
         entry.append(bool(ks))
-    if window:
-        entry.append(int(window))
+    if window or copy:
+        entry.append(int(window) if window else None)
+    if copy:
+        entry.append(True)
     return entry
 
 
 def frontier_name(model_cfg: PrismeConfig, n_layer: int, d_model: int | None, *options: Any) -> str:
-    """L<layers>_d<width>[_w<window>][_ks]: a frontier entry's folder and row name."""
+    """L<layers>_d<width>[_w<window>][_ks][+copy]: a frontier entry's folder and row name."""
     o = frontier_options([n_layer, d_model, *options])
     return (f"L{n_layer}_d{d_model or model_cfg.d_model}" + (f"_w{o['attn_window']}" if o["attn_window"] else "")
-            + ("_ks" if o["key_shift"] else ""))
+            + ("_ks" if o["key_shift"] else "") + ("+copy" if o["copy_head"] else ""))
 
 
 def frontier_config(model_cfg: PrismeConfig, n_layer: int, d_model: int | None, *options: Any) -> PrismeConfig:
@@ -306,7 +346,9 @@ def source_config(base: PrismeConfig, source: str) -> PrismeConfig:
 def stage_configs(cfg: TextStudyConfig, model_cfg: PrismeConfig, seed: int) -> dict[str, StageConfig]:
     """One training seed's runs in `<out>/seed<seed>`: the demo's recipe (`training.config.demo_stage_configs`,
     configs/demo_*.json) and every frontier backbone ("frontier:<name>"), trained from scratch with stage 1's
-    settings on as many tokens as PRISME's three stages together."""
+    settings on as many tokens as PRISME's stages together. With the copy head (`uses_copy`): PRISME's copy stage
+    ("copy", after stage 1; each source runs it in its own folder), the matched backbone's ("matched_copy") and each
+    "+copy" frontier twin's (its dense model's checkpoint, then the copy stage: "frontier:<name>+copy")."""
     from prisme.training.config import demo_stage_configs
 
     run = Path(cfg.out_dir) / f"seed{seed}"
@@ -315,14 +357,39 @@ def stage_configs(cfg: TextStudyConfig, model_cfg: PrismeConfig, seed: int) -> d
     if cfg.context is not None:
         st = context_stages(cfg, st)
     s1 = st["backbone"]
-    tokens = sum(st[k].steps * st[k].batch_size * st[k].seq_len for k in ("backbone", "workspace", "controller"))
+    if cfg.uses_copy:
+        st["copy"] = copy_stage(cfg, s1, run / "copy")
+        st["matched_copy"] = copy_stage(cfg, s1, run / "matched_copy").replace(init_from=st["matched"].out_dir)
+    tokens = sum(st[k].steps * st[k].batch_size * st[k].seq_len for k in ("backbone", "workspace", "controller",
+                                                                          "copy") if k in st)
     steps = math.ceil(tokens / (s1.batch_size * s1.seq_len))
     for f in cfg.frontier_entries:
         name = frontier_name(model_cfg, *f)
-        st[f"frontier:{name}"] = s1.replace(steps=steps, out_dir=str(run / "frontier" / name))
+        folder = run / "frontier" / name
+        st[f"frontier:{name}"] = copy_stage(cfg, s1, folder) if frontier_options(f)["copy_head"] else \
+            s1.replace(steps=steps, out_dir=str(folder))
     ws_stages = ("workspace", "controller")
     return {k: v.replace(progress=False, compile=cfg.compile if k in ws_stages else "off", dataset=cfg.corpus)
             for k, v in st.items()}
+
+
+def copy_stage(cfg: TextStudyConfig, s1: StageConfig, out_dir: Path) -> StageConfig:
+    """The copy stage (`prisme.model.copy`, `training.objectives.CopyObjective`): `copy_steps` (x `scale`) of
+    4,096 bytes (4 windows at T = 1,024) on a frozen backbone, lr 3e-3 to 3e-4, the seed's data order."""
+    n = max(2, round(cfg.copy_steps * cfg.scale))
+    return s1.replace(stage="copy", steps=n, batch_size=max(1, 4096 // s1.seq_len), lr=3e-3, min_lr=3e-4,
+                      warmup=min(20, n), eval_every=n, out_dir=str(out_dir), init_from=None)
+
+
+def plain_entry(f: list[Any]) -> list[Any]:
+    """A "+copy" frontier entry's dense model without the copy head (the checkpoint its copy stage starts from)."""
+    o = frontier_options(f)
+    return [f[0], f[1], o["key_shift"], o["attn_window"]]
+
+
+def copy_config(model_cfg: PrismeConfig) -> PrismeConfig:
+    """PRISME's model with the copy head (the study's `copy_head`)."""
+    return model_cfg.replace(copy_head=True)
 
 
 FINAL_FOLDERS = {"controller": "4_controller", "router": "3_router"}

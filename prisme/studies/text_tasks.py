@@ -19,11 +19,14 @@ from prisme.studies.runner import Task, train_stage_once
 from prisme.studies.text_data import held_out_data, training_data
 from prisme.studies.text_setup import (
     CONTEXT_POLICIES,
+    EXACT_COPY,
     HELD_OUT_POLICIES,
+    NO_COPY,
     SOURCES,
     VAL_POLICIES,
     TextStudyConfig,
     context_slice_edges,
+    copy_config,
     final_folder,
     frontier_name,
     source_config,
@@ -83,7 +86,14 @@ class MatchedTask(TextTask):
 
     def run(self, cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[str, StageConfig],
             data: TokenDataset) -> dict[str, Any]:
-        return _summary(train_stage_once(None, stages["matched"], dataset=data))
+        out = _summary(train_stage_once(None, stages["matched"], dataset=data))
+        if not cfg.uses_copy:
+            return out
+        s = stages["matched_copy"]  # its copy head, as PRISME's backbone gets one
+        init = rebase_backbone(stages["matched"].out_dir, copy_config(model_cfg), Path(s.out_dir) / "0_rebased",
+                               s.seed).parent
+        return {"matched": out, "copy": _summary(train_stage_once(None, s.replace(init_from=str(init)),
+                                                                   dataset=data))}
 
 
 @dataclass(frozen=True)
@@ -99,7 +109,12 @@ class FrontierTask(TextTask):
 
     def run(self, cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[str, StageConfig],
             data: TokenDataset) -> dict[str, Any]:
-        return _summary(train_stage_once(self.model, stages[self.key], dataset=data))
+        scfg = stages[self.key]
+        if not self.model.copy_head:
+            return _summary(train_stage_once(self.model, scfg, dataset=data))
+        plain = stages[f"frontier:{self.model.name.removesuffix('+copy')}"]  # its dense model, trained by its task
+        init = rebase_backbone(plain.out_dir, self.model, Path(scfg.out_dir) / "0_rebased", scfg.seed).parent
+        return _summary(train_stage_once(None, scfg.replace(init_from=str(init)), dataset=data))
 
 
 @dataclass(frozen=True)
@@ -117,14 +132,21 @@ class SourceTask(TextTask):
             data: TokenDataset) -> dict[str, Any]:
         folder = Path(cfg.out_dir) / f"seed{self.seed}" / self.source
         init = stages["backbone"].out_dir
-        if SOURCES[self.source]:  # the same stage-1 backbone under this source's workspace config
-            init = str(rebase_backbone(init, source_config(model_cfg, self.source), folder / "1_backbone",
-                                       stages["backbone"].seed).parent)
+        src = source_config(model_cfg, self.source)
+        if cfg.uses_copy:  # its copy head, then the workspace on top of it
+            src = copy_config(src)
+        if SOURCES[self.source] or cfg.uses_copy:  # the same stage-1 backbone under this source's workspace config
+            init = str(rebase_backbone(init, src, folder / "1_backbone", stages["backbone"].seed).parent)
+        out: dict[str, Any] = {}
+        if cfg.uses_copy:
+            c = stages["copy"].replace(out_dir=str(folder / "1c_copy"), init_from=init)
+            out["copy"] = _summary(train_stage_once(None, c, dataset=data))
+            init = c.out_dir
         s2 = stages["workspace"].replace(out_dir=str(folder / "2_workspace"), init_from=init)
         r2 = train_stage_once(None, s2, dataset=data)
         s3 = stages["controller"].replace(out_dir=str(folder / final_folder(stages)), init_from=s2.out_dir)
         r3 = train_stage_once(None, s3, dataset=data)
-        return {"workspace": _summary(r2), "controller": _summary(r3)}
+        return {**out, "workspace": _summary(r2), "controller": _summary(r3)}
 
 
 @dataclass(frozen=True)
@@ -176,17 +198,24 @@ def evaluate(cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[str, St
     """Every policy of one source on the validation split ("val") or the whole held-out text ("held_out"), with
     paired intervals to the backbone, the matched backbone and the dense frontier: every frontier model, or those
     named in `models` (the confirmation pass's, `text_confirm`)."""
-    from prisme.evaluation.policies import PolicySettings, standard_policies
+    from prisme.evaluation.policies import ExactCopyRows, PolicySettings, standard_policies
     from prisme.evaluation.run import EvalOptions, evaluate_policies
     from prisme.model.compiled_editor import maybe_compile
 
     run = Path(cfg.out_dir) / f"seed{seed}"
     model, _ = load_model(run / source / final_folder(stages))
     maybe_compile(model, cfg.compile)
-    matched, _ = load_model(stages["matched"].out_dir)
+    matched, _ = load_model(stages["matched_copy" if cfg.uses_copy else "matched"].out_dir)
     names = [n for n in (frontier_name(model_cfg, *f) for f in cfg.frontier_entries) if models is None or n in models]
     refs = {n: load_model(stages[f"frontier:{n}"].out_dir)[0] for n in names}
     T = cfg.eval_window or stages["workspace"].seq_len
+    extra = []
+    if cfg.uses_copy:  # PRISME's local backbone without a far read, and with the untrained exact copy (gates fitted
+        #   on the validation split's windows, the same the validation rows are scored on)
+        plain, _ = load_model(stages["backbone"].out_dir)
+        refs[NO_COPY] = plain
+        extra.append(ExactCopyRows(EXACT_COPY, plain, lambda: data.iter_eval(
+            "val", cfg.context_eval_batch_size, T, cfg.val_batches)))
     long = cfg.context is not None  # the router's rows at budget 1 (`CONTEXT_POLICIES`), slices by its window
     if split == "val":
         ds, batches, policies, budgets, ks, oracle_pos, lam = (data, cfg.val_batches, VAL_POLICIES, cfg.fixed_budgets,
@@ -201,13 +230,14 @@ def evaluate(cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[str, St
     t0 = time.perf_counter()
     settings = PolicySettings(budgets=budgets, ks=ks, lambdas=lam, oracle_lambdas=[0.0], oracle_positions=oracle_pos,
                               controller_budget=1 if long else cfg.controller_budget, kappa_risk=cfg.kappa_risk)
-    rows = standard_policies(model, policies, settings, matched=matched, references=refs)
+    rows = standard_policies(model, policies, settings, matched=matched, references=refs) + extra
     # the dense frontier: every dense model trained on PRISME's bytes (at 128 also PRISME's own backbone, alone and
     # with the matched bytes: the T = 128 study's frontier); at a long context PRISME's local backbone is a row
     frontier = names if long else ["backbone", "backbone+matched", *names]
     rep = evaluate_policies(model, ds, rows, EvalOptions(
         batch_size=cfg.context_eval_batch_size if long else cfg.eval_batch_size, seq_len=T, max_batches=batches,
         seed=seed, bootstrap_samples=cfg.bootstrap_samples, frontier=frontier, slices=cfg.slice_ngram,
+        reference=EXACT_COPY if cfg.uses_copy else None,
         slices_window=context_slice_edges(model.cfg.attn_window, T) if long else None))
     if split == "held_out":
         rep.split = f"held-out text {Path(cfg.held_out).name} (all of it)"

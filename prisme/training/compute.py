@@ -42,6 +42,7 @@ from prisme.costs.analytic import (
     controller_entropy_ops,
     controller_input_ops,
     controller_step_ops,
+    copy_head_ops,
     readout_ops,
     router_ops,
 )
@@ -52,7 +53,7 @@ from prisme.data.text import IGNORE_INDEX
 from prisme.model.workspace import action_group_size
 from prisme.training.config import StageConfig
 from prisme.training.curves import read_metrics
-from prisme.training.objectives import BackboneObjective, WorkspaceObjective
+from prisme.training.objectives import BackboneObjective, CopyObjective, WorkspaceObjective
 from prisme.training.oracle_objectives import ControllerObjective, RouterObjective
 
 TRAINED, THROUGH, NO_GRAD = 3, 2, 1  # forward-ops multipliers (the module docstring)
@@ -214,8 +215,19 @@ def _router_stage(cfg: PrismeConfig, s: StageConfig, lab: Labels) -> dict[str, t
     return _oracle_stage(cfg, s, lab, 1.0, lambda c: router_ops(cfg, c))
 
 
+def _copy_stage(cfg: PrismeConfig, s: StageConfig, lab: Labels) -> dict[str, tuple[int, float]]:
+    """The copy head at every position (its lookups and gate, `costs.analytic.copy_head_ops`) on the backbone's
+    output: the backbone and its head frozen (no gradient reaches them: the mix reads their output), or trained with
+    it (joint)."""
+    T = lab.seq_len
+    joins = TRAINED if s.backbone_joins else NO_GRAD
+    return {"backbone": (joins, backbone_forward(cfg, T)), "head": (joins, T * head_ops(cfg)),
+            "copy_head": (TRAINED, float(sum(copy_head_ops(cfg, t) for t in range(1, T + 1))))}
+
+
 STAGE_PARTS = {BackboneObjective: _backbone_stage, WorkspaceObjective: _workspace_stage,
-               ControllerObjective: _controller_stage, RouterObjective: _router_stage}  # by the stage's objective
+               ControllerObjective: _controller_stage, RouterObjective: _router_stage,
+               CopyObjective: _copy_stage}  # by the stage's objective
 
 
 def stage_compute(cfg: PrismeConfig, scfg: StageConfig) -> StageCompute:
