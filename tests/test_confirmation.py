@@ -12,12 +12,11 @@ import pytest
 
 from prisme import cli
 from prisme.studies import recall
+from prisme.studies.confirm import parse_confirm_seeds, seeds_after
 from prisme.studies.recall import plan_tasks, study_settings
 from prisme.studies.recall_confirm import (
     confirmation_prune,
     is_fresh,
-    parse_confirm_seeds,
-    seeds_after,
     waits_for,
 )
 from prisme.studies.recall_frontier import DenseTask, FamilyTask, FrontierMember, assemble_frontier

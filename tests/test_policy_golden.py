@@ -16,7 +16,7 @@ import torch
 
 from prisme.checkpoint import load_model
 from prisme.config import ADDED_CONFIG_FIELDS, MOVED_CONFIG_FIELDS
-from prisme.evaluation.policies import PolicySettings, standard_policies
+from prisme.evaluation.families import PolicySettings, standard_policies
 from prisme.evaluation.run import EvalOptions, evaluate_policies
 from prisme.model.prisme import PrismeModel
 from prisme.studies.recall_eval import evaluate_run

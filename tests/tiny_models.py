@@ -48,7 +48,7 @@ def evaluate(model, data, policies=None, **settings):
     """`evaluate_policies` on the named families (`standard_policies`) with keyword settings: those of
     `PolicySettings` (`POLICY_SETTINGS`) and the policies' models (`POLICY_MODELS`; `matched_backbone` for
     `matched`) go to the policies, the rest to `EvalOptions`."""
-    from prisme.evaluation.policies import PolicySettings, standard_policies
+    from prisme.evaluation.families import PolicySettings, standard_policies
     from prisme.evaluation.run import EvalOptions, evaluate_policies
 
     if "matched_backbone" in settings:

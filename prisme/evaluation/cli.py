@@ -14,7 +14,8 @@ import torch
 from prisme.checks import number, parse_list
 from prisme.data.mqar import MQARDataset
 from prisme.data.text import TokenDataset
-from prisme.evaluation.policies import PolicySettings, row_family_of_name, standard_policies
+from prisme.evaluation.families import PolicySettings, standard_policies
+from prisme.evaluation.policies import row_family_of_name
 from prisme.evaluation.run import EvalOptions, evaluate_policies
 from prisme.io import write_text_atomic
 

@@ -58,6 +58,10 @@ class EvalRow:
     slices: dict[str, Any] | None = None  # per AR slice (`evaluation.slices`): loss, gain, share of gain, edits
 
 
+OPTIONAL = ("delta_vs_reference", "verdict_vs_reference")  # row fields a document holds only where an evaluation
+#   set them (`EvalOptions.reference`)
+
+
 @dataclass
 class EvalReport:
     """Every policy's row plus what is needed to reproduce the run."""
@@ -138,7 +142,7 @@ class EvalReport:
         """A JSON-serialisable document (strict JSON: no NaN or infinity)."""
         doc = {k: v for k, v in asdict(self).items() if k != "rows"}
         doc["alt_accounting"] = self.alt_accounting
-        doc["rows"] = [asdict(r) for r in self.rows]
+        doc["rows"] = [{k: v for k, v in asdict(r).items() if k not in OPTIONAL or v is not None} for r in self.rows]
         return json_safe(doc)
 
     def plot(self, path: str | Path) -> None:

@@ -33,6 +33,7 @@ from prisme.data.mqar import MQARDataset
 from prisme.data.text import IGNORE_INDEX
 from prisme.devices import synchronize, upload
 from prisme.evaluation.batch import Batch, NextTokenLoss, Outcome, QueryAccuracy
+from prisme.evaluation.families import standard_policies
 from prisme.evaluation.policies import (
     ROW_KINDS,
     ControllerRows,
@@ -40,7 +41,6 @@ from prisme.evaluation.policies import (
     Policy,
     ReferenceRows,
     Row,
-    standard_policies,
 )
 from prisme.evaluation.report import EvalReport, EvalRow
 from prisme.evaluation.slices import SliceSums, ar_slice_labels, slice_edges, slice_names

@@ -204,7 +204,7 @@ def text_config(args: Any) -> Any:
     from prisme.checks import one_of, parse_list
     from prisme.config import PrismeConfig
     from prisme.data.text import HELD_OUT_TEXT
-    from prisme.studies.recall_confirm import parse_confirm_seeds
+    from prisme.studies.confirm import parse_confirm_seeds
     from prisme.studies.recall_setup import parse_seeds
     from prisme.studies.text_setup import DEFAULT_SEEDS, SOURCES, TextStudyConfig, parse_frontier
 
@@ -248,7 +248,7 @@ def default_confirm_seeds(out: str, seeds: list[int]) -> list[int]:
     confirmation pass, before the option existed or with `--confirm-seeds none`): a rerun continues it."""
     import sys
 
-    from prisme.studies.recall_confirm import seeds_after
+    from prisme.studies.confirm import seeds_after
     from prisme.studies.records import recorded_study
 
     study = (recorded_study(out) or {}).get("study")

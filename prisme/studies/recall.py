@@ -37,15 +37,14 @@ import torch
 
 from prisme.checkpoint import load_model
 from prisme.io import write_text_atomic
+from prisme.studies.confirm import parse_confirm_seeds, seeds_after
 from prisme.studies.pools import pool_options, task_device
 from prisme.studies.recall_confirm import (
     confirmation_prune,
     is_fresh,
-    parse_confirm_seeds,
     plan_confirmation,
     read_recorded,
     recorded_seeds,
-    seeds_after,
     waits_for,
 )
 from prisme.studies.recall_context import (

@@ -25,23 +25,9 @@ from typing import Any
 
 from prisme.studies.recall_context import entry_label, plan_contexts
 from prisme.studies.recall_frontier import FrontierMember, dense_name, family_name, plan_frontier, seeds_needed
-from prisme.studies.recall_setup import TARGET_ACCURACY, RecallStudyConfig, RecallTask, Recipe, parse_seeds
+from prisme.studies.recall_setup import TARGET_ACCURACY, RecallStudyConfig, RecallTask, Recipe
 
 SECTIONS = ("dense", "prisme")  # the frontier's families, as its document names them
-
-
-def seeds_after(seeds: list[int], n: int = 3) -> list[int]:
-    """The `n` seeds right after the largest of `seeds`: the default fresh seeds (30-34 -> 35, 36, 37)."""
-    return [max(seeds) + i for i in range(1, n + 1)]
-
-
-def parse_confirm_seeds(text: str | None) -> list[int] | None:
-    """`--confirm-seeds 35,36,37` -> [35, 36, 37]; "none" or "0" -> [] (no confirmation pass); None: not given."""
-    if text is None:
-        return None
-    if str(text).strip().lower() in ("none", "0"):
-        return []
-    return parse_seeds(text, "--confirm-seeds")
 
 
 def is_fresh(cfg: RecallStudyConfig, t: RecallTask) -> bool:

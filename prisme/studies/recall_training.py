@@ -14,25 +14,16 @@ from statistics import fmean
 from typing import Any
 
 from prisme.studies.recall_setup import RecallTask
-from prisme.training.compute import logged_training_s, stage_compute
+from prisme.training.compute import training_record as compute_record
 
 FIELDS = ("training_ops", "training_stages", "training_s", "threads", "training_core_s")  # of a run's result
 
 
 def training_record(task: RecallTask) -> dict[str, Any]:
-    """A run's training compute: `training_ops` (the analytic ops of every stage), `training_stages` (per stage in
-    order: its name, steps, batch size, sequence length, ops and logged seconds), `training_s` (the stages' logged
-    wall time, None if a stage has no log), `threads` and `training_core_s` (training_s x threads)."""
-    stages = []
-    for s, folder in zip(task.stages, task.stage_folders()):
-        c = stage_compute(task.model, s)
-        stages.append({"stage": s.stage, "steps": s.steps, "batch_size": s.batch_size, "seq_len": c.seq_len,
-                       "ops": c.ops, "training_s": logged_training_s(Path(task.folder) / folder)})
-    seconds = [s["training_s"] for s in stages]
-    total = None if None in seconds else sum(seconds)
-    threads = task.study.threads
-    return {"training_ops": sum(s["ops"] for s in stages), "training_stages": stages, "training_s": total,
-            "threads": threads, "training_core_s": None if total is None else total * threads}
+    """A run's training compute (`training.compute.training_record`: every stage's ops and logged seconds, their sums,
+    the threads, core-seconds)."""
+    runs = [(task.model, s, Path(task.folder) / folder) for s, folder in zip(task.stages, task.stage_folders())]
+    return compute_record(runs, task.study.threads)
 
 
 def with_training(task: RecallTask, entry: dict[str, Any]) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from prisme.studies.confirm import stable
 from prisme.studies.recall_confirm import SECTIONS, is_fresh, mark_roles, plan_grid, recorded_rows, study_rows
 from prisme.studies.recall_context import recipe_at
 from prisme.studies.recall_frontier import FrontierMember, margins, reference_ops, seeds_needed
@@ -62,7 +63,7 @@ def confirm_length(rows: list[dict[str, Any]], fresh: dict[tuple[str, str], dict
         study = seed_set(r["accuracy"], r["seeds"], need_study, r["ops_ratio"])
         new = None if f is None else seed_set(f["accuracy"], f["seeds"], need_fresh, f["ops_ratio"])
         models.append({"family": r["section"], "key": r["key"], "name": r["name"], "role": r["role"], "study": study,
-                       "fresh": new, "stable": None if new is None else study["passes"] == new["passes"],
+                       "fresh": new, "stable": stable(study["passes"], None if new is None else new["passes"]),
                        "status": "not trained on the fresh seeds" if new is None
                        else STATUS[(study["passes"], new["passes"])]})
     verdict, margin = restate(models)

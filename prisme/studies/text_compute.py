@@ -23,7 +23,7 @@ from prisme.studies.text_setup import (
     plain_entry,
     source_config,
 )
-from prisme.training.compute import logged_training_s, stage_compute
+from prisme.training.compute import training_record
 from prisme.training.config import StageConfig
 
 
@@ -62,10 +62,9 @@ def training_compute(cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict
     out: dict[str, dict[str, Any]] = {}
     for seed in cfg.seeds:
         for name, runs in model_stages(cfg, model_cfg, stages[seed]).items():
-            e = out.setdefault(name, {"training_ops": sum(stage_compute(m, s).ops for m, s in runs),
-                                      "training_core_s_per_seed": []})
-            seconds = [logged_training_s(s.out_dir) for _, s in runs]
-            e["training_core_s_per_seed"].append(None if None in seconds else sum(seconds) * cfg.threads)
+            rec = training_record([(m, s, s.out_dir) for m, s in runs], cfg.threads)  # the recall study's record
+            e = out.setdefault(name, {"training_ops": rec["training_ops"], "training_core_s_per_seed": []})
+            e["training_core_s_per_seed"].append(rec["training_core_s"])
     for e in out.values():
         core = e["training_core_s_per_seed"]
         e["training_core_s"] = None if not core or None in core else fmean(core)

@@ -27,6 +27,7 @@ from typing import Any
 
 from prisme.config import PrismeConfig
 from prisme.data.text import TokenDataset
+from prisme.studies.confirm import restated, stable
 from prisme.studies.records import STUDY_DIR, store_path
 from prisme.studies.runner import Task
 from prisme.studies.text_report import closest_row, seed_summary
@@ -45,12 +46,15 @@ from prisme.training.config import StageConfig
 
 SPLITS = ("val", "held_out")
 RULE = "beats the dense frontier: its frontier gap's paired 95% interval lies below 0 on every seed"
-VERDICTS = {  # (beats on every study seed, beats on every fresh seed) -> (verdict, in words)
-    (True, True): ("confirmed", "confirmed: beats the dense frontier on every study seed and every fresh seed"),
-    (False, False): ("confirmed negative", "confirmed negative: does not beat the dense frontier on every seed of "
-                                           "either set"),
-    (True, False): ("unstable", "unstable: beats the dense frontier on every study seed, not on every fresh seed"),
-    (False, True): ("unstable", "unstable: beats the dense frontier on every fresh seed, not on every study seed")}
+VERDICTS = {  # (beats on every study seed, beats on every fresh seed) -> (verdict, in words); the rule: `confirm`
+    (True, True): (restated(True, True), "confirmed: beats the dense frontier on every study seed and every fresh "
+                                         "seed"),
+    (False, False): (restated(False, False), "confirmed negative: does not beat the dense frontier on every seed of "
+                                             "either set"),
+    (True, False): (restated(True, False), "unstable: beats the dense frontier on every study seed, not on every "
+                                           "fresh seed"),
+    (False, True): (restated(False, True), "unstable: beats the dense frontier on every fresh seed, not on every "
+                                           "study seed")}
 
 
 def frontier_names(cfg: TextStudyConfig, model_cfg: PrismeConfig) -> list[str]:
@@ -194,7 +198,8 @@ def restate(row: dict[str, Any], study: dict[str, Any], fresh: dict[str, Any] | 
         verdict, status = VERDICTS[(study["beats"], fresh["beats"])]
     worst = max([("study", study), *([("fresh", fresh)] if fresh else [])], key=lambda s: s[1]["worst"]["upper"])
     return {**row, "study": study, "fresh": fresh, "verdict": verdict, "status": status,
-            "confirmed": verdict == "confirmed", "stable": None if fresh is None else study["beats"] == fresh["beats"],
+            "confirmed": verdict == "confirmed",
+            "stable": stable(study["beats"], None if fresh is None else fresh["beats"]),
             "margin": {"set": worst[0], **worst[1]["worst"]}}
 
 

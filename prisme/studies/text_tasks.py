@@ -198,7 +198,8 @@ def evaluate(cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[str, St
     """Every policy of one source on the validation split ("val") or the whole held-out text ("held_out"), with
     paired intervals to the backbone, the matched backbone and the dense frontier: every frontier model, or those
     named in `models` (the confirmation pass's, `text_confirm`)."""
-    from prisme.evaluation.policies import ExactCopyRows, PolicySettings, standard_policies
+    from prisme.evaluation.families import PolicySettings, standard_policies
+    from prisme.evaluation.policies import ExactCopyRows
     from prisme.evaluation.run import EvalOptions, evaluate_policies
     from prisme.model.compiled_editor import maybe_compile
 

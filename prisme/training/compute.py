@@ -237,6 +237,22 @@ def stage_compute(cfg: PrismeConfig, scfg: StageConfig) -> StageCompute:
     return StageCompute(scfg.stage, scfg.steps, scfg.batch_size, lab.seq_len, parts)
 
 
+def training_record(runs: list[tuple[PrismeConfig, StageConfig, str | Path]], threads: int) -> dict[str, object]:
+    """A model's training compute, the record both studies keep: per stage in order (its model config, stage config
+    and run folder) its name, steps, batch size, sequence length, analytic ops (`stage_compute`) and the wall time its
+    log records (`logged_training_s`); `training_ops` their sum, `training_s` the logged seconds (None where a stage
+    has no log), `threads` and `training_core_s` = training_s x threads."""
+    stages = []
+    for cfg, scfg, folder in runs:
+        comp = stage_compute(cfg, scfg)
+        stages.append({"stage": scfg.stage, "steps": scfg.steps, "batch_size": scfg.batch_size,
+                       "seq_len": comp.seq_len, "ops": comp.ops, "training_s": logged_training_s(folder)})
+    seconds = [st["training_s"] for st in stages]
+    total = None if None in seconds else sum(seconds)
+    return {"training_ops": sum(st["ops"] for st in stages), "training_stages": stages, "training_s": total,
+            "threads": threads, "training_core_s": None if total is None else total * threads}
+
+
 def logged_training_s(run: str | Path) -> float | None:
     """The wall time a stage's run folder records having trained: its metrics.jsonl's `time_s` (from the start of
     `train_stage` to each logged step) at the last step of each session, summed over the sessions of a resumed run
