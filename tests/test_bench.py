@@ -172,3 +172,21 @@ def test_cli_bench_kv_bad_prompts_is_a_clean_error(capsys):
     """Malformed --prompts gives exit code 2 and a one-line error, no traceback."""
     assert cli_main(["bench", "kv", "--prompts", "8,x"]) == 2
     assert "prompts" in capsys.readouterr().err
+
+
+def test_a_path_may_time_itself_keep_its_output_and_run_with_autograd():
+    """A run that returns `Timed(ms, value)` gives its own sample and keeps its value (`outputs`); `inference=False`
+    runs with autograd on (a training step), the default under inference mode. Negative control: a plain return is
+    timed by the stopwatch, never read as a sample."""
+    from prisme.devices import Timed
+
+    grads = []
+    paths = [("own", lambda: None, lambda _: Timed(7.0, "v")),
+             ("grad", lambda: None, lambda _: grads.append(torch.is_grad_enabled()) or 3.0)]
+    outs: dict = {}
+    samples = harness.time_paths(paths, warmups=1, repeats=2, inference=False, outputs=outs)
+    assert samples["own"] == [7.0, 7.0] and outs == {"own": "v", "grad": 3.0}
+    assert all(grads) and samples["grad"][0] < 7.0  # the stopwatch's time of a trivial run, not its 3.0
+    grads.clear()
+    harness.time_paths(paths, warmups=0, repeats=1)
+    assert grads == [False]  # inference mode by default

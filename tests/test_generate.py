@@ -601,3 +601,49 @@ def test_cli_generate_from_a_checkpoint_matches_the_library(tmp_path, capsys):
     assert "warning" in captured.err and "workspace" in captured.err
     assert cli.main(["generate", "--checkpoint", str(tmp_path / "missing"), "--prompt", "x"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_one_model_generates_with_another_decode_state_s_options_without_a_copy():
+    """`generate(..., runtime=Runtime(decode=...))` runs the model's own weights with the bank served from tables and
+    kept as token ids: the same tokens, traces and costs as the model's default options, as a twin built with those
+    options gives; the options are checked against the model (a residual bank has no tables: a ValueError naming
+    bank_tables), and a Runtime holds only options (a ValueError naming the field)."""
+    from prisme.options import DecodeOptions, ExecutionOptions, Runtime
+
+    kw = dict(bank_source="embedding", query_source="embedding", bank_shift=True, router=True, router_ngram=1)
+    model = tiny_model(0, **kw)
+    prompts = torch.randint(0, model.cfg.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
+    policy = Controller(1, lambda_cost=0.0)
+    ids = DecodeOptions(bank_tables=True, bank_store="ids")
+    plain = generate(model, prompts, 8, policy=policy)
+    served = generate(model, prompts, 8, policy=policy, runtime=Runtime(decode=ids))
+    twin = generate(tiny_model(0, decode=ids, **kw), prompts, 8, policy=policy)
+    assert served.tokens == plain.tokens == twin.tokens
+    assert all(torch.equal(a, b) for a, b in zip(served.actions, twin.actions))
+    assert served.ops == twin.ops and served.ops != plain.ops  # priced as that state ran: lookups, not projections
+    with pytest.raises(ValueError, match="bank_tables=True needs"):
+        generate(tiny_model(0), prompts, 2, runtime=Runtime(decode=ids))
+    for bad in (dict(decode="ids"), dict(execution=DecodeOptions()), dict(prefill_chunk_size=0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            Runtime(**bad)
+    assert isinstance(Runtime(execution=ExecutionOptions()).execution, ExecutionOptions)
+
+
+def test_a_policy_is_checked_once_per_decode_state_and_policy_object(monkeypatch):
+    """A decode loop with one `Controller` checks it (budget, price, cost) and chooses its plan at its first step only;
+    a new policy object is checked again. Negative control: a bad budget is still refused at the first step."""
+    import prisme.model.state as state_mod
+
+    model = tiny_model(0, router=True, router_ngram=1)
+    calls = []
+    orig = state_mod.check_policy
+    monkeypatch.setattr(state_mod, "check_policy", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    st = model.new_decode_state(1, 12)
+    policy = Controller(1, lambda_cost=0.0)
+    for t in range(6):
+        st.decode_step(torch.tensor([[t % 5]]), policy=policy)
+    assert len(calls) == 1
+    st.decode_step(torch.tensor([[1]]), policy=Controller(1, lambda_cost=0.0))
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match="max_budget"):
+        st.decode_step(torch.tensor([[1]]), policy=Controller(model.cfg.r_max + 1))

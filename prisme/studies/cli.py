@@ -90,6 +90,9 @@ def add_study_parsers(sub: Any, add_compile: Callable[[argparse.ArgumentParser],
                    help="with --context: the workspace stage's steps of 2 x T bytes, times --scale (default 240: "
                         "0.49 MB at T = 1,024); the matched backbone and every frontier model train on the added "
                         "bytes too")
+    t.add_argument("--router-prices", default=None, metavar="L1,L2,...",
+                   help="with --context: the router's prices (lambda) its deployed rows are scored at (default "
+                        "0.003,0.01,0.03); a higher price fires at fewer positions")
     t.add_argument("--copy-head", choices=("auto", "on", "off"), default="auto",
                    help="with --context: PRISME's backbone gets the copy head (prisme.model.copy: the next byte copied "
                         "from the context's exact matches, a learned gate; its copy stage after stage 1) and every "
@@ -201,7 +204,7 @@ def run_text(args: Any) -> int:
 def text_config(args: Any) -> Any:
     """The text study's settings (`TextStudyConfig`) from its command line, checked: a ValueError naming the option
     for a bad one."""
-    from prisme.checks import one_of, parse_list
+    from prisme.checks import number, one_of, parse_list
     from prisme.config import PrismeConfig
     from prisme.data.text import HELD_OUT_TEXT
     from prisme.studies.confirm import parse_confirm_seeds
@@ -238,6 +241,9 @@ def text_config(args: Any) -> Any:
                           reuse=opt("reuse"), corpus=corpus, prisme_layers=opt("prisme_layers"),
                           workspace_steps=opt("workspace_steps"),
                           copy_head={"on": True, "off": False}.get(opt("copy_head") or "auto"),
+                          **({} if opt("router_prices") is None else {"context_lambdas": parse_list(
+                              args.router_prices, "--router-prices", number(0.0), example="0.01,0.03,0.1",
+                              distinct=True)}),
                           **({} if opt("copy_steps") is None else {"copy_steps": opt("copy_steps")}))
     return cfg.validate(PrismeConfig.from_name("demo"))  # before anything trains
 
