@@ -276,6 +276,9 @@ class PrismeConfig:
         need(not self.router or self.use_workspace, "router=True needs a workspace (use_workspace=True)")
         need(isinstance(self.router_token, bool), f"router_token must be a bool, got {self.router_token!r}")
         need(not self.router_token or self.router, "router_token=True needs a router (router=True)")
+        need(self.use_workspace or self.bank_key == "current", f"bank_key={self.bank_key!r} configures the workspace's "
+             f"bank, but use_workspace=False: drop it, or build the model with a workspace (the other workspace "
+             f"fields of a dense model derived from a PRISME config are kept, as its recorded configs hold them)")
         need(isinstance(self.copy_head, bool), f"copy_head must be a bool, got {self.copy_head!r}")
         for f, lo in (("copy_min_len", 1), ("copy_stream", 0), ("copy_hidden", 1)):
             v = getattr(self, f)

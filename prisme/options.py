@@ -69,6 +69,7 @@ PROJECTED = DecodeOptions()
 
 
 EDITOR_MODE = "default"  # `ExecutionOptions.compile_mode`: torch.compile's mode for the editor's graphs
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
 # Fewer active positions than this in one action group run the eager pass: below it the compiled graph's per-call
 # cost (guards, dynamic-size bookkeeping: ~1 ms on a 2-core x86 CPU) exceeds what it saves. Measured there (demo
 # preset, 1 thread, one single-slot action, bank of 128; eager vs compiled ms per call): N = 8 0.92 vs 1.93,
@@ -105,6 +106,7 @@ class ExecutionOptions:
     def __post_init__(self) -> None:
         check_fields(self, "ExecutionOptions: ")
         check_choice("compile", self.compile, COMPILE_SETTINGS, "ExecutionOptions: ")
+        check_choice("compile_mode", self.compile_mode, COMPILE_MODES, "ExecutionOptions: ")
         if not is_int(self.min_positions) or self.min_positions < 0:
             raise ValueError(f"ExecutionOptions: min_positions must be an int >= 0, got {self.min_positions!r}")
 

@@ -54,8 +54,9 @@ class Controller:
         if self.target_cost is not None:
             if self.lambda_cost is not None:
                 raise ValueError("give lambda_cost or target_cost, not both")
-            if not is_number(self.target_cost):
-                raise ValueError(f"target_cost must be a finite number, got {self.target_cost!r}")
+            if not is_number(self.target_cost) or self.target_cost < 1:
+                raise ValueError(f"target_cost must be a finite number >= 1 (a mean cost per token relative to the "
+                                 f"backbone's: 1 is the backbone alone), got {self.target_cost!r}")
 
 
 @dataclass(frozen=True)

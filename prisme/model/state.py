@@ -158,6 +158,9 @@ class DecodeState:
             raise ValueError(f"fill_synthetic: length must be an int in [0, {self.max_len - 1}] (a step needs room), "
                              f"got {length!r}")
         V = self.cfg.vocab_size
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise ValueError(f"fill_synthetic: generator must be a torch.Generator or None, got "
+                             f"{type(generator).__name__}")
         normal = lambda t: t.copy_(torch.randn(t.shape, generator=generator).to(t.dtype))  # noqa: E731 (CPU generator)
         ids = lambda t: t.copy_(torch.randint(0, V, t.shape, generator=generator))  # noqa: E731
         bank = self.bank
