@@ -132,3 +132,36 @@ def spread(i: int) -> str:
     worker on cuda:0 would leave the others idle), else "auto" (the stage's own choice)."""
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return f"cuda:{i % n}" if n > 1 else "auto"
+
+
+# ------------------------------------------------------------------------------------------------------------- memory
+def available_memory(device: torch.device | str | None = None) -> int | None:
+    """Bytes a command can still allocate on `device`: a GPU's free memory; on the CPU the least of the kernel's
+    MemAvailable and what the process's cgroup (a container's limit) has left. None where neither can be read."""
+    device = torch.device(device or "cpu")
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    found = []
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+        if limit != "max":
+            found.append(int(limit) - int(open("/sys/fs/cgroup/memory.current").read()))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def check_fits(need: int, what: str, advice: str, device: torch.device | str | None = None,
+               available: int | None = None) -> None:
+    """A ValueError naming `what` needs `need` bytes and `advice` (the option to change) when the device has less
+    left (`available_memory`, or `available` given); nothing where the memory cannot be read."""
+    have = available_memory(device) if available is None else available
+    if have is not None and need > have:
+        raise ValueError(f"{what} needs about {need / 2**30:,.1f} GiB, more than the {have / 2**30:,.1f} GiB this "
+                         f"machine has free: {advice}")

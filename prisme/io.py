@@ -85,6 +85,13 @@ def _check_creatable(parent: Path, option: str, p: Path) -> None:
         raise ValueError(f"{option} {p}: {parent} is a file, not a folder; give a path in a folder")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ValueError(f"{option} {p}: cannot write into {parent} (read-only); give a path in a writable folder")
+    try:  # what the atomic writers do there: a temporary file beside the target (the permission bits can pass where
+        #   the filesystem refuses, e.g. /proc, or a read-only mount seen by root)
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".prisme-check-"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{option} {p}: cannot write a file in {parent} ({e.strerror or e}); give a path in a "
+                         f"writable folder") from None
 
 
 def write_error(e: OSError, path: str | Path) -> OSError:

@@ -128,7 +128,8 @@ def add_bench_parser(sub) -> None:
     lg.add_argument("--repeats", type=count_option(1), default=5,
                     help="timed rounds (paths rotated each round; one warm-up)")
     lg.add_argument("--edit-rate", type=float, default=0.005,
-                    help="share of the timed positions the routed path edits (default 0.5%%)")
+                    help="share of the timed positions the routed path edits (default 0.5%%; at least one "
+                         "position edits)")
     lg.add_argument("--bank-source", default="embedding", choices=["embedding", "residual"],
                     help="PRISME's bank: the embedding, kept as token ids (default), or the residual, kept as entries")
     lg.add_argument("--prefill", action="store_true", help="also time each model's prefill of a T-token prompt")

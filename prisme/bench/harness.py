@@ -52,11 +52,41 @@ def tracemalloc_peak(setup: Callable[[], Any], run: Callable[[Any], Any]) -> int
     return peak - base
 
 
-def peak_memory(run: Callable[[], Any], device: torch.device) -> int:
-    """The most tensor memory `run()` held at once beyond what was held before it, in bytes. On CUDA the caching
-    allocator's peak (`max_memory_allocated`); on the CPU the running sum of every tensor allocation and free in
-    order, as `torch.profiler` records them with `profile_memory` (what its memory timeline reads): exact for
-    tensors, blind to Python objects. The profiler slows the run; time it apart."""
+UNCOUNTED_FREE = "allocated before the profiling started"  # the CPU allocator's warning: a free it cannot count
+
+
+@contextlib.contextmanager
+def captured_stderr() -> Iterator[list[str]]:
+    """The process's stderr (file descriptor 2: what C++ code writes too) captured into the yielded list of lines while
+    the block runs, and restored after it."""
+    import os
+    import tempfile
+
+    lines: list[str] = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield lines
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            lines += tmp.read().decode(errors="replace").splitlines()
+
+
+def peak_memory(run: Callable[[], Any], device: torch.device, setup: Callable[[], Any] | None = None) -> int:
+    """The most tensor memory `run()` held at once beyond what was held before it, in bytes (`setup()`, run first and
+    not counted, does what must happen before: e.g. set a decode state's lengths). On CUDA the caching allocator's
+    peak (`max_memory_allocated`); on the CPU the running sum of every tensor allocation and free in order, as
+    `torch.profiler` records them with `profile_memory` (what its memory timeline reads): exact for tensors, blind to
+    Python objects. The profiler's own lines on stderr are dropped; a free of memory allocated before the profile (which
+    the running sum cannot count, so that it would read high) is a RuntimeError: free such memory in `setup`. The
+    profiler slows the run; time it apart."""
+    if setup is not None:
+        setup()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -67,8 +97,14 @@ def peak_memory(run: Callable[[], Any], device: torch.device) -> int:
         return torch.cuda.max_memory_allocated(device) - base
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with captured_stderr() as lines, profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
+    if any(UNCOUNTED_FREE in line for line in lines):
+        raise RuntimeError("peak_memory: the run freed memory allocated before it, which the profiler cannot count "
+                           "(the peak would read high): free it in setup")
+    for line in lines:  # what is not the profiler's own start/stop chatter goes on to stderr
+        if "profiler_st" not in line:
+            print(line, file=sys.stderr)
     held = peak = 0
     for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
                             if e.name() == "[memory]"):
@@ -120,9 +156,16 @@ def build_model(cfg: PrismeConfig, seed: int, dtype: torch.dtype = torch.float32
 
 def bench_device(name: str | torch.device | None) -> torch.device:
     """`--device` of a bench: "cpu" (default) or "cuda[:N]"; ValueError naming the option when CUDA is absent."""
-    device = torch.device(name or "cpu")
+    try:
+        device = torch.device(name or "cpu")
+    except (RuntimeError, TypeError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name}: a benchmark runs on cpu or cuda[:N], got {str(name)!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: CUDA is not available on this machine")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device
 
 

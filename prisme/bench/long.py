@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import math
 import platform
+import sys
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -44,15 +45,14 @@ from prisme.bench.harness import (
     bench_device,
     emit,
     make_tokens,
-    parse_ints,
     peak_memory,
     time_paths,
     torch_threads,
 )
-from prisme.checks import one_of, parse_list
+from prisme.checks import integer, one_of, parse_list
 from prisme.config import PrismeConfig
 from prisme.costs import trace_cost
-from prisme.devices import synchronize
+from prisme.devices import check_fits, synchronize
 from prisme.model.policy import Controller
 from prisme.model.prisme import PrismeModel
 from prisme.options import DecodeOptions
@@ -127,9 +127,12 @@ def price_for(ratios: torch.Tensor, edit_rate: float) -> tuple[float, int]:
     return (float(r[k - 1]) + below) / 2, k
 
 
-def _decode_ms(model: PrismeModel, state, tokens: torch.Tensor, start: int, policy: Controller | None) -> tuple:
-    """ms per step of decoding `tokens` `[B, n]` one step at a time from `start` positions, and the steps' outputs."""
-    state.fill_synthetic(start, draw=False)  # filled once (`measure`); the steps' writes lie past it
+def _decode_ms(model: PrismeModel, state, tokens: torch.Tensor, start: int, policy: Controller | None,
+               fill: bool = True) -> tuple:
+    """ms per step of decoding `tokens` `[B, n]` one step at a time from `start` positions, and the steps' outputs
+    (`fill`: set the state back to `start` first; the peak-memory pass does that before its profile)."""
+    if fill:
+        state.fill_synthetic(start, draw=False)  # filled once (`measure`); the steps' writes lie past it
     outs = []
     synchronize(tokens.device)
     t0 = time.perf_counter_ns()
@@ -137,6 +140,17 @@ def _decode_ms(model: PrismeModel, state, tokens: torch.Tensor, start: int, poli
         outs.append(state.decode_step(tokens[:, i:i + 1], policy=policy))
     synchronize(tokens.device)  # (a no-op on the CPU)
     return (time.perf_counter_ns() - t0) / 1e6 / tokens.shape[1], outs
+
+
+def _peak(model: PrismeModel, state, tokens: torch.Tensor, start: int, policy: Controller | None) -> int:
+    """The most tensor memory the steps hold beyond the state (`harness.peak_memory`), after one untimed pass of the
+    same steps: what a pass frees of the one before it (a step's cached tables, the last outputs) is freed before the
+    profile, which could not count it."""
+    def setup() -> None:
+        _decode_ms(model, state, tokens, start, policy)
+        state.fill_synthetic(start, draw=False)
+
+    return peak_memory(partial(_decode_ms, model, state, tokens, start, policy, False), tokens.device, setup)
 
 
 def _ops(model: PrismeModel, outs: list, start: int, policy: Controller | None) -> tuple[float, float]:
@@ -182,8 +196,7 @@ def measure(case: Case, repeats: int, edit_rate: float, seed: int) -> dict[str, 
         ms = float(np.median(samples[k]))
         rows[k] = {"ms_per_step": ms, "samples_ms": samples[k], "tokens_per_s": B * 1000.0 / ms,
                    "ops_per_token": ops, "edits_per_token": edits, "state_bytes": states[model_key].nbytes,
-                   "peak_bytes": states[model_key].nbytes + peak_memory(
-                       partial(_decode_ms, model, states[model_key], case.tokens, start, policy), case.tokens.device)}
+                   "peak_bytes": states[model_key].nbytes + _peak(model, states[model_key], case.tokens, start, policy)}
     dense = rows["dense"]
     for row in rows.values():
         row["speedup_vs_dense"] = dense["ms_per_step"] / row["ms_per_step"]
@@ -257,6 +270,36 @@ def train_ms(cfgs: dict[str, PrismeConfig], T: int, positions: int, repeats: int
     return {"context": T, "workspace_positions": positions, "rows": rows}
 
 
+# ------------------------------------------------------------------------------------------------------------ memory
+def state_bytes(cfg: PrismeConfig, T: int, B: int, decode: DecodeOptions | None = None) -> int:
+    """The bytes of a decode state of `cfg`'s model at capacity T and batch B, without allocating one that large:
+    every buffer is a constant or grows linearly with T and B, so two small states (T0 = 2W + 1 and 2 T0 - 1,
+    batch 1) give the line."""
+    t0 = 2 * WINDOW + 1
+    per_row = [PrismeModel(cfg.replace(max_seq_len=t, cost_context=t), decode).new_decode_state(1).nbytes
+               for t in (t0, 2 * t0 - 1)]
+    slope = (per_row[1] - per_row[0]) / (t0 - 1)
+    return B * int(per_row[0] + slope * (T - t0))
+
+
+def memory_needed(shape: str, T: int, B: int, bank_source: str, decode: DecodeOptions, prefill: bool,
+                  train: bool) -> int:
+    """What one case holds at once, at least: the three decode states (dense, dense_ks, PRISME) filled to T at batch
+    B, plus the synthetic fill's largest temporary (one buffer's worth: a layer's keys); with `--prefill` a T-token
+    prompt's logits and residual streams; with `--train` one T-token sequence's activations kept for backward (the
+    logits and one residual stream per layer, 4 bytes each)."""
+    cfgs = configs(shape, max(T, 2 * WINDOW + 1), bank_source)
+    d, L = SHAPES[shape]
+    need = sum(state_bytes(c, T, B, decode if k == "prisme" else None) for k, c in cfgs.items())
+    need += B * T * d * 4  # the fill's randn temporary of one [B, T, d] buffer
+    V = cfgs["dense"].vocab_size
+    if prefill:
+        need += T * (V + d * (L + 1)) * 4
+    if train:
+        need += T * (V + d * (L + 1)) * 4 * 3  # dense, dense_ks and PRISME's stage, one after the other at most twice
+    return need
+
+
 # ------------------------------------------------------------------------------------------------------------ output
 def format_table(results: list[dict[str, Any]], prefills: list[dict[str, Any]], trains: list[dict[str, Any]]) -> str:
     lines = [f"{'shape':<9}{'T':>7}{'B':>3}  {'path':<11}{'ms/step':>9}{'tok/s':>9}{'MiB':>8}{'peak':>8}"
@@ -282,10 +325,19 @@ def format_table(results: list[dict[str, Any]], prefills: list[dict[str, Any]], 
 
 def main(args: argparse.Namespace) -> int:
     names = parse_list(args.shapes, "--shapes", one_of(tuple(SHAPES)), example="d256_L2", distinct=True)
-    contexts, batches = parse_ints(args.contexts, "--contexts"), parse_ints(args.batches, "--batches")
+    contexts = tuple(parse_list(args.contexts, "--contexts", integer(1), example="4096,16384", distinct=True))
+    batches = tuple(parse_list(args.batches, "--batches", integer(1), example="1,8", distinct=True))
     if not 0 < args.edit_rate < 1:
         raise ValueError(f"--edit-rate must lie in (0, 1), got {args.edit_rate}")
     device = bench_device(args.device)
+    if min(contexts) <= WINDOW:
+        raise ValueError(f"--contexts {min(contexts)} is too short: PRISME's backbone attends over a {WINDOW}-position "
+                         f"window, so a context must be longer than {WINDOW}")
+    for B in batches:
+        if round(args.edit_rate * B * args.steps) < 1:
+            print(f"note: --edit-rate {args.edit_rate:g} of the {B * args.steps} timed positions at batch {B} rounds "
+                  f"to none; the routed path fires at 1 (at least one position edits, so its row times an edit)",
+                  file=sys.stderr)
     if args.train and device.type != "cpu":
         raise ValueError(f"--train times training steps on the CPU only, not on --device {device}")
     too_short = [T for T in contexts if T <= args.steps]
@@ -293,6 +345,11 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--contexts {too_short} must be longer than --steps {args.steps} (the timed steps end at T)")
     decode = DecodeOptions(bank_tables=args.bank_source == "embedding",
                            bank_store="ids" if args.bank_source == "embedding" else "entries")
+    for shape in names:  # the largest case of each shape, before any model is built at its size
+        T, B = max(contexts), max(batches)
+        check_fits(memory_needed(shape, T, B, args.bank_source, decode, args.prefill, args.train),
+                   f"bench long {shape} at T = {T:,}, batch {B}", "pass shorter --contexts or smaller --batches",
+                   device)
     results, prefills, trains = [], [], []
     with torch_threads(args.threads):
         for shape in names:
