@@ -65,8 +65,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def check_idle_options(args: argparse.Namespace) -> None:
     """`prisme generate`: an option that does nothing under the others is an error naming both, before the model
-    loads (`--top-k` / `--top-p` without a temperature decoded greedily without a word; a price at budget 0 ran the
-    backbone alone); `--prompt-ids` is read by the shared list parser."""
+    loads (`--top-k` / `--top-p` without a temperature decoded greedily without a word; a price, or `--compile`, at
+    budget 0 ran the backbone alone); `--prompt-ids` is read by the shared list parser."""
     from prisme.checks import integer, parse_list
 
     if getattr(args, "prompt_ids", None) is not None:  # the shared list parser: "5,,9" or "5," is no prompt
@@ -78,11 +78,13 @@ def check_idle_options(args: argparse.Namespace) -> None:
         raise ValueError(f"{' and '.join(idle)} only shape{'s' if len(idle) == 1 else ''} sampling, but --temperature "
                          f"is 0 (greedy decoding, the default): pass --temperature T > 0 (e.g. 0.8) to sample, or "
                          f"leave {'it' if len(idle) == 1 else 'them'} out")
-    idle = given("lambda_cost", "kappa_risk", "target_cost")
+    idle = given("lambda_cost", "kappa_risk", "target_cost", "compile")
     if idle and args.budget == 0:
-        raise ValueError(f"{' and '.join(idle)} only price{'s' if len(idle) == 1 else ''} the workspace's edits, but "
-                         f"--budget is 0 (the backbone alone, the default): pass --budget N >= 1, or leave "
-                         f"{'it' if len(idle) == 1 else 'them'} out")
+        what = "compiles the workspace's editor" if idle == [f"--compile {args.compile}"] else \
+            f"price{'s' if len(idle) == 1 else ''} the workspace's edits" if "--compile" not in " ".join(idle) else \
+            "shape the workspace's edits"
+        raise ValueError(f"{' and '.join(idle)} only {what}, but --budget is 0 (the backbone alone, the default): "
+                         f"pass --budget N >= 1, or leave {'it' if len(idle) == 1 else 'them'} out")
 
 
 def _cmd_costs(args: argparse.Namespace) -> int:

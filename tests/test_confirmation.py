@@ -150,7 +150,8 @@ def test_fresh_seeds_overlapping_the_studys_are_an_error_naming_the_option(tmp_p
     assert cli.main([*argv, "--confirm-seeds", "31,40"]) == 2
     assert "--confirm-seeds" in capsys.readouterr().err and not out.exists()
     assert seeds_after([30, 31, 32, 33, 34]) == [35, 36, 37] and seeds_after([0, 1, 2, 3, 4]) == [5, 6, 7]
-    assert parse_confirm_seeds("none") == parse_confirm_seeds("0") == [] and parse_confirm_seeds(None) is None
+    assert parse_confirm_seeds("none") == [] and parse_confirm_seeds(None) is None
+    assert parse_confirm_seeds("0") == [0]  # seed 0, as in --seeds; "none" alone turns the pass off
     seen: list[RecallStudyConfig] = []
     monkeypatch.setattr(recall, "run_study", lambda cfg, **kw: seen.append(cfg) or {})
     monkeypatch.setattr(recall, "emit_study", lambda *a: 0)

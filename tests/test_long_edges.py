@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -14,13 +15,13 @@ import torch
 
 from prisme.bench import long as long_bench
 from prisme.bench.harness import peak_memory
-from prisme.bench.long import configs, memory_needed, state_bytes
+from prisme.bench.long import configs, memory_needed
 from prisme.bench.long import main as bench_long
 from prisme.config import PrismeConfig
 from prisme.devices import check_fits
 from prisme.io import check_output_file
 from prisme.model.policy import Controller
-from prisme.model.prisme import PrismeModel
+from prisme.model.prisme import PrismeModel, decode_state_bytes
 from prisme.options import DecodeOptions, ExecutionOptions
 
 
@@ -87,7 +88,7 @@ def test_bench_long_refuses_a_case_that_cannot_fit_naming_the_figure(tmp_path, m
     assert dense_kv <= need <= 1.15 * dense_kv  # and the fill's one [B, T, d] temporary
     cfgs = configs("d64_L2", 300, "embedding")  # the line is exact: a state built at that size holds those bytes
     for k, c in cfgs.items():
-        assert state_bytes(c, 300, 3, decode if k == "prisme" else None) == \
+        assert decode_state_bytes(c, 3, 300, decode if k == "prisme" else None) == \
             PrismeModel(c, decode if k == "prisme" else None).new_decode_state(3).nbytes
     monkeypatch.setattr(long_bench, "check_fits",
                         lambda need, what, advice, device: check_fits(need, what, advice, device, available=2**30))
@@ -140,3 +141,105 @@ def test_an_output_file_the_filesystem_refuses_is_named_before_the_work(tmp_path
     with pytest.raises(ValueError, match=r"--json /proc/version: cannot write a file in /proc"):
         check_output_file("/proc/version", "--json")
     check_output_file(str(tmp_path / "x.json"), "--json")  # control
+
+
+# ----------------------------------------------------------------------------------------- the confirmation pass
+REFERENCE = Path(__file__).resolve().parents[1] / "prisme" / "reference" / "recall_context_frontier.json"
+
+
+def _cli_error(capsys, *argv: str) -> str:
+    from prisme import cli
+
+    assert cli.main(list(argv)) == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("doc, named", [
+    ({"study": "text", "seeds": {"30": {}}, "sources": {}}, r"a document of `prisme study text`, not a frontier"),
+    ({"seeds": "30", "frontier": {"dense": [], "prisme": []}}, r"the seeds its study ran must be a list of ints >= 0 "
+                                                               r"\(`seeds`, or `scored.seeds`\), got '30'"),
+    ({"seeds": [30], "frontier": "x"}, r"has neither a frontier \(its dense/prisme entries\) nor contexts"),
+    ([1, 2], r"it holds a list"),
+])
+def test_a_document_that_is_not_a_frontier_studys_is_named_before_anything_trains(tmp_path, capsys, doc, named):
+    """A text study's document and a document whose seeds are a string once passed the check and failed with
+    `TypeError: can only concatenate str (not "int") to str`."""
+    path = tmp_path / "doc.json"
+    path.write_text(json.dumps(doc))
+    err = _cli_error(capsys, "study", "recall", "--frontier", "--context", "256", "--confirm-of", str(path),
+                     "--out", str(tmp_path / "out"))
+    assert re.search(rf"--confirm-of {re.escape(str(path))}: .*{named}", err), err
+    assert "TypeError" not in err and not (tmp_path / "out").exists()
+
+
+def test_the_reference_document_still_reads():
+    from prisme.studies.recall_confirm import read_recorded, recorded_seeds
+
+    assert recorded_seeds(read_recorded(REFERENCE)) == [30, 31, 32, 33, 34]  # control: a real frontier document passes
+
+
+@pytest.mark.parametrize("argv, named", [
+    (("--frontier", "--context", "256", "--quick", "--confirm-of", str(REFERENCE)),
+     "--quick trains smoke runs, whose accuracy cannot confirm or refute a recorded study's"),
+    (("--quick", "--confirm-seeds", "3"), "--confirm-seeds needs --frontier"),
+    (("--frontier", "--confirm-seeds", "0"), "--confirm-seeds 0 overlap the study's seeds 0,1,2,3,4: the "
+                                             "confirmation pass trains on fresh seeds (or pass none for no pass)"),
+])
+def test_the_confirmation_options_are_refused_for_what_is_wrong(tmp_path, capsys, argv, named):
+    """--quick with --confirm-of judged a smoke-trained seed against the full study and exited 0; --confirm-seeds
+    without --frontier was blamed on overlapping seeds; --confirm-seeds 0 meant no pass."""
+    err = _cli_error(capsys, "study", "recall", *argv, "--out", str(tmp_path / "out"))
+    assert named in err, err
+
+
+def test_quick_overlap_is_judged_against_the_seed_quick_trains(tmp_path):
+    """--quick trains seed 0 alone: fresh seed 1 does not overlap it (it was refused against seeds 0-4); seed 0
+    does (negative control)."""
+    from prisme.studies.recall_setup import RecallStudyConfig
+
+    RecallStudyConfig(frontier=True, quick=True, confirm_seeds=[1]).validate()
+    with pytest.raises(ValueError, match=r"overlap the study's seeds 0 \(--quick trains the first alone\)"):
+        RecallStudyConfig(frontier=True, quick=True, confirm_seeds=[0]).validate()
+
+
+# ------------------------------------------------------------------------------------ options that do nothing, notes
+def test_generate_compile_at_budget_0_is_refused_naming_both(capsys, monkeypatch):
+    """`generate --compile [strict]` at budget 0 compiled nothing (the editor never runs) and said nothing."""
+    import prisme.decoding.generate as gen
+
+    monkeypatch.setattr(gen, "generate", lambda *a, **k: pytest.fail("the model decoded"))
+    for argv in (["--compile"], ["--compile", "strict"]):
+        err = _cli_error(capsys, "generate", "--preset", "demo", "--prompt", "Emma", *argv)
+        assert f"--compile {argv[-1] if argv[-1] == 'strict' else 'auto'} only compiles the workspace's editor, but " \
+               f"--budget is 0" in err, err
+
+
+def test_a_held_out_text_that_is_the_training_text_is_noted(tmp_path, capfd, monkeypatch):
+    """`study text --corpus bierce --held-out bierce` scored the training text as held out without a word."""
+    import prisme.studies.text as text
+
+    def stop(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(text, "run_tasks", stop)
+    from prisme import cli
+
+    for held, noted in (("bierce", True), ("austen", False)):
+        cli.main(["study", "text", "--corpus", "bierce", "--held-out", held, "--seeds", "1", "--scale", "0.01",
+                  "--confirm-seeds", "none", "--out", str(tmp_path / held)])
+        err = capfd.readouterr().err
+        assert ("note: --held-out bierce is the training text (--corpus bierce): its scores are not held out"
+                in err) == noted, err
+
+
+def test_a_resumed_study_names_a_default_it_did_not_record_by_its_value(tmp_path):
+    """A text study recorded with the default corpus (left out of its record) rerun with another said
+    `study.corpus: was None`: it says `was 'austen' (the default)`."""
+    from prisme.studies.records import differences
+    from prisme.studies.text import RECORDED_DEFAULTS
+
+    before, now = {"study": {"seeds": [1]}}, {"study": {"seeds": [1], "corpus": "bierce"}}
+    assert differences(before, now, defaults=RECORDED_DEFAULTS) == [
+        "study.corpus: was 'austen' (the default), now 'bierce'"]
+    assert differences(before, {"study": {"seeds": [1], "corpus": "austen"}}, defaults=RECORDED_DEFAULTS) == []
+    assert differences(before, now) == ["study.corpus: was None, now 'bierce'"]  # without the defaults: as before

@@ -54,7 +54,7 @@ from prisme.config import PrismeConfig
 from prisme.costs import trace_cost
 from prisme.devices import check_fits, synchronize
 from prisme.model.policy import Controller
-from prisme.model.prisme import PrismeModel
+from prisme.model.prisme import PrismeModel, decode_state_bytes
 from prisme.options import DecodeOptions
 
 SHAPES = {"d256_L2": (256, 2), "d512_L2": (512, 2), "d256_L4": (256, 4), "d64_L2": (64, 2)}  # (width, layers);
@@ -271,17 +271,6 @@ def train_ms(cfgs: dict[str, PrismeConfig], T: int, positions: int, repeats: int
 
 
 # ------------------------------------------------------------------------------------------------------------ memory
-def state_bytes(cfg: PrismeConfig, T: int, B: int, decode: DecodeOptions | None = None) -> int:
-    """The bytes of a decode state of `cfg`'s model at capacity T and batch B, without allocating one that large:
-    every buffer is a constant or grows linearly with T and B, so two small states (T0 = 2W + 1 and 2 T0 - 1,
-    batch 1) give the line."""
-    t0 = 2 * WINDOW + 1
-    per_row = [PrismeModel(cfg.replace(max_seq_len=t, cost_context=t), decode).new_decode_state(1).nbytes
-               for t in (t0, 2 * t0 - 1)]
-    slope = (per_row[1] - per_row[0]) / (t0 - 1)
-    return B * int(per_row[0] + slope * (T - t0))
-
-
 def memory_needed(shape: str, T: int, B: int, bank_source: str, decode: DecodeOptions, prefill: bool,
                   train: bool) -> int:
     """What one case holds at once, at least: the three decode states (dense, dense_ks, PRISME) filled to T at batch
@@ -290,7 +279,7 @@ def memory_needed(shape: str, T: int, B: int, bank_source: str, decode: DecodeOp
     logits and one residual stream per layer, 4 bytes each)."""
     cfgs = configs(shape, max(T, 2 * WINDOW + 1), bank_source)
     d, L = SHAPES[shape]
-    need = sum(state_bytes(c, T, B, decode if k == "prisme" else None) for k, c in cfgs.items())
+    need = sum(decode_state_bytes(c, B, T, decode if k == "prisme" else None) for k, c in cfgs.items())
     need += B * T * d * 4  # the fill's randn temporary of one [B, T, d] buffer
     V = cfgs["dense"].vocab_size
     if prefill:

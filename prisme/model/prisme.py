@@ -396,3 +396,14 @@ class PrismeModel(ParameterGroups, nn.Module):
         how it keeps the bank (`prisme.options.DecodeOptions`; None: `self.decode_options`), `execution`: how its
         editor runs (`prisme.options.ExecutionOptions`; None: `self.execution`), so one model decodes either way."""
         return DecodeState(self, batch_size, max_len, dtype, bank, options, execution)
+
+
+def decode_state_bytes(cfg: PrismeConfig, batch_size: int, max_len: int, options: DecodeOptions | None = None) -> int:
+    """The bytes of a float32 decode state of `cfg`'s model at capacity `max_len` and `batch_size` rows, without
+    building that model or state: every buffer is a constant or grows linearly with the capacity and the rows, so two
+    small states (one row, capacities t0 and 2 t0 - 1, t0 past the attention window) give the line exactly."""
+    t0 = 2 * (cfg.attn_window or 0) + 2
+    per_row = [PrismeModel(cfg.replace(max_seq_len=t, cost_context=t), options)
+               .new_decode_state(1).nbytes for t in (t0, 2 * t0 - 1)]
+    slope = (per_row[1] - per_row[0]) / (t0 - 1)
+    return batch_size * round(per_row[0] + slope * (max_len - t0))

@@ -42,7 +42,7 @@ def add_study_parsers(sub: Any, add_compile: Callable[[argparse.ArgumentParser],
     r.add_argument("--confirm-seeds", default=None, metavar="S1,S2,...",
                    help="with --frontier: the fresh seeds of the confirmation pass, where the models that decide the "
                         "verdict train again and the verdict is restated from them (default: the 3 seeds after the "
-                        "largest study seed; none or 0: no pass); a seed of the study's is an error")
+                        "largest study seed; none: no pass); a seed of the study's is an error")
     r.add_argument("--confirm-of", default=None, metavar="DOC.json",
                    help="with --frontier: confirm a recorded study (its JSON document, or prisme/reference/"
                         "recall_context_frontier.json): its deciding models, taken from this study's grid by name, "
@@ -116,7 +116,7 @@ def add_study_parsers(sub: Any, add_compile: Callable[[argparse.ArgumentParser],
                    help="the fresh seeds of the confirmation pass: the runs that decide each verdict (the workspace "
                         "row closest to the dense frontier and the dense models it is compared with) train again on "
                         "them and the verdict is restated (default: the 3 seeds after the largest study seed; for a "
-                        "study folder started without a pass, none; none or 0: no pass); a study seed is an error")
+                        "study folder started without a pass, none; none: no pass); a study seed is an error")
     add_compile(t)
     add_executor(t)
     t.set_defaults(func=run_study)

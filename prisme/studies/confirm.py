@@ -18,10 +18,11 @@ def seeds_after(seeds: list[int], n: int = 3) -> list[int]:
 
 
 def parse_confirm_seeds(text: str | None) -> list[int] | None:
-    """`--confirm-seeds 35,36,37` -> [35, 36, 37]; "none" or "0" -> [] (no confirmation pass); None: not given."""
+    """`--confirm-seeds 35,36,37` -> [35, 36, 37]; "none" -> [] (no confirmation pass); None: not given. "0" is seed 0,
+    as in --seeds."""
     if text is None:
         return None
-    if str(text).strip().lower() in ("none", "0"):
+    if str(text).strip().lower() == "none":
         return []
     return parse_seeds(text, "--confirm-seeds")
 

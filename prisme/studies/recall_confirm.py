@@ -146,9 +146,23 @@ def read_recorded(path: str | Path) -> dict[str, Any]:
         doc = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"--confirm-of {path}: not a readable JSON document ({e})") from None
-    if not isinstance(doc, dict) or not ("contexts" in doc or "frontier" in doc) or not recorded_seeds(doc):
-        raise ValueError(f"--confirm-of {path}: not a frontier study's document (a recall.json of `prisme study "
-                         f"recall --frontier`, or prisme/reference/recall_context_frontier.json)")
+    what = "a recall.json of `prisme study recall --frontier`, or prisme/reference/recall_context_frontier.json"
+    if not isinstance(doc, dict):
+        raise ValueError(f"--confirm-of {path}: not a frontier study's document ({what}): it holds a "
+                         f"{type(doc).__name__}")
+    if doc.get("study") == "text" or "sources" in doc or doc.get("study") == "lengths":
+        kind = "prisme study lengths" if doc.get("study") == "lengths" else "prisme study text"
+        raise ValueError(f"--confirm-of {path}: a document of `{kind}`, not a frontier study's ({what})")
+    frontier, contexts = doc.get("frontier"), doc.get("contexts")
+    if not (isinstance(frontier, dict) and all(isinstance(frontier.get(k), list) for k in SECTIONS)
+            or isinstance(contexts, list) and contexts and all(isinstance(c, dict) and "T" in c for c in contexts)):
+        raise ValueError(f"--confirm-of {path}: not a frontier study's document ({what}): it has neither a "
+                         f"frontier (its {'/'.join(SECTIONS)} entries) nor contexts")
+    seeds = doc.get("seeds") if "seeds" in doc else (doc.get("scored") or {}).get("seeds")
+    if not (isinstance(seeds, list) and seeds and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                                      for v in seeds)):
+        raise ValueError(f"--confirm-of {path}: the seeds its study ran must be a list of ints >= 0 (`seeds`, or "
+                         f"`scored.seeds`), got {seeds!r}")
     return doc
 
 

@@ -218,6 +218,11 @@ class FrontierMember(RecallTask):
     def name(self) -> str:
         return self.key if self.context is None else f"T{self.context}_{self.key}"
 
+    def describe(self) -> dict[str, Any]:
+        """The run in its result, with the sequence length it trained at (a long-context study's; `study lengths`
+        reads it)."""
+        return super().describe() | ({} if self.context is None else {"context": self.context})
+
     def score(self, model: torch.nn.Module) -> dict[str, Any]:
         """The member's accuracy and ops per token on the held-out sequences."""
         raise NotImplementedError

@@ -161,11 +161,15 @@ class RecallStudyConfig:
         fresh = self.confirm_seeds
         need(fresh is None or isinstance(fresh, list) and all(is_int(v) and v >= 0 for v in fresh)
              and len(set(fresh)) == len(fresh), f"--confirm-seeds must be distinct ints >= 0, got {fresh!r}")
-        need(not set(fresh or []) & set(self.seeds), f"--confirm-seeds {','.join(map(str, fresh or []))} overlap the "
-             f"study's seeds {','.join(map(str, self.seeds))}: the confirmation pass trains on fresh seeds")
         need(not fresh or self.frontier, "--confirm-seeds needs --frontier (the pass confirms the frontier's verdict)")
         need(self.confirm_of is None or self.frontier and bool(fresh),
              "--confirm-of needs --frontier and fresh seeds (--confirm-seeds, not none)")
+        need(not (self.quick and self.confirm_of), "--quick trains smoke runs, whose accuracy cannot confirm or refute "
+             "a recorded study's (--confirm-of): leave --quick out")
+        ran = self.seeds[:1] if self.quick else self.seeds  # --quick trains the first seed alone
+        need(not set(fresh or []) & set(ran), f"--confirm-seeds {','.join(map(str, fresh or []))} overlap the "
+             f"study's seeds {','.join(map(str, ran))}{' (--quick trains the first alone)' if self.quick else ''}: the "
+             f"confirmation pass trains on fresh seeds (or pass none for no pass)")
         need(len(self.router_lambdas) > 0 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
                                                   and math.isfinite(x) and x >= 0 for x in self.router_lambdas),
              f"router_lambdas must be a non-empty list of finite numbers >= 0, got {self.router_lambdas!r}")

@@ -88,11 +88,13 @@ def describe(settings: dict[str, Any]) -> str:
     return f"a {label}" + (f" ({' '.join(options)})" if options else "")
 
 
-def open_study(out: str | Path, settings: dict[str, Any], resume: bool = False, label: str = "study") -> bool:
+def open_study(out: str | Path, settings: dict[str, Any], resume: bool = False, label: str = "study",
+               defaults: dict[str, Any] | None = None) -> bool:
     """Check, before anything runs, that a study with `settings` may run in folder `out`: True when a study was
     started there with the same settings (this run continues it), False when none was (`record_study` starts one).
     A folder another kind of study made is a ValueError naming that kind; other settings than the recorded ones are
-    a ValueError naming the fields that differ; `resume` asks for a study started there."""
+    a ValueError naming the fields that differ (a field left out of the settings because it holds its default named
+    with it: `defaults`, by path); `resume` asks for a study started there."""
     out = Path(out)
     record = _record(out)
     if record is None:
@@ -105,7 +107,7 @@ def open_study(out: str | Path, settings: dict[str, Any], resume: bool = False, 
         raise ValueError(f"{out} holds {describe(record)} (made by `{COMMANDS[theirs]}`), not a {label}: pass "
                          f"another --out")
     before = {k: v for k, v in record.items() if k != "command"}
-    changed = differences(migrated(before), json.loads(json.dumps(settings, default=str)))
+    changed = differences(migrated(before), json.loads(json.dumps(settings, default=str)), defaults=defaults)
     if changed:
         raise ValueError(f"{out} holds {describe(record)} run with other settings ({'; '.join(changed)}); rerun it "
                          f"with the settings it was run with to continue it, or pass another --out")
@@ -137,24 +139,47 @@ def _short(v: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _leaves(a: Any, b: Any, path: str) -> list[tuple[str, Any, Any]]:
+class Unrecorded:
+    """A field a record leaves out because it held its default (`open_study`'s `defaults`): compares as that value,
+    and says so where a difference names it."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __eq__(self, other: Any) -> bool:
+        return (other.value if isinstance(other, Unrecorded) else other) == self.value
+
+    def __repr__(self) -> str:
+        return f"{self.value!r} (the default)"
+
+
+def _leaves(a: Any, b: Any, path: str, defaults: dict[str, Any] | None = None) -> list[tuple[str, Any, Any]]:
     """(path, was, now) for every place where `a` and `b` differ: into dicts and lists of one length; a list of
-    lengths (`ORDERLESS`) compared as a set."""
+    lengths (`ORDERLESS`) compared as a set; a field one side leaves out read as its default where `defaults` (by
+    path) has one."""
     if isinstance(a, dict) and isinstance(b, dict):
+        defaults = defaults or {}
+
+        def at(d: dict[str, Any], k: str, p: str) -> Any:
+            return d[k] if k in d else Unrecorded(defaults[p]) if p in defaults else None
+
         return [leaf for k in dict.fromkeys([*a, *b])
-                for leaf in _leaves(a.get(k), b.get(k), f"{path}.{k}" if path else str(k))]
+                for p in [f"{path}.{k}" if path else str(k)] for leaf in _leaves(at(a, k, p), at(b, k, p), p,
+                                                                                 defaults)]
     if path.rsplit(".", 1)[-1] in ORDERLESS and isinstance(a, list) and isinstance(b, list):
         return [] if sorted(map(str, a)) == sorted(map(str, b)) else [(path, a, b)]
     if isinstance(a, list) and isinstance(b, list) and len(a) == len(b) and a != b:
-        return [leaf for i, (x, y) in enumerate(zip(a, b)) for leaf in _leaves(x, y, f"{path}[{i}]")]
-    return [] if a == b else [(path, a, b)]
+        return [leaf for i, (x, y) in enumerate(zip(a, b)) for leaf in _leaves(x, y, f"{path}[{i}]", defaults)]
+    return [] if a == b or b == a else [(path, a, b)]
 
 
-def differences(before: dict[str, Any], now: dict[str, Any], most: int = 4) -> list[str]:
+def differences(before: dict[str, Any], now: dict[str, Any], most: int = 4,
+                defaults: dict[str, Any] | None = None) -> list[str]:
     """Where two settings differ, each field by its path: `study.seeds: was [0], now [0, 1]`. The study's own
     settings (what the command line sets) come first; the fields they derive (steps, model and stage configs) are
-    named only when nothing else differs; at most `most`, then how many more."""
-    leaves = _leaves(before, now, "")
+    named only when nothing else differs; at most `most`, then how many more. `defaults`: the value of a field (by
+    path, e.g. "study.corpus") that a record leaves out when it holds it."""
+    leaves = _leaves(before, now, "", defaults)
     own = [x for x in leaves if x[0].split(".")[0].split("[")[0] in ("kind", "quick", "study")]
     shown = own or leaves
     out = [f"{p}: was {_short(a)}, now {_short(b)}" for p, a, b in shown[:most]]

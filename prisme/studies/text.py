@@ -71,6 +71,7 @@ __all__ = ["TextStudyConfig", "format_report", "prepare_study", "finish_study", 
 UNRECORDED = ("out_dir", "jobs", "threads", "progress", "compile", "executor", "address", "reuse")  # change no run
 ADDED_FIELDS = {"corpus": "austen", "prisme_layers": None, "workspace_steps": None,  # and their values before them
                 "confirm_seeds": None, "copy_head": None, "copy_steps": 500}  # (no confirmation pass: None or [])
+RECORDED_DEFAULTS = {f"study.{k}": v for k, v in ADDED_FIELDS.items() if k != "confirm_seeds"}  # a rerun names them
 
 
 def study_settings(cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[int, dict[str, StageConfig]]
@@ -101,8 +102,8 @@ def prepare_study(cfg: TextStudyConfig, model_cfg: PrismeConfig | None = None, r
     out = Path(cfg.out_dir)
     stages = {seed: stage_configs(cfg, model_cfg, seed) for seed in [*cfg.seeds, *(cfg.confirm_seeds or [])]}
     check_inputs(cfg, stages[cfg.seeds[0]])
-    if not open_study(out, study_settings(cfg, model_cfg, stages), resume, "text study") and out.exists() \
-            and any(out.iterdir()):  # a study started there with these settings continues
+    opened = open_study(out, study_settings(cfg, model_cfg, stages), resume, "text study", RECORDED_DEFAULTS)
+    if not opened and out.exists() and any(out.iterdir()):  # a study started there with these settings continues
         raise ValueError(f"study folder {out} already exists and is not empty; pass another --out")
     models: dict[str, PrismeConfig] = {}  # the frontier's models by name, in the order of `frontier`
     for f in cfg.frontier_entries:

@@ -4,6 +4,8 @@ they hold what the study scores before anything trains, and what the study's doc
 
 from __future__ import annotations
 
+import sys
+
 from typing import Any
 
 from prisme.data.corpora import resolve_corpus
@@ -50,6 +52,10 @@ def check_inputs(cfg: TextStudyConfig, stages: dict[str, StageConfig]) -> None:
     if n < T + 1:
         raise ValueError(f"text study: --held-out {cfg.held_out} holds {n:,} bytes, fewer than one evaluation window "
                          f"of {T:,} bytes + 1 target: pass a longer text, or a shorter {shorter}")
+    train, held = corpus_records(cfg).values()
+    if cfg.held_out == cfg.corpus or train.get("sha256") is not None and train.get("sha256") == held.get("sha256"):
+        print(f"note: --held-out {cfg.held_out} is the training text (--corpus {cfg.corpus}): its scores are not held "
+              f"out (the model trained on most of it); pass another text to --held-out", file=sys.stderr)
     data = training_data(cfg.corpus)
     n_train, n_val = data.n_tokens("train"), data.n_tokens("val")
     if min(n_train, n_val) < T + 1:
