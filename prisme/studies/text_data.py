@@ -5,7 +5,6 @@ they hold what the study scores before anything trains, and what the study's doc
 from __future__ import annotations
 
 import sys
-
 from typing import Any
 
 from prisme.data.corpora import resolve_corpus
