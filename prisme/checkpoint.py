@@ -244,14 +244,22 @@ def prune_checkpoints(run_dir: str | Path, keep_last: int) -> None:
 
 # Checkpoint metadata this layer reads by stage name (it sits below training's `StageSpec`, and
 # tests/test_stage_specs.py holds these tables to the specs): each stage ranked before the one it starts from.
-STAGE_PREFERENCE = ("controller", "workspace", "copy", "backbone", "export")
+STAGE_PREFERENCE = ("controller", "router", "workspace", "copy", "backbone", "export")
+FIT_RECORD = "fit.json"  # in a `prisme fit` folder: its settings, stages and the deployable stage's folder
 
 
 def find_model_checkpoint(path: str | Path) -> Path:
-    """`path` itself if it is a checkpoint (or a run folder with `latest`); else, for a folder holding runs (a demo or
-    study folder), the checkpoint of its most trained stage found up to three levels down (controller, then
-    workspace, then backbone; the newest if several). ValueError if there is none."""
+    """`path` itself if it is a checkpoint (or a run folder with `latest`); a `prisme fit` folder's deployable stage;
+    else, for a folder holding runs (a demo or study folder), the checkpoint of its most trained stage found up to
+    three levels down (controller, router, workspace, copy, then backbone; the newest if several). ValueError if there
+    is none."""
     p = Path(path)
+    if (p / FIT_RECORD).is_file():  # a `prisme fit` folder: its deployable stage, once the fit has finished
+        final = json.loads((p / FIT_RECORD).read_text() or "{}").get("checkpoint")
+        if not final:
+            raise ValueError(f"{p} holds a fit that has not finished ({p / FIT_RECORD} names no deployable stage): "
+                             f"rerun its `prisme fit` command to continue it")
+        return resolve_checkpoint(p / final)
     try:
         return resolve_checkpoint(p)
     except ValueError:  # an incomplete checkpoint or run folder: its own error (which file is missing) is the answer

@@ -1,5 +1,6 @@
 """The `prisme` command line: thin argparse front-ends over library functions.
 
+    prisme fit DATA --recipe NAME    a folder of text or code -> a deployable PRISME model (every stage, resumable)
     prisme info                      presets and their parameter counts
     prisme bench kv                  seed 001's KV-cache correctness + timing protocol (and seed 003's memory figures)
     prisme bench workspace           decode time per token of seed 000's rows next to their analytic ops
@@ -13,7 +14,8 @@
     prisme study text                Austen + a held-out text: every policy with paired intervals, per bank source
     prisme tokenizer train           a byte-level BPE tokenizer (HF tokenizers)
     prisme export-hf                 a checkpoint's backbone + tokenizer as a self-contained HF folder
-    prisme demo                      the main job on the embedded default corpus
+    prisme demo                      the project's current answers: long-context recall against the dense frontier,
+                                     and the text study on Austen (one seed), with a sample
 """
 
 from __future__ import annotations
@@ -89,8 +91,11 @@ def check_idle_options(args: argparse.Namespace) -> None:
 
 def _cmd_costs(args: argparse.Namespace) -> int:
     from prisme.costs.table import costs_cli
+    from prisme.training.cli import parse_set
 
-    return costs_cli(args)
+    overrides = dict(parse_set(item) for item in args.set or [])
+    overrides = {k.removeprefix("model."): v for k, v in overrides.items()}
+    return costs_cli(args, overrides)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -135,55 +140,10 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_data(args: argparse.Namespace) -> int:
-    from prisme.data.shards import prepare
-    from prisme.data.tokenizers import tokenizer_named
-
-    if not 0 < args.val_fraction < 1:  # `prepare(val_fraction=0)` makes a folder no training can validate on
-        raise ValueError(f"--val-fraction must be in (0, 1) (training validates on those documents), got "
-                         f"{args.val_fraction}")
-    tok = tokenizer_named(args.tokenizer)
-    m = prepare(args.source, args.out, tok, args.text_field, args.val_fraction, args.seed)
-    print(f"wrote {args.out}: {m['documents']['train']:,} + {m['documents']['val']:,} documents, "
-          f"{m['tokens']['train']:,} + {m['tokens']['val']:,} tokens (train + val, {m['dtype']}); "
-          f"{len(m['skipped'])} files skipped; train with `prisme train --dataset {args.out}`")
-    return 0
-
-
-def _cmd_tokenizer(args: argparse.Namespace) -> int:
-    from prisme.data.text import load_text
-    from prisme.data.tokenizers import BPETokenizer
-
-    if isinstance(args.vocab_size, bool) or args.vocab_size <= 256:
-        raise ValueError(f"--vocab-size must be > 256 (the 256 bytes come first), got {args.vocab_size}")
-    tok = BPETokenizer.train(load_text(args.corpus), args.vocab_size)
-    tok.save(args.out)
-    print(f"wrote {args.out}: a byte-level BPE of {tok.vocab_size} ids trained on {args.corpus}")
-    return 0
-
-
-def _cmd_export_hf(args: argparse.Namespace) -> int:
-    from prisme.interop import INSTALL_HINT, export_hf_checkpoint, hf_available
-
-    if not hf_available():
-        raise ValueError(f"export-hf needs the optional `transformers` package: {INSTALL_HINT}")
-    if args.workspace:
-        from prisme.hf_full import export_hf_full
-
-        out = export_hf_full(args.checkpoint, args.out, args.budget, args.lambda_cost)
-        print(f"wrote {out}: the whole model (workspace, controller, router), its tokenizer and a model card, "
-              f"loadable with AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True) where prisme is "
-              f"installed")
-        return 0
-    export_hf_checkpoint(args.checkpoint, args.out, args.tokenizer)
-    print(f"wrote {args.out}: the backbone (the workspace is not exported) and its tokenizer, loadable with "
-          f"AutoModelForCausalLM / AutoTokenizer.from_pretrained")
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     from prisme import __version__
     from prisme.bench.cli import add_bench_parser
+    from prisme.own_data_cli import add_own_data_parsers
     from prisme.studies.cli import add_study_parsers
     from prisme.training.config import STAGES  # the stage registry
 
@@ -206,13 +166,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batches", default="8", help="validation batches, or 'all' for the whole split (default 8)")
     s.add_argument("--batch-size", type=int, default=16, help="sequences per batch (default 16)")
     s.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: MQAR length or T_max)")
-    s.add_argument("--policies", default=None, help="comma-separated families (default: all that apply): "
-                   "backbone,matched,fixed,random,dense,controller,oracle")
+    s.add_argument("--policies", default=None, help="comma-separated families (default: all that apply; a router "
+                   "model's deployed rows are the router's): backbone,matched,fixed,random,dense,controller,router,"
+                   "oracle")
     s.add_argument("--lambdas", default=None, help="comma-separated controller/oracle lambdas (default: calibrated)")
     s.add_argument("--oracle-positions", type=int, default=16,
                    help="labelled positions per sequence the oracle samples (-1 = all)")
     s.add_argument("--seed", type=int, default=0, help="seed for random policies and oracle subsampling")
-    s.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    s.add_argument("--device", default=None, help="auto (default: cuda when available, else cpu), cpu, cuda or cuda:N")
     s.add_argument("--json", default=None, help="write the JSON report to this file")
     s.add_argument("--plot", default=None, help="write the loss-vs-ops Pareto plot (PNG) to this file")
     s.add_argument("--threads", type=int, default=-1, help="torch CPU threads (-1 = leave as is)")
@@ -266,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=None, help="sampling seed (and the random weights' seed for --preset)")
     s.add_argument("--threads", type=int, default=-1, help="torch CPU threads (-1 = leave as is)")
     s.add_argument("--show-edits", action="store_true", help="print how many edits each generated token got")
-    s.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    s.add_argument("--device", default=None, help="auto (default: cuda when available, else cpu), cpu, cuda or cuda:N")
     _add_compile(s)
     s.set_defaults(func=_cmd_generate)
 
@@ -280,6 +241,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --optimised: price the editor's slot K/V cache too (ExecutionOptions.slot_kv_cache; off "
                         "by default)")
     s.add_argument("--json", action="store_true", help="print one JSON document in seed 000's layout instead")
+    s.add_argument("--set", action="append", metavar="FIELD=VALUE",
+                   help="a model field of the preset (--set attn_window=64 --set router=true); repeatable")
+    s.add_argument("--fire-rate", type=float, default=None, metavar="R",
+                   help="also the deployed row: a router model at budget 1 over a sequence of T (each position at "
+                        "its own context), R of the positions editing one slot (e.g. 0.005)")
+    s.add_argument("--bank-store", default="entries", choices=["entries", "ids"],
+                   help="with --fire-rate: the bank kept as projected entries (the studies' pricing, default) or as "
+                        "token ids and tables (an embedding bank, as `bench decode --bank-store ids` runs it)")
+    s.add_argument("--sequence", action="store_true",
+                   help="also the backbone alone over a sequence of T, each position at its own context (how the "
+                        "studies price every model)")
     s.set_defaults(func=_cmd_costs)
 
     s = sub.add_parser("train", help="train one stage (backbone, workspace, controller, router); under torchrun: "
@@ -309,11 +281,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seq-len", type=int, default=None, help="tokens per sequence")
     s.add_argument("--lr", type=float, default=None, help="peak learning rate")
     s.add_argument("--seed", type=int, default=None, help="seed for init, data order and random actions")
-    s.add_argument("--dataset", default=None, help="austen (embedded), a text file or folder, or mqar")
+    s.add_argument("--dataset", default=None, help="austen (embedded), a text file or folder, a folder `prisme data "
+                                                   "prepare` wrote, or mqar")
     s.add_argument("--tokenizer", default=None,
                    help="byte (default) or a BPE from `prisme tokenizer train` (a file, or a folder holding "
                         "tokenizer.json, e.g. the previous stage's checkpoint); saved with every checkpoint")
-    s.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N")
+    s.add_argument("--device", default=None, help="auto (default: cuda when available, else cpu), cpu, cuda or cuda:N")
     s.add_argument("--dtype", default=None, choices=["float32", "float64", "bfloat16"],
                    help="float32/float64 weights, or bf16 autocast over float32 weights")
     s.add_argument("--parallel", default=None, choices=["ddp", "fsdp"], help="multi-process wrapper (torchrun)")
@@ -335,43 +308,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default=None, help="the PNG to write (default: RUN/curves.png)")
     s.set_defaults(func=_cmd_plot)
 
-    s = sub.add_parser("data", help="your own data: documents -> memory-mapped token files for `train --dataset`")
-    dsub = s.add_subparsers(dest="data_cmd", required=True)
-    dp = dsub.add_parser("prepare", help="a folder (recursive: .txt, .md, .jsonl), a file, or a saved HF dataset -> "
-                                         "train.bin / val.bin + manifest.json (whole documents per split)")
-    dp.add_argument("source", help="a folder, a .txt/.md/.jsonl file, or a datasets.save_to_disk folder")
-    dp.add_argument("--out", required=True, help="folder to write (must not exist or be empty)")
-    dp.add_argument("--tokenizer", default="byte", help="byte (default) or a BPE from `prisme tokenizer train`")
-    dp.add_argument("--text-field", default="text", help="the text field of .jsonl rows / dataset columns")
-    dp.add_argument("--val-fraction", type=float, default=0.1, help="share of the documents held out (default 0.1)")
-    dp.add_argument("--seed", type=int, default=0, help="seed of the documents' split")
-    dp.set_defaults(func=_cmd_data)
-
-    s = sub.add_parser("tokenizer", help="tokenizer tools")
-    tsub = s.add_subparsers(dest="tokenizer_cmd", required=True)
-    tt = tsub.add_parser("train", help="train a byte-level BPE (HF tokenizers; pip install 'prisme[bpe]')")
-    tt.add_argument("--corpus", default="austen", help="austen (embedded), devils_dictionary, or a text file / folder")
-    tt.add_argument("--vocab-size", type=int, required=True, help="ids in all (> 256: the bytes come first)")
-    tt.add_argument("--out", required=True, help="tokenizer JSON to write (use it as --tokenizer / \"tokenizer\")")
-    tt.set_defaults(func=_cmd_tokenizer)
-
-    s = sub.add_parser("export-hf", help="write a checkpoint's backbone and tokenizer as an HF folder (needs [hf])")
-    s.add_argument("--checkpoint", required=True, help="checkpoint, stage folder or demo/study folder")
-    s.add_argument("--out", required=True, help="folder to write (save_pretrained layout)")
-    s.add_argument("--tokenizer", default=None,
-                   help="byte, a BPE tokenizer JSON, or none (default: the checkpoint's own tokenizer)")
-    s.add_argument("--workspace", action="store_true",
-                   help="the whole model (workspace, controller, router) for trust_remote_code, with a model card")
-    s.add_argument("--budget", type=int, default=None,
-                   help="with --workspace: the exported policy's budget (default: the one its stages trained)")
-    s.add_argument("--lambda-cost", type=float, default=None, help="with --workspace: its price (default: the model's)")
-    s.set_defaults(func=_cmd_export_hf)
-
+    add_own_data_parsers(sub)
     add_study_parsers(sub, _add_compile, _cmd_study, _cmd_demo)
     return p
 
 
-FOLDER_OUTPUTS = ("train", "study", "demo", "export-hf", "data")  # commands whose --out is a folder (else a file)
+FOLDER_OUTPUTS = ("train", "study", "demo", "export-hf", "data", "fit")  # commands whose --out is a folder (else: a
+#   file)
 
 
 def check_outputs(args: argparse.Namespace) -> None:

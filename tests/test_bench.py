@@ -14,7 +14,7 @@ from prisme.cli import main as cli_main
 from prisme.config import PrismeConfig
 
 DOC_KEYS = {"scope", "environment", "model", "protocol", "correctness", "position_errors_fp32_batch2_chunk1",
-            "negative_controls", "checks", "timings", "memory", "reference"}
+            "negative_controls", "checks", "timings", "memory"}  # "reference" only with --seed001
 ENV_KEYS = {"python", "torch", "numpy", "device", "dtype", "threads", "platform", "cpu", "logical_cpus",
             "executed_at_utc", "seed"}
 TIMING_KEYS = {"prompt_tokens", "appended_tokens", "cache_payload_bytes", "samples_ms", "prefill_p50_ms",
@@ -128,6 +128,8 @@ def test_human_table_labels_seed001_figures_as_another_machine(tiny_doc):
     text = kv.format_kv_table(tiny_doc, reference)
     assert "measured on another machine" in text
     assert "negative controls" in text and "torch.float64" in text
+    plain = kv.format_kv_table(tiny_doc)  # without --seed001: this machine's figures alone
+    assert "seed 001" not in plain and "another machine" not in plain and "negative controls" in plain
 
 
 def test_write_json_atomic_leaves_only_the_final_file(tmp_path):

@@ -774,3 +774,33 @@ def test_distinct_rows_equals_unique_over_rows():
     for c, r in enumerate(radix):
         packed = packed * r + rows[:, c]
     assert torch.unique(packed).numel() != torch.unique(rows, dim=0).shape[0]
+
+
+def test_costs_prints_the_deployed_row_that_reproduces_a_study_ratio(capsys):
+    """`prisme costs --fire-rate R` prices the router at budget 1 over a sequence of T (each position at its own
+    context, the studies' pricing): the T = 1,024 recall winner at its 0.61 % of positions against the dense model
+    it was compared with gives the recorded ratio 0.338 within the trace's placement (0.35); at rate 0 it still pays
+    the router and the bank (above the backbone alone), and more edits cost more (negative controls)."""
+    from prisme import cli
+    from prisme.costs.table import deployed_row, sequence_row
+
+    win = PrismeConfig.from_name("recall_long", d_model=12, n_head=2, n_kv_head=2, w=32, attn_window=64,
+                                 key_shift=True, router=True, router_token=True)
+    dense = PrismeConfig.from_name("recall_long", d_model=16, n_head=2, n_kv_head=2, key_shift=True,
+                                   use_workspace=False)
+    ratio = deployed_row(win, 1024, 0.0061)["ops_per_token"] / sequence_row(dense, 1024)["ops_per_token"]
+    assert 0.33 < ratio < 0.36
+    off, some = deployed_row(win, 1024, 0.0), deployed_row(win, 1024, 0.05)
+    assert 1.0 < off["x_backbone_only"] < some["x_backbone_only"]
+    assert deployed_row(win, 1024, 0.0061, bank_store="ids")["ops_per_token"] < deployed_row(win, 1024, 0.0061)[
+        "ops_per_token"]  # a bank kept as ids reads cheaper
+    argv = ["costs", "--preset", "recall_long", "--set", "d_model=12", "--set", "n_head=2", "--set", "n_kv_head=2",
+            "--set", "w=32", "--set", "attn_window=64", "--set", "key_shift=true", "--set", "router=true",
+            "--context", "1024", "--fire-rate", "0.0061"]
+    assert cli.main(argv) == 0
+    assert "deployed over a sequence of 1,024 (the router at budget 1, 0.59% of positions edit one slot)" in \
+        capsys.readouterr().out
+    assert cli.main(["costs", "--preset", "tiny", "--fire-rate", "0.01"]) == 2
+    assert "prices a router model's deployed step; 'tiny' has no router (--set router=true)" in capsys.readouterr().err
+    assert cli.main(["costs", "--preset", "tiny", "--set", "bogus=1"]) == 2
+    assert "bogus" in capsys.readouterr().err

@@ -26,7 +26,7 @@ LAYERS = (
     ("prisme.evaluation",),
     ("prisme.studies",),
     ("prisme.bench",),
-    ("prisme.cli", "prisme.__main__", "prisme"),
+    ("prisme.cli", "prisme.own_data_cli", "prisme.__main__", "prisme"),
 )
 MAX_LINES = 450
 

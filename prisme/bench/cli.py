@@ -41,6 +41,8 @@ def add_bench_parser(sub) -> None:
     kv.add_argument("--threads", type=int, default=1, help="torch CPU threads (-1 = leave as is)")
     kv.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="dtype of the timed model")
     kv.add_argument("--seq-len", type=count_option(2), default=24, help="tokens per sequence in the correctness check")
+    kv.add_argument("--seed001", action="store_true", help="also the origin document's figures (seed 001: another "
+                                                          "machine, another cache) beside this machine's")
     ws = bench_parser(bsub, "workspace", help="decode time per token of seed 000's rows vs their analytic ops, "
                          "the workspace's own time, optimised vs seed modules")
     ws.add_argument("--presets", default="demo,prisme_103m", help="comma-separated presets (random weights)")

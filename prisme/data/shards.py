@@ -1,4 +1,5 @@
-"""Your own data: documents (a folder searched recursively for `.txt` / `.md` / `.jsonl`, one file, or a Hugging Face
+"""Your own data: documents (a folder searched recursively for `.txt` / `.md` / `.py` / `.jsonl` and the suffixes
+`extensions` names, hidden files and `__pycache__` left out; one file; or a Hugging Face
 `datasets` dataset saved on disk) prepared once into token files read through a memory map (`prisme data prepare`),
 and `ShardDataset`, which trains on them with memory that does not grow with the corpus.
 
@@ -19,7 +20,7 @@ import os
 import random
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,8 @@ from prisme.io import fsync_dir, write_json_atomic
 
 FORMAT = "prisme-tokens-v1"
 MANIFEST = "manifest.json"
-DOC_SUFFIXES = (*TEXT_SUFFIXES, ".jsonl")
+SOURCE_SUFFIXES = (".py",)  # source files read as documents by default (others: `extensions`, `--ext`)
+DOC_SUFFIXES = (*TEXT_SUFFIXES, *SOURCE_SUFFIXES, ".jsonl")
 
 
 def is_prepared(path: str | Path) -> bool:
@@ -45,19 +47,33 @@ def _is_hf_dataset(path: Path) -> bool:
     return path.is_dir() and any((path / n).is_file() for n in ("dataset_info.json", "state.json", "dataset_dict.json"))
 
 
-def _handles(src: Path, text_field: str) -> tuple[list[tuple[str, Any]], list[str]]:
+def suffixes(extensions: Sequence[str] = ()) -> tuple[str, ...]:
+    """The file suffixes read as documents: `DOC_SUFFIXES` and `extensions` ("js" or ".js"); ValueError for an empty
+    or odd one."""
+    extra = []
+    for e in extensions:
+        if not isinstance(e, str) or not e.strip(".") or "/" in e or " " in e:
+            raise ValueError(f"an extension is a file suffix such as js or .js, got {e!r}")
+        extra.append(e if e.startswith(".") else f".{e}")
+    return tuple(dict.fromkeys((*DOC_SUFFIXES, *extra)))
+
+
+def _handles(src: Path, text_field: str, extensions: Sequence[str] = ()) -> tuple[list[tuple[str, Any]], list[str]]:
     """Every document of `src` as a cheap handle ((file, None) or (file, line) or ("hf", row)), in a fixed order, and
-    the files skipped; ValueError naming the file and line of a `.jsonl` line that is not JSON or lacks the field."""
+    the files skipped (another suffix than `suffixes(extensions)`, hidden files and `__pycache__`); ValueError naming
+    the file and line of a `.jsonl` line that is not JSON or lacks the field."""
     if _is_hf_dataset(src):
         ds = _load_hf(src)
         if text_field not in ds.column_names:
             raise ValueError(f"dataset {src} has no column {text_field!r} (columns: {ds.column_names}); pass "
                              f"--text-field")
         return [("hf", i) for i in range(len(ds))], []
-    files = [src] if src.is_file() else sorted(p for p in src.rglob("*") if p.is_file())
+    files = [src] if src.is_file() else sorted(p for p in src.rglob("*") if p.is_file() and not any(
+        part.startswith(".") or part == "__pycache__" for part in p.relative_to(src).parts))
     handles, skipped = [], []
+    known = suffixes(extensions)
     for f in files:
-        if f.suffix not in DOC_SUFFIXES:
+        if f.suffix not in known:
             skipped.append(str(f))
             continue
         if f.suffix != ".jsonl":
@@ -103,7 +119,11 @@ def _documents(src: Path, handles: list[tuple[str, Any]], text_field: str) -> It
             if hf is not None:
                 yield hf[where][text_field]
             elif where is None:
-                yield read_text_file(Path(name))
+                text = read_text_file(Path(name))  # a ValueError naming the file when it is not UTF-8
+                if "\x00" in text:
+                    raise ValueError(f"{name} holds a NUL byte: not a text file (the NUL byte ends each document); "
+                                     f"remove it, or leave its suffix out")
+                yield text
             else:
                 if open_file != name:  # the next .jsonl file: its lines in order, the previous one closed
                     if fh is not None:
@@ -121,8 +141,9 @@ def _documents(src: Path, handles: list[tuple[str, Any]], text_field: str) -> It
 
 # --------------------------------------------------------------------------------------------------------- prepare
 def prepare(src: str | Path, out: str | Path, tokenizer: Any = None, text_field: str = "text",
-            val_fraction: float = 0.1, seed: int = 0) -> dict[str, Any]:
-    """Tokenize the documents of `src` into `out` (see the module docstring); returns the manifest."""
+            val_fraction: float = 0.1, seed: int = 0, extensions: Sequence[str] = ()) -> dict[str, Any]:
+    """Tokenize the documents of `src` into `out` (see the module docstring; `extensions`: suffixes read besides
+    `DOC_SUFFIXES`); returns the manifest."""
     src, out = Path(src), Path(out)
     tok = tokenizer if tokenizer is not None else ByteTokenizer()
     if not src.exists():
@@ -131,10 +152,10 @@ def prepare(src: str | Path, out: str | Path, tokenizer: Any = None, text_field:
         raise ValueError(f"{out} already exists and is not empty; pass another --out")
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
-    handles, skipped = _handles(src, text_field)
+    handles, skipped = _handles(src, text_field, extensions)
     if not handles:
-        raise ValueError(f"{src} holds no readable document ({'/'.join('*' + s for s in DOC_SUFFIXES)} files, or a "
-                         f"saved Hugging Face dataset)")
+        raise ValueError(f"{src} holds no readable document ({'/'.join('*' + s for s in suffixes(extensions))} files, "
+                         f"or a saved Hugging Face dataset): name other suffixes with --ext (e.g. --ext js,ts)")
     if val_fraction > 0 and len(handles) < 2:
         raise ValueError(f"{src} holds one document: documents are split whole, so a validation split needs two or "
                          f"more (split the text into several files, or train on the text itself: --dataset {src})")
@@ -175,7 +196,8 @@ def prepare(src: str | Path, out: str | Path, tokenizer: Any = None, text_field:
                     "split": {"rule": "whole documents; a seeded shuffle of the documents puts val_fraction of them "
                                       "(at least one of two or more) in val", "seed": seed,
                               "val_fraction": val_fraction},
-                    "source": str(src), "text_field": text_field, "skipped": skipped}
+                    "source": str(src), "text_field": text_field, "suffixes": list(suffixes(extensions)),
+                    "skipped": skipped}
         write_json_atomic(manifest, tmp / MANIFEST)
         fsync_dir(tmp)
         if out.exists():  # an empty folder (checked above)
@@ -185,6 +207,17 @@ def prepare(src: str | Path, out: str | Path, tokenizer: Any = None, text_field:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def folder_text(src: str | Path, extensions: Sequence[str] = (), text_field: str = "text") -> str:
+    """Every document `prepare` would read from `src` (a folder, a file, or a saved dataset), joined by blank lines:
+    what a tokenizer trains on (`prisme tokenizer train --corpus FOLDER`); ValueError where there is none."""
+    src = Path(src)
+    handles, _ = _handles(src, text_field, extensions)
+    if not handles:
+        raise ValueError(f"{src} holds no readable document ({'/'.join('*' + s for s in suffixes(extensions))} files, "
+                         f"or a saved Hugging Face dataset): name other suffixes with --ext (e.g. --ext js,ts)")
+    return "\n\n".join(_documents(src, handles, text_field))
 
 
 # --------------------------------------------------------------------------------------------------------- dataset

@@ -360,7 +360,9 @@ def main(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1 (or -1 to leave torch's setting), got {args.threads}")
         torch.set_num_threads(args.threads)
-    device = getattr(args, "device", None) or "cpu"
+    device = getattr(args, "device", None) or "auto"
+    if device == "auto":  # the working commands' default (eval, train): the GPU where there is one
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {device!r} requested but CUDA is not available")
     if device != "cpu" and not device.startswith("cuda"):

@@ -192,7 +192,8 @@ def main(args: argparse.Namespace) -> int:
     check_bootstrap_args(args.bootstrap, args.bootstrap_seed)
     if args.device is not None and args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device!r} requested but CUDA is not available")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    auto = args.device in (None, "auto")
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if auto else args.device)
     from prisme.checkpoint import find_model_checkpoint
 
     path = find_model_checkpoint(args.checkpoint)

@@ -16,14 +16,15 @@ from prisme.evaluation.policies import (
     Policy,
     RandomRows,
     ReferenceRows,
+    RouterRows,
     _controller_budget,
 )
 from prisme.model.prisme import PrismeModel
 
 # ---------------------------------------------------------------------------------------------------------- by name
-POLICY_FAMILIES = ("backbone", "matched", "fixed", "random", "dense", "controller", "oracle")  # the CLI's names
+POLICY_FAMILIES = ("backbone", "matched", "fixed", "random", "dense", "controller", "router", "oracle")  # the CLI's
 BY_NAME = {"backbone": BackboneRows, "fixed": FixedRows, "random": RandomRows, "dense": DenseRows,
-           "controller": ControllerRows, "oracle": OracleRows}
+           "controller": ControllerRows, "router": RouterRows, "oracle": OracleRows}
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,10 @@ def standard_policies(model: PrismeModel, families: Sequence[str] | None = None,
         raise ValueError(f"model must be a PrismeModel, got {type(model).__name__}")
     if families is None:
         names = ["backbone"] + (["matched"] if matched is not None else [])
-        if model.cfg.use_workspace:
-            names += [f for f in POLICY_FAMILIES if BY_NAME.get(f, Policy).needs_workspace]
+        if model.cfg.use_workspace:  # a router model's deployed rows are the router's (budget 1), another's the
+            #   controller's
+            skip = "controller" if model.cfg.router else "router"
+            names += [f for f in POLICY_FAMILIES if BY_NAME.get(f, Policy).needs_workspace and f != skip]
     else:
         names = list(dict.fromkeys([families] if isinstance(families, str) else families))
         unknown = [p for p in names if p not in POLICY_FAMILIES]
@@ -90,6 +93,7 @@ def standard_policies(model: PrismeModel, families: Sequence[str] | None = None,
         "dense": lambda: DenseRows(s.budgets),
         "controller": lambda: ControllerRows(None if s.lambdas is None else list(s.lambdas), s.controller_budget,
                                          s.kappa_risk),
+        "router": lambda: RouterRows(None if s.lambdas is None else list(s.lambdas), s.kappa_risk),
         "oracle": lambda: OracleRows(oracle_prices, s.oracle_positions, s.controller_budget),
     }
     out = [made[f]() for f in names]

@@ -293,6 +293,26 @@ class ControllerRows(Policy):
         return untrained_for_policy(cfg, groups, row.n)
 
 
+class RouterRows(ControllerRows):
+    """A router model's deployed policy (`cfg.router`): the router decides whether a position takes its one edit
+    (budget 1) at each price; each row followed by its equal-edits baseline. The rows a `prisme fit` or a long-context
+    study deploys (the "controller" family at budget 1, named for what decides)."""
+
+    kinds = (RowKind("router", "P", "C4", workspace=True, names=r"router\(.*\)"),)
+
+    def __init__(self, lambdas: Sequence[float] | None = None, kappa_risk: float | None = None,
+                 equal_edits: bool = True):
+        super().__init__(lambdas, 1, kappa_risk, equal_edits)
+
+    def plan(self, model, first_tokens):
+        if not model.cfg.router:
+            raise ValueError(f"policy 'router' needs a router model (cfg.router); {model.cfg.name!r} has none: "
+                             f"evaluate its controller rows (--policies controller)")
+        return [Row(r.name.replace("controller(", "router(", 1), r.policy, r.n, r.k, r.lam,
+                    of=None if r.of is None else r.of.replace("controller(", "router(", 1))
+                for r in super().plan(model, first_tokens)]
+
+
 class EqualEditsRows(Policy):
     """The controller row's mean edits per position, as fixed round-robin single-slot edits thinned at random
     (seeded per batch) to that mean: the same edit count spread uniformly instead of allocated."""

@@ -157,7 +157,8 @@ def add_study_parsers(sub: Any, add_compile: Callable[[argparse.ArgumentParser],
     n.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     n.set_defaults(func=run_study)
 
-    s = sub.add_parser("demo", help="run the main job on the embedded default corpus")
+    s = sub.add_parser("demo", help="the project's current answers: long-context recall against the dense frontier and "
+                                    "the text study on Austen (one seed), with a sample")
     s.add_argument("--out", default=None, help="run folder (default: runs/demo-<timestamp>)")
     s.add_argument("--scale", type=float, default=1.0, help="multiply every stage's steps (e.g. 0.05 = smoke run)")
     s.add_argument("--threads", type=int, default=-1, help="torch CPU threads (-1 = leave as is)")
