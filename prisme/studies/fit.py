@@ -48,17 +48,16 @@ class FitRecipe:
     layers: int | None = None  # PRISME's backbone depth at `context` (None: the preset's)
     copy_head: bool = False
     workspace_steps: int | None = None  # the workspace stage's steps (None: the recipe's)
-    core_seconds: int = 0  # one fit at scale 1 on a 2-core x86 CPU, one thread (measured; docs/python.md)
 
 
 RECIPES = {r.name: r for r in (
     FitRecipe("text", "the demo's: a global 1-layer backbone, the residual bank, the value controller (T = 128)", None,
-           "residual", core_seconds=330),
+           "residual"),
     FitRecipe("long-context", "a 64-window key-shift backbone, the residual bank read where a router fires (T = 1,024)",
-           1024, "residual", core_seconds=700),
+           1024, "residual"),
     FitRecipe("code", "the code study's: a 2-layer 64-window backbone with the copy head, the bank keyed on the "
                    "preceding position, the router (T = 1,024)", 1024, "residual_preceding", layers=2,
-           copy_head=True, workspace_steps=960, core_seconds=2600),
+           copy_head=True, workspace_steps=960),
 )}
 DEFAULT_RECIPE = "long-context"
 SCALE_FLOOR = 0.002  # below it a stage would train its minimum of 2 steps at every scale
@@ -228,6 +227,6 @@ def main(args: Any) -> int:
     print(f"fit {res.recipe} on {args.data}: {len(res.stages)} stages in {res.wall_s:,.0f} s; the model: "
           f"{res.checkpoint} (its {final}; the folder {res.out} stands for it)")
     print(f"  prisme generate --checkpoint {res.out} --prompt \"...\" --budget 1 --show-edits")
-    print(f"  prisme eval --checkpoint {res.out} --batches 4")
+    print(f"  prisme eval --checkpoint {res.out} --batches 2")
     print(f"  python -c \"import prisme; print(prisme.load('{res.out}').generate('...', 64).text)\"")
     return 0
