@@ -30,10 +30,11 @@ from prisme.data.tokenizers import ByteTokenizer
 def test_every_embedded_corpus_ships_with_its_licence_and_its_manifest_matches_its_bytes():
     """Each name loads; the code corpora's text has the manifest's size and sha256, one document per listed file;
     each licence file is beside it; an alias names the same corpus."""
-    assert set(corpus_names()) == {"austen", "bierce", "python-stdlib", "click", "devils_dictionary"}
+    assert set(corpus_names()) == {"austen", "bierce", "python-stdlib", "click", "pyparsing", "devils_dictionary"}
     assert resolve_corpus("devils_dictionary") is CORPORA["bierce"]
     assert resolve_corpus(None) is CORPORA["austen"]
-    for name, manifest in (("python-stdlib", "python_stdlib.json"), ("click", "click.json")):
+    for name, manifest in (("python-stdlib", "python_stdlib.json"), ("click", "click.json"),
+                           ("pyparsing", "pyparsing.json")):
         c = CORPORA[name]
         m = json.loads((CORPORA_DIR / manifest).read_text())
         data = c.text().encode("utf-8")
@@ -68,6 +69,9 @@ def test_the_code_corpus_splits_by_whole_files_and_the_held_out_code_is_another_
     click = resolve_corpus("click")
     assert not {n for n, _ in click.documents()} & {n for n, _ in c.documents()}
     assert "import click" not in c.text() and "click" in click.text()
+    pp = resolve_corpus("pyparsing")  # the second held-out project: no file and no import in common either
+    assert not {n for n, _ in pp.documents()} & {n for n, _ in c.documents()}
+    assert "import pyparsing" not in c.text() and "from pyparsing" not in c.text() and "pyparsing" in pp.text()
     held = click.held_out(seq_len=1024)
     assert held.n_tokens("train") == 0 and held.n_tokens("val") == len(click.text().encode())
 
@@ -141,7 +145,7 @@ def test_a_folder_is_read_recursively_and_split_by_whole_files(tmp_path: Path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="holds no file"):
         resolve_corpus(tmp_path / "empty")
-    with pytest.raises(ValueError, match="unknown corpus 'austin'.*austen, bierce, python-stdlib, click"):
+    with pytest.raises(ValueError, match="unknown corpus 'austin'.*austen, bierce, python-stdlib, click, pyparsing"):
         resolve_corpus("austin")
 
 

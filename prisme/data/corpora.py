@@ -9,6 +9,7 @@ name               what                                                         
 ``bierce``         Ambrose Bierce, *The Devil's Dictionary* (the held-out text)  public domain     contiguous
 ``python-stdlib``  255 pure-Python files of the CPython 3.11.7 standard library  PSF-2.0           by whole files
 ``click``          the source of click 8.5.1 (held-out code: not in the stdlib)  BSD-3-Clause      by whole files
+``pyparsing``      the source of pyparsing 3.1.4 (a second held-out project)     MIT               by whole files
 =================  ============================================================  ================  ==============
 
 ``devils_dictionary`` (the text loader's name for ``bierce``) is an alias. A source that is not a name is a path: a
@@ -145,6 +146,8 @@ CORPORA: dict[str, Corpus] = {c.name: c for c in (
            about="255 pure-Python files of the CPython 3.11.7 standard library (no tests, no generated tables)"),
     Corpus("click", "embedded", CORPORA_DIR / "click.txt.xz", "BSD-3-Clause", "LICENSE-click.txt", by_files=True,
            about="the source of click 8.5.1 (Pallets): held-out code the standard library does not contain"),
+    Corpus("pyparsing", "embedded", CORPORA_DIR / "pyparsing.txt.xz", "MIT", "LICENSE-pyparsing.txt", by_files=True,
+           about="the source of pyparsing 3.1.4: a second held-out project (parsing, not command lines)"),
 )}
 ALIASES = {"devils_dictionary": "bierce"}
 
