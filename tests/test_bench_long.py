@@ -149,3 +149,30 @@ def test_peak_memory_counts_the_tensors_a_run_holds_at_once_not_those_held_befor
     assert peak_memory(run, dev) == 8 * 2**20
     held = torch.ones(16 * n, device=dev)
     assert peak_memory(lambda: held.sum(), dev) < 2**20
+
+
+def test_bench_long_with_the_copy_head_times_the_decode_recurrence(tmp_path, monkeypatch):
+    """`--copy-head`: every model carries the copy head; a synthetically filled state keeps the last position's match
+    lengths, so each timed step takes the one-row recurrence (`suffix.step_lengths`) a decode takes, never the
+    whole-context `query_lengths` (negative control: a state whose kept row is not set would call it)."""
+    import prisme.model.state as state_module
+
+    cfgs = configs("d64_L2", 128, "embedding", copy_head=True)
+    assert all(c.copy_head for c in cfgs.values())
+    model = PrismeModel(cfgs["prisme"]).eval()
+    calls = []
+    real = state_module.query_lengths
+    monkeypatch.setattr(state_module, "query_lengths", lambda *a: calls.append(1) or real(*a))
+    with torch.inference_mode():
+        state = model.new_decode_state(2).fill_synthetic(100, torch.Generator().manual_seed(0))
+        for i in range(3):
+            state.decode_step(torch.tensor([[3], [4]]), policy=Controller(1, lambda_cost=0.0))
+        assert calls == []
+        state._copy_at = None  # negative control: without the kept row the step recomputes every length
+        state.decode_step(torch.tensor([[3], [4]]))
+        assert calls == [1]
+    assert main(_args(tmp_path, copy_head=True, train=False)) == 0
+    doc = json.loads((tmp_path / "long.json").read_text())
+    assert doc["settings"]["copy_head"] and all(r["rows"]["routed"]["edits_per_token"] > 0 for r in doc["results"])
+    with pytest.raises(ValueError, match="--copy-head leave --train out"):
+        main(_args(tmp_path, copy_head=True, train=True))

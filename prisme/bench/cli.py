@@ -134,6 +134,8 @@ def add_bench_parser(sub) -> None:
                          "position edits)")
     lg.add_argument("--bank-source", default="embedding", choices=["embedding", "residual"],
                     help="PRISME's bank: the embedding, kept as token ids (default), or the residual, kept as entries")
+    lg.add_argument("--copy-head", action="store_true",
+                    help="every model with the copy head (the code recipe's read; the dense rivals get it too)")
     lg.add_argument("--prefill", action="store_true", help="also time each model's prefill of a T-token prompt")
     lg.add_argument("--prefill-repeats", type=count_option(1), default=3, help="timed prefill rounds")
     lg.add_argument("--train", action="store_true", help="also time a training step on one T-token sequence: each "

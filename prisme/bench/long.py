@@ -66,12 +66,14 @@ TARGETS = {"batch1_speedup_T16384": 5.0, "batch8_speedup_T16384": 5.0, "t_over_o
            "batch8_speedup_T65536": 15.0, "prefill_speedup_T16384": 3.0, "train_speedup_T16384": 3.0}  # reported
 
 
-def configs(shape: str, T_max: int, source: str) -> dict[str, PrismeConfig]:
+def configs(shape: str, T_max: int, source: str, copy_head: bool = False) -> dict[str, PrismeConfig]:
     """The models of one shape at capacity `T_max`: PRISME (the demo's workspace on a 64-window key-shift backbone of
-    the shape's width and depth, with a router; its bank from `source`) and its two dense rivals."""
+    the shape's width and depth, with a router; its bank from `source`) and its two dense rivals; with `copy_head`,
+    every one of them with the copy head (`prisme.model.copy`, the code recipe's read: the dense rivals get the same
+    help)."""
     d, L = SHAPES[shape]
     base = dict(d_model=d, n_layer=L, n_head=d // HEAD_DIM, n_kv_head=d // HEAD_DIM, max_seq_len=T_max,
-                cost_context=T_max)
+                cost_context=T_max, **(dict(copy_head=True, copy_stream=16) if copy_head else {}))
     prisme = PrismeConfig.from_name("demo", **base, router=True, attn_window=WINDOW, key_shift=True,
                                     bank_source=source, bank_shift=source == "embedding")
     dense = PrismeConfig.from_name("demo", **base, use_workspace=False)
@@ -272,18 +274,20 @@ def train_ms(cfgs: dict[str, PrismeConfig], T: int, positions: int, repeats: int
 
 # ------------------------------------------------------------------------------------------------------------ memory
 def memory_needed(shape: str, T: int, B: int, bank_source: str, decode: DecodeOptions, prefill: bool,
-                  train: bool) -> int:
+                  train: bool, copy_head: bool = False) -> int:
     """What one case holds at once, at least: the three decode states (dense, dense_ks, PRISME) filled to T at batch
     B, plus the synthetic fill's largest temporary (one buffer's worth: a layer's keys); with `--prefill` a T-token
     prompt's logits and residual streams; with `--train` one T-token sequence's activations kept for backward (the
     logits and one residual stream per layer, 4 bytes each)."""
-    cfgs = configs(shape, max(T, 2 * WINDOW + 1), bank_source)
+    cfgs = configs(shape, max(T, 2 * WINDOW + 1), bank_source, copy_head)
     d, L = SHAPES[shape]
     need = sum(decode_state_bytes(c, B, T, decode if k == "prisme" else None) for k, c in cfgs.items())
     need += B * T * d * 4  # the fill's randn temporary of one [B, T, d] buffer
     V = cfgs["dense"].vocab_size
     if prefill:
         need += T * (V + d * (L + 1)) * 4
+        if copy_head:  # the prompt's match lengths and the pointer's scores and weights, [T, T] each
+            need += T * T * (1 + 4 + 4)
     if train:
         need += T * (V + d * (L + 1)) * 4 * 3  # dense, dense_ks and PRISME's stage, one after the other at most twice
     return need
@@ -327,6 +331,10 @@ def main(args: argparse.Namespace) -> int:
             print(f"note: --edit-rate {args.edit_rate:g} of the {B * args.steps} timed positions at batch {B} rounds "
                   f"to none; the routed path fires at 1 (at least one position edits, so its row times an edit)",
                   file=sys.stderr)
+    copy = bool(getattr(args, "copy_head", False))
+    if args.train and copy:
+        raise ValueError("--train times the backbone and workspace stages; with --copy-head leave --train out (the "
+                         "copy head trains in its own stage)")
     if args.train and device.type != "cpu":
         raise ValueError(f"--train times training steps on the CPU only, not on --device {device}")
     too_short = [T for T in contexts if T <= args.steps]
@@ -336,14 +344,14 @@ def main(args: argparse.Namespace) -> int:
                            bank_store="ids" if args.bank_source == "embedding" else "entries")
     for shape in names:  # the largest case of each shape, before any model is built at its size
         T, B = max(contexts), max(batches)
-        check_fits(memory_needed(shape, T, B, args.bank_source, decode, args.prefill, args.train),
+        check_fits(memory_needed(shape, T, B, args.bank_source, decode, args.prefill, args.train, copy),
                    f"bench long {shape} at T = {T:,}, batch {B}", "pass shorter --contexts or smaller --batches",
                    device)
     results, prefills, trains = [], [], []
     with torch_threads(args.threads):
         for shape in names:
             for T in contexts:
-                cfgs = configs(shape, T, args.bank_source)
+                cfgs = configs(shape, T, args.bank_source, copy)
                 with torch.inference_mode():
                     models = {k: seeded_model(c, args.seed, decode if k == "prisme" else None).to(device)
                               for k, c in cfgs.items()}
@@ -355,7 +363,7 @@ def main(args: argparse.Namespace) -> int:
                         prefills.append({"shape": shape, **prefill_ms(models, T, args.prefill_repeats,
                                                                       args.edit_rate, args.seed)})
                 if args.train:
-                    trains.append({"shape": shape, **train_ms(configs(shape, T + 1, args.bank_source), T,
+                    trains.append({"shape": shape, **train_ms(configs(shape, T + 1, args.bank_source, copy), T,
                                                               min(args.train_positions, T), args.train_repeats,
                                                               args.seed)})
     finite = all(math.isfinite(v) for r in results for row in r["rows"].values()
@@ -369,6 +377,7 @@ def main(args: argparse.Namespace) -> int:
            "settings": {"shapes": list(names), "contexts": list(contexts), "batches": list(batches),
                         "steps": args.steps, "repeats": args.repeats, "edit_rate": args.edit_rate,
                         "bank_source": args.bank_source, "bank_store": decode.bank_store, "window": WINDOW,
+                        "copy_head": copy,
                         "prefill": args.prefill, "train": args.train, "train_positions": args.train_positions,
                         "seed": args.seed},
            "results": results, "prefill": prefills, "train": trains, "targets": TARGETS,

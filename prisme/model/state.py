@@ -151,7 +151,8 @@ class DecodeState:
                        ) -> DecodeState:
         """Every row holds `length` positions of random content (keys, values, bank entries or ids, shift memories,
         the router's ids), without a prefill: for timing a decode step at a long context, whose cost does not depend
-        on the values (`prisme bench long`). Not a model's state: nothing it then decodes means anything. `draw=False`
+        on the values (`prisme bench long`); a copy head's kept row of match lengths too, so the next step takes the
+        one-row recurrence a decode does. Not a model's state: nothing it then decodes means anything. `draw=False`
         keeps what the buffers hold and only sets the lengths (to time again from the same length: a step's writes
         land past it). Returns the state."""
         if not is_int(length) or not 0 <= length < self.max_len:
@@ -171,8 +172,13 @@ class DecodeState:
                 (normal if t.is_floating_point() else ids)(t)
             if bank is not None and bank.ids is not None:
                 ids(bank.ids)
+            if self.ids is not None and (bank is None or self.ids is not bank.ids):
+                ids(self.ids)
+            if self.copy_row is not None:  # the last position's match lengths: short, as random ids give
+                self.copy_row.copy_(torch.randint(0, 3, self.copy_row.shape, generator=generator).to(torch.uint8))
         if bank is not None:
             bank.forget_grams()
+        self._copy_at = length - 1 if self.copy_row is not None and length > 0 else None  # the next step recurs
         self.cache.set_lengths([length] * self.batch_size)
         return self
 
