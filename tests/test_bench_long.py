@@ -165,7 +165,7 @@ def test_bench_long_with_the_copy_head_times_the_decode_recurrence(tmp_path, mon
     monkeypatch.setattr(state_module, "query_lengths", lambda *a: calls.append(1) or real(*a))
     with torch.inference_mode():
         state = model.new_decode_state(2).fill_synthetic(100, torch.Generator().manual_seed(0))
-        for i in range(3):
+        for _ in range(3):
             state.decode_step(torch.tensor([[3], [4]]), policy=Controller(1, lambda_cost=0.0))
         assert calls == []
         state._copy_at = None  # negative control: without the kept row the step recomputes every length
