@@ -126,7 +126,7 @@ def add_study_parsers(sub: Any, add_compile: Callable[[argparse.ArgumentParser],
                                             "validation split and the held-out code, by copy distance")
     c.add_argument("--designs", default=None, help="comma-separated designs (default: all of them; see "
                    "prisme.studies.code_screen.DESIGNS): reference, reference_any, cache, copy, copy_stream, "
-                   "copy_long, copy_joint, workspace")
+                   "copy_wide, copy_long, copy_joint, workspace")
     c.add_argument("--seed", type=int, default=1337, help="training seed (default 1337)")
     c.add_argument("--depth", type=int, default=2, help="the backbones' layers: PRISME's 64-window one and its global "
                    "twin (default 2)")

@@ -52,10 +52,10 @@ EDGES = (WINDOW, 256, T)  # the slices' copy-distance buckets
 @dataclass(frozen=True)
 class Design:
     """One screened design: what it changes (`what`), the model options it adds, the stages that train it after the
-    backbone ("copy": the copy stage on the frozen backbone; "joint": the copy stage with the backbone learning, from
-    scratch on the frontier's bytes; "workspace": a workspace stage after the copy stage, scored with one edit at
-    every position), and whether a dense global model can carry it (`frontier`). Zero-training designs (`kind`
-    "reference", "reference_any", "cache") fit a few numbers on validation."""
+    backbone ("copy": the copy stage on the frozen backbone, "copy3" three times as long; "joint": the copy stage with
+    the backbone learning, from scratch on the frontier's bytes; "workspace": a workspace stage after the copy stage,
+    scored with one edit at every position), and whether a dense global model can carry it (`frontier`).
+    Zero-training designs (`kind` "reference", "reference_any", "cache") fit a few numbers on validation."""
 
     name: str
     what: str
@@ -79,6 +79,9 @@ DESIGNS = {d.name: d for d in (
                    "position on the frozen backbone", model=dict(copy_head=True, copy_stream=0), stages=("copy",)),
     Design("copy_stream", "the copy head whose gate also reads 16 features of norm(H)",
            model=dict(copy_head=True, copy_stream=16), stages=("copy",)),
+    Design("copy_wide", "the copy head whose gate reads 64 features of norm(H) through a 64-wide hidden layer, trained "
+                        "three times as long: does a gate that sees more of the stream hold back on seen misses?",
+           model=dict(copy_head=True, copy_stream=64, copy_hidden=64), stages=("copy3",), frontier=False),
     Design("copy_long", "the copy head's pointer over matches of >= 4 bytes only (shorter ones never read)",
            model=dict(copy_head=True, copy_stream=16, copy_min_len=4), stages=("copy",)),
     Design("copy_joint", "the copy head present from the first step: backbone and head trained together from scratch "
@@ -179,7 +182,8 @@ def train_design(cfg: ScreenConfig, design: Design, twin: str, bb: Path) -> Path
         steps = scfg1.steps * scfg1.batch_size // 2
         return Path(train_stage_once(mcfg, copy_stage(cfg, folder / "joint", None, True, steps), dataset=data).out_dir)
     start = rebase_backbone(bb, mcfg, folder / "0_rebased", cfg.seed).parent
-    run = Path(train_stage_once(None, copy_stage(cfg, folder / "copy", str(start), False), dataset=data).out_dir)
+    steps = 3 * cfg.steps if "copy3" in design.stages else None  # "copy3": the copy stage three times as long
+    run = Path(train_stage_once(None, copy_stage(cfg, folder / "copy", str(start), False, steps), dataset=data).out_dir)
     if "workspace" in design.stages:
         s2 = StageConfig(stage="workspace", steps=cfg.workspace_steps, batch_size=2, seq_len=T, lr=1e-3, min_lr=3e-4,
                          warmup=20, eval_every=0, eval_batches=2, dataset=cfg.corpus, seed=cfg.seed,
