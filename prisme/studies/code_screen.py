@@ -134,7 +134,8 @@ class ScreenConfig:
     def study(self) -> TextStudyConfig:
         """The text study whose recipe and folders the screen's backbones share."""
         return TextStudyConfig(context=T, corpus=self.corpus, held_out=self.held_out, prisme_layers=self.depth,
-                               seeds=[self.seed], out_dir=self.backbones or self.out_dir, confirm_seeds=None)
+                               seeds=[self.seed], out_dir=self.backbones or self.out_dir, confirm_seeds=None,
+                               copy_head=False)  # plain backbones: the designs add their own read
 
 
 # ------------------------------------------------------------------------------------------------------ training
