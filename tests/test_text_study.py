@@ -244,3 +244,31 @@ def test_long_context_text_study_scores_a_local_backbone_with_a_routed_workspace
     held_rows = {r["policy"]: r for r in doc["seeds"]["3"]["sources"]["embedding"]["held_out"]["rows"]}
     assert held_rows["backbone"]["slices"]["ar_hit_beyond_window"]["share_of_targets"] > 0.5
     assert "loss by slice" in format_report(doc) and "AR hit beyond" in format_report(doc)
+
+
+def _seed_blocks(names: list[str], seeds: list[int]) -> list[int]:
+    """For each task name of a main seed, in list order, the seed it belongs to (the confirmation's left out)."""
+    return [int(n[1:].split("/")[0]) for n in names if n.startswith("s") and int(n[1:].split("/")[0]) in seeds]
+
+
+def test_a_seeds_evaluations_start_before_the_next_seeds_training(tmp_path):
+    """Tasks start in list order once their needs are met: each seed's tasks (its chains, then its evaluations) come
+    as one block, so the first seed's verdict is scored while the later seeds train, and a study stopped part way
+    has whole seeds to show. Negative control: the order with every seed's chains first interleaves the seeds."""
+    from prisme.studies import text
+
+    held = tmp_path / "held.txt"
+    held.write_text("Abasement, n. A decent and customary mental attitude in the presence of wealth. " * 6)
+    cfg = text.TextStudyConfig(sources=["residual"], seeds=[3, 4], frontier=[[1, 16]], scale=0.01, val_batches=1,
+                               held_out=str(held), jobs=1, progress=False, out_dir=str(tmp_path / "a"))
+    _, _, tasks = text.prepare_study(cfg, PrismeConfig.from_name("tiny", vocab_size=256))
+    names = [t.name for t in tasks]
+    blocks = _seed_blocks(names, [3, 4])
+
+    def contiguous(order: list[int]) -> bool:
+        return all(a <= b for a, b in zip(order, order[1:]))
+
+    assert contiguous(blocks) and blocks.count(3) == blocks.count(4) > 2
+    assert any("eval" in n for n in names[:blocks.count(3)])  # seed 3's evaluations inside its own block
+    chains_first = sorted(names[:len(blocks)], key=lambda n: ("eval" in n or "matched" in n, n))
+    assert not contiguous(_seed_blocks(chains_first, [3, 4]))

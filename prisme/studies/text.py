@@ -93,9 +93,9 @@ def study_settings(cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[i
 def prepare_study(cfg: TextStudyConfig, model_cfg: PrismeConfig | None = None, resume: bool = False
                   ) -> tuple[PrismeConfig, dict[int, dict[str, StageConfig]], list[Task]]:
     """Validate and check everything before anything trains; returns (the model config, each seed's stage configs,
-    the tasks for `runner.run_tasks`: per seed a small dependency graph, every seed's long chains first; then the
-    confirmation pass's, `text_confirm.fresh_tasks`). A folder where this study was started with the same settings is
-    continued (`runner.open_study`); `resume` asks for one."""
+    the tasks for `runner.run_tasks`: per seed a small dependency graph, its long chains first, then its evaluations;
+    then the confirmation pass's, `text_confirm.fresh_tasks`). A folder where this study was started with the same
+    settings is continued (`runner.open_study`); `resume` asks for one."""
     model_cfg = model_cfg if model_cfg is not None else PrismeConfig.from_name("demo")
     cfg.validate(model_cfg)
     model_cfg = cfg.study_model(model_cfg)
@@ -111,20 +111,18 @@ def prepare_study(cfg: TextStudyConfig, model_cfg: PrismeConfig | None = None, r
     sources = list(dict.fromkeys(cfg.sources))
     planned: list[tuple[TextTask, list[TextTask], list[TextTask]]] = []  # (task, the tasks it needs, those it starts
     #   after), in the order they should start
-    for tier in ("chains", "rest"):
-        for seed in cfg.seeds:
-            backbone = BackboneTask(seed)
-            runs = [SourceTask(seed, s) for s in sources]
-            frontier = [FrontierTask(seed, m) for m in models.values()]
-            if tier == "chains":  # the long ones: stage 1, each source's stages 2-3, the frontier (deepest first;
-                #   a "+copy" twin after its dense model)
-                planned += [(backbone, [], []), *((r, [backbone], []) for r in runs),
-                            *((f, plain_task(f, frontier), []) for f in sorted(frontier, key=frontier_order))]
-                continue
-            matched = MatchedTask(seed)
-            planned.append((matched, [backbone], []))
-            for split in ("held_out", "val"):
-                planned += [(EvalTask(seed, r.source, split), [r, matched, *frontier], []) for r in runs]
+    for seed in cfg.seeds:  # a seed's evaluations start as soon as its own models are trained: its verdict is
+        #   printed hours before the last seed's, and a stopped study has whole seeds to show
+        backbone = BackboneTask(seed)
+        runs = [SourceTask(seed, s) for s in sources]
+        frontier = [FrontierTask(seed, m) for m in models.values()]
+        matched = MatchedTask(seed)
+        planned += [(backbone, [], []), *((r, [backbone], []) for r in runs),  # the long ones: stage 1, each
+                    #   source's stages 2-3, the frontier (deepest first; a "+copy" twin after its dense model)
+                    *((f, plain_task(f, frontier), []) for f in sorted(frontier, key=frontier_order)),
+                    (matched, [backbone], []),
+                    *((EvalTask(seed, r.source, split), [r, matched, *frontier], [])
+                      for split in ("held_out", "val") for r in runs)]
     planned += fresh_tasks(cfg, sources, list(models.values()))
     tasks = [Task(t.name, run_task, (t, cfg, model_cfg, stages[t.seed], task_device(cfg.executor, i)),
                   tuple(n.name for n in needs), tuple(n.name for n in after))
