@@ -272,3 +272,39 @@ def test_a_seeds_evaluations_start_before_the_next_seeds_training(tmp_path):
     assert any("eval" in n for n in names[:blocks.count(3)])  # seed 3's evaluations inside its own block
     chains_first = sorted(names[:len(blocks)], key=lambda n: ("eval" in n or "matched" in n, n))
     assert not contiguous(_seed_blocks(chains_first, [3, 4]))
+
+
+def test_so_far_reports_the_seeds_whose_evaluations_finished(tmp_path):
+    """`--so-far` on a study part done: the document of the seeds whose evaluations have all finished, equal to the
+    finished study's rows for those seeds, nothing trained; a seed with one evaluation missing is left out, and a
+    study with none finished is a ValueError saying so (negative control: the missing evaluation is noticed)."""
+    import shutil
+
+    from prisme.studies import text
+    from prisme.studies.records import STUDY_DIR, store_path
+
+    held = tmp_path / "held.txt"
+    held.write_text("Abasement, n. A decent and customary mental attitude in the presence of wealth. " * 6)
+    model = PrismeConfig.from_name("tiny", vocab_size=256)
+    cfg = text.TextStudyConfig(sources=["residual"], seeds=[3, 4], frontier=[[1, 16]], scale=0.01, val_batches=1,
+                               held_out=str(held), jobs=1, progress=False, bootstrap_samples=20, eval_batch_size=8,
+                               out_dir=str(tmp_path / "a"), confirm_seeds=None)
+    full = text.run_study(cfg, model)
+    store = tmp_path / "a" / STUDY_DIR / "done"
+    kept = tmp_path / "kept"
+    shutil.copytree(store, kept)
+    store_path(store, text.EvalTask(4, "residual", "val").name).unlink()  # seed 4 not finished
+    doc = text.document_so_far(cfg, model)
+    assert list(doc["seeds"]) == ["3"] and doc["so_far"]["seeds"] == [3] and doc["so_far"]["study_seeds"] == [3, 4]
+    assert doc["seeds"]["3"]["sources"] == full["seeds"]["3"]["sources"]
+    assert all(e["seeds"] == [3] for e in doc["summary"])
+    report = text.format_report(doc)
+    assert report.startswith("so far: seeds 3 of the study's 3, 4 have finished")
+    for seed in (3,):
+        store_path(store, text.EvalTask(seed, "residual", "held_out").name).unlink()
+    with pytest.raises(ValueError, match="no seed of the study .* has finished its evaluations yet"):
+        text.document_so_far(cfg, model)
+    shutil.rmtree(store)
+    shutil.copytree(kept, store)
+    again = text.document_so_far(cfg, model)  # every seed back: the finished study's rows
+    assert list(again["seeds"]) == ["3", "4"] and again["summary"] == full["summary"]

@@ -108,6 +108,10 @@ def add_study_parsers(sub: Any, add_compile: Callable[[argparse.ArgumentParser],
     t.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     t.add_argument("--resume", action="store_true", help="continue the study an interrupted run left in --out (a "
                    "rerun with the same settings does so too): finished tasks are kept, interrupted stages resume")
+    t.add_argument("--so-far", action="store_true",
+                   help="report the study in --out as it stands (running or stopped, the same settings): every seed "
+                        "whose evaluations have finished, its rows, gaps and verdicts; nothing trains (the "
+                        "confirmation pass is reported when the study ends)")
     t.add_argument("--reuse", default=None, metavar="FOLDER",
                    help="copy the finished runs of the text study in FOLDER (or a demo's FOLDER/text) that trained "
                         "exactly as these settings would instead of training them again; every run is scored again "
@@ -197,8 +201,12 @@ def run_text(args: Any) -> int:
     """`prisme study text`: every option read and checked (`text_config`), then every input (`text.prepare_study`),
     before anything trains."""
     from prisme.studies.recall_report import emit_study
-    from prisme.studies.text import format_report, run_study
+    from prisme.studies.text import document_so_far, format_report, run_study
 
+    if getattr(args, "so_far", False):
+        if getattr(args, "resume", False) or getattr(args, "reuse", None):
+            raise ValueError("--so-far reports a study as it stands: it takes neither --resume nor --reuse")
+        return emit_study(document_so_far(text_config(args)), format_report, args.json)
     return emit_study(run_study(text_config(args), resume=getattr(args, "resume", False)), format_report, args.json)
 
 

@@ -222,6 +222,31 @@ def run_study(cfg: TextStudyConfig, model_cfg: PrismeConfig | None = None, resum
                         worker_count(cfg.jobs, len(tasks)))
 
 
+def document_so_far(cfg: TextStudyConfig, model_cfg: PrismeConfig | None = None) -> dict[str, Any]:
+    """The document of a study still running or stopped, over the seeds whose evaluations have all finished (`prisme
+    study text ... --so-far`): read from the study's store, nothing trained or scored; its verdicts count those
+    seeds only and `so_far` names them beside the study's. The confirmation pass is left out until the study ends
+    (its seeds are judged against every study seed). A ValueError where no seed has finished."""
+    model_cfg, stages, tasks = prepare_study(cfg, model_cfg, resume=True)
+    store = Path(cfg.out_dir) / STUDY_DIR / "done"
+    done = {t.name: json.loads(store_path(store, t.name).read_text()) for t in tasks
+            if store_path(store, t.name).is_file()}
+    evals = lambda seed: [EvalTask(seed, s, split).name for s in dict.fromkeys(cfg.sources)  # noqa: E731
+                          for split in ("val", "held_out")]
+    seeds = [seed for seed in cfg.seeds if all(n in done for n in evals(seed))]
+    if not seeds:
+        raise ValueError(f"--so-far: no seed of the study in {cfg.out_dir} has finished its evaluations yet (seeds "
+                         f"{', '.join(map(str, cfg.seeds))}; {len(done)} of {len(tasks)} tasks finished)")
+    kept = {t.name for t in tasks if study_task(t).seed in seeds and t.name in done}
+    sub = dataclasses.replace(cfg, seeds=seeds, confirm_seeds=None)
+    doc = assemble(sub, model_cfg, stages, {k: done[k] for k in kept}, tasks,
+                   sum(done[k]["wall_s"] for k in kept), cfg.jobs)
+    doc["so_far"] = {"seeds": seeds, "study_seeds": list(cfg.seeds), "confirm_seeds": cfg.confirm_seeds,
+                     "tasks_finished": len(done), "tasks": len(tasks),
+                     "note": "the seeds whose evaluations have finished; wall_s.total sums their tasks' times"}
+    return doc
+
+
 def assemble(cfg: TextStudyConfig, model_cfg: PrismeConfig, stages: dict[int, dict[str, StageConfig]],
              done: dict[str, dict[str, Any]], tasks: list[Task], total_s: float, jobs: int) -> dict[str, Any]:
     """`seeds`: per training seed its runs and every source's evaluations; `summary`: each row over the seeds;

@@ -124,7 +124,14 @@ def verdicts(doc: dict[str, Any]) -> list[str]:
 def format_report(doc: dict[str, Any]) -> str:
     """The first seed's tables (every row, with its intervals), the rows over the seeds, and the verdicts."""
     seeds = list(doc["seeds"])
-    parts = [h for h in (corpus_header(doc),) if h]
+    parts = []
+    if doc.get("so_far"):  # a study still running or stopped (`document_so_far`): said first
+        s = doc["so_far"]
+        parts.append(f"so far: seeds {', '.join(map(str, s['seeds']))} of the study's "
+                     f"{', '.join(map(str, s['study_seeds']))} have finished ({s['tasks_finished']} of {s['tasks']} "
+                     f"tasks); the verdicts below count those seeds only"
+                     + ("; the confirmation pass is reported when the study ends" if s["confirm_seeds"] else ""))
+    parts += [h for h in (corpus_header(doc),) if h]
     for src, by in doc["seeds"][seeds[0]]["sources"].items():
         for split in ("val", "held_out"):
             parts.append(f"== seed {seeds[0]}, {src} bank, {split} ==\n{by[split]['table']}")
