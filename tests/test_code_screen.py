@@ -20,7 +20,8 @@ from prisme.studies.code_screen import DESIGNS, ScreenConfig, format_screen, run
 @pytest.fixture(scope="module")
 def screened(tmp_path_factory):
     root = tmp_path_factory.mktemp("screen")
-    cfg = ScreenConfig(designs=["reference", "cache", "copy_stream", "workspace"], out_dir=str(root / "screen"),
+    cfg = ScreenConfig(designs=["reference", "cache", "copy_stream", "workspace", "workspace_joint", "copy_more"],
+                       out_dir=str(root / "screen"),
                        backbones=str(root / "bb"), val_windows=2, held_out_windows=2, steps=2, workspace_steps=2,
                        bootstrap_samples=50, progress=False)
     for model_cfg, scfg in twins(cfg).values():  # untrained backbones recorded as finished: the cache reads them
@@ -34,7 +35,8 @@ def test_the_screen_scores_every_design_against_the_window_model_the_reference_a
     cfg, doc = screened
     rows = doc["rows"]
     assert set(rows) == {"window", "global", "window+reference", "global+reference", "window+cache", "global+cache",
-                         "window+copy_stream", "global+copy_stream", "window+workspace"}  # the workspace: window only
+                         "window+copy_stream", "global+copy_stream", "window+workspace", "window+workspace_joint",
+                         "window+copy_more"}  # the workspace designs: window only
     for key, r in rows.items():
         for split in ("val", "held_out"):
             d = r[split]
@@ -66,3 +68,25 @@ def test_unknown_designs_and_bad_counts_are_refused():
     with pytest.raises(ValueError, match="steps"):
         ScreenConfig(steps=0).validate()
     assert "copy_wide" in DESIGNS and not DESIGNS["copy_wide"].frontier  # the gate that sees more: window only
+
+
+def test_the_joint_workspace_trains_the_backbone_and_is_paired_with_its_control(screened):
+    """workspace_joint: the backbone learns in the workspace stage (in the workspace design it stays frozen: the
+    negative control), and its row carries the paired difference to copy_more, the same bytes given to the backbone,
+    printed under the table."""
+    from prisme.checkpoint import load_model
+
+    cfg, doc = screened
+    rows = doc["rows"]
+
+    def block0(key: str, stage: str) -> torch.Tensor:
+        run = Path(rows[key]["checkpoint"]).parent / stage  # the design's folder
+        return load_model(run)[0].backbone.blocks[0].attn.wqkv.weight.detach().clone()
+
+    assert torch.equal(block0("window+workspace", "copy"), block0("window+workspace", "workspace"))  # frozen
+    assert not torch.equal(block0("window+workspace_joint", "copy"), block0("window+workspace_joint", "workspace"))
+    assert not torch.equal(block0("window+copy_more", "copy"), block0("window+copy_more", "more"))
+    d = rows["window+workspace_joint"]["held_out"]["vs window+copy_more"]
+    assert d["lo"] <= d["mean"] <= d["hi"] and rows["window+workspace_joint"]["control"] == "window+copy_more"
+    assert rows["window+workspace_joint"]["relative_ops"] > rows["window+copy_more"]["relative_ops"]
+    assert "window+workspace_joint minus window+copy_more: held-out" in format_screen(doc)

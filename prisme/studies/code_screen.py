@@ -45,6 +45,7 @@ from prisme.studies.text_setup import SOURCES, TextStudyConfig, frontier_config,
 from prisme.training.config import StageConfig
 
 T = 1024  # the screen's context (the code study's)
+JOINT_LR = 3e-4  # the backbone's lr where it learns after stage 1 (workspace_joint, copy_more)
 WINDOW = 64  # PRISME's attention window
 EDGES = (WINDOW, 256, T)  # the slices' copy-distance buckets
 
@@ -64,6 +65,13 @@ class Design:
     stages: tuple[str, ...] = ()
     frontier: bool = True
     source: str | None = None  # the workspace's bank source (`text_setup.SOURCES`), for a workspace stage
+    control: str | None = None  # the design it is compared with, paired, on the same twin (e.g. the same bytes
+    #   given to the backbone)
+
+    @property
+    def edits(self) -> bool:
+        """Whether it is scored with one workspace edit at every position (a workspace stage trained it)."""
+        return "workspace" in self.stages or "workspace_joint" in self.stages
 
 
 DESIGNS = {d.name: d for d in (
@@ -91,6 +99,15 @@ DESIGNS = {d.name: d for d in (
                         "position, residual_preceding) trained on top of it and scored with one edit at every "
                         "position: what a sparse read adds beyond the copy",
            model=dict(copy_head=True, copy_stream=16), stages=("copy", "workspace"), frontier=False,
+           source="residual_preceding"),
+    Design("workspace_joint", "the workspace design with the backbone learning in the workspace stage (its bytes train "
+                              "both, the backbone at lr 3e-4): do the workspace's bytes buy more than the same bytes "
+                              "given to the backbone (copy_more)?",
+           model=dict(copy_head=True, copy_stream=16), stages=("copy", "workspace_joint"), frontier=False,
+           source="residual_preceding", control="copy_more"),
+    Design("copy_more", "the control of workspace_joint: after the copy stage, the workspace stage's bytes given to "
+                        "the backbone and its copy head (no workspace), the backbone at lr 3e-4",
+           model=dict(copy_head=True, copy_stream=16), stages=("copy", "more"), frontier=False,
            source="residual_preceding"),
 )}
 
@@ -185,12 +202,18 @@ def train_design(cfg: ScreenConfig, design: Design, twin: str, bb: Path) -> Path
     start = rebase_backbone(bb, mcfg, folder / "0_rebased", cfg.seed).parent
     steps = 3 * cfg.steps if "copy3" in design.stages else None  # "copy3": the copy stage three times as long
     run = Path(train_stage_once(None, copy_stage(cfg, folder / "copy", str(start), False, steps), dataset=data).out_dir)
-    if "workspace" in design.stages:
+    if design.edits:
         s2 = StageConfig(stage="workspace", steps=cfg.workspace_steps, batch_size=2, seq_len=T, lr=1e-3, min_lr=3e-4,
                          warmup=20, eval_every=0, eval_batches=2, dataset=cfg.corpus, seed=cfg.seed,
                          out_dir=str(folder / "workspace"), init_from=str(run), keep_last=1, progress=False,
                          max_budget=1, deep_supervision=0.0)
+        if "workspace_joint" in design.stages:  # the backbone learns beside the workspace
+            s2 = s2.replace(train_backbone_in_workspace_stage=True, backbone_lr=JOINT_LR, backbone_min_lr=JOINT_LR / 10)
         run = Path(train_stage_once(None, s2, dataset=data).out_dir)
+    if "more" in design.stages:  # the same bytes as the workspace stage, given to the backbone and its copy head
+        s3 = copy_stage(cfg, folder / "more", str(run), True, cfg.workspace_steps).replace(
+            lr=JOINT_LR, min_lr=JOINT_LR / 10, backbone_lr=JOINT_LR, backbone_min_lr=JOINT_LR / 10, warmup=20)
+        run = Path(train_stage_once(None, s3, dataset=data).out_dir)
     return run
 
 
@@ -328,9 +351,9 @@ def run_screen(cfg: ScreenConfig) -> dict[str, Any]:
             if ckpt is None:
                 rows[key] = zero_training_rows(cfg, design, model, wins)
             else:
-                ws = "workspace" in design.stages
-                rows[key] = {s: score(model_nll(model, ws), w) for s, w in wins.items()}
-            info[key] = {"design": name, "twin": twin, "ops": ops_of(model.cfg, "workspace" in design.stages),
+                rows[key] = {s: score(model_nll(model, design.edits), w) for s, w in wins.items()}
+            info[key] = {"design": name, "twin": twin, "ops": ops_of(model.cfg, design.edits),
+                         "control": None if design.control is None else f"{twin}+{design.control}",
                          "wall_s": round(time.perf_counter() - t1, 1),
                          "checkpoint": None if ckpt is None else str(ckpt)}
             say(f"{key} done ({info[key]['wall_s']:.0f} s)")
@@ -356,7 +379,7 @@ def assemble(cfg: ScreenConfig, rows: dict[str, dict[str, Scored]], info: dict[s
             d: dict[str, Any] = {"loss": sc.mean(), "slices": {nm: sc.mean([i]) for i, nm in enumerate(names)},
                                  "share": {nm: float(sc.n[:, i].sum() / sc.n.sum()) for i, nm in enumerate(names)}}
             for ref in ("window", "window+reference", f"global+{info[key]['design']}" if info[key]["design"] else
-                        None):
+                        None, info[key].get("control")):
                 if ref and ref in rows and ref != key:
                     other = rows[ref][split].total()[0]
                     d[f"vs {ref}"] = paired_bootstrap(loss, other, n, B).to_dict()
@@ -391,6 +414,10 @@ def format_screen(doc: dict[str, Any]) -> str:
         lines.append(f"{key:<26} {r['relative_ops']:5.2f} {h['loss']:8.4f} {ci(h.get('vs window')):>27} "
                      f"{ci(h.get('vs window+reference')):>27} {cap(h):>8} {h['seen_miss_rise']:+9.3f} "
                      f"{v['loss']:7.4f} {ci(v.get('vs window+reference')):>27}")
+    for key, r in doc["rows"].items():
+        c = r.get("control")
+        if c and f"vs {c}" in r["held_out"]:
+            lines.append(f"{key} minus {c}: held-out {ci(r['held_out'][f'vs {c}'])}, val {ci(r['val'][f'vs {c}'])}")
     lines.append("ops: mean analytic ops per token over the window, relative to the window model alone; capture: the "
                  "loss a row removes beyond the window over what global attention removes there")
     return "\n".join(lines)
