@@ -130,6 +130,12 @@ def worker_count(jobs: int, n_tasks: int) -> int:
     return max(1, min(jobs or (os.cpu_count() or 1), n_tasks))
 
 
+def stored_results(store: Path, tasks: Sequence[Task]) -> dict[str, Any]:
+    """The results `store` (`record_study`) keeps of `tasks`, by name: those an earlier run finished."""
+    return {t.name: json.loads(store_path(store, t.name).read_text()) for t in tasks
+            if store_path(store, t.name).is_file()}
+
+
 def run_tasks(tasks: Sequence[Task], jobs: int = 0,
               on_done: Callable[[Task, Any, float], None] | None = None, store: str | Path | None = None,
               resumed: bool = False, prune: Callable[[dict[str, Any]], Iterable[str]] | None = None,
@@ -152,11 +158,7 @@ def run_tasks(tasks: Sequence[Task], jobs: int = 0,
     pool = pool if pool is not None else PoolOptions()
     t0 = time.perf_counter()
     store = Path(store) if store is not None else None
-    done: dict[str, Any] = {}
-    if store is not None:
-        for t in tasks:
-            if store_path(store, t.name).is_file():
-                done[t.name] = json.loads(store_path(store, t.name).read_text())
+    done: dict[str, Any] = stored_results(store, tasks) if store is not None else {}
     if resumed:
         print(f"continuing the study in {store.parent.parent if store else '?'}: {len(done)} of {len(tasks)} tasks "
               f"had finished and are kept; interrupted stages resume from their checkpoints", file=sys.stderr,

@@ -45,9 +45,9 @@ from prisme.config import PrismeConfig, with_added_fields
 from prisme.io import write_text_atomic
 from prisme.studies.pools import pool_options, task_device
 from prisme.studies.records import STUDY_DIR, open_study, record_study, reuse_runs, reused_runs, store_path
-from prisme.studies.runner import Task, run_tasks, worker_count
+from prisme.studies.runner import Task, run_tasks, stored_results, worker_count
 from prisme.studies.text_compute import training_compute
-from prisme.studies.text_confirm import confirmation_block, confirmation_prune, fresh_tasks
+from prisme.studies.text_confirm import confirmation_block, confirmation_prune, fresh_tasks, study_evaluations
 from prisme.studies.text_data import check_inputs, corpus_records, stage_bytes
 from prisme.studies.text_report import capture_summary, format_report, seed_summary, verdicts
 from prisme.studies.text_setup import TextStudyConfig, frontier_config, frontier_name, stage_configs
@@ -228,12 +228,9 @@ def document_so_far(cfg: TextStudyConfig, model_cfg: PrismeConfig | None = None)
     seeds only and `so_far` names them beside the study's. The confirmation pass is left out until the study ends
     (its seeds are judged against every study seed). A ValueError where no seed has finished."""
     model_cfg, stages, tasks = prepare_study(cfg, model_cfg, resume=True)
-    store = Path(cfg.out_dir) / STUDY_DIR / "done"
-    done = {t.name: json.loads(store_path(store, t.name).read_text()) for t in tasks
-            if store_path(store, t.name).is_file()}
-    evals = lambda seed: [EvalTask(seed, s, split).name for s in dict.fromkeys(cfg.sources)  # noqa: E731
-                          for split in ("val", "held_out")]
-    seeds = [seed for seed in cfg.seeds if all(n in done for n in evals(seed))]
+    done = stored_results(Path(cfg.out_dir) / STUDY_DIR / "done", tasks)
+    seeds = [seed for seed in cfg.seeds
+             if all(e.name in done for e in study_evaluations(cfg) if e.seed == seed)]
     if not seeds:
         raise ValueError(f"--so-far: no seed of the study in {cfg.out_dir} has finished its evaluations yet (seeds "
                          f"{', '.join(map(str, cfg.seeds))}; {len(done)} of {len(tasks)} tasks finished)")
