@@ -308,3 +308,13 @@ def test_so_far_reports_the_seeds_whose_evaluations_finished(tmp_path):
     shutil.copytree(kept, store)
     again = text.document_so_far(cfg, model)  # every seed back: the finished study's rows
     assert list(again["seeds"]) == ["3", "4"] and again["summary"] == full["summary"]
+
+
+def test_so_far_takes_neither_resume_nor_reuse(tmp_path, capsys):
+    """--so-far reads a study as it stands: with --resume or --reuse it is refused, naming both, before anything."""
+    from prisme import cli
+
+    for extra in (["--resume"], ["--reuse", str(tmp_path / "other")]):
+        assert cli.main(["study", "text", "--seeds", "3", "--out", str(tmp_path / "s"), "--so-far", *extra]) == 2
+        assert "--so-far reports a study as it stands: it takes neither --resume nor --reuse" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()  # nothing written
