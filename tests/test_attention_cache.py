@@ -6,6 +6,7 @@ Weights use init_std=0.1 so that attention is far from uniform and a misplaced k
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -14,8 +15,9 @@ from conftest import assert_close
 
 from prisme import faults
 from prisme.config import PrismeConfig
-from prisme.model.attention import KVCache, apply_rope, rope_tables
+from prisme.model.attention import CausalSelfAttention, apply_rope, rope_tables
 from prisme.model.backbone import Backbone
+from prisme.model.kv_cache import CacheStep, KVCache
 
 FAMILIES = {"tiny": "llama", "seed001": "gpt2"}
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12}
@@ -215,6 +217,38 @@ def test_rope_equals_the_half_split_formula_bitwise():
     assert torch.equal(cos[:, :hd // 2], cos[:, hd // 2:]) and torch.equal(sin[:, :hd // 2], -sin[:, hd // 2:])
 
 
+def one_token_vs_chunk_path(preset: str, options: dict, steps: int = 11) -> list[bool]:
+    """Decode the same tokens into two caches of a float32 backbone: one through `Backbone.forward` (a decode step:
+    `CausalSelfAttention.one_token` on `[B, d]` rows) and one through the chunk path (the same step given its
+    positions, so `_blocks` runs every layer's `[B, C, d]` code); whether H agrees bitwise at each step."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Backbone(PrismeConfig.from_name(preset, init_std=0.1, **options)).eval()
+    tokens = tokens_for(model, 2, 3 + steps, seed=1)
+    a, b = model.new_cache(2, tokens.shape[1]), model.new_cache(2, tokens.shape[1])
+    same = []
+    with torch.no_grad():
+        model.prefill(tokens[:, :3], a)
+        model.prefill(tokens[:, :3], b)
+        for t in range(3, 3 + steps):
+            tok = tokens[:, t:t + 1]
+            H_one = model(tok, a)  # [B, 1, d]
+            slot, kv_len = t % b.slots, min(t + 1, b.slots)
+            step = CacheStep(torch.tensor([t]), slot, None, kv_len, None)  # input_pos given: the chunk path
+            H_chunk, _ = model._blocks(tok, t, b, step)
+            b.advance([1, 1])
+            same.append(torch.equal(H_one, H_chunk))
+    return same
+
+
+@pytest.mark.parametrize("preset,options", [("tiny", {}), ("tiny", {"key_shift": True, "attn_window": 4}),
+                                            ("seed001", {})], ids=["llama", "llama-shift-ring", "gpt2"])
+def test_one_token_decode_step_is_the_chunk_path_bitwise(preset, options):
+    """A decode step runs the blocks on `[B, d]` rows (`one_token`: fewer calls); its products are the chunk path's,
+    so H is bitwise the same in float32 at every step, past a ring's wrap (window 4, 11 steps)."""
+    assert all(one_token_vs_chunk_path(preset, options))
+
+
 # --------------------------------------------------------------------------------------------------- negative controls
 @pytest.mark.parametrize("fault", [faults.reset_positions, faults.unshifted_mask], ids=lambda f: f.__name__)
 @pytest.mark.parametrize("preset", sorted(FAMILIES))
@@ -291,7 +325,7 @@ def test_new_cache_rejects_bad_sizes(batch, max_len):
 def test_kv_cache_owns_its_lengths_and_rejects_impossible_moves():
     """`advance` and `truncate` are the only ways lengths change; moves past the capacity, a negative count, a count
     per row missing, or a truncation past a row's length are ValueErrors that leave the lengths as they were."""
-    from prisme.model.attention import CacheShape, KVCache
+    from prisme.model.kv_cache import CacheShape, KVCache
 
     cache = KVCache(CacheShape(n_layer=1, n_kv_head=1, head_dim=4), batch_size=2, max_len=8)
     cache.advance([3, 5])
@@ -303,3 +337,15 @@ def test_kv_cache_owns_its_lengths_and_rejects_impossible_moves():
         assert cache.lengths == [3, 5]
     cache.truncate(2)
     assert cache.lengths == [2, 2]
+
+
+def test_negative_control_a_decode_step_that_drops_a_key_is_caught(monkeypatch):
+    """`one_token` attending to one key fewer than the step says (its last slot) differs from the
+    chunk path: the bitwise comparison catches it."""
+    original = CausalSelfAttention.one_token
+
+    def short(self, x, rope, cache, step):
+        return original(self, x, rope, cache, dataclasses.replace(step, kv_len=max(1, step.kv_len - 1)))
+
+    monkeypatch.setattr(CausalSelfAttention, "one_token", short)
+    assert not any(one_token_vs_chunk_path("tiny", {"key_shift": True}))

@@ -26,9 +26,9 @@ from prisme.checkpoint import TrainingState, load_checkpoint, save_checkpoint
 from prisme.config import ADDED_CONFIG_FIELDS, PrismeConfig, complete_config
 from prisme.costs.counting import OpsCounter
 from prisme.model import attention
-from prisme.model.attention import CacheShape, KVCache, LayerKVCache
 from prisme.model.backbone import Backbone
 from prisme.model.compiled import compile_decode
+from prisme.model.kv_cache import CacheShape, KVCache, LayerKVCache
 from prisme.model.policy import Controller, Forced
 
 W = 5

@@ -68,6 +68,8 @@ class OpsCounter:
             tags[blk] = "backbone_block"
             if getattr(blk.attn, "wk_shift", None) is not None:
                 tags[blk.attn.wk_shift] = "backbone_key_shift"
+                self._leaf_of[blk.attn.wk_shift.weight.data_ptr()] = "backbone_key_shift"  # (a decode step runs it
+                #   in functional form: `CausalSelfAttention.one_token`)
         if getattr(backbone, "lm_head", None) is not None:
             tags[backbone.lm_head] = "lm_head"
         if getattr(m, "editor", None) is not None:

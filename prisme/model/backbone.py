@@ -19,15 +19,8 @@ from prisme import checks
 from prisme.checks import is_int
 from prisme.config import PrismeConfig
 from prisme.model import attention as attn
-from prisme.model.attention import (
-    CacheShape,
-    CacheStep,
-    CausalSelfAttention,
-    KVCache,
-    LayerKVCache,
-    RMSNorm,
-    linear,
-)
+from prisme.model.attention import CausalSelfAttention, RMSNorm, linear
+from prisme.model.kv_cache import CacheShape, CacheStep, KVCache, LayerKVCache
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
@@ -294,6 +287,8 @@ class Backbone(nn.Module):
         Returns H and the streams after each of `layers` blocks."""
         C = tokens.shape[1]
         children, buffers = self._modules, self._buffers  # registry reads: see `prisme.attention` on decode overhead
+        if step is not None and step.input_pos is None:  # one token per row at a shared offset: `Block` in 2-D
+            return self._one_token(tokens, pos, cache, step, layers)
         x = torch.embedding(children["tok_emb"]._parameters["weight"], tokens)  # [B, C, d]
         pos_emb, rope = children.get("pos_emb"), None
         if pos_emb is not None:
@@ -312,6 +307,24 @@ class Backbone(nn.Module):
             if i + 1 in layers:
                 kept[i + 1] = x
         return x, kept
+
+    def _one_token(self, tokens: torch.Tensor, pos: int, cache: KVCache, step: CacheStep,
+                   layers: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """`_blocks` of a decode step, one token per row at the shared position `pos`: the blocks run on `[B, d]`
+        (`CausalSelfAttention.one_token`), the same products as the chunk path; H and the kept streams `[B, 1, d]`."""
+        children, buffers = self._modules, self._buffers
+        x = torch.embedding(children["tok_emb"]._parameters["weight"], tokens.view(-1))  # [B, d]
+        pos_emb, rope = children.get("pos_emb"), None
+        if pos_emb is not None:
+            x = x + pos_emb._parameters["weight"][pos]
+        else:
+            rope = (buffers["rope_cos"][pos], buffers["rope_sin"][pos])  # [hd] each
+        kept = {0: x.unsqueeze(1)} if 0 in layers else {}
+        for i, (block, layer_cache) in enumerate(zip(children["blocks"], cache.layers)):
+            x = block(x, rope, layer_cache, step)
+            if i + 1 in layers:
+                kept[i + 1] = x.unsqueeze(1)
+        return x.unsqueeze(1), kept
 
     def head(self, H: torch.Tensor) -> torch.Tensor:
         """logits `[..., V]` = lm_head(final_norm(H))."""

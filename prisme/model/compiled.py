@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 from prisme.model import attention as attn
-from prisme.model.attention import CacheStep, KVCache
 from prisme.model.backbone import Backbone, check_tokens
+from prisme.model.kv_cache import CacheStep, KVCache
 
 DEFAULT_MODE = "max-autotune-no-cudagraphs"
 CUDA_MODE = "max-autotune"  # on CUDA the step also runs as a CUDA graph: one launch instead of one per kernel

@@ -12,9 +12,9 @@ import torch
 import torch.nn as nn
 
 from prisme.config import PrismeConfig
-from prisme.model.attention import KVCache
 from prisme.model.bank import BankCache
 from prisme.model.editor import EditorRun
+from prisme.model.kv_cache import KVCache
 from prisme.model.outputs import CopyInputs, StepOutput, Streams
 from prisme.model.policy import StepPolicy
 from prisme.options import DecodeOptions
