@@ -15,8 +15,8 @@ from conftest import assert_close
 
 from prisme import faults
 from prisme.config import PrismeConfig
-from prisme.model.attention import CausalSelfAttention, apply_rope, rope_tables
-from prisme.model.backbone import Backbone
+from prisme.model.attention import CausalSelfAttention, RMSNorm, apply_rope, rope_tables
+from prisme.model.backbone import Backbone, apply_norm
 from prisme.model.kv_cache import CacheStep, KVCache
 
 FAMILIES = {"tiny": "llama", "seed001": "gpt2"}
@@ -349,3 +349,32 @@ def test_negative_control_a_decode_step_that_drops_a_key_is_caught(monkeypatch):
 
     monkeypatch.setattr(CausalSelfAttention, "one_token", short)
     assert not any(one_token_vs_chunk_path("tiny", {"key_shift": True}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_spelled_out_rms_norm_is_torch_rms_norm_bitwise(dtype):
+    """Without autograd `apply_norm` spells an RMSNorm out (fewer copies); at every width and scale tried it gives
+    torch.rms_norm's bits, decode-sized rows and whole sequences alike (what keeps decoding bitwise the forward)."""
+    g = torch.Generator().manual_seed(0)
+    for d in (7, 16, 64, 96, 256, 384, 1000, 1024):
+        norm = RMSNorm(d, 1e-5).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(d, generator=g, dtype=dtype))
+        for shape in ((1, d), (3, 1, d), (2, 37, d)):
+            for scale in (1e-3, 1.0, 1e3):
+                x = torch.randn(shape, generator=g, dtype=dtype) * scale
+                with torch.no_grad():
+                    assert torch.equal(apply_norm(norm, x), torch.rms_norm(x, (d,), norm.weight, 1e-5)), (d, shape)
+
+
+def test_negative_control_a_spelled_out_norm_with_the_mean_as_a_product_is_caught():
+    """The same norm with the mean taken as sum * (1 / d) (a natural rewrite) is not bitwise torch.rms_norm at some
+    width tried: the comparison above would catch a spelling that drifts."""
+    g = torch.Generator().manual_seed(0)
+    differs = False
+    for d in (7, 96, 384, 1000):
+        w = torch.randn(d, generator=g)
+        x = torch.randn(3, 1, d, generator=g)
+        spelled = x * (x * x).sum(-1, keepdim=True).mul_(1 / d).add_(1e-5).rsqrt_() * w
+        differs |= not torch.equal(spelled, torch.rms_norm(x, (d,), w, 1e-5))
+    assert differs

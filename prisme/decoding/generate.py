@@ -268,7 +268,7 @@ def _row_seed(seed: int, row: int) -> int:
     return (seed * 0x9E3779B97F4A7C15 + row * 0xBF58476D1CE4E5B9 + 1) % 2**63
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def _events(run: _Run) -> Iterator[GenerationEvent]:
     model, cfg = run.model, run.model.cfg
     B = len(run.lengths)

@@ -183,7 +183,7 @@ class DecodeState:
         return self
 
     # ------------------------------------------------------------------ public steps
-    @torch.no_grad()
+    @torch.inference_mode()
     def decode_step(self, tokens: torch.Tensor, n_new: Sequence[int] | None = None,
                     policy: Controller | Forced | None = None) -> StepOutput:
         """Append one chunk to every row and run each new position's workspace.
@@ -206,7 +206,7 @@ class DecodeState:
         self._check_capacity(n_new)
         return self._step(tokens, n_new, *self._check_policy(B, C, policy))
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, lengths: Sequence[int] | torch.Tensor | None = None,
                 chunk_size: int | None = None, logits: str = "last",
                 policy: Controller | Forced | None = None) -> StepOutput:
