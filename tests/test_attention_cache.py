@@ -378,3 +378,16 @@ def test_negative_control_a_spelled_out_norm_with_the_mean_as_a_product_is_caugh
         spelled = x * (x * x).sum(-1, keepdim=True).mul_(1 / d).add_(1e-5).rsqrt_() * w
         differs |= not torch.equal(spelled, torch.rms_norm(x, (d,), w, 1e-5))
     assert differs
+
+
+def test_spelled_out_norm_follows_a_new_dtype_and_eps():
+    """The kept d and eps (`_norm_scalars`) are rebuilt when the same norm meets another dtype, width or eps: still
+    torch.rms_norm's bits."""
+    norm = RMSNorm(16, 1e-5)
+    with torch.no_grad():
+        for dtype, eps, d in ((torch.float32, 1e-5, 16), (torch.float64, 1e-5, 16), (torch.float64, 1e-3, 16)):
+            norm = norm.to(dtype)
+            norm.eps = eps
+            x = torch.randn(2, 1, d, dtype=dtype)
+            assert torch.equal(apply_norm(norm, x), torch.rms_norm(x, (d,), norm.weight, eps))
+            assert norm.__dict__["_spelled_scalars"][2].item() == pytest.approx(eps)
