@@ -260,18 +260,18 @@ class DecodeState:
     def _step(self, tokens: torch.Tensor, n_new: list[int], ws: StepPolicy, plan: DecodePlan) -> StepOutput:
         B, C = tokens.shape
         start = self.lengths
-        offsets = None if C == 1 else torch.arange(C, device=tokens.device)  # [C]
-        if len(set(start)) == 1:  # every row at the same offset: the positions from the host's ints
-            pos = (torch.full((B, 1), start[0], device=tokens.device) if offsets is None
-                   else (offsets + start[0]).expand(B, C))  # [B, C]
-        else:  # from the lengths kept on the device: no upload
-            pos = self.cache.lengths_tensor(tokens.device).unsqueeze(1)  # [B, 1]
-            pos = pos.clone() if offsets is None else pos + offsets  # [B, C]
+        dev = tokens.device
+        aligned = len(set(start)) == 1  # every row at the same offset: the positions from the host's ints
+        if aligned and C == 1:  # a decode step: one position per row, one call
+            pos = torch.full((B, 1), start[0], device=dev)
+        elif aligned:
+            pos = (torch.arange(C, device=dev) + start[0]).expand(B, C)  # [B, C]
+        else:  # rows at different offsets: from the lengths kept on the device (no upload)
+            pos = self.cache.lengths_tensor(dev).unsqueeze(1) + torch.arange(C, device=dev)  # [B, C]
         st = self._advance(tokens, n_new)  # H [B, C, d] and the source streams
         if all(n == C for n in n_new):
             return self._workspace(st, pos, None, None, ws, plan)
-        offsets = torch.arange(C, device=tokens.device) if offsets is None else offsets
-        valid = offsets < torch.tensor(n_new, device=tokens.device)[:, None]  # [B, C]
+        valid = torch.arange(C, device=dev) < torch.tensor(n_new, device=dev)[:, None]  # [B, C]: padding is not real
         keep = [b for b in range(B) if n_new[b] > 0]
         return self._workspace(st, pos, valid, keep, ws, plan)
 
