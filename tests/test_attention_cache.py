@@ -391,3 +391,32 @@ def test_spelled_out_norm_follows_a_new_dtype_and_eps():
             x = torch.randn(2, 1, d, dtype=dtype)
             assert torch.equal(apply_norm(norm, x), torch.rms_norm(x, (d,), norm.weight, eps))
             assert norm.__dict__["_spelled_scalars"][2].item() == pytest.approx(eps)
+
+
+def kept_scalars_across_compiled_calls(calls: int = 3) -> list[int | None]:
+    """The id of the norm's kept d and eps after each call of a compiled `apply_norm` (None: never kept)."""
+    torch._dynamo.reset()
+    norm = RMSNorm(16, 1e-5)
+    fn = torch.compile(lambda x: apply_norm(norm, x), backend="eager", fullgraph=True)
+    ids = []
+    with torch.no_grad():
+        for _ in range(calls):
+            x = torch.randn(2, 1, 16)
+            assert torch.equal(fn(x), torch.rms_norm(x, (16,), norm.weight, 1e-5))
+            kept = norm.__dict__.get("_spelled_scalars")
+            ids.append(None if kept is None else id(kept[1]))
+    return ids
+
+
+def test_compiled_norm_leaves_the_kept_scalars_alone():
+    """While torch.compile traces, `apply_norm` takes torch.rms_norm: a graph that stored the kept d and eps would
+    replay the store at every call, and a decoder's other graph, which guards on those tensors, would recompile
+    (tests/test_bench_hf.py counts a compiled decoder's graphs)."""
+    assert kept_scalars_across_compiled_calls() == [None, None, None]
+
+
+def test_negative_control_a_compiled_spelled_out_norm_replaces_its_scalars(monkeypatch):
+    """Spelled out inside the graph, the kept tensors are new objects after every call: the check above sees it."""
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    ids = kept_scalars_across_compiled_calls()
+    assert None not in ids and len(set(ids)) == len(ids)

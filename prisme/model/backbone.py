@@ -57,11 +57,13 @@ def apply_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     An RMSNorm without autograd (decoding, evaluation) of a float32 or float64 tensor on the CPU is spelled out,
     x * rsqrt(sum(x * x) / d + eps) * g: the ops torch.rms_norm's CPU composite runs (its mean is the sum divided
     by d), so the same bits (tests/test_attention_cache.py), without its two copies and with d and eps kept as
-    tensors (`_norm_scalars`): ~12 us a call less in a decode step at d = 256."""
+    tensors (`_norm_scalars`): ~12 us a call less in a decode step at d = 256. Not while torch.compile traces: a
+    compiled graph fuses the norm anyway, and it would replay the kept tensors' store at every call, so that the
+    next graph's guard on them fails and it recompiles."""
     p = norm._parameters
     if isinstance(norm, nn.LayerNorm):
         return torch.layer_norm(x, norm.normalized_shape, p["weight"], p["bias"], norm.eps)
-    if x.dtype in _SPELLED_OUT and x.is_cpu and not torch.is_grad_enabled():
+    if x.dtype in _SPELLED_OUT and x.is_cpu and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
         d, eps = _norm_scalars(norm, x)
         return x * (x * x).sum(-1, keepdim=True).div_(d).add_(eps).rsqrt_() * p["weight"]
     return torch.rms_norm(x, (x.shape[-1],), p["weight"], norm.eps)
